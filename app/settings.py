@@ -1,0 +1,83 @@
+"""Deployment settings: one pydantic-settings class, read from env vars and `.env`.
+
+Experiment knobs do not live here; they live in the per-algorithm config dataclasses in
+`compute/` and in the job specs (`compute/specs.py`).
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_file=".env", extra="ignore")
+
+    fisherlens_home: Path = Field(
+        default=Path(".fisherlens"),
+        description="Folder for the embedded SQLite database, the filesystem queue, artifacts and the zoo.",
+    )
+    database_url: str | None = Field(
+        default=None,
+        description="SQLAlchemy URL, e.g. postgresql+psycopg://user@host/db. Default: SQLite under FISHERLENS_HOME.",
+    )
+    redis_url: str | None = Field(
+        default=None,
+        description="Celery broker, e.g. redis://redis:6379/0. Default: kombu filesystem:// under FISHERLENS_HOME.",
+    )
+    artifact_root: Path | None = Field(
+        default=None, description="Where safetensors artifacts go. Default: FISHERLENS_HOME/artifacts."
+    )
+    allowed_model_roots: str = Field(
+        default="",
+        description="Colon-separated folders from which local HF model directories may be registered/loaded.",
+    )
+    trust_remote_code: bool = Field(
+        default=False, description="Operator opt-in for transformers' trust_remote_code."
+    )
+    public_url: str = Field(
+        default="http://127.0.0.1:7860", description="Base URL used when printing share links."
+    )
+    host: str = "127.0.0.1"
+    port: int = 7860
+    job_visibility_timeout_s: int = Field(
+        default=6 * 3600, description="Broker visibility timeout; must exceed the longest job."
+    )
+    job_stale_after_s: int = Field(
+        default=300,
+        description="A running job whose worker heartbeat is older than this is considered lost.",
+    )
+
+    @property
+    def home(self) -> Path:
+        return self.fisherlens_home.expanduser().resolve()
+
+    @property
+    def db_url(self) -> str:
+        return self.database_url or f"sqlite:///{self.home / 'fisherlens.db'}"
+
+    @property
+    def artifacts_dir(self) -> Path:
+        return (self.artifact_root or self.home / "artifacts").expanduser().resolve()
+
+    @property
+    def zoo_dir(self) -> Path:
+        return self.home / "zoo"
+
+    @property
+    def queue_dir(self) -> Path:
+        return self.home / "queue"
+
+    @cached_property
+    def model_roots(self) -> list[Path]:
+        roots = [self.zoo_dir]
+        roots += [Path(p).expanduser().resolve() for p in self.allowed_model_roots.split(":") if p]
+        return roots
+
+
+def get_settings() -> Settings:
+    """A fresh Settings each call, so tests can change env vars between calls."""
+    return Settings()

@@ -1,0 +1,202 @@
+"""Job specs: validated at the edge (CLI, REST API, UI) before anything is queued.
+
+Pydantic only, no torch: the web process imports this. Keys are the matching CLI command's flag
+names with dashes as underscores (`--max-new-tokens` -> `max_new_tokens`). Every numeric field has
+bounds so that no request can make a worker allocate unbounded memory; the error names the field
+and the accepted range.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+Dtype = Literal["auto", "float32", "bfloat16", "float16"]
+Estimator = Literal["sequence", "token", "empirical", "batch"]
+Selector = Literal[
+    "fisher", "fisher-tensor", "fisher-bottom", "random", "magnitude", "magnitude-bottom", "gradient"
+]
+Algo = Literal["grpo", "opd", "sft"]
+
+
+class _Spec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    def spec_hash(self) -> str:
+        """Stable hash of the full spec (defaults included) for result reuse."""
+        blob = json.dumps(self.model_dump(mode="json"), sort_keys=True)
+        return hashlib.sha256(f"{type(self).__name__}:{blob}".encode()).hexdigest()
+
+
+ModelRef = Annotated[str, Field(min_length=1, max_length=500, description="zoo name, local HF dir, or hub id")]
+TaskRef = Annotated[
+    str,
+    Field(
+        min_length=1,
+        max_length=500,
+        description="'arithmetic', 'arithmetic-add', 'arithmetic-mul', or 'jsonl:PATH'",
+    ),
+]
+
+
+class FisherSpec(_Spec):
+    model: ModelRef
+    task: TaskRef = "arithmetic"
+    prompts: int = Field(16, ge=1, le=4096, description="number of task prompts")
+    samples: int = Field(4, ge=1, le=64, description="sampled completions per prompt")
+    estimator: Estimator = "sequence"
+    seed: int = Field(0, ge=0, le=2**31 - 1)
+    max_new_tokens: int = Field(16, ge=1, le=1024)
+    temperature: float = Field(1.0, gt=0.0, le=5.0)
+    top_k: int | None = Field(None, ge=1, le=100_000, description="None = full distribution")
+    top_p: float | None = Field(None, gt=0.0, le=1.0, description="None = full distribution")
+    prompt_start: int = Field(0, ge=0, le=1_000_000, description="first prompt index (sharding)")
+    shards: int = Field(1, ge=1, le=64, description="split the prompts over this many workers")
+    topk_percent: float = Field(1.0, gt=0.0, le=100.0, description="top-k% used for split-half stability")
+    exact_output: bool = Field(True, description="also compute the exact output-layer Fisher")
+    dtype: Dtype = "auto"
+    device: str = Field("auto", max_length=32)
+    memory_budget_mb: int = Field(2048, ge=64, le=1_048_576)
+
+
+class MaskSpec(_Spec):
+    fisher: str | None = Field(
+        None, max_length=1000, description="fisher.safetensors path or 'job:<id>' of a fisher job"
+    )
+    select: Selector = "fisher"
+    density: float = Field(0.05, gt=0.0, le=1.0)
+    model: ModelRef | None = None
+    task: TaskRef = "arithmetic"
+    seed: int = Field(0, ge=0, le=2**31 - 1)
+    prompts: int = Field(16, ge=1, le=4096, description="prompts for the 'gradient' selector")
+
+
+class TrainSpec(_Spec):
+    model: ModelRef
+    task: TaskRef = "arithmetic"
+    algo: Algo = "grpo"
+    teacher: ModelRef | None = None
+    mask: str | None = Field(None, max_length=1000, description="mask.safetensors path or 'job:<id>'")
+    mask_select: Selector | None = Field(None, description="build a mask in the job with this selector")
+    mask_density: float | None = Field(None, gt=0.0, le=1.0)
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    lr: float = Field(1e-3, gt=0.0, le=10.0)
+    weight_decay: float = Field(0.0, ge=0.0, le=10.0)
+    steps: int = Field(30, ge=1, le=100_000)
+    batch: int = Field(8, ge=1, le=1024, description="prompts per step")
+    group: int = Field(8, ge=2, le=64, description="GRPO completions per prompt")
+    kl_coef: float = Field(0.0, ge=0.0, le=100.0)
+    clip_eps: float = Field(0.2, gt=0.0, le=10.0)
+    sft_source: Literal["gold", "self"] = "gold"
+    max_new_tokens: int = Field(16, ge=1, le=1024)
+    eval_prompts: int = Field(200, ge=1, le=100_000)
+    seed: int = Field(0, ge=0, le=2**31 - 1)
+    dtype: Dtype = "auto"
+    device: str = Field("auto", max_length=32)
+
+
+class RetentionSpec(_Spec):
+    model: ModelRef = "arith-base"
+    task: TaskRef = "arithmetic"
+    algo: Algo = "grpo"
+    teacher: ModelRef | None = None
+    densities: list[Annotated[float, Field(gt=0.0, le=1.0)]] = Field(
+        default_factory=lambda: [0.01, 0.05, 0.1], min_length=1, max_length=16
+    )
+    selectors: list[Selector] = Field(
+        default_factory=lambda: ["fisher", "random", "magnitude"], min_length=1, max_length=8
+    )
+    seeds: int = Field(3, ge=1, le=16)
+    steps: int = Field(30, ge=1, le=100_000)
+    lr: float = Field(1e-3, gt=0.0, le=10.0)
+    optimizer: Literal["adamw", "sgd"] = "adamw"
+    fisher_prompts: int = Field(64, ge=1, le=4096)
+    fisher_samples: int = Field(4, ge=1, le=64)
+    eval_prompts: int = Field(200, ge=1, le=100_000)
+    device: str = Field("auto", max_length=32)
+
+
+class DiffSpec(_Spec):
+    base: ModelRef
+    tuned: ModelRef
+    fisher: str | None = Field(None, max_length=1000, description="fisher.safetensors path or 'job:<id>'")
+    topk_percent: float = Field(1.0, gt=0.0, le=100.0)
+
+
+class TokensSpec(_Spec):
+    model: ModelRef
+    context: str = Field(..., min_length=1, max_length=2000)
+    top_k: int = Field(8, ge=2, le=64, description="number of top next tokens")
+    layer: int | None = Field(None, ge=0, le=1000, description="None = whole model")
+    random_k: int = Field(8, ge=0, le=64, description="random tokens for contrast")
+    seed: int = Field(0, ge=0, le=2**31 - 1)
+
+    @field_validator("context")
+    @classmethod
+    def _not_blank(cls, v: str) -> str:
+        if not v.strip():
+            raise ValueError("context must contain at least one non-space character")
+        return v
+
+
+SPECS: dict[str, type[_Spec]] = {
+    "fisher": FisherSpec,
+    "mask": MaskSpec,
+    "train": TrainSpec,
+    "retention": RetentionSpec,
+    "diff": DiffSpec,
+    "tokens": TokensSpec,
+}
+
+
+class SpecError(ValueError):
+    """A user-facing validation error: `errors` is a list of {field, message}."""
+
+    def __init__(self, errors: list[dict[str, str]]):
+        self.errors = errors
+        super().__init__("; ".join(f"{e['field']}: {e['message']}" for e in errors))
+
+
+def parse_spec(kind: str, data: dict[str, Any]) -> _Spec:
+    """Validate `data` for job `kind`; raise SpecError naming each bad field and its accepted range."""
+    if kind not in SPECS:
+        raise SpecError([{"field": "kind", "message": f"unknown job kind {kind!r}; accepted: {', '.join(SPECS)}"}])
+    if not isinstance(data, dict):
+        raise SpecError([{"field": "spec", "message": "must be a JSON object"}])
+    data = {k.replace("-", "_"): v for k, v in data.items()}
+    try:
+        return SPECS[kind].model_validate(data)
+    except ValidationError as exc:
+        raise SpecError([_friendly(e, SPECS[kind]) for e in exc.errors()]) from None
+
+
+def _friendly(err: Any, cls: type[BaseModel]) -> dict[str, str]:
+    field = ".".join(str(p) for p in err.get("loc", ())) or "spec"
+    ctx = err.get("ctx") or {}
+    typ = err.get("type", "")
+    value = err.get("input")
+    bounds = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
+    if typ in {"greater_than_equal", "greater_than", "less_than_equal", "less_than"}:
+        # Say the whole range (both ends), not only the violated one.
+        rng = ", ".join(f"{bounds[k]} {v}" for k, v in _bounds(cls, err.get("loc", ())).items())
+        rng = rng or ", ".join(f"{bounds[k]} {v}" for k, v in ctx.items() if k in bounds)
+        return {"field": field, "message": f"got {value!r}; accepted range: {rng}"}
+    if typ == "extra_forbidden":
+        return {"field": field, "message": "unknown field"}
+    if typ == "literal_error":
+        return {"field": field, "message": f"got {value!r}; accepted: {ctx.get('expected')}"}
+    return {"field": field, "message": err.get("msg", "invalid value")}
+
+
+def _bounds(cls: type[BaseModel], loc: tuple[Any, ...]) -> dict[str, Any]:
+    """The numeric bounds declared on a top-level field (e.g. {'ge': 1, 'le': 4096})."""
+    info = cls.model_fields.get(str(loc[0])) if loc else None
+    out: dict[str, Any] = {}
+    for m in info.metadata if info else []:
+        for k in ("ge", "gt", "le", "lt"):
+            if getattr(m, k, None) is not None:
+                out[k] = getattr(m, k)
+    return out
