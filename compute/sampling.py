@@ -206,13 +206,13 @@ def _pack(
 ) -> Rollout:
     """Right-padded Rollout from per-row prompt and completion token lists."""
     pad = _pad_id(tokenizer)
-    rows = [prompt_ids[p] + c for p, c in zip(prompt_index, completion_ids)]
+    rows = [prompt_ids[p] + c for p, c in zip(prompt_index, completion_ids, strict=True)]
     L = max((len(r) for r in rows), default=0)
     N = len(rows)
     ids = torch.full((N, L), pad, dtype=torch.long)
     am = torch.zeros((N, L), dtype=torch.long)
     cm = torch.zeros((N, L), dtype=torch.bool)
-    for i, (r, p) in enumerate(zip(rows, prompt_index)):
+    for i, (r, p) in enumerate(zip(rows, prompt_index, strict=True)):
         ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
         am[i, : len(r)] = 1
         cm[i, len(prompt_ids[p]) : len(r)] = True
