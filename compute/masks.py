@@ -1,0 +1,394 @@
+"""Parameter masks: selection at an exact density, save/load, density statistics, and applying a
+mask to a model (gradients zeroed, frozen coordinates restored).
+
+A mask is `dict[str, BoolTensor]` keyed by parameter name, each the shape of its parameter;
+True = the coordinate is trainable (kept). Density = kept coordinates / all coordinates of the
+mask's tensors.
+
+Selectors (`SELECTORS`):
+- `fisher`           global top-k of the Fisher scores over all tensors
+- `fisher-tensor`    top-k within each tensor (each tensor keeps the same density)
+- `fisher-bottom`    global bottom-k of the Fisher scores
+- `random`           uniform within each tensor, seeded per (seed, parameter name)
+- `magnitude`        global top-k of |weight|
+- `magnitude-bottom` global bottom-k of |weight|
+- `gradient`         global top-k of |gradient| (pass the precomputed gradient dict as scores)
+
+Exactness: k = round_half_up(density * N) coordinates over the N coordinates of all tensors; for
+per-tensor selectors each tensor gets floor(density * n_t) and the rounding remainder goes to the
+tensors with the largest fractional parts (ties: parameter name order), so the total is also k.
+Ties in scores are broken by position: parameter names in sorted order, then flat index ascending
+(the earlier coordinate wins for top-k and for bottom-k alike).
+
+Global top-k never concatenates the model: the k-th value is found by bisection on an
+order-preserving integer key of the float32 scores (<= 33 counting passes over the tensors, one
+tensor-sized temporary at a time), then ties at the threshold are resolved exactly in position
+order.
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from compute.naming import layer_index, layer_label, module_type
+
+SELECTORS = (
+    "fisher",
+    "fisher-tensor",
+    "fisher-bottom",
+    "random",
+    "magnitude",
+    "magnitude-bottom",
+    "gradient",
+)
+# selector -> (score source, direction, scope)
+_SELECTOR_RULES: dict[str, tuple[str, str, str]] = {
+    "fisher": ("scores", "top", "global"),
+    "fisher-tensor": ("scores", "top", "tensor"),
+    "fisher-bottom": ("scores", "bottom", "global"),
+    "random": ("random", "top", "tensor"),
+    "magnitude": ("weights", "top", "global"),
+    "magnitude-bottom": ("weights", "bottom", "global"),
+    "gradient": ("scores", "top", "global"),
+}
+
+Mask = dict[str, torch.Tensor]
+
+
+# ---------------------------------------------------------------------------------------------
+# Exact top-k / bottom-k over a dict of tensors
+# ---------------------------------------------------------------------------------------------
+
+
+def _ordered_key(x: torch.Tensor, bottom: bool) -> torch.Tensor:
+    """int64 key with the same order as float32 `x` (bottom=True reverses it). -0.0 == +0.0."""
+    bits = x.detach().to(torch.float32).contiguous().view(torch.int32).to(torch.int64)
+    # Non-negative floats order like their bit patterns; negative ones in reverse.
+    key = torch.where(bits >= 0, bits, -(bits & 0x7FFFFFFF))
+    return -key if bottom else key
+
+
+def round_half_up(x: float) -> int:
+    return int(math.floor(x + 0.5))
+
+
+def n_keep(density: float, total: int) -> int:
+    """Number of coordinates kept at `density` of `total` (round half up)."""
+    return round_half_up(density * total)
+
+
+def _check_finite(scores: Mapping[str, torch.Tensor]) -> None:
+    for name, s in scores.items():
+        if s.is_floating_point() and bool(torch.isnan(s).any()):
+            raise ValueError(f"scores: NaN values in {name!r}; cannot rank them")
+
+
+def topk_mask(
+    scores: Mapping[str, torch.Tensor], k: int, *, bottom: bool = False
+) -> Mask:
+    """Exactly k coordinates with the largest (bottom=True: smallest) scores over all tensors.
+
+    scores: name -> tensor of any shape (float32/bf16/fp16/float64 cast to float32 for ranking).
+    Ties broken by (sorted parameter name, flat index) ascending. Returns name -> bool tensor.
+    """
+    names = sorted(scores)
+    total = sum(scores[n].numel() for n in names)
+    if not 0 <= k <= total:
+        raise ValueError(f"k: {k} outside [0, {total}]")
+    if k == 0:
+        return {n: torch.zeros_like(scores[n], dtype=torch.bool) for n in scores}
+    if k == total:
+        return {n: torch.ones_like(scores[n], dtype=torch.bool) for n in scores}
+
+    def count_ge(t: int) -> int:
+        return sum(int((_ordered_key(scores[n], bottom) >= t).sum()) for n in names)
+
+    # Largest threshold T with count(key >= T) >= k: that T is the k-th largest key.
+    lo, hi = -(2**31), 2**31  # count_ge(lo) = total >= k; count_ge(hi) = 0 < k
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if count_ge(mid) >= k:
+            lo = mid
+        else:
+            hi = mid
+    threshold = lo
+    n_above = sum(int((_ordered_key(scores[n], bottom) > threshold).sum()) for n in names)
+    need_ties = k - n_above  # >= 1: how many coordinates equal to the threshold to take, in order
+    out: Mask = {}
+    for n in names:
+        key = _ordered_key(scores[n], bottom)
+        m = key > threshold
+        if need_ties > 0:
+            eq = (key == threshold).flatten()
+            n_eq = int(eq.sum())
+            if n_eq <= need_ties:
+                m |= eq.view_as(m)
+                need_ties -= n_eq
+            else:
+                idx = torch.nonzero(eq).flatten()[:need_ties]  # ascending flat index
+                flat = m.flatten().clone()
+                flat[idx] = True
+                m = flat.view_as(m)
+                need_ties = 0
+        out[n] = m
+    return {n: out[n] for n in scores}  # caller's key order
+
+
+def per_tensor_counts(shapes: Mapping[str, torch.Size | tuple[int, ...]], density: float) -> dict[str, int]:
+    """Largest-remainder allocation: sum equals n_keep(density, total); each k_t ~ density * n_t."""
+    names = sorted(shapes)
+    sizes = {n: math.prod(shapes[n]) for n in names}
+    total = sum(sizes.values())
+    k = n_keep(density, total)
+    base = {n: math.floor(density * sizes[n]) for n in names}
+    # Floating error can make floor(density*n) exceed the exact value only by rounding; clamp.
+    base = {n: min(b, sizes[n]) for n, b in base.items()}
+    rest = k - sum(base.values())
+    frac = sorted(names, key=lambda n: (-(density * sizes[n] - base[n]), n))
+    i = 0
+    while rest > 0:
+        n = frac[i % len(frac)]
+        if base[n] < sizes[n]:
+            base[n] += 1
+            rest -= 1
+        i += 1
+    while rest < 0:  # only from float error; remove from the smallest fractional parts
+        n = frac[-1 - (i % len(frac))]
+        if base[n] > 0:
+            base[n] -= 1
+            rest += 1
+        i += 1
+    return base
+
+
+def _name_seed(seed: int, name: str) -> int:
+    return (int(seed) * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1)
+
+
+def random_mask(shapes: Mapping[str, torch.Size | tuple[int, ...]], density: float, seed: int = 0,
+                device: torch.device | str | None = None) -> Mask:
+    """Uniform random subset within each tensor (exact per-tensor counts), seeded per name."""
+    counts = per_tensor_counts(shapes, density)
+    out: Mask = {}
+    for n, shape in shapes.items():
+        numel = math.prod(shape)
+        g = torch.Generator().manual_seed(_name_seed(seed, n))
+        flat = torch.zeros(numel, dtype=torch.bool)
+        flat[torch.randperm(numel, generator=g)[: counts[n]]] = True
+        out[n] = flat.view(tuple(shape)).to(device or "cpu")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Selection entry point
+# ---------------------------------------------------------------------------------------------
+
+
+def trainable_params(model_or_params: Any) -> dict[str, torch.Tensor]:
+    """name -> parameter for an nn.Module (trainable only, tied weights once) or a dict as is."""
+    if model_or_params is None:
+        return {}
+    if isinstance(model_or_params, torch.nn.Module):
+        return {n: p for n, p in model_or_params.named_parameters() if p.requires_grad}
+    return dict(model_or_params)
+
+
+def select_mask(
+    selector: Any,
+    density: Any,
+    scores: Any = None,
+    params: Any = None,
+    seed: int = 0,
+    *,
+    model: Any = None,
+) -> Mask:
+    """Boolean mask keeping exactly round(density * N) of the N coordinates.
+
+    selector: one of SELECTORS. density: in (0, 1].
+    scores: name -> tensor (Fisher for fisher*, |gradient| or gradient for `gradient`).
+    params / model: nn.Module or name -> tensor (needed by magnitude*, and by random when no
+    scores are given). The tensor set is the scores' keys if given, else the trainable params.
+    Also accepts the older call order select_mask(scores, selector, density, model, seed).
+    """
+    if isinstance(selector, Mapping):  # select_mask(scores, selector, density, model=None, seed=0)
+        selector, density, scores, params = density, scores, selector, params
+    if model is not None and params is None:
+        params = model
+    if selector not in _SELECTOR_RULES:
+        raise ValueError(f"select: got {selector!r}; accepted: {', '.join(SELECTORS)}")
+    if not isinstance(density, (int, float)) or not 0.0 < float(density) <= 1.0:
+        raise ValueError(f"density: got {density!r}; accepted range: > 0, <= 1")
+    density = float(density)
+    source, direction, scope = _SELECTOR_RULES[selector]
+    weights = trainable_params(params)
+
+    if source == "scores":
+        if not scores:
+            raise ValueError(f"fisher: selector {selector!r} needs scores (a Fisher or gradient dict)")
+        ranked = {n: (s.abs() if selector == "gradient" else s) for n, s in scores.items()}
+        if weights:
+            check_same_shapes(ranked, weights, "scores", "model")
+    elif source == "weights":
+        if not weights:
+            raise ValueError(f"model: selector {selector!r} needs the model's weights")
+        ranked = {n: w.detach().abs() for n, w in weights.items()}
+    else:  # random
+        ref = scores if scores else weights
+        if not ref:
+            raise ValueError("model: selector 'random' needs the model (or scores) for tensor shapes")
+        device = next(iter(ref.values())).device
+        return random_mask({n: t.shape for n, t in ref.items()}, density, seed, device)
+
+    _check_finite(ranked)
+    total = sum(t.numel() for t in ranked.values())
+    k = n_keep(density, total)
+    if k == 0:
+        raise ValueError(f"density: {density} keeps 0 of {total} coordinates; use >= {1 / total:.3g}")
+    bottom = direction == "bottom"
+    if scope == "global":
+        return topk_mask(ranked, k, bottom=bottom)
+    counts = per_tensor_counts({n: t.shape for n, t in ranked.items()}, density)
+    return {n: topk_mask({n: t}, counts[n], bottom=bottom)[n] for n, t in ranked.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Validation, save / load
+# ---------------------------------------------------------------------------------------------
+
+
+def check_same_shapes(
+    a: Mapping[str, Any], b: Mapping[str, Any], a_name: str = "mask", b_name: str = "model"
+) -> None:
+    """ValueError naming the first parameter missing on either side or with a different shape."""
+    for n in sorted(set(a) | set(b)):
+        if n not in b:
+            raise ValueError(f"{a_name}: parameter {n!r} is in the {a_name} but not in the {b_name}")
+        if n not in a:
+            raise ValueError(f"{a_name}: parameter {n!r} of the {b_name} is missing from the {a_name}")
+        sa, sb = tuple(a[n].shape), tuple(b[n].shape)
+        if sa != sb:
+            raise ValueError(f"{a_name}: parameter {n!r} has shape {list(sa)} in the {a_name} "
+                             f"but {list(sb)} in the {b_name}")
+
+
+def save_mask(mask: Mapping[str, torch.Tensor], path: str | Path,
+              metadata: Mapping[str, Any] | None = None) -> Path:
+    """Write a boolean safetensors file (atomically: temp file + rename)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {n: m.detach().to("cpu", torch.bool).contiguous() for n, m in mask.items()}
+    meta = {"format": "fisherlens-mask", "density": repr(mask_density(mask))}
+    meta.update({k: str(v) for k, v in (metadata or {}).items()})
+    tmp = path.with_name(path.name + ".tmp")
+    save_file(tensors, str(tmp), metadata=meta)
+    tmp.replace(path)
+    return path
+
+
+def load_mask(path: str | Path, model: Any = None, device: torch.device | str | None = None) -> Mask:
+    """Read a mask; with `model` (nn.Module or name -> tensor) check names and shapes match its
+    trainable parameters (ValueError naming the first mismatch)."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"mask: file not found: {path}")
+    mask = load_file(str(path), device=str(device) if device else "cpu")
+    for n, m in mask.items():
+        if m.dtype != torch.bool:
+            raise ValueError(f"mask: tensor {n!r} in {path} has dtype {m.dtype}, expected bool")
+    if model is not None:
+        check_same_shapes(mask, trainable_params(model), "mask", "model")
+    return mask
+
+
+def mask_metadata(path: str | Path) -> dict[str, str]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return dict(f.metadata() or {})
+
+
+# ---------------------------------------------------------------------------------------------
+# Density statistics
+# ---------------------------------------------------------------------------------------------
+
+
+def mask_density(mask: Mapping[str, torch.Tensor]) -> float:
+    total = sum(m.numel() for m in mask.values())
+    return sum(int(m.sum()) for m in mask.values()) / total if total else 0.0
+
+
+def group_key(name: str, by: str) -> str:
+    """Group label of a parameter: by 'tensor', 'layer', 'module', 'layer_module' or 'global'."""
+    if by == "tensor":
+        return name
+    if by == "layer":
+        return layer_label(layer_index(name))
+    if by == "module":
+        return module_type(name)
+    if by == "layer_module":
+        return f"{layer_label(layer_index(name))}/{module_type(name)}"
+    if by == "global":
+        return "all"
+    raise ValueError(f"by: got {by!r}; accepted: tensor, layer, module, layer_module, global")
+
+
+def density_by(mask: Mapping[str, torch.Tensor], by: str = "tensor") -> dict[str, dict[str, float]]:
+    """group -> {"kept", "total", "density"} (counts as floats for JSON)."""
+    acc: dict[str, list[int]] = {}
+    for n, m in mask.items():
+        g = acc.setdefault(group_key(n, by), [0, 0])
+        g[0] += int(m.sum())
+        g[1] += m.numel()
+    return {k: {"kept": float(a), "total": float(t), "density": a / t if t else 0.0}
+            for k, (a, t) in acc.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# Applying a mask
+# ---------------------------------------------------------------------------------------------
+
+
+def mask_gradients(params: Any, mask: Mapping[str, torch.Tensor]) -> None:
+    """Zero the gradient of every excluded coordinate, in place (call before clipping/optimizer).
+
+    Parameters not in the mask are left alone (fully trainable)."""
+    for n, p in trainable_params(params).items():
+        if n in mask and p.grad is not None:
+            p.grad.mul_(mask[n].to(device=p.grad.device, dtype=p.grad.dtype))
+
+
+def restore_frozen(params: Any, mask: Mapping[str, torch.Tensor],
+                   reference: Mapping[str, torch.Tensor]) -> None:
+    """Copy `reference` values back into excluded coordinates (in place, bit-exact)."""
+    with torch.no_grad():
+        for n, p in trainable_params(params).items():
+            if n in mask:
+                keep = mask[n].to(p.device)
+                p.copy_(torch.where(keep, p, reference[n].to(device=p.device, dtype=p.dtype)))
+
+
+@contextmanager
+def masked_gradients(model: torch.nn.Module, mask: Mapping[str, torch.Tensor]) -> Iterator[None]:
+    """Inside the block, backward passes produce gradients already zeroed outside the mask
+    (tensor hooks on the parameters, removed on exit)."""
+    handles = []
+    try:
+        for n, p in trainable_params(model).items():
+            if n in mask:
+                m = mask[n].to(device=p.device, dtype=p.dtype)
+                handles.append(p.register_hook(lambda g, m=m: g * m))
+        yield
+    finally:
+        for h in handles:
+            h.remove()
