@@ -1,0 +1,144 @@
+"""Engine, session factory and schema upgrade.
+
+`make_engine(url)` is the only place engines are built, so tests hand it SQLite or PostgreSQL.
+No session lives at module level: callers open `session_factory(url)()` (or `session_scope`).
+Mutating repository functions commit their own unit of work (see storage/repo.py).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, event, text
+from sqlalchemy.engine import make_url
+from sqlalchemy.orm import Session, sessionmaker
+
+MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
+
+_lock = threading.Lock()
+_engines: dict[str, Engine] = {}
+_factories: dict[str, sessionmaker[Session]] = {}
+
+
+def make_engine(url: str, **kwargs: Any) -> Engine:
+    """A new Engine for `url` (SQLite: parent folder created, WAL, foreign keys on, 30 s busy wait)."""
+    u = make_url(url)
+    if u.get_backend_name() == "sqlite":
+        if u.database and u.database != ":memory:":
+            Path(u.database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        kwargs.setdefault("connect_args", {"timeout": 30, "check_same_thread": False})
+        engine = create_engine(url, **kwargs)
+
+        @event.listens_for(engine, "connect")
+        def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
+            cur = dbapi_conn.cursor()
+            cur.execute("PRAGMA foreign_keys=ON")
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.execute("PRAGMA busy_timeout=30000")
+            cur.close()
+
+        return engine
+    kwargs.setdefault("pool_pre_ping", True)
+    return create_engine(url, **kwargs)
+
+
+def get_engine(url: str) -> Engine:
+    """One shared Engine per URL in this process (engines are pools; build them once)."""
+    with _lock:
+        return _get_engine_unlocked(url)
+
+
+def _get_engine_unlocked(url: str) -> Engine:
+    if url not in _engines:
+        _engines[url] = make_engine(url)
+    return _engines[url]
+
+
+def make_session_factory(engine: Engine) -> sessionmaker[Session]:
+    return sessionmaker(bind=engine, expire_on_commit=False)
+
+
+def session_factory(url: str) -> sessionmaker[Session]:
+    """The shared session factory for `url` (e.g. `settings.db_url`)."""
+    with _lock:
+        if url not in _factories:
+            _factories[url] = make_session_factory(_get_engine_unlocked(url))
+        return _factories[url]
+
+
+@contextlib.contextmanager
+def session_scope(factory: sessionmaker[Session]) -> Iterator[Session]:
+    """A session that commits on success and rolls back on error."""
+    session = factory()
+    try:
+        yield session
+        session.commit()
+    except BaseException:
+        session.rollback()
+        raise
+    finally:
+        session.close()
+
+
+def alembic_config(url: str) -> Any:
+    from alembic.config import Config
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    cfg.set_main_option("sqlalchemy.url", url.replace("%", "%%"))
+    return cfg
+
+
+def upgrade(url_or_engine: str | Engine, revision: str = "head") -> None:
+    """Apply Alembic migrations up to `revision`. Safe when app and workers start together:
+    PostgreSQL serialises on an advisory lock, SQLite on a file lock next to the database."""
+    from alembic import command
+
+    engine = make_engine(url_or_engine) if isinstance(url_or_engine, str) else url_or_engine
+    url = engine.url.render_as_string(hide_password=False)
+    try:
+        with _migration_lock(engine):
+            with engine.begin() as conn:
+                cfg = alembic_config(url)
+                cfg.attributes["connection"] = conn
+                command.upgrade(cfg, revision)
+    finally:
+        if isinstance(url_or_engine, str):
+            engine.dispose()
+
+
+@contextlib.contextmanager
+def _migration_lock(engine: Engine) -> Iterator[None]:
+    backend = engine.url.get_backend_name()
+    if backend == "postgresql":
+        with engine.connect() as conn:
+            conn.execute(text("SELECT pg_advisory_lock(73411)"))
+            conn.commit()
+            try:
+                yield
+            finally:
+                conn.execute(text("SELECT pg_advisory_unlock(73411)"))
+                conn.commit()
+    elif backend == "sqlite" and engine.url.database not in (None, "", ":memory:"):
+        import fcntl
+
+        lock_path = Path(str(engine.url.database)).expanduser().with_suffix(".migrate.lock")
+        with open(lock_path, "a+") as fh:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+    else:
+        yield
+
+
+def current_revision(engine: Engine) -> str | None:
+    from alembic.runtime.migration import MigrationContext
+
+    with engine.connect() as conn:
+        return MigrationContext.configure(conn).get_current_revision()

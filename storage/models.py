@@ -1,0 +1,175 @@
+"""SQLAlchemy 2.x models. Alembic owns the schema (storage/migrations); keep both in step.
+
+Tables: models, jobs, layer_stats, heatmaps, series, artifacts. Result rows hang off a job and are
+deleted with it; a re-delivered job replaces its result rows (see repo.save_result).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship
+from sqlalchemy.types import TypeDecorator
+
+JOB_STATUSES = ("queued", "running", "succeeded", "failed", "cancelled")
+FINAL_STATUSES = ("succeeded", "failed", "cancelled")
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """Timezone-aware UTC datetimes on every backend (SQLite hands back naive ones)."""
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Any) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            value = value.replace(tzinfo=timezone.utc)
+        return value
+
+    def process_result_value(self, value: datetime | None, dialect: Any) -> datetime | None:
+        if value is not None and value.tzinfo is None:
+            value = value.replace(tzinfo=timezone.utc)
+        return value
+
+
+class Base(DeclarativeBase):
+    pass
+
+
+class Model(Base):
+    """A registered model: zoo name, local HF folder or hub id, with its content revision."""
+
+    __tablename__ = "models"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(500), unique=True)
+    source: Mapped[str] = mapped_column(String(1000))  # resolved path or hub id
+    revision: Mapped[str | None] = mapped_column(String(128), default=None)
+    architecture: Mapped[str | None] = mapped_column(String(200), default=None)
+    n_params: Mapped[int | None] = mapped_column(BigInteger, default=None)
+    n_layers: Mapped[int | None] = mapped_column(Integer, default=None)
+    info: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+
+class Job(Base):
+    __tablename__ = "jobs"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    kind: Mapped[str] = mapped_column(String(32), index=True)
+    spec: Mapped[dict[str, Any]] = mapped_column(JSON)
+    spec_hash: Mapped[str] = mapped_column(String(64))
+    model_revision: Mapped[str | None] = mapped_column(String(128), default=None)
+    status: Mapped[str] = mapped_column(String(16), default="queued", index=True)
+    progress: Mapped[float] = mapped_column(Float, default=0.0)
+    message: Mapped[str] = mapped_column(Text, default="")
+    error: Mapped[str | None] = mapped_column(Text, default=None)
+    summary: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
+    share_token: Mapped[str] = mapped_column(String(64), unique=True, index=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    started_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), default=None)
+    finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), default=None)
+    heartbeat_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), default=None)
+    worker: Mapped[str | None] = mapped_column(String(255), default=None)
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
+    # Sharded jobs: children (one per prompt range) point at their parent; shard_index orders them.
+    parent_id: Mapped[int | None] = mapped_column(
+        ForeignKey("jobs.id", ondelete="CASCADE"), default=None, index=True
+    )
+    shard_index: Mapped[int | None] = mapped_column(Integer, default=None)
+
+    layer_stats: Mapped[list[LayerStatRow]] = relationship(
+        back_populates="job", cascade="all, delete-orphan", order_by="LayerStatRow.position"
+    )
+    heatmaps: Mapped[list[HeatmapRow]] = relationship(
+        back_populates="job", cascade="all, delete-orphan", order_by="HeatmapRow.position"
+    )
+    series: Mapped[list[SeriesRow]] = relationship(
+        back_populates="job", cascade="all, delete-orphan", order_by="SeriesRow.position"
+    )
+    artifacts: Mapped[list[ArtifactRow]] = relationship(
+        back_populates="job", cascade="all, delete-orphan", order_by="ArtifactRow.kind"
+    )
+
+    __table_args__ = (Index("ix_jobs_reuse", "kind", "spec_hash", "model_revision"),)
+
+
+class LayerStatRow(Base):
+    __tablename__ = "layer_stats"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    position: Mapped[int] = mapped_column(Integer, default=0)
+    param: Mapped[str] = mapped_column(String(500), default="")
+    module: Mapped[str] = mapped_column(String(32), default="other")
+    layer: Mapped[int | None] = mapped_column(Integer, default=None)
+    group: Mapped[str] = mapped_column(String(64), default="tensor")
+    values: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+
+    job: Mapped[Job] = relationship(back_populates="layer_stats")
+
+
+class HeatmapRow(Base):
+    __tablename__ = "heatmaps"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    position: Mapped[int] = mapped_column(Integer, default=0)
+    name: Mapped[str] = mapped_column(String(200))
+    x_labels: Mapped[list[str]] = mapped_column(JSON, default=list)
+    y_labels: Mapped[list[str]] = mapped_column(JSON, default=list)
+    z: Mapped[list[list[float | None]]] = mapped_column(JSON, default=list)
+    meta: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+
+    job: Mapped[Job] = relationship(back_populates="heatmaps")
+
+
+class SeriesRow(Base):
+    __tablename__ = "series"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    position: Mapped[int] = mapped_column(Integer, default=0)
+    name: Mapped[str] = mapped_column(String(200))
+    step: Mapped[float] = mapped_column(Float)
+    value: Mapped[float | None] = mapped_column(Float, default=None)
+
+    job: Mapped[Job] = relationship(back_populates="series")
+
+
+class ArtifactRow(Base):
+    """A file under the artifact root: path is relative to it (portable across mounts)."""
+
+    __tablename__ = "artifacts"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    job_id: Mapped[int] = mapped_column(ForeignKey("jobs.id", ondelete="CASCADE"), index=True)
+    kind: Mapped[str] = mapped_column(String(64))
+    path: Mapped[str] = mapped_column(String(1000))
+    sha256: Mapped[str] = mapped_column(String(64))
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    is_dir: Mapped[bool] = mapped_column(Boolean, default=False)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+    job: Mapped[Job] = relationship(back_populates="artifacts")
+
+    __table_args__ = (UniqueConstraint("job_id", "kind", name="uq_artifacts_job_kind"),)
