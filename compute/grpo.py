@@ -1,0 +1,146 @@
+"""GRPO maths: group-normalised advantages and the clipped importance-ratio loss.
+
+Free functions on tensors; `compute.train` orchestrates sampling, rewards and the optimizer.
+
+For prompt x with G sampled completions y_1..y_G and rewards r_j:
+
+    A_j = (r_j - mean_g r) / (std_g r + eps)           (or r_j - mean_g r with scale_std=False)
+    ratio_t = exp(log p(y_t) - log p_old(y_t))
+    loss_t  = -min(ratio_t * A, clip(ratio_t, 1 - e, 1 + e) * A) + beta * KL_t
+    KL_t    = exp(ref_t - logp_t) - (ref_t - logp_t) - 1   (k3 estimator, >= 0, unbiased)
+
+With one optimizer update per batch (the default) p_old = p, the ratio is 1 and the gradient is
+the plain policy gradient A * grad log p(y_t), the form of SCIENCE.md section 3.
+The std is the unbiased sample std within each group (as TRL does); recorded in the settings.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+AGGREGATIONS = ("token", "sequence")
+
+
+@dataclass
+class GRPOConfig:
+    group: int = field(default=8, metadata={"help": "completions sampled per prompt (G >= 2)"})
+    clip_eps: float = field(default=0.2, metadata={"help": "PPO clip range e: ratio in [1-e, 1+e]"})
+    kl_coef: float = field(
+        default=0.0, metadata={"help": "beta of the k3 KL to the frozen reference (0 = no reference)"}
+    )
+    scale_std: bool = field(
+        default=True, metadata={"help": "divide advantages by the group std (False: mean-centre only)"}
+    )
+    eps: float = field(default=1e-4, metadata={"help": "added to the group std before dividing"})
+    aggregation: str = field(
+        default="token",
+        metadata={"help": "'token': mean over all completion tokens of the batch; "
+                  "'sequence': mean over sequences of each sequence's token mean"},
+    )
+    inner_steps: int = field(
+        default=1, metadata={"help": "optimizer updates per sampled batch (>1 makes the ratio matter)"}
+    )
+    temperature: float = field(default=1.0, metadata={"help": "sampling temperature of the policy"})
+
+    def __post_init__(self) -> None:
+        if self.group < 2:
+            raise ValueError(f"group: got {self.group}; need >= 2 completions per prompt")
+        if not self.clip_eps > 0:
+            raise ValueError(f"clip_eps: got {self.clip_eps}; must be > 0 (e.g. 0.2)")
+        if self.kl_coef < 0:
+            raise ValueError(f"kl_coef: got {self.kl_coef}; must be >= 0")
+        if not self.eps > 0:
+            raise ValueError(f"eps: got {self.eps}; must be > 0 (e.g. 1e-4)")
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"aggregation: got {self.aggregation!r}; accepted: {', '.join(AGGREGATIONS)}")
+        if self.inner_steps < 1:
+            raise ValueError(f"inner_steps: got {self.inner_steps}; must be >= 1")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature: got {self.temperature}; must be > 0")
+
+
+def group_advantages(
+    rewards: torch.Tensor, group_index: torch.Tensor, scale_std: bool = True, eps: float = 1e-4
+) -> torch.Tensor:
+    """Advantages normalised within each group.
+
+    rewards: (N,) float; group_index: (N,) long, the prompt each completion belongs to.
+    Returns (N,) float32: (r - mean_group) / (std_group + eps), std unbiased (0 for a group of 1).
+    """
+    rewards = rewards.float()
+    groups, inverse = torch.unique(group_index, return_inverse=True)
+    k = len(groups)
+    count = torch.zeros(k, dtype=torch.float32, device=rewards.device).index_add_(
+        0, inverse, torch.ones_like(rewards)
+    )
+    total = torch.zeros(k, dtype=torch.float32, device=rewards.device).index_add_(0, inverse, rewards)
+    mean = total / count  # (k,)
+    centred = rewards - mean[inverse]  # (N,)
+    if not scale_std:
+        return centred
+    ss = torch.zeros(k, dtype=torch.float32, device=rewards.device).index_add_(0, inverse, centred**2)
+    std = torch.sqrt(ss / (count - 1).clamp(min=1))  # (k,) unbiased
+    return centred / (std[inverse] + eps)
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, aggregation: str = "token") -> torch.Tensor:
+    """Reduce a (N, T) per-token loss over the (N, T) bool mask to a scalar.
+
+    'token': sum / number of masked tokens; 'sequence': mean over sequences with at least one token
+    of (sequence sum / sequence length).
+    """
+    m = mask.to(per_token.dtype)
+    if aggregation == "token":
+        return (per_token * m).sum() / m.sum().clamp(min=1)
+    if aggregation == "sequence":
+        lengths = m.sum(dim=1)  # (N,)
+        keep = lengths > 0
+        per_seq = (per_token * m).sum(dim=1)[keep] / lengths[keep]
+        return per_seq.mean() if keep.any() else per_token.sum() * 0
+    raise ValueError(f"aggregation: got {aggregation!r}; accepted: {', '.join(AGGREGATIONS)}")
+
+
+def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(p || ref) from tokens sampled from p: e^(r-l) - (r-l) - 1."""
+    d = ref_logp - logp
+    return torch.exp(d) - d - 1
+
+
+def grpo_loss(
+    logp: torch.Tensor,
+    old_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_eps: float = 0.2,
+    ref_logp: torch.Tensor | None = None,
+    kl_coef: float = 0.0,
+    aggregation: str = "token",
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """Clipped GRPO surrogate loss (to minimise).
+
+    logp, old_logp, ref_logp: (N, T) per-token log-probs of the sampled tokens (logp carries grad);
+    advantages: (N,) one per completion; mask: (N, T) bool, the completion tokens.
+    Returns (scalar loss, stats: clip fraction, mean kl, mean ratio).
+    """
+    ratio = torch.exp(logp - old_logp.detach())  # (N, T)
+    adv = advantages.detach()[:, None].to(logp.dtype)  # (N, 1)
+    unclipped = ratio * adv
+    clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * adv
+    per_token = -torch.minimum(unclipped, clipped)  # (N, T)
+    kl_mean = 0.0
+    if ref_logp is not None and kl_coef > 0:
+        kl = k3_kl(logp, ref_logp.detach())
+        per_token = per_token + kl_coef * kl
+        kl_mean = float(aggregate(kl.detach(), mask, "token"))
+    loss = aggregate(per_token, mask, aggregation)
+    with torch.no_grad():
+        # the clipped branch is the active one (its gradient is zero)
+        was_clipped = (((ratio > 1 + clip_eps) & (adv > 0)) | ((ratio < 1 - clip_eps) & (adv < 0))).float()
+        stats = {
+            "clip_frac": float(aggregate(was_clipped, mask, "token")),
+            "kl": kl_mean,
+            "ratio": float(aggregate(ratio.detach(), mask, "token")),
+        }
+    return loss, stats
