@@ -1,7 +1,296 @@
-"""CLI commands (filled in by the owning area)."""
+"""Job commands: up, worker, submit, status, jobs, cancel, rerun, db upgrade.
+
+Only `worker` and `up` (zoo build) import compute code that needs torch, inside the command.
+"""
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
 import click
 
-commands: list[click.Command] = []
+from app.commands.common import fail
+from app.settings import get_settings
+
+FINAL = ("succeeded", "failed", "cancelled")
+
+
+def _load_spec(text: str) -> dict[str, Any]:
+    if text.startswith("@"):
+        path = Path(text[1:]).expanduser()
+        if not path.is_file():
+            fail(f"--spec: file {str(path)!r} does not exist")
+        text = path.read_text()
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        fail(f"--spec: not valid JSON ({exc.msg} at line {exc.lineno} column {exc.colno})")
+    if not isinstance(data, dict):
+        fail('--spec: must be a JSON object, e.g. \'{"model": "arith-base"}\'')
+    return data
+
+
+@click.command("submit")
+@click.argument("kind")
+@click.option(
+    "--spec",
+    "spec_text",
+    default="{}",
+    show_default=True,
+    help="JSON object of the job's options (the matching command's flag names), or @file.json",
+)
+@click.option("--no-reuse", is_flag=True, help="Compute again even if an identical result exists.")
+@click.option("--wait", is_flag=True, help="Wait until the job ends (exit 1 unless it succeeded).")
+@click.option("--timeout", default=3600.0, show_default=True, help="Seconds to --wait at most.")
+def submit_cmd(kind: str, spec_text: str, no_reuse: bool, wait: bool, timeout: float) -> None:
+    """Queue a job of KIND (fisher, mask, train, retention, diff, tokens) for the workers."""
+    from app import services
+    from compute.specs import SpecError
+
+    settings = get_settings()
+    data = _load_spec(spec_text)
+    try:
+        job = services.submit(settings, kind, data, reuse=not no_reuse)
+    except SpecError as exc:
+        fail("; ".join(f"{e['field']}: {e['message']}" for e in exc.errors))
+    except RuntimeError as exc:
+        fail(str(exc), code=1)
+    how = "reused (identical spec, same model revision)" if job["reused"] else "queued"
+    click.echo(f"job {job['id']} {how}: {job['status']}")
+    click.echo(f"share link: {job['share_url']}")
+    if wait:
+        _wait_and_exit(settings, job["id"], timeout)
+
+
+@click.command("status")
+@click.argument("job_id", type=int)
+@click.option("--wait", is_flag=True, help="Wait until the job ends (exit 1 unless it succeeded).")
+@click.option("--timeout", default=3600.0, show_default=True, help="Seconds to --wait at most.")
+@click.option("--json", "as_json", is_flag=True, help="Print the whole job row as JSON.")
+def status_cmd(job_id: int, wait: bool, timeout: float, as_json: bool) -> None:
+    """Print a job's status: queued, running, succeeded, failed or cancelled."""
+    from app import services
+
+    settings = get_settings()
+    if wait:
+        _wait_and_exit(settings, job_id, timeout, as_json=as_json)
+    job = services.get_job(settings, job_id)
+    if job is None:
+        fail(f"JOB: no job with id {job_id}")
+    click.echo(json.dumps(job, indent=2) if as_json else job["status"])
+
+
+def _wait_and_exit(settings: Any, job_id: int, timeout: float, as_json: bool = False) -> None:
+    from app import services
+
+    deadline = time.monotonic() + timeout
+    last = None
+    while True:
+        job = services.get_job(settings, job_id)
+        if job is None:
+            fail(f"JOB: no job with id {job_id}")
+        line = f"{job['status']} {job['progress']:.0%} {job['message']}"
+        if line != last and not as_json and sys.stderr.isatty():
+            click.echo(line, err=True)
+        last = line
+        if job["status"] in FINAL or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    click.echo(json.dumps(job, indent=2) if as_json else job["status"])
+    if job["status"] == "failed" and job.get("message"):
+        click.echo(f"error: {job['message']}", err=True)
+    raise SystemExit(0 if job["status"] == "succeeded" else 1)
+
+
+@click.command("jobs")
+@click.option("--limit", default=20, show_default=True, type=click.IntRange(1, 1000))
+@click.option(
+    "--status", type=click.Choice(["queued", "running", "succeeded", "failed", "cancelled"])
+)
+@click.option("--kind", default=None, help="Only jobs of this kind.")
+def jobs_cmd(limit: int, status: str | None, kind: str | None) -> None:
+    """List recent jobs, newest first."""
+    from app import services
+
+    rows = services.list_jobs(get_settings(), limit=limit, status=status, kind=kind)
+    click.echo(f"{'id':>5}  {'kind':<9} {'status':<10} {'progress':>8}  {'created':<19}  message")
+    for j in rows:
+        created = (j["created_at"] or "")[:19].replace("T", " ")
+        click.echo(
+            f"{j['id']:>5}  {j['kind']:<9} {j['status']:<10} {j['progress']:>8.0%}  "
+            f"{created:<19}  {(j['message'] or '')[:60]}"
+        )
+
+
+@click.command("cancel")
+@click.argument("job_id", type=int)
+def cancel_cmd(job_id: int) -> None:
+    """Cancel a queued job, or ask a running one to stop at its next progress report."""
+    from app import services
+
+    try:
+        job = services.cancel(get_settings(), job_id)
+    except LookupError as exc:
+        fail(str(exc))
+    word = "cancel requested" if job["status"] == "running" else job["status"]
+    click.echo(f"job {job_id}: {word}")
+
+
+@click.command("rerun")
+@click.argument("job_id", type=int)
+def rerun_cmd(job_id: int) -> None:
+    """Queue a new job with the same spec as JOB_ID (computed again, not reused)."""
+    from app import services
+
+    try:
+        job = services.rerun(get_settings(), job_id)
+    except (LookupError, ValueError) as exc:
+        fail(str(exc))
+    click.echo(f"job {job['id']} queued (rerun of {job_id})")
+    click.echo(f"share link: {job['share_url']}")
+
+
+@click.group("db")
+def db_group() -> None:
+    """Database maintenance."""
+
+
+@db_group.command("upgrade")
+def db_upgrade_cmd() -> None:
+    """Apply the database migrations (the app and workers also do this at start-up)."""
+    from storage.db import upgrade
+
+    settings = get_settings()
+    upgrade(settings.db_url)
+    click.echo(f"database at head: {_safe_url(settings.db_url)}")
+
+
+def _safe_url(url: str) -> str:
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).render_as_string(hide_password=True)
+
+
+@click.command("worker")
+@click.option(
+    "--name",
+    default=None,
+    help="Celery node name, unique per worker, stable across restarts "
+    "(default worker@HOST, or gpuN@HOST with --gpu N).",
+)
+@click.option(
+    "--gpu",
+    default=None,
+    type=click.IntRange(0, 1023),
+    help="Pin this worker to one GPU (sets CUDA_VISIBLE_DEVICES). Run one worker per GPU.",
+)
+@click.option("--loglevel", default="INFO", show_default=True)
+def worker_cmd(name: str | None, gpu: int | None, loglevel: str) -> None:
+    """Run one job worker (solo pool: one job at a time, one worker per GPU)."""
+    if gpu is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
+    host = socket.gethostname()
+    name = name or (f"gpu{gpu}@{host}" if gpu is not None else f"worker@{host}")
+    from storage.db import upgrade
+
+    upgrade(get_settings().db_url)
+    from compute.worker import celery_app, worker_argv
+
+    celery_app.worker_main(worker_argv(name=name, loglevel=loglevel))
+
+
+@click.command("up")
+@click.option("--host", default=None, help="Interface for the web app (default: settings HOST).")
+@click.option("--port", default=None, type=click.IntRange(1, 65535), help="Port (default: PORT).")
+@click.option("--no-worker", is_flag=True, help="Start only the web app (workers run elsewhere).")
+def up_cmd(host: str | None, port: int | None, no_worker: bool) -> None:
+    """Start fisherlens on this machine: migrate, build the zoo if missing, one worker, the app."""
+    settings = get_settings()
+    host = host or settings.host
+    port = port or settings.port
+    if "PUBLIC_URL" not in os.environ:
+        shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+        os.environ["PUBLIC_URL"] = f"http://{shown}:{port}"
+    settings = get_settings()
+    from storage.db import upgrade
+
+    upgrade(settings.db_url)
+    click.echo(f"database: {_safe_url(settings.db_url)}")
+    click.echo(f"queue: {settings.redis_url or f'filesystem {settings.queue_dir}'}")
+    if not (settings.zoo_dir / "arith-base" / "config.json").is_file():
+        click.echo(f"building the model zoo in {settings.zoo_dir} (first start only) ...")
+        from compute.zoo import build_zoo
+
+        build_zoo(settings.zoo_dir)
+    worker: subprocess.Popen[bytes] | None = None
+    if not no_worker:
+        worker = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "app.cli",
+                "worker",
+                "--name",
+                f"embedded@{socket.gethostname()}",
+            ]
+        )
+        click.echo(f"worker started (pid {worker.pid})")
+
+    def _term(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, _term)
+    try:
+        try:
+            from app.web import serve
+        except ImportError as exc:
+            click.echo(
+                f"the web app is not available yet ({exc}); the worker runs on its own. "
+                "Submit jobs with `fisherlens submit`. Ctrl-C stops.",
+                err=True,
+            )
+            if worker is not None:
+                worker.wait()
+            return
+        click.echo(f"fisherlens is up: {settings.public_url}  (Ctrl-C stops)")
+        serve(host, port)
+    except KeyboardInterrupt:
+        pass
+    finally:
+        signal.signal(signal.SIGTERM, old)
+        if worker is not None:
+            _stop(worker)
+        click.echo("fisherlens stopped")
+
+
+def _stop(proc: subprocess.Popen[bytes], grace_s: float = 15.0) -> None:
+    """SIGTERM (Celery warm shutdown: the running job's message goes back to the queue), then
+    SIGKILL if it does not exit in time; recovery on the next start re-queues its job."""
+    if proc.poll() is not None:
+        return
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+commands: list[click.Command] = [
+    up_cmd,
+    worker_cmd,
+    submit_cmd,
+    status_cmd,
+    jobs_cmd,
+    cancel_cmd,
+    rerun_cmd,
+    db_group,
+]
