@@ -1,0 +1,366 @@
+"""Update sparsity: which coordinates did post-training change, and does the Fisher predict them?
+
+For two checkpoints of the same architecture, per tensor and aggregated per layer, module type,
+layer x module and globally:
+- fraction unchanged by exact equality (in the stored dtype), by bf16 equality (both cast to
+  bfloat16), by |delta| <= atol for each atol in ATOLS, and by |delta| <= r * rms(base tensor)
+  for each r in REL_TOLS; delta = tuned - base computed in float32;
+- delta RMS and max |delta|, and the share of the delta's energy (sum delta^2) in the top
+  {0.1, 1, 5}% coordinates of the tensor;
+- for 2-D tensors: numerical rank of the delta (singular values > RANK_RTOL_DOC) and the energy
+  share of the top-k singular values (k in SVD_TOPK); skipped above `svd_max_numel` elements.
+With a Fisher dict: precision@k / AUC / Jaccard (vs random) / Spearman between the top-k% Fisher
+coordinates and the top-k% |delta| (compute.overlap), and AUC of the Fisher for "changed at all".
+
+Checkpoints are read tensor by tensor straight from safetensors (single file or sharded index),
+so at most one tensor of each model is in memory unless |delta| is kept for the Fisher comparison.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from compute.masks import group_key
+from compute.naming import layer_index, module_type
+
+ATOLS = (1e-8, 1e-7, 1e-6, 1e-5, 1e-4)
+REL_TOLS = (1e-4, 1e-3, 1e-2)
+ENERGY_TOP_PERCENT = (0.1, 1.0, 5.0)
+SVD_TOPK = (1, 4, 16)
+RANK_RTOL_DOC = "max(m, n) * eps(float32) * s_max (numpy.linalg.matrix_rank's default)"
+SVD_MAX_NUMEL = 16_000_000
+GROUPINGS = ("global", "layer", "module", "layer_module")
+
+Progress = Callable[[float, str], None]
+
+
+# ---------------------------------------------------------------------------------------------
+# Reading checkpoints
+# ---------------------------------------------------------------------------------------------
+
+
+class Checkpoint:
+    """Tensors of a HF checkpoint folder, read lazily from its safetensors file(s)."""
+
+    def __init__(self, folder: str | Path, label: str = "model"):
+        self.folder = Path(folder)
+        self.label = label
+        self._where: dict[str, Path] = {}
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        self._dtypes: dict[str, str] = {}
+        files = self._weight_files()
+        from safetensors import safe_open
+
+        for f in files:
+            with safe_open(str(f), framework="pt") as h:
+                for name in h.keys():  # noqa: SIM118 - safe_open handles are not dicts
+                    sl = h.get_slice(name)
+                    self._where[name] = f
+                    self._shapes[name] = tuple(sl.get_shape())
+                    self._dtypes[name] = str(sl.get_dtype())
+
+    def _weight_files(self) -> list[Path]:
+        if not self.folder.is_dir():
+            raise ValueError(f"{self.label}: {self.folder} is not a directory")
+        index = self.folder / "model.safetensors.index.json"
+        if index.is_file():
+            weight_map = json.loads(index.read_text()).get("weight_map", {})
+            files = sorted({self.folder / v for v in weight_map.values()})
+            missing = [f for f in files if not f.is_file()]
+            if missing:
+                raise ValueError(f"{self.label}: shard {missing[0].name} listed in {index} is missing")
+            return files
+        single = self.folder / "model.safetensors"
+        if single.is_file():
+            return [single]
+        files = sorted(self.folder.glob("*.safetensors"))
+        if not files:
+            raise ValueError(f"{self.label}: no safetensors weights in {self.folder} "
+                             "(save the model with safe_serialization=True)")
+        return files
+
+    def names(self) -> list[str]:
+        return sorted(self._shapes)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._shapes[name]
+
+    def dtype(self, name: str) -> str:
+        return self._dtypes[name]
+
+    def get(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        with safe_open(str(self._where[name]), framework="pt") as h:
+            return h.get_tensor(name)
+
+
+def open_checkpoint(ref: str | Path, label: str = "model", settings: Any | None = None) -> Checkpoint:
+    """A zoo name, an allowed local HF directory or a training output folder -> Checkpoint."""
+    from compute.modelref import is_hub_id, resolve_model
+
+    try:
+        resolved = resolve_model(str(ref), settings)
+    except ValueError as exc:
+        raise ValueError(str(exc).replace("model:", f"{label}:", 1)) from None
+    if is_hub_id(resolved):
+        resolved = _hub_cache_dir(resolved, label)
+    return Checkpoint(resolved, label)
+
+
+def _hub_cache_dir(repo_id: str, label: str) -> str:
+    try:
+        from huggingface_hub import snapshot_download
+
+        return snapshot_download(repo_id, local_files_only=True, allow_patterns=["*.json", "*.safetensors"])
+    except Exception as exc:  # noqa: BLE001 - any hub error means "not available locally"
+        raise ValueError(f"{label}: hub model {repo_id!r} is not in the local cache ({type(exc).__name__}); "
+                         "download it first or give a local directory") from None
+
+
+class _DictSource:
+    """A plain state dict with the Checkpoint interface (for tests and in-memory models)."""
+
+    def __init__(self, sd: Mapping[str, torch.Tensor], label: str):
+        self.sd, self.label = sd, label
+
+    def names(self) -> list[str]:
+        return sorted(self.sd)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.sd[name].shape)
+
+    def dtype(self, name: str) -> str:
+        return str(self.sd[name].dtype).replace("torch.", "")
+
+    def get(self, name: str) -> torch.Tensor:
+        return self.sd[name]
+
+
+def _source(x: Any, label: str) -> Any:
+    if isinstance(x, (Checkpoint, _DictSource)):
+        return x
+    if isinstance(x, Mapping):
+        return _DictSource(x, label)
+    if isinstance(x, torch.nn.Module):
+        return _DictSource(x.state_dict(), label)
+    return open_checkpoint(x, label)
+
+
+def check_same_architecture(base: Any, tuned: Any) -> None:
+    """ValueError naming the first parameter (sorted) missing on one side or differing in shape."""
+    a, b = set(base.names()), set(tuned.names())
+    for n in sorted(a | b):
+        if n not in b:
+            raise ValueError(f"tuned: different architecture: parameter {n!r} is in base but not in tuned")
+        if n not in a:
+            raise ValueError(f"tuned: different architecture: parameter {n!r} is in tuned but not in base")
+        if base.shape(n) != tuned.shape(n):
+            raise ValueError(f"tuned: different architecture: parameter {n!r} has shape "
+                             f"{list(base.shape(n))} in base but {list(tuned.shape(n))} in tuned")
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-tensor statistics (pure)
+# ---------------------------------------------------------------------------------------------
+
+
+def threshold_labels() -> list[str]:
+    """Column names of the unchanged-fraction counts, in order (exact, bf16, atol..., rel...)."""
+    return ["exact", "bf16", *[f"atol_{a:g}" for a in ATOLS], *[f"rel_{r:g}" for r in REL_TOLS]]
+
+
+def tensor_diff_stats(base: torch.Tensor, tuned: torch.Tensor, svd_max_numel: int = SVD_MAX_NUMEL
+                      ) -> tuple[dict[str, float], torch.Tensor]:
+    """Counts and statistics of delta = tuned - base for one tensor; returns (stats, delta fp32).
+
+    stats: numel, unchanged_<label> counts (see threshold_labels), sq_sum (sum delta^2),
+    max_abs, base_rms, energy_top_<p>pct, and for 2-D tensors rank, svd_top<k>_energy.
+    """
+    if base.shape != tuned.shape:
+        raise ValueError(f"tuned: shapes differ: {list(base.shape)} vs {list(tuned.shape)}")
+    n = base.numel()
+    s: dict[str, float] = {"numel": float(n)}
+    if base.dtype == tuned.dtype:
+        s["unchanged_exact"] = float((base == tuned).sum())
+    else:
+        s["unchanged_exact"] = float((base.double() == tuned.double()).sum())
+    s["unchanged_bf16"] = float((base.to(torch.bfloat16) == tuned.to(torch.bfloat16)).sum())
+    b32 = base.to(torch.float32)
+    delta = tuned.to(torch.float32) - b32  # same shape as base
+    ad = delta.abs()
+    for a in ATOLS:
+        s[f"unchanged_atol_{a:g}"] = float((ad <= a).sum())
+    rms = float(b32.double().pow(2).mean().sqrt()) if n else 0.0
+    s["base_rms"] = rms
+    for r in REL_TOLS:
+        s[f"unchanged_rel_{r:g}"] = float((ad <= r * rms).sum())
+    del b32
+    sq = ad.double().pow(2)
+    s["sq_sum"] = float(sq.sum())
+    s["max_abs"] = float(ad.max()) if n else 0.0
+    if n:
+        sorted_sq = torch.sort(sq.flatten(), descending=True).values
+        cum = torch.cumsum(sorted_sq, 0)
+        for p in ENERGY_TOP_PERCENT:
+            k = max(1, int(math.floor(p / 100 * n + 0.5)))
+            s[f"energy_top_{p:g}pct"] = float(cum[k - 1] / cum[-1]) if s["sq_sum"] > 0 else float("nan")
+        del sorted_sq, cum
+    if delta.dim() == 2 and 0 < n <= svd_max_numel:
+        s.update(svd_stats(delta))
+    return s, delta
+
+
+def svd_stats(delta: torch.Tensor) -> dict[str, float]:
+    """Numerical rank and top-k singular-value energy shares of a 2-D delta (m, n)."""
+    sv = torch.linalg.svdvals(delta.to(torch.float32))  # (min(m, n),)
+    m, n = delta.shape
+    out: dict[str, float] = {}
+    smax = float(sv[0]) if sv.numel() else 0.0
+    tol = max(m, n) * torch.finfo(torch.float32).eps * smax
+    out["rank"] = float((sv > tol).sum()) if smax > 0 else 0.0
+    out["rank_max"] = float(min(m, n))
+    energy = sv.double().pow(2)
+    total = float(energy.sum())
+    for k in SVD_TOPK:
+        out[f"svd_top{k}_energy"] = float(energy[:k].sum()) / total if total > 0 else float("nan")
+    return out
+
+
+def _fractions(counts: Mapping[str, float]) -> dict[str, float]:
+    """Unchanged fractions from summed counts, plus delta RMS."""
+    n = counts["numel"]
+    out = {"numel": n}
+    for lab in threshold_labels():
+        out[f"unchanged_{lab}"] = counts[f"unchanged_{lab}"] / n if n else float("nan")
+    out["changed_exact"] = 1.0 - out["unchanged_exact"] if n else float("nan")
+    out["delta_rms"] = math.sqrt(counts["sq_sum"] / n) if n else float("nan")
+    out["max_abs_delta"] = counts["max_abs"]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Whole checkpoints
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class DiffResult:
+    per_tensor: dict[str, dict[str, float]]  # name -> fractions + tensor stats
+    groups: dict[str, dict[str, dict[str, float]]]  # grouping -> group -> fractions
+    skipped: dict[str, str] = field(default_factory=dict)  # name -> why (non-float tensors)
+    fisher: dict[str, Any] | None = None  # compute.overlap.score_vs_target output (+ "changed")
+    delta: dict[str, torch.Tensor] | None = None  # fp32 deltas when keep_delta
+    settings: dict[str, Any] = field(default_factory=dict)
+
+
+def diff_checkpoints(
+    base: Any,
+    tuned: Any,
+    fisher: Mapping[str, torch.Tensor] | None = None,
+    topk_percent: float = 1.0,
+    keep_delta: bool = False,
+    svd_max_numel: int = SVD_MAX_NUMEL,
+    progress: Progress | None = None,
+) -> DiffResult:
+    """Update sparsity of `tuned` relative to `base` (each a Checkpoint, a model reference string,
+    a folder, an nn.Module or a state dict). ValueError for different architectures."""
+    src_b, src_t = _source(base, "base"), _source(tuned, "tuned")
+    check_same_architecture(src_b, src_t)
+    names = src_b.names()
+    if fisher is not None:
+        missing = [n for n in sorted(fisher) if n not in set(names)]
+        if missing:
+            raise ValueError(f"fisher: parameter {missing[0]!r} is not in the checkpoints")
+        for n in sorted(fisher):
+            if tuple(fisher[n].shape) != tuple(src_b.shape(n)):
+                raise ValueError(f"fisher: parameter {n!r} has shape {list(fisher[n].shape)} "
+                                 f"but {list(src_b.shape(n))} in the checkpoints")
+    per_tensor: dict[str, dict[str, float]] = {}
+    raw: dict[str, dict[str, float]] = {}
+    skipped: dict[str, str] = {}
+    abs_delta: dict[str, torch.Tensor] = {}
+    deltas: dict[str, torch.Tensor] = {}
+    for i, n in enumerate(names):
+        if progress:
+            progress(0.9 * i / max(1, len(names)), f"diff {n}")
+        tb, tt = src_b.get(n), src_t.get(n)
+        if not (tb.is_floating_point() and tt.is_floating_point()):
+            skipped[n] = f"not a float tensor ({src_b.dtype(n)})"
+            continue
+        stats, delta = tensor_diff_stats(tb, tt, svd_max_numel)
+        raw[n] = stats
+        per_tensor[n] = {**_fractions(stats), **{k: v for k, v in stats.items()
+                                                   if k.startswith(("energy_", "svd_", "rank"))}}
+        per_tensor[n]["base_rms"] = stats["base_rms"]
+        if fisher is not None and n in fisher:
+            abs_delta[n] = delta.abs()
+        if keep_delta:
+            deltas[n] = delta
+    groups: dict[str, dict[str, dict[str, float]]] = {}
+    for grouping in GROUPINGS:
+        acc: dict[str, dict[str, float]] = {}
+        for n, st in raw.items():
+            a = acc.setdefault(group_key(n, grouping), {})
+            for k, v in st.items():
+                if k == "numel" or k == "sq_sum" or k.startswith("unchanged_"):
+                    a[k] = a.get(k, 0.0) + v
+                elif k == "max_abs":
+                    a[k] = max(a.get(k, 0.0), v)
+        groups[grouping] = {g: _fractions(c) for g, c in acc.items()}
+    fisher_res = None
+    if fisher is not None:
+        if progress:
+            progress(0.92, "Fisher vs |delta| overlap")
+        fisher_res = fisher_vs_delta(fisher, abs_delta, topk_percent)
+    settings = {
+        "atols": list(ATOLS),
+        "rel_tols": list(REL_TOLS),
+        "rel_tol_reference": "rms of the base tensor",
+        "delta_dtype": "float32",
+        "bf16_equality": "both tensors cast to bfloat16, then compared",
+        "rank_tolerance": RANK_RTOL_DOC,
+        "svd_topk": list(SVD_TOPK),
+        "svd_max_numel": svd_max_numel,
+        "energy_top_percent": list(ENERGY_TOP_PERCENT),
+        "topk_percent": topk_percent,
+    }
+    return DiffResult(per_tensor, groups, skipped, fisher_res, deltas if keep_delta else None, settings)
+
+
+def fisher_vs_delta(fisher: Mapping[str, torch.Tensor], abs_delta: Mapping[str, torch.Tensor],
+                    topk_percent: float) -> dict[str, Any]:
+    """score_vs_target(Fisher, |delta|) at top-k%, plus AUC/precision for "changed at all"."""
+    from compute.overlap import score_vs_target
+
+    fisher = {n: fisher[n].float().to(abs_delta[n].device) for n in abs_delta}
+    res = score_vs_target(fisher, abs_delta, topk_percent / 100.0)
+    changed = {n: d > 0 for n, d in abs_delta.items()}
+    n_changed = sum(int(c.sum()) for c in changed.values())
+    total = sum(c.numel() for c in changed.values())
+    if 0 < n_changed < total:
+        ch = score_vs_target(fisher, abs_delta, topk_percent / 100.0, by=("global",), target_set=changed)
+        # precision of the top-|changed| Fisher coordinates against the changed set
+        from compute.overlap import precision_at_k
+
+        res["changed"] = {
+            "n_changed": n_changed,
+            "auc": ch["global"]["all"]["auc"],
+            "precision_at_n_changed": precision_at_k(fisher, changed),
+        }
+    else:
+        res["changed"] = {"n_changed": n_changed, "auc": float("nan"), "precision_at_n_changed": float("nan")}
+    return res
+
+
+def iter_rows(result: DiffResult) -> Iterator[tuple[str, int | None, str, dict[str, float]]]:
+    """(param, layer, module, values) per tensor."""
+    for n, v in result.per_tensor.items():
+        yield n, layer_index(n), module_type(n), v

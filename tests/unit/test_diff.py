@@ -1,0 +1,128 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from compute.diff import Checkpoint, diff_checkpoints, open_checkpoint, tensor_diff_stats
+
+A = "model.layers.0.mlp.up_proj.weight"
+B = "model.layers.1.self_attn.q_proj.weight"
+
+
+def _constructed() -> tuple[dict, dict]:
+    """A: base 0, 10 coords each at delta 0, 5e-9, 5e-8, ..., 5e-4 (70 coords).
+    B (4x8): base 1, row 0 += 2^-10, row 1 += 2^-20, rows 2-3 unchanged."""
+    levels = [0.0, 5e-9, 5e-8, 5e-7, 5e-6, 5e-5, 5e-4]
+    a_t = torch.tensor([v for v in levels for _ in range(10)], dtype=torch.float32)
+    b_b = torch.ones(4, 8)
+    b_t = b_b.clone()
+    b_t[0] += 2.0**-10
+    b_t[1] += 2.0**-20
+    return {A: torch.zeros(70), B: b_b}, {A: a_t, B: b_t}
+
+
+def test_constructed_counts_at_each_threshold() -> None:
+    base, tuned = _constructed()
+    res = diff_checkpoints(base, tuned)
+    a, b = res.per_tensor[A], res.per_tensor[B]
+    # A: exact 10; |delta| <= 1e-8: 20, 1e-7: 30, 1e-6: 40, 1e-5: 50, 1e-4: 60; bf16 sees every change
+    assert a["unchanged_exact"] == pytest.approx(10 / 70)
+    assert a["unchanged_bf16"] == pytest.approx(10 / 70)
+    for atol, cnt in zip(("1e-08", "1e-07", "1e-06", "1e-05", "0.0001"), (20, 30, 40, 50, 60), strict=True):
+        assert a[f"unchanged_atol_{atol}"] == pytest.approx(cnt / 70), atol
+    # base rms 0 -> relative thresholds are exact equality
+    assert a["unchanged_rel_0.01"] == pytest.approx(10 / 70)
+    # B: 1 + 2^-10 and 1 + 2^-20 both round to 1 in bf16
+    assert b["unchanged_exact"] == 0.5 and b["unchanged_bf16"] == 1.0
+    assert b["unchanged_atol_1e-07"] == 0.5 and b["unchanged_atol_1e-06"] == 0.75
+    assert b["unchanged_atol_0.0001"] == 0.75
+    assert b["unchanged_rel_0.0001"] == 0.75 and b["unchanged_rel_0.001"] == 1.0  # rms(base) = 1
+    # delta is rank 1 (two constant rows), all energy in the first singular value
+    assert b["rank"] == 1.0 and b["svd_top1_energy"] == pytest.approx(1.0)
+    assert b["max_abs_delta"] == 2.0**-10
+    assert b["delta_rms"] == pytest.approx(((8 * 2.0**-20 + 8 * 2.0**-40) / 32) ** 0.5)
+    # energy share of the top 5% of B (round(1.6) = 2 coords of 2^-10): 2/8 of row 0's energy share
+    e_row0, e_row1 = 8 * 2.0**-20, 8 * 2.0**-40
+    assert b["energy_top_5pct"] == pytest.approx(2 * 2.0**-20 / (e_row0 + e_row1))
+    g = res.groups["global"]["all"]
+    assert g["numel"] == 102
+    assert g["unchanged_exact"] == pytest.approx((10 + 16) / 102)
+    assert g["unchanged_atol_1e-06"] == pytest.approx((40 + 24) / 102)
+    assert res.groups["layer"]["1"]["unchanged_bf16"] == 1.0
+    assert res.groups["module"]["up"]["unchanged_atol_1e-05"] == pytest.approx(50 / 70)
+    assert res.groups["layer_module"]["0/up"]["numel"] == 70
+
+
+def test_exact_equality_in_stored_dtype() -> None:
+    base = torch.tensor([1.0, 2.0, 3.0], dtype=torch.bfloat16)
+    tuned = torch.tensor([1.0, 2.0, 3.015625], dtype=torch.bfloat16)  # one bf16 ulp (2^-6) at 3
+    s, delta = tensor_diff_stats(base, tuned)
+    assert s["unchanged_exact"] == 2 and s["unchanged_bf16"] == 2
+    assert delta.dtype == torch.float32 and delta[2] == 0.015625
+    assert "rank" not in s  # 1-D
+
+
+def test_mismatched_architecture_names_first_parameter() -> None:
+    base, tuned = _constructed()
+    with pytest.raises(ValueError, match=r"tuned: different architecture: parameter 'model.layers.1.self_attn.q_proj.weight' has shape \[4, 8\] in base but \[4, 9\]"):
+        diff_checkpoints(base, {**tuned, B: torch.zeros(4, 9)})
+    with pytest.raises(ValueError, match="parameter 'extra' is in tuned but not in base"):
+        diff_checkpoints(base, {**tuned, "extra": torch.zeros(1)})
+
+
+def test_fisher_vs_delta() -> None:
+    g = torch.Generator().manual_seed(0)
+    base = {A: torch.zeros(20, 10), B: torch.zeros(50)}
+    tuned = {A: torch.randn(20, 10, generator=g), B: torch.zeros(50)}
+    tuned[A][:10] = 0.0  # half of A unchanged, B unchanged
+    fisher = {n: t.abs() for n, t in tuned.items()}  # a perfect predictor of |delta|
+    res = diff_checkpoints(base, tuned, fisher=fisher, topk_percent=10.0)
+    gl = res.fisher["global"]["all"]
+    assert res.fisher["settings"]["k"] == 25
+    assert gl["precision_at_k"] == 1.0 and gl["jaccard"] == 1.0 and gl["auc"] == 1.0
+    assert res.fisher["changed"]["n_changed"] == 100
+    assert res.fisher["changed"]["auc"] == 1.0 and res.fisher["changed"]["precision_at_n_changed"] == 1.0
+    inv = {n: -t for n, t in fisher.items()}  # anti-predictor
+    res = diff_checkpoints(base, tuned, fisher=inv, topk_percent=10.0)
+    assert res.fisher["global"]["all"]["precision_at_k"] == 0.0
+    with pytest.raises(ValueError, match="fisher: parameter 'nope'"):
+        diff_checkpoints(base, tuned, fisher={"nope": torch.zeros(1)})
+
+
+def _tiny_llama(seed: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                      num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=32,
+                      tie_word_embeddings=False)
+    return LlamaForCausalLM(cfg)
+
+
+def test_checkpoints_from_folders_single_and_sharded(tmp_path) -> None:
+    from app.settings import Settings
+
+    model = _tiny_llama(0)
+    model.save_pretrained(tmp_path / "base")
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight[:2] += 1e-3
+    model.save_pretrained(tmp_path / "tuned", max_shard_size="4KB")
+    assert (tmp_path / "tuned" / "model.safetensors.index.json").is_file()
+    settings = Settings(fisherlens_home=tmp_path / "home", allowed_model_roots=str(tmp_path))
+    base = open_checkpoint(str(tmp_path / "base"), "base", settings)
+    tuned = open_checkpoint(str(tmp_path / "tuned"), "tuned", settings)
+    assert base.names() == tuned.names() and len(base.names()) > 5
+    res = diff_checkpoints(base, tuned)
+    changed = {n for n, v in res.per_tensor.items() if v["unchanged_exact"] < 1.0}
+    assert changed == {"model.layers.1.mlp.down_proj.weight"}
+    v = res.per_tensor["model.layers.1.mlp.down_proj.weight"]
+    assert v["unchanged_exact"] == pytest.approx(1 - 2 / 16)
+    assert v["rank"] <= 2.0
+    assert res.groups["module"]["down"]["unchanged_exact"] == pytest.approx(1 - 2 * 24 / (2 * 16 * 24))
+    with pytest.raises(ValueError, match="tuned: local directory"):
+        open_checkpoint("/nonexistent/dir", "tuned", settings)
+    other = _tiny_llama(0)
+    other.lm_head = torch.nn.Linear(16, 33, bias=False)
+    other.save_pretrained(tmp_path / "other")
+    with pytest.raises(ValueError, match="different architecture: parameter 'lm_head.weight'"):
+        diff_checkpoints(base, Checkpoint(tmp_path / "other", "tuned"))
