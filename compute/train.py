@@ -1,0 +1,429 @@
+"""Masked post-training loop: GRPO, on-policy distillation (OPD) or SFT, with AdamW or SGD.
+
+A fixed mask (name -> bool tensor, True = trainable) freezes every excluded coordinate
+completely. `MaskedOptimizer` is our own AdamW/SGD step, written so that frozen coordinates stay
+bit-identical:
+- gradients are multiplied by the mask right after backward, before clipping (so the clip norm
+  only sees trainable coordinates) and before the optimizer;
+- Adam moments start at 0 and only ever receive masked gradients, so they stay exactly 0 off
+  the mask; the Adam update there is 0 / (sqrt(0) + eps) = 0 exactly;
+- decoupled weight decay is applied as lr * wd * p * mask (torch's AdamW multiplies the whole
+  tensor by 1 - lr * wd, which would shrink frozen weights); SGD's coupled decay wd * p is
+  likewise masked before it enters the momentum buffer;
+- the weight is changed by p -= update with update exactly 0 (+0.0) off the mask, and x - 0.0 == x
+  bit for bit for every finite x (including -0.0).
+Tensors entirely outside the mask get requires_grad = False (no gradient is computed for them);
+tensors entirely inside carry no mask (no extra work).
+The maths of each objective lives in compute.grpo / compute.distill / compute.sft.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from compute.distill import ESTIMATORS, check_same_tokenizer, distill_loss
+from compute.grpo import AGGREGATIONS, group_advantages, grpo_loss
+from compute.sft import SOURCES, keep_rewarded, sft_loss
+
+ALGOS = ("grpo", "opd", "sft")
+OPTIMIZERS = ("adamw", "sgd")
+
+
+@dataclass
+class TrainConfig:
+    algo: str = field(default="grpo", metadata={"help": "grpo | opd (on-policy distillation) | sft"})
+    optimizer: str = field(default="adamw", metadata={"help": "adamw | sgd (both mask-aware)"})
+    lr: float = field(default=1e-3, metadata={"help": "learning rate"})
+    weight_decay: float = field(
+        default=0.0, metadata={"help": "AdamW: decoupled decay; SGD: L2 added to the gradient"}
+    )
+    beta1: float = field(default=0.9, metadata={"help": "AdamW first-moment decay"})
+    beta2: float = field(default=0.999, metadata={"help": "AdamW second-moment decay"})
+    adam_eps: float = field(default=1e-8, metadata={"help": "AdamW denominator epsilon"})
+    momentum: float = field(default=0.0, metadata={"help": "SGD momentum"})
+    steps: int = field(default=30, metadata={"help": "optimizer steps (one sampled batch each)"})
+    batch: int = field(default=8, metadata={"help": "prompts per step"})
+    group: int = field(
+        default=8, metadata={"help": "completions sampled per prompt (GRPO group; OPD / self-SFT samples)"}
+    )
+    seed: int = field(default=0, metadata={"help": "seed of prompts, sampling and torch"})
+    max_new_tokens: int = field(default=16, metadata={"help": "sampled completion length cap"})
+    temperature: float = field(default=1.0, metadata={"help": "sampling temperature"})
+    grad_clip: float | None = field(
+        default=1.0, metadata={"help": "max global grad norm (of the masked gradient); None = off"}
+    )
+    clip_eps: float = field(default=0.2, metadata={"help": "GRPO ratio clip range"})
+    kl_coef: float = field(default=0.0, metadata={"help": "GRPO k3 KL-to-reference coefficient"})
+    scale_std: bool = field(default=True, metadata={"help": "GRPO: divide advantages by group std"})
+    inner_steps: int = field(default=1, metadata={"help": "GRPO updates per sampled batch"})
+    aggregation: str = field(default="token", metadata={"help": "loss mean over 'token' or 'sequence'"})
+    distill_estimator: str = field(default="full", metadata={"help": "OPD: 'full' or 'sampled' reverse KL"})
+    sft_source: str = field(default="gold", metadata={"help": "SFT: 'gold' answers or 'self' samples"})
+    eval_prompts: int = field(default=200, metadata={"help": "held-out test prompts for greedy accuracy"})
+    eval_every: int = field(default=0, metadata={"help": "greedy eval every k steps (0 = before/after)"})
+    eval_max_new_tokens: int = field(default=8, metadata={"help": "greedy eval completion cap"})
+
+    def __post_init__(self) -> None:
+        if self.algo not in ALGOS:
+            raise ValueError(f"algo: got {self.algo!r}; accepted: {', '.join(ALGOS)}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer: got {self.optimizer!r}; accepted: {', '.join(OPTIMIZERS)}")
+        for name in ("lr",):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name}: got {getattr(self, name)}; must be > 0")
+        if self.weight_decay < 0:
+            raise ValueError(f"weight_decay: got {self.weight_decay}; must be >= 0")
+        if not (0 <= self.beta1 < 1 and 0 <= self.beta2 < 1):
+            raise ValueError(f"beta1/beta2: got {self.beta1}, {self.beta2}; each must be in [0, 1)")
+        if not 0 <= self.momentum < 1:
+            raise ValueError(f"momentum: got {self.momentum}; must be in [0, 1)")
+        for name in ("steps", "batch", "max_new_tokens", "inner_steps", "eval_prompts"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: got {getattr(self, name)}; must be >= 1")
+        if self.algo == "grpo" and self.group < 2:
+            raise ValueError(f"group: got {self.group}; GRPO needs >= 2 completions per prompt")
+        if self.group < 1:
+            raise ValueError(f"group: got {self.group}; must be >= 1")
+        if self.grad_clip is not None and not self.grad_clip > 0:
+            raise ValueError(f"grad_clip: got {self.grad_clip}; must be > 0 or None")
+        if self.aggregation not in AGGREGATIONS:
+            raise ValueError(f"aggregation: got {self.aggregation!r}; accepted: {', '.join(AGGREGATIONS)}")
+        if self.distill_estimator not in ESTIMATORS:
+            raise ValueError(
+                f"distill_estimator: got {self.distill_estimator!r}; accepted: {', '.join(ESTIMATORS)}"
+            )
+        if self.sft_source not in SOURCES:
+            raise ValueError(f"sft_source: got {self.sft_source!r}; accepted: {', '.join(SOURCES)}")
+        if self.eval_every < 0:
+            raise ValueError(f"eval_every: got {self.eval_every}; must be >= 0")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature: got {self.temperature}; must be > 0")
+
+
+# ---------------------------------------------------------------------------------------------
+# Masks and the mask-aware optimizer
+# ---------------------------------------------------------------------------------------------
+
+
+def prepare_masked_params(
+    model: torch.nn.Module, mask: Mapping[str, torch.Tensor] | None
+) -> list[tuple[str, torch.nn.Parameter, torch.Tensor | None]]:
+    """(name, param, float mask or None) for each parameter that will train.
+
+    With a mask: names must be parameters of the model with matching shapes (ValueError naming the
+    first mismatch); parameters absent from the mask or with an all-False mask are frozen by
+    requires_grad = False; an all-True mask is stored as None (dense). Without a mask: all
+    parameters, dense.
+    """
+    named = dict(model.named_parameters())
+    if mask is None:
+        for p in named.values():
+            p.requires_grad_(True)
+        return [(n, p, None) for n, p in named.items()]
+    for n, m in mask.items():
+        if n not in named:
+            raise ValueError(f"mask: parameter {n!r} is not a parameter of the model")
+        if tuple(m.shape) != tuple(named[n].shape):
+            raise ValueError(
+                f"mask: parameter {n!r} has shape {list(m.shape)} in the mask "
+                f"but {list(named[n].shape)} in the model"
+            )
+    out = []
+    for n, p in named.items():
+        m = mask.get(n)
+        if m is None or not bool(m.any()):
+            p.requires_grad_(False)
+            continue
+        p.requires_grad_(True)
+        mf = None if bool(m.all()) else m.to(device=p.device, dtype=p.dtype)
+        out.append((n, p, mf))
+    if not out:
+        raise ValueError("mask: selects no coordinate of the model; nothing would train")
+    return out
+
+
+def mask_gradients(params: list[tuple[str, torch.nn.Parameter, torch.Tensor | None]]) -> None:
+    """Zero the gradient off the mask, in place (call after backward, before clipping)."""
+    for _, p, m in params:
+        if m is not None and p.grad is not None:
+            p.grad.mul_(m)
+
+
+class MaskedOptimizer:
+    """AdamW or SGD whose step never changes a masked-out coordinate (see the module docstring).
+
+    AdamW matches torch.optim.AdamW (decoupled decay, bias correction) on the mask; SGD matches
+    torch.optim.SGD (coupled decay, momentum buffer b = mu * b + g, no dampening).
+    """
+
+    def __init__(
+        self,
+        params: list[tuple[str, torch.nn.Parameter, torch.Tensor | None]],
+        kind: str = "adamw",
+        lr: float = 1e-3,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        momentum: float = 0.0,
+    ):
+        if kind not in OPTIMIZERS:
+            raise ValueError(f"optimizer: got {kind!r}; accepted: {', '.join(OPTIMIZERS)}")
+        self.params = params
+        self.kind, self.lr, self.wd = kind, lr, weight_decay
+        self.betas, self.eps, self.momentum = betas, eps, momentum
+        self.t = 0
+        self.state: dict[str, dict[str, torch.Tensor]] = {}
+
+    def zero_grad(self) -> None:
+        for _, p, _m in self.params:
+            p.grad = None
+
+    @torch.no_grad()
+    def step(self) -> None:
+        self.t += 1
+        for name, p, m in self.params:
+            g = p.grad
+            if g is None:
+                continue
+            if m is not None:
+                g = g * m  # idempotent if already masked; guarantees the invariant here too
+            if self.kind == "adamw":
+                self._adamw(name, p, g, m)
+            else:
+                self._sgd(name, p, g, m)
+
+    def _adamw(self, name: str, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor | None) -> None:
+        st = self.state.get(name)
+        if st is None:
+            st = self.state[name] = {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+        b1, b2 = self.betas
+        st["exp_avg"].mul_(b1).add_(g, alpha=1 - b1)
+        st["exp_avg_sq"].mul_(b2).addcmul_(g, g, value=1 - b2)
+        bc1 = 1 - b1**self.t
+        bc2 = 1 - b2**self.t
+        denom = (st["exp_avg_sq"].sqrt() / math.sqrt(bc2)).add_(self.eps)
+        update = st["exp_avg"] / denom * (self.lr / bc1)  # exactly 0 off the mask
+        if self.wd:
+            if m is None:
+                update.add_(p, alpha=self.lr * self.wd)
+            else:
+                update.addcmul_(p, m, value=self.lr * self.wd)
+        p.sub_(update)
+
+    def _sgd(self, name: str, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor | None) -> None:
+        if self.wd:
+            g = g.add(p if m is None else p * m, alpha=self.wd)
+        if self.momentum:
+            st = self.state.get(name)
+            if st is None:
+                st = self.state[name] = {"momentum": g.clone()}
+            else:
+                st["momentum"].mul_(self.momentum).add_(g)
+            g = st["momentum"]
+        p.sub_(g * self.lr)
+
+
+def clip_grad_norm(
+    params: list[tuple[str, torch.nn.Parameter, torch.Tensor | None]], max_norm: float | None
+) -> float:
+    """Global L2 norm of the (already masked) gradients; scaled down to max_norm if above."""
+    grads = [p.grad for _, p, _m in params if p.grad is not None]
+    if not grads:
+        return 0.0
+    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+    if max_norm is not None:
+        scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for g in grads:
+            g.mul_(scale.to(g.dtype))
+    return float(norm)
+
+
+# ---------------------------------------------------------------------------------------------
+# Log-probs of a rollout (with the logits when OPD needs them)
+# ---------------------------------------------------------------------------------------------
+
+
+def rollout_logprobs(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+    with_logits: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-token log-probs (N, L-1) of tokens 1..L-1 given their prefix, and optionally the
+    float32 logits (N, L-1, V) that predicted them. Differentiable."""
+    pos = (attention_mask.long().cumsum(1) - 1).clamp(min=0)
+    logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=pos).logits
+    logits = logits[:, :-1].float()  # (N, L-1, V)
+    lp = logits.log_softmax(-1).gather(-1, input_ids[:, 1:].unsqueeze(-1)).squeeze(-1)  # (N, L-1)
+    return lp, (logits if with_logits else None)
+
+
+# ---------------------------------------------------------------------------------------------
+# The loop
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainResult:
+    curve: list[dict[str, float]]  # one row per step: reward, loss, grad_norm, ... (+ accuracy)
+    accuracy_before: float
+    accuracy_after: float
+    settings: dict[str, Any]
+    seconds: float
+    trainable_fraction: float
+
+
+def _rewards(task: Any, completions: list[str], answers: list[str]) -> torch.Tensor:
+    return torch.tensor([float(task.reward(c, a)) for c, a in zip(completions, answers, strict=True)])
+
+
+def train(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    task: Any,
+    config: TrainConfig,
+    mask: Mapping[str, torch.Tensor] | None = None,
+    teacher: torch.nn.Module | None = None,
+    teacher_tokenizer: Any = None,
+    progress: Callable[[float, str], None] | None = None,
+    evaluate: bool = True,
+) -> TrainResult:
+    """Train `model` in place on `task` with one algorithm; returns the curves and accuracies.
+
+    Prompts of step s are train-split items s*batch .. (s+1)*batch-1 of task.examples(seed=seed);
+    sampling is seeded by (seed, step), so a masked and a full run with the same config see the
+    same prompts and (until the policies diverge) the same random numbers.
+    """
+    from compute.models import greedy_accuracy
+    from compute.sampling import build_rollout, sample_completions
+
+    progress = progress or (lambda f, m="": None)
+    torch.manual_seed(config.seed)
+    if config.algo == "opd":
+        if teacher is None:
+            raise ValueError("teacher: on-policy distillation (algo 'opd') needs a teacher model")
+        if teacher_tokenizer is not None:
+            check_same_tokenizer(tokenizer, teacher_tokenizer)
+        teacher.eval()
+        for p in teacher.parameters():
+            p.requires_grad_(False)
+    params = prepare_masked_params(model, mask)
+    n_total = sum(p.numel() for p in model.parameters())
+    n_train = sum(int(m.sum()) if m is not None else p.numel() for _, p, m in params)
+    ref = None
+    if config.algo == "grpo" and config.kl_coef > 0:
+        ref = copy.deepcopy(model).eval()
+        for p in ref.parameters():
+            p.requires_grad_(False)
+    opt = MaskedOptimizer(
+        params, config.optimizer, config.lr, config.weight_decay,
+        (config.beta1, config.beta2), config.adam_eps, config.momentum,
+    )
+
+    def acc() -> float:
+        return greedy_accuracy(model, tokenizer, task, n=config.eval_prompts, split="test",
+                               seed=0, max_new_tokens=config.eval_max_new_tokens)
+
+    t0 = time.perf_counter()
+    before = acc() if evaluate else float("nan")
+    curve: list[dict[str, float]] = []
+    for step in range(config.steps):
+        examples = task.examples(config.batch, seed=config.seed, split="train", start=step * config.batch)
+        prompts = [e.prompt for e in examples]
+        answers = [e.answer for e in examples]
+        row: dict[str, float] = {"step": step + 1}
+        step_seed = config.seed * 1_000_003 + step
+        model.train()
+        if config.algo == "sft" and config.sft_source == "gold":
+            roll = build_rollout(tokenizer, prompts, answers, device=next(model.parameters()).device)
+            rewards = torch.ones(len(prompts))
+        else:
+            roll = sample_completions(
+                model, tokenizer, prompts, samples=config.group,
+                max_new_tokens=config.max_new_tokens, temperature=config.temperature, seed=step_seed,
+            )
+            rewards = _rewards(task, roll.completions, [answers[i] for i in roll.prompt_index.tolist()])
+            row["reward"] = float(rewards.mean())
+        ids, am = roll.input_ids, roll.attention_mask
+        cmask = roll.completion_mask[:, 1:]  # (N, L-1): aligned with rollout_logprobs
+        stats: dict[str, float] = {}
+        updates = config.inner_steps if config.algo == "grpo" else 1
+        old_lp = ref_lp = None
+        if config.algo == "grpo":
+            adv = group_advantages(rewards, roll.prompt_index.cpu(), config.scale_std).to(ids.device)
+            if updates > 1:
+                with torch.no_grad():
+                    old_lp, _ = rollout_logprobs(model, ids, am)
+            if ref is not None:
+                with torch.no_grad():
+                    ref_lp, _ = rollout_logprobs(ref, ids, am)
+        if config.algo == "sft" and config.sft_source == "self":
+            keep = keep_rewarded(rewards)
+            row["kept"] = float(len(keep))
+            if len(keep) == 0:
+                curve.append(row)
+                progress((step + 1) / config.steps, f"step {step + 1}/{config.steps}: no rewarded sample")
+                continue
+            roll = roll.select(keep)
+            ids, am, cmask = roll.input_ids, roll.attention_mask, roll.completion_mask[:, 1:]
+        t_logits = t_lp = None
+        if config.algo == "opd":
+            with torch.no_grad():
+                t_lp, t_logits = rollout_logprobs(
+                    teacher, ids, am, with_logits=config.distill_estimator == "full"
+                )
+        for _ in range(updates):
+            opt.zero_grad()
+            need_logits = config.algo == "opd" and config.distill_estimator == "full"
+            lp, logits = rollout_logprobs(model, ids, am, with_logits=need_logits)
+            if config.algo == "grpo":
+                loss, stats = grpo_loss(
+                    lp, old_lp if old_lp is not None else lp.detach(), adv, cmask,
+                    config.clip_eps, ref_lp, config.kl_coef, config.aggregation,
+                )
+            elif config.algo == "opd":
+                if logits is not None and t_logits is not None and logits.shape[-1] != t_logits.shape[-1]:
+                    v = min(logits.shape[-1], t_logits.shape[-1])  # padded vocab rows carry no tokens
+                    logits, t_logits = logits[..., :v], t_logits[..., :v]
+                loss, stats = distill_loss(
+                    lp, t_lp, cmask, config.distill_estimator, logits, t_logits, config.aggregation
+                )
+            else:
+                loss = sft_loss(lp, cmask, config.aggregation)
+            loss.backward()
+            mask_gradients(params)
+            row["grad_norm"] = clip_grad_norm(params, config.grad_clip)
+            opt.step()
+        row["loss"] = float(loss.detach())
+        row.update({k: float(v) for k, v in stats.items()})
+        if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < config.steps:
+            row["accuracy"] = acc()
+        curve.append(row)
+        msg = f"step {step + 1}/{config.steps}" + (f" reward {row['reward']:.3f}" if "reward" in row else "")
+        progress((step + 1) / config.steps, msg)
+    model.eval()
+    after = acc() if evaluate else float("nan")
+    for p in model.parameters():
+        p.requires_grad_(True)
+    settings = asdict(config)
+    settings["masked"] = mask is not None
+    return TrainResult(curve, before, after, settings, time.perf_counter() - t0, n_train / max(1, n_total))
+
+
+def save_output(
+    model: torch.nn.Module, tokenizer: Any, out_dir: str | Path, metrics: Mapping[str, Any]
+) -> Path:
+    """Write the trained model + tokenizer (HF format) and metrics.json into out_dir."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True, default=str))
+    return out
