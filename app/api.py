@@ -1,0 +1,276 @@
+"""REST API: jobs, results, downloads, models. No torch (tasks are sent by name via app.services).
+
+Errors speak to the user: 422 {"detail": [{"field", "message"}]} on bad input (nothing queued),
+404 {"detail": "..."} for an unknown job id or share token.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, HTTPException, Query, Request
+from fastapi.responses import FileResponse, JSONResponse, Response
+from pydantic import BaseModel, Field
+from starlette.background import BackgroundTask
+
+from app import plots, services
+from compute.specs import SPECS, SpecError
+from storage.models import JOB_STATUSES
+
+ZOO_INFO_FILE = "fisherlens.json"  # written by compute.zoo next to each zoo model (no torch here)
+
+
+class JobRequest(BaseModel):
+    kind: str = Field(..., description=f"job kind: one of {', '.join(SPECS)}")
+    spec: dict[str, Any] = Field(
+        default_factory=dict,
+        description="the job spec; keys as the matching CLI flags (see `fisherlens submit`)",
+    )
+
+    model_config = {"json_schema_extra": {"examples": [
+        {"kind": "fisher", "spec": {"model": "arith-base", "task": "arithmetic", "prompts": 8, "samples": 2}}
+    ]}}
+
+
+class RegisterModel(BaseModel):
+    path: str = Field(..., min_length=1, max_length=1000,
+                      description="local Hugging Face model folder inside the allowed model roots")
+    name: str | None = Field(None, max_length=200, description="display name (default: folder name)")
+
+
+def spec_error_response(exc: SpecError) -> JSONResponse:
+    return JSONResponse(status_code=422, content={"detail": exc.errors})
+
+
+def _not_found(what: str) -> HTTPException:
+    return HTTPException(status_code=404, detail=what)
+
+
+# ---------------------------------------------------------------- models (no torch)
+
+
+def zoo_models(settings: Any) -> list[dict[str, Any]]:
+    """Built zoo models, read from their config.json and fisherlens.json (no torch import)."""
+    out = []
+    zoo = Path(settings.zoo_dir)
+    if not zoo.is_dir():
+        return out
+    for folder in sorted(p for p in zoo.iterdir() if (p / "config.json").is_file()):
+        out.append({"name": folder.name, "source": "zoo", **_folder_info(folder)})
+    return out
+
+
+def _folder_info(folder: Path) -> dict[str, Any]:
+    info: dict[str, Any] = {}
+    try:
+        cfg = json.loads((folder / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        cfg = {}
+    try:
+        extra = json.loads((folder / ZOO_INFO_FILE).read_text())
+    except (OSError, json.JSONDecodeError):
+        extra = {}
+    archs = cfg.get("architectures") or []
+    info["architecture"] = extra.get("architecture") or (archs[0] if archs else cfg.get("model_type"))
+    info["n_layers"] = extra.get("n_layers") or cfg.get("num_hidden_layers") or cfg.get("n_layer")
+    info["n_params"] = extra.get("n_params") or extra.get("params")
+    info["hidden_size"] = cfg.get("hidden_size") or cfg.get("n_embd")
+    info["vocab_size"] = cfg.get("vocab_size")
+    if extra.get("accuracy") is not None:
+        info["accuracy"] = extra["accuracy"]
+    info["path"] = str(folder)
+    return info
+
+
+def all_models(settings: Any) -> list[dict[str, Any]]:
+    """Zoo models first, then registered local models (name, source, architecture, sizes)."""
+    rows = zoo_models(settings)
+    names = {r["name"] for r in rows}
+    for m in services.list_models(settings):
+        if m["name"] in names:
+            continue
+        rows.append({
+            "name": m["name"], "source": m["source"], "architecture": m["architecture"],
+            "n_layers": m["n_layers"], "n_params": m["n_params"],
+            "hidden_size": (m.get("info") or {}).get("hidden_size"),
+            "vocab_size": (m.get("info") or {}).get("vocab_size"),
+            "path": m["source"],
+        })
+    return rows
+
+
+def register_local_model(settings: Any, path: str, name: str | None = None) -> dict[str, Any]:
+    """Register a local HF folder (must be inside the allowed model roots). SpecError naming
+    `path` otherwise. The stored source is the resolved path, usable as a job's `model`."""
+    from compute.modelref import model_revision, resolve_model
+    from storage import repo
+
+    try:
+        resolved = resolve_model(path.strip(), settings)
+        if not Path(resolved).is_absolute():
+            raise ValueError("model: register local folders only (hub ids are used directly)")
+        revision = model_revision(resolved, settings)
+    except ValueError as exc:
+        msg = str(exc)
+        raise SpecError([{"field": "path", "message": msg.split(": ", 1)[1] if msg.startswith("model: ") else msg}]) from None
+    info = _folder_info(Path(resolved))
+    label = (name or "").strip() or Path(resolved).name
+    with services.sessions(settings)() as s:
+        row = repo.register_model(
+            session=s, name=label, source=resolved, revision=revision,
+            architecture=info.get("architecture"), n_params=info.get("n_params"),
+            n_layers=info.get("n_layers"),
+            info={k: info.get(k) for k in ("hidden_size", "vocab_size")},
+        )
+        return repo.model_dict(row)
+
+
+# ---------------------------------------------------------------- downloads
+
+
+def stats_csv(result: dict[str, Any]) -> str:
+    headers, rows = plots.layer_stats_table(result)
+    buf = io.StringIO()
+    w = csv.writer(buf)
+    w.writerow(headers)
+    for r in rows:
+        w.writerow(["" if v is None else v for v in r])
+    return buf.getvalue()
+
+
+def stats_json(result: dict[str, Any]) -> dict[str, Any]:
+    return {k: result.get(k) for k in ("job", "kind", "summary", "layer_stats", "heatmaps", "series")}
+
+
+def _download_name(result: dict[str, Any], suffix: str) -> str:
+    job = result.get("job") or {}
+    return f"fisherlens-{job.get('kind', 'job')}-{job.get('id', '')}-{suffix}"
+
+
+# ---------------------------------------------------------------- router
+
+
+def make_router(settings: Any) -> APIRouter:
+    """All /api routes for `settings` (no module-level state: each app has its own router)."""
+    r = APIRouter(prefix="/api")
+
+    def result_or_404(token: str) -> dict[str, Any]:
+        res = services.result_by_token(settings, token)
+        if res is None:
+            raise _not_found(f"token: no result with share token {token!r}")
+        return res
+
+    @r.post("/jobs", status_code=201, tags=["jobs"], summary="Submit a job")
+    def submit_job(req: JobRequest) -> Any:
+        """Validate and queue a job (or return the stored result of an identical one:
+        `reused: true`). 422 names each bad field and its accepted range; nothing is queued."""
+        try:
+            job = services.submit(settings, req.kind, req.spec)
+        except SpecError as exc:
+            return spec_error_response(exc)
+        except RuntimeError as exc:
+            raise HTTPException(status_code=503, detail=str(exc)) from None
+        return job
+
+    @r.get("/jobs", tags=["jobs"], summary="List jobs, newest first")
+    def list_jobs(
+        kind: str | None = Query(None, description=f"one of {', '.join(SPECS)}"),
+        status: str | None = Query(None, description=f"one of {', '.join(JOB_STATUSES)}"),
+        limit: int = Query(100, ge=1, le=1000),
+    ) -> Any:
+        if kind is not None and kind not in SPECS:
+            return spec_error_response(SpecError([{"field": "kind", "message": f"got {kind!r}; accepted: {', '.join(SPECS)}"}]))
+        if status is not None and status not in JOB_STATUSES:
+            return spec_error_response(SpecError([{"field": "status", "message": f"got {status!r}; accepted: {', '.join(JOB_STATUSES)}"}]))
+        return services.list_jobs(settings, limit=limit, kind=kind, status=status)
+
+    @r.get("/jobs/{job_id}", tags=["jobs"], summary="One job: status, progress, message, error")
+    def get_job(job_id: int) -> Any:
+        job = services.get_job(settings, job_id)
+        if job is None:
+            raise _not_found(f"job: no job with id {job_id}")
+        return job
+
+    @r.post("/jobs/{job_id}/cancel", tags=["jobs"], summary="Cancel a queued or running job")
+    def cancel_job(job_id: int) -> Any:
+        try:
+            return services.cancel(settings, job_id)
+        except LookupError:
+            raise _not_found(f"job: no job with id {job_id}") from None
+
+    @r.post("/jobs/{job_id}/rerun", status_code=201, tags=["jobs"],
+            summary="Run a finished job's spec again (a new job, computed again)")
+    def rerun_job(job_id: int) -> Any:
+        try:
+            return services.rerun(settings, job_id)
+        except LookupError:
+            raise _not_found(f"job: no job with id {job_id}") from None
+        except SpecError as exc:
+            return spec_error_response(exc)
+        except ValueError as exc:
+            raise HTTPException(status_code=409, detail=str(exc)) from None
+        except RuntimeError as exc:
+            raise HTTPException(status_code=503, detail=str(exc)) from None
+
+    @r.get("/results/{token}", tags=["results"], summary="A stored result (JSON) by share token")
+    def get_result(token: str) -> Any:
+        return result_or_404(token)
+
+    @r.get("/results/{token}/stats.csv", tags=["results"], summary="Per-parameter statistics as CSV")
+    def get_stats_csv(token: str) -> Response:
+        res = result_or_404(token)
+        return Response(stats_csv(res), media_type="text/csv", headers={
+            "Content-Disposition": f'attachment; filename="{_download_name(res, "stats.csv")}"'})
+
+    @r.get("/results/{token}/stats.json", tags=["results"], summary="All statistics as JSON")
+    def get_stats_json(token: str) -> Response:
+        res = result_or_404(token)
+        return Response(json.dumps(stats_json(res), indent=1, default=str), media_type="application/json",
+                        headers={"Content-Disposition":
+                                 f'attachment; filename="{_download_name(res, "stats.json")}"'})
+
+    @r.get("/results/{token}/artifacts/{kind}", tags=["results"],
+           summary="Download an artifact (safetensors; folders as .zip)")
+    def get_artifact(token: str, kind: str) -> Any:
+        res = result_or_404(token)
+        from storage.artifacts import ArtifactError
+
+        try:
+            path = services.artifact_path(settings, token, kind)
+        except ArtifactError as exc:
+            raise HTTPException(status_code=500, detail=f"artifact {kind}: {exc}") from None
+        if path is None:
+            kinds = ", ".join(a["kind"] for a in res.get("artifacts") or []) or "none"
+            raise _not_found(f"artifact: this result has no {kind!r} artifact; it has: {kinds}")
+        if path.is_dir():
+            tmp = Path(tempfile.mkdtemp(prefix="fl-zip-"))
+            archive = shutil.make_archive(str(tmp / kind), "zip", root_dir=path)
+            return FileResponse(archive, media_type="application/zip",
+                                filename=_download_name(res, f"{kind}.zip"),
+                                background=BackgroundTask(shutil.rmtree, tmp, ignore_errors=True))
+        return FileResponse(path, media_type="application/octet-stream",
+                            filename=_download_name(res, path.name))
+
+    @r.get("/models", tags=["models"], summary="Zoo and registered local models")
+    def list_models() -> Any:
+        return all_models(settings)
+
+    @r.post("/models", status_code=201, tags=["models"],
+            summary="Register a local HF model folder (inside the allowed roots only)")
+    def register_model(req: RegisterModel) -> Any:
+        try:
+            return register_local_model(settings, req.path, req.name)
+        except SpecError as exc:
+            return spec_error_response(exc)
+
+    @r.get("/health", tags=["meta"], include_in_schema=False)
+    def health(request: Request) -> Any:
+        return {"ok": True}
+
+    return r
