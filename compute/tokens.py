@@ -1,0 +1,290 @@
+"""The token mechanism behind low on-policy Fisher (SCIENCE.md section 5), for one context.
+
+At the next position, with logits z (V,) and probabilities p = softmax(z), let g_v = dz_v/dθ
+(over the whole model or one layer's parameters) and gbar = sum_v p_v g_v. Then
+d log p(v)/dθ = g_v - gbar and the position's diagonal Fisher is
+
+    F_i = sum_v p_v (g_{v,i} - gbar_i)^2,    trace F = sum_v c_v,  c_v = p_v ||g_v - gbar||^2.
+
+So each token's contribution to the Fisher is c_v, and its share is c_v / trace F. Everything is
+computed from the Gram matrix of the vectors {g_v} and gbar, accumulated over chunks of
+parameters so that memory stays within `memory_budget_mb` (one backward pass per token per
+chunk). gbar itself is one backward pass of sum_v p_v z_v (p detached), so it is exact for any
+vocabulary. The trace is exact when the whole vocabulary is enumerated (V <= full_vocab_max);
+otherwise it is summed over the most likely tokens until `mass_target` of the probability is
+covered or `max_tokens` tokens are used, and the covered mass is reported.
+
+Contrast sets: `random_k` tokens drawn uniformly (seeded) from the tokens outside the top-k, and
+`low_k` least likely tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from compute.naming import layer_index
+
+Progress = Callable[[float, str], None]
+
+
+@dataclass(frozen=True)
+class TokensConfig:
+    top_k: int = field(default=8, metadata={"help": "number of most likely next tokens shown"})
+    layer: int | None = field(default=None, metadata={"help": "only this block's parameters (None = whole model)"})
+    random_k: int = field(default=8, metadata={"help": "uniformly random contrast tokens (outside the top-k)"})
+    low_k: int = field(default=8, metadata={"help": "least likely contrast tokens"})
+    seed: int = field(default=0, metadata={"help": "seed of the random contrast tokens"})
+    full_vocab_max: int = field(default=1024, metadata={"help": "enumerate the whole vocabulary up to this size"})
+    mass_target: float = field(default=0.99, metadata={"help": "probability mass to cover for large vocabularies"})
+    max_tokens: int = field(default=256, metadata={"help": "cap on tokens enumerated for the Fisher trace"})
+    memory_budget_mb: float = field(default=1024.0, metadata={"help": "bound on the stored gradient rows per chunk"})
+
+    def __post_init__(self) -> None:
+        if self.top_k < 1:
+            raise ValueError(f"top_k: got {self.top_k}; accepted range: >= 1")
+        if self.random_k < 0 or self.low_k < 0:
+            raise ValueError("random_k: must be >= 0 (and low_k too)")
+        if not 0.0 < self.mass_target <= 1.0:
+            raise ValueError(f"mass_target: got {self.mass_target}; accepted range: > 0, <= 1")
+        if self.max_tokens < 1 or self.full_vocab_max < 1:
+            raise ValueError("max_tokens: must be >= 1 (and full_vocab_max too)")
+        if not self.memory_budget_mb > 0:
+            raise ValueError(f"memory_budget_mb: got {self.memory_budget_mb}; accepted range: > 0")
+
+
+@dataclass
+class TokenSet:
+    ids: list[int]
+    probs: list[float]
+    contrib: list[float]  # c_v = p_v ||g_v - gbar||^2
+    share: list[float]  # c_v / trace F (covered)
+    deviation: list[float]  # ||g_v - gbar||^2 (the per-token squared score norm)
+    grad_norm: list[float]  # ||g_v||
+    cosine: torch.Tensor  # (n, n) cosine similarity of g_v
+
+    def mean_offdiag_cosine(self) -> float:
+        n = len(self.ids)
+        if n < 2:
+            return float("nan")
+        c = self.cosine.double()
+        return float((c.sum() - c.diagonal().sum()) / (n * (n - 1)))
+
+
+@dataclass
+class TokensResult:
+    context_ids: list[int]
+    probs: torch.Tensor  # (V,) float32
+    entropy: float
+    top: TokenSet
+    random: TokenSet
+    low: TokenSet
+    fisher_trace: float  # sum over covered tokens of c_v
+    covered_ids: list[int]
+    covered_mass: float
+    exact: bool  # whole vocabulary enumerated
+    gbar_norm: float
+    n_params: int
+    scope: str
+    tensor_fisher: dict[str, float]  # per-tensor sum_i F_i over the covered tokens
+    position_fisher: dict[str, torch.Tensor] | None = None  # per-coordinate F (keep_fisher)
+    settings: dict[str, Any] = field(default_factory=dict)
+
+
+def scope_parameters(model: torch.nn.Module, layer: int | None) -> dict[str, torch.nn.Parameter]:
+    """Trainable parameters of the whole model, or of transformer block `layer`."""
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    if layer is None:
+        return params
+    chosen = {n: p for n, p in params.items() if layer_index(n) == layer}
+    if not chosen:
+        layers = sorted({i for n in params if (i := layer_index(n)) is not None})
+        rng = f"{layers[0]}..{layers[-1]}" if layers else "none"
+        raise ValueError(f"layer: {layer} is not a block of this model; accepted: {rng}")
+    return chosen
+
+
+def _chunks(params: Mapping[str, torch.Tensor], rows: int, budget_bytes: int) -> list[list[str]]:
+    """Groups of parameter names whose (rows x numel) float32 matrix fits the budget."""
+    out: list[list[str]] = []
+    cur: list[str] = []
+    size = 0
+    for n, p in params.items():
+        b = rows * p.numel() * 4
+        if cur and size + b > budget_bytes:
+            out.append(cur)
+            cur, size = [], 0
+        cur.append(n)
+        size += b
+    if cur:
+        out.append(cur)
+    return out
+
+
+def covered_tokens(probs: torch.Tensor, cfg: TokensConfig) -> tuple[list[int], bool]:
+    """Token ids enumerated for the Fisher trace (most likely first) and whether that is all of V."""
+    V = probs.numel()
+    order = torch.sort(probs.double(), descending=True, stable=True).indices
+    if V <= cfg.full_vocab_max:
+        return order.tolist(), True
+    cum = torch.cumsum(probs.double()[order], 0)
+    n = int((cum < cfg.mass_target).sum()) + 1  # smallest prefix reaching the target
+    n = max(1, min(n, cfg.max_tokens, V))
+    return order[:n].tolist(), n == V
+
+
+def token_sets(probs: torch.Tensor, cfg: TokensConfig) -> tuple[list[int], list[int], list[int]]:
+    """(top-k, random contrast, lowest-probability contrast) token ids."""
+    V = probs.numel()
+    order = torch.sort(probs.double(), descending=True, stable=True).indices.tolist()
+    top = order[: min(cfg.top_k, V)]
+    rest = order[len(top):]
+    g = torch.Generator().manual_seed(int(cfg.seed))
+    pick = torch.randperm(len(rest), generator=g)[: min(cfg.random_k, len(rest))].tolist()
+    rnd = [rest[i] for i in pick]
+    low = order[::-1][: min(cfg.low_k, len(rest))]
+    return top, rnd, low
+
+
+def next_token_logits(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    """Logits (V,) at the last position of one context (1, L), with the graph kept."""
+    out = model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), use_cache=False)
+    return out.logits[0, -1]  # (V,)
+
+
+def token_mechanism(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    cfg: TokensConfig | None = None,
+    keep_fisher: bool = False,
+    progress: Progress | None = None,
+) -> TokensResult:
+    """Sensitivities, cosine similarities and Fisher shares of the next tokens after one context.
+
+    input_ids: (1, L) or (L,) long on the model's device. The model is used in eval mode (no
+    dropout) and its parameters' .grad are left untouched (autograd.grad is used).
+    """
+    cfg = cfg or TokensConfig()
+    if input_ids.dim() == 1:
+        input_ids = input_ids[None]
+    if input_ids.shape[0] != 1 or input_ids.shape[1] < 1:
+        raise ValueError(f"context: expected one non-empty context, got shape {list(input_ids.shape)}")
+    params = scope_parameters(model, cfg.layer)
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.enable_grad():
+            z = next_token_logits(model, input_ids).float()  # (V,)
+            probs = torch.softmax(z.detach().double(), -1)  # (V,) float64
+            covered, exact = covered_tokens(probs, cfg)
+            top, rnd, low = token_sets(probs, cfg)
+            union = list(dict.fromkeys([*covered, *top, *rnd, *low]))
+            row = {v: i for i, v in enumerate(union)}
+            R = len(union) + 1  # last row: gbar
+            gram = torch.zeros(R, R, dtype=torch.float64)
+            cov_idx = torch.tensor([row[v] for v in covered])
+            p_cov = probs[covered].to(torch.float64)  # (C,)
+            tensor_fisher: dict[str, float] = {}
+            pos_fisher: dict[str, torch.Tensor] = {}
+            gbar_obj = (probs.to(z.dtype).detach() * z).sum()
+            chunks = _chunks(params, R, int(cfg.memory_budget_mb * 2**20))
+            steps = len(chunks) * R
+            done = 0
+            for chunk in chunks:
+                inputs = [params[n] for n in chunk]
+                sizes = [p.numel() for p in inputs]
+                J = torch.empty(R, sum(sizes), dtype=torch.float32, device=z.device)  # (R, D_chunk)
+                for v in union:
+                    gs = torch.autograd.grad(z[v], inputs, retain_graph=True, allow_unused=True)
+                    J[row[v]] = _flat(gs, inputs)
+                    done += 1
+                    if progress and done % 8 == 0:
+                        progress(done / steps, f"token sensitivities {done}/{steps}")
+                gs = torch.autograd.grad(gbar_obj, inputs, retain_graph=True, allow_unused=True)
+                J[R - 1] = _flat(gs, inputs)
+                done += 1
+                gram += (J.double() @ J.double().T).cpu()
+                # per-coordinate Fisher over the covered tokens: sum_v p_v (g_v - gbar)^2
+                dev = J[cov_idx.to(J.device)].double() - J[R - 1].double()  # (C, D_chunk)
+                f = (p_cov.to(J.device)[:, None] * dev.pow(2)).sum(0)  # (D_chunk,)
+                for n, part, p in zip(chunk, torch.split(f, sizes), inputs, strict=True):
+                    tensor_fisher[n] = float(part.sum())
+                    if keep_fisher:
+                        pos_fisher[n] = part.float().view_as(p).cpu()
+                del J, dev, f
+    finally:
+        model.train(was_training)
+
+    gbar_sq = float(gram[R - 1, R - 1])
+    diag = gram.diagonal()[:-1]  # ||g_v||^2
+    cross = gram[:-1, R - 1]  # g_v . gbar
+    deviation = (diag - 2 * cross + gbar_sq).clamp_min(0.0)  # ||g_v - gbar||^2, (R-1,)
+    trace = float((p_cov * deviation[cov_idx]).sum())
+
+    def tset(ids: list[int]) -> TokenSet:
+        idx = torch.tensor([row[v] for v in ids], dtype=torch.long)
+        g = gram[idx][:, idx]  # (n, n)
+        norms = g.diagonal().clamp_min(0.0).sqrt()
+        denom = norms[:, None] * norms[None, :]
+        cos = torch.where(denom > 0, g / denom.clamp_min(1e-300), torch.zeros_like(g))
+        pr = probs[ids].tolist() if ids else []
+        dv = deviation[idx].tolist() if ids else []
+        contrib = [p * d for p, d in zip(pr, dv, strict=True)]
+        return TokenSet(
+            ids=list(ids), probs=pr, contrib=contrib,
+            share=[c / trace if trace > 0 else float("nan") for c in contrib],
+            deviation=dv, grad_norm=norms.tolist(), cosine=cos.float(),
+        )
+
+    ent = float(-(probs * torch.log(probs.clamp_min(1e-300))).sum())
+    return TokensResult(
+        context_ids=input_ids[0].tolist(),
+        probs=probs.float().cpu(),
+        entropy=ent,
+        top=tset(top),
+        random=tset(rnd),
+        low=tset(low),
+        fisher_trace=trace,
+        covered_ids=covered,
+        covered_mass=float(p_cov.sum()),
+        exact=exact,
+        gbar_norm=math.sqrt(max(gbar_sq, 0.0)),
+        n_params=sum(p.numel() for p in params.values()),
+        scope="model" if cfg.layer is None else f"layer {cfg.layer}",
+        tensor_fisher=tensor_fisher,
+        position_fisher=pos_fisher if keep_fisher else None,
+        settings={
+            "top_k": cfg.top_k, "random_k": cfg.random_k, "low_k": cfg.low_k, "seed": cfg.seed,
+            "full_vocab_max": cfg.full_vocab_max, "mass_target": cfg.mass_target,
+            "max_tokens": cfg.max_tokens, "memory_budget_mb": cfg.memory_budget_mb,
+            "parameter_chunks": len(chunks),
+            "random_tokens_from": "uniform over tokens outside the top-k",
+        },
+    )
+
+
+def _flat(grads: tuple[torch.Tensor | None, ...], inputs: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenate gradients (None = zero, e.g. a parameter the logit does not depend on)."""
+    return torch.cat([
+        (g if g is not None else torch.zeros_like(p)).reshape(-1).float()
+        for g, p in zip(grads, inputs, strict=True)
+    ])
+
+
+def encode_context(tokenizer: Any, context: str, device: torch.device | str = "cpu") -> torch.Tensor:
+    """(1, L) ids of the context as the tokenizer encodes it (its own special tokens included)."""
+    ids = tokenizer(context)["input_ids"]
+    if not ids:
+        raise ValueError(f"context: {context!r} encodes to no tokens")
+    return torch.tensor([ids], dtype=torch.long, device=device)
+
+
+def decode_token(tokenizer: Any, token_id: int) -> str:
+    try:
+        return tokenizer.decode([token_id])
+    except Exception:  # noqa: BLE001 - some tokenizers fail on special ids; show the raw token
+        return str(tokenizer.convert_ids_to_tokens(token_id))

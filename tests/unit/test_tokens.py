@@ -1,0 +1,137 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from compute.tokens import TokensConfig, scope_parameters, token_mechanism, token_sets
+
+VOCAB = 12
+
+
+def _model(arch: str = "qwen3", seed: int = 0):
+    from transformers import GPT2Config, GPT2LMHeadModel, Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    if arch == "qwen3":
+        cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=16, intermediate_size=24, num_hidden_layers=2,
+                          num_attention_heads=2, num_key_value_heads=1, head_dim=8,
+                          tie_word_embeddings=False, max_position_embeddings=32)
+        model = Qwen3ForCausalLM(cfg)
+    else:
+        cfg = GPT2Config(vocab_size=VOCAB, n_embd=16, n_layer=2, n_head=2, n_positions=32,
+                         tie_word_embeddings=True, attn_pdrop=0.0, embd_pdrop=0.0, resid_pdrop=0.0)
+        model = GPT2LMHeadModel(cfg)
+    with torch.no_grad():  # larger weights than the HF init so the distribution is not flat
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0, 0.5)
+    return model.eval()
+
+
+def _brute(model, ids: torch.Tensor, layer: int | None = None):
+    """g_v for every token by one autograd call each; p; per-coordinate position Fisher."""
+    params = scope_parameters(model, layer)
+    z = model(input_ids=ids).logits[0, -1]
+    p = torch.softmax(z.detach().double(), -1)
+    G = torch.stack([
+        torch.cat([g.reshape(-1) for g in torch.autograd.grad(z[v], list(params.values()), retain_graph=True)])
+        for v in range(z.numel())
+    ]).double()  # (V, D)
+    gbar = (p[:, None] * G).sum(0)
+    F = (p[:, None] * (G - gbar).pow(2)).sum(0)  # (D,)
+    return G, p, F, params
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gpt2"])
+def test_trace_matches_fisher_engine_and_brute_force(arch: str) -> None:
+    model = _model(arch)
+    ids = torch.tensor([[3, 5, 7, 2]])
+    res = token_mechanism(model, ids, TokensConfig(top_k=4, random_k=3, low_k=2), keep_fisher=True)
+    G, p, F, params = _brute(model, ids)
+    assert res.exact and res.covered_mass == pytest.approx(1.0)
+    assert len(res.covered_ids) == VOCAB
+    assert res.fisher_trace == pytest.approx(float(F.sum()), rel=1e-5)
+    assert torch.allclose(res.probs.double(), p, atol=1e-6)
+    # per-coordinate position Fisher, by tensor
+    flat = torch.cat([res.position_fisher[n].reshape(-1) for n in params]).double()
+    torch.testing.assert_close(flat, F, rtol=1e-4, atol=1e-9)
+    # the Fisher engine, token estimator, over all V next tokens weighted by p
+    from compute.fisher import fisher_from_samples
+
+    L = ids.shape[1]
+    inp = torch.cat([ids.repeat(VOCAB, 1), torch.arange(VOCAB)[:, None]], 1)  # (V, L+1)
+    cm = torch.zeros(VOCAB, L + 1, dtype=torch.bool)
+    cm[:, -1] = True
+    fisher = fisher_from_samples(model, inp, torch.ones_like(inp), cm, estimator="token",
+                                 weights=p.float())
+    assert res.fisher_trace == pytest.approx(sum(float(f.sum()) for f in fisher.values()), rel=1e-4)
+    for n in params:
+        assert res.tensor_fisher[n] == pytest.approx(float(fisher[n].sum()), rel=1e-3, abs=1e-10)
+
+
+def test_cosines_contributions_by_brute_force() -> None:
+    model = _model()
+    ids = torch.tensor([[1, 4, 4, 9, 0]])
+    cfg = TokensConfig(top_k=5, random_k=4, low_k=3, seed=1)
+    res = token_mechanism(model, ids, cfg)
+    G, p, F, _ = _brute(model, ids)
+    gbar = (p[:, None] * G).sum(0)
+    for ts in (res.top, res.random, res.low):
+        g = G[ts.ids]
+        cos = torch.nn.functional.cosine_similarity(g[:, None, :], g[None, :, :], dim=-1)
+        torch.testing.assert_close(ts.cosine.double(), cos, atol=1e-5, rtol=1e-5)
+        dev = (g - gbar).pow(2).sum(1)
+        torch.testing.assert_close(torch.tensor(ts.deviation, dtype=torch.float64), dev, rtol=1e-4, atol=1e-9)
+        torch.testing.assert_close(torch.tensor(ts.contrib, dtype=torch.float64), p[ts.ids] * dev, rtol=1e-4, atol=1e-12)
+        torch.testing.assert_close(torch.tensor(ts.share, dtype=torch.float64), p[ts.ids] * dev / F.sum(), rtol=1e-4, atol=1e-12)
+    n = len(res.top.ids)
+    c = res.top.cosine.double()
+    assert res.top.mean_offdiag_cosine() == pytest.approx(float((c.sum() - n) / (n * (n - 1))), abs=1e-5)
+    # top tokens sorted by probability; shares over the full vocabulary sum to 1
+    assert res.top.probs == sorted(res.top.probs, reverse=True)
+    assert res.top.probs[0] == pytest.approx(float(p.max()))
+
+
+def test_token_sets_disjoint_seeded() -> None:
+    probs = torch.softmax(torch.randn(50, generator=torch.Generator().manual_seed(0)), -1)
+    cfg = TokensConfig(top_k=5, random_k=6, low_k=4, seed=3)
+    top, rnd, low = token_sets(probs, cfg)
+    assert top == torch.topk(probs, 5).indices.tolist()
+    assert not set(top) & set(rnd) and not set(top) & set(low) and len(set(rnd)) == 6
+    assert low == torch.topk(-probs, 4).indices.tolist()
+    assert token_sets(probs, cfg)[1] == rnd
+    assert token_sets(probs, TokensConfig(top_k=5, random_k=6, low_k=4, seed=4))[1] != rnd
+
+
+def test_layer_scope_and_chunking_agree() -> None:
+    model = _model()
+    ids = torch.tensor([[2, 3]])
+    full = token_mechanism(model, ids, TokensConfig(top_k=4, layer=1))
+    G, p, F, params = _brute(model, ids, layer=1)
+    assert set(params) == {n for n in params if ".layers.1." in n} and len(params) > 3
+    assert full.n_params == G.shape[1] and full.scope == "layer 1"
+    assert full.fisher_trace == pytest.approx(float(F.sum()), rel=1e-5)
+    # a tiny memory budget splits the parameters into many chunks: same numbers
+    small = token_mechanism(model, ids, TokensConfig(top_k=4, layer=1, memory_budget_mb=0.01))
+    assert small.settings["parameter_chunks"] > 3 and full.settings["parameter_chunks"] == 1
+    assert small.fisher_trace == pytest.approx(full.fisher_trace, rel=1e-6)
+    torch.testing.assert_close(small.top.cosine, full.top.cosine, rtol=1e-5, atol=1e-6)
+    assert small.tensor_fisher == pytest.approx(full.tensor_fisher, rel=1e-5)
+    with pytest.raises(ValueError, match=r"layer: 7 is not a block of this model; accepted: 0..1"):
+        token_mechanism(model, ids, TokensConfig(layer=7))
+
+
+def test_large_vocabulary_covers_mass_and_states_it() -> None:
+    model = _model()
+    ids = torch.tensor([[5, 6, 7]])
+    exact = token_mechanism(model, ids, TokensConfig(top_k=3))
+    part = token_mechanism(model, ids, TokensConfig(top_k=3, full_vocab_max=4, mass_target=0.8, max_tokens=50))
+    assert not part.exact
+    assert part.covered_mass >= 0.8 and len(part.covered_ids) < VOCAB
+    cum = torch.sort(part.probs.double(), descending=True).values.cumsum(0)
+    assert len(part.covered_ids) == int((cum < 0.8).sum()) + 1
+    assert part.fisher_trace < exact.fisher_trace
+    # contributions of the covered tokens are exact (gbar is over the full vocabulary)
+    torch.testing.assert_close(torch.tensor(part.top.contrib), torch.tensor(exact.top.contrib), rtol=1e-5, atol=0)
+    capped = token_mechanism(model, ids, TokensConfig(top_k=3, full_vocab_max=4, mass_target=1.0, max_tokens=5))
+    assert len(capped.covered_ids) == 5 and capped.covered_mass < 1.0
