@@ -1,0 +1,237 @@
+"""REST API routes against a real SQLite database and the real filesystem queue (no worker:
+queued jobs stay queued; results are written with storage's save_result)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from fastapi.testclient import TestClient
+
+from app.settings import Settings
+from compute.results import Heatmap, JobResult, LayerStat, SeriesPoint
+
+
+def _hf_folder(path: Path, layers: int = 2) -> Path:
+    """A minimal HF-format folder: enough for model references and revisions (no weights loaded)."""
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(json.dumps({
+        "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "num_hidden_layers": layers,
+        "hidden_size": 32, "vocab_size": 20}))
+    (path / "model.safetensors").write_bytes(b"not loaded by these tests")
+    return path
+
+
+@pytest.fixture(scope="module")
+def env(tmp_path_factory: pytest.TempPathFactory):
+    home = tmp_path_factory.mktemp("api_home")
+    _hf_folder(home / "zoo" / "arith-base")
+    models = tmp_path_factory.mktemp("allowed_models")
+    _hf_folder(models / "my-model", layers=3)
+    settings = Settings(fisherlens_home=home, database_url=None, redis_url=None,
+                        allowed_model_roots=str(models), public_url="http://testserver")
+    from app.web import create_app
+
+    client = TestClient(create_app(settings), follow_redirects=False)
+    return settings, client, models
+
+
+def _queued_messages(settings: Settings) -> int:
+    folder = settings.queue_dir / "messages"
+    return len(list(folder.glob("*"))) if folder.is_dir() else 0
+
+
+def _submit(client: TestClient, **spec) -> dict:
+    r = client.post("/api/jobs", json={"kind": "fisher", "spec": {"model": "arith-base", **spec}})
+    assert r.status_code == 201, r.text
+    return r.json()
+
+
+def test_submit_queues_a_job_and_returns_share_url(env):
+    settings, client, _ = env
+    before = _queued_messages(settings)
+    job = _submit(client, prompts=4, samples=1, seed=101)
+    assert job["status"] == "queued" and job["kind"] == "fisher"
+    assert job["share_url"] == f"http://testserver/r/{job['share_token']}"
+    assert len(job["share_token"]) >= 22  # >= 128 random bits
+    assert _queued_messages(settings) == before + 1  # sent by name to the filesystem broker
+    got = client.get(f"/api/jobs/{job['id']}").json()
+    assert got["status"] == "queued" and got["spec"]["prompts"] == 4 and got["spec"]["seed"] == 101
+    listed = client.get("/api/jobs", params={"kind": "fisher"}).json()
+    assert job["id"] in [j["id"] for j in listed]
+
+
+@pytest.mark.parametrize(
+    ("body", "field", "words"),
+    [
+        ({"kind": "fisher", "spec": {"model": "arith-base", "prompts": 0}}, "prompts", ">= 1, <= 4096"),
+        ({"kind": "fisher", "spec": {"model": "arith-base", "temperature": 9}}, "temperature", "<= 5.0"),
+        ({"kind": "fisher", "spec": {"model": "arith-base", "estimator": "magic"}}, "estimator", "sequence"),
+        ({"kind": "fisher", "spec": {"model": "arith-base", "bogus": 1}}, "bogus", "unknown field"),
+        ({"kind": "fisher", "spec": {"model": "no-such-model"}}, "model", "unknown model"),
+        ({"kind": "fisher", "spec": {"model": "/etc"}}, "model", "outside the allowed model roots"),
+        ({"kind": "nope", "spec": {}}, "kind", "accepted: fisher"),
+        ({"spec": {}}, "kind", "Field required"),
+        ({"kind": "tokens", "spec": {"model": "arith-base", "context": "   "}}, "context", "non-space"),
+    ],
+)
+def test_bad_input_is_422_naming_the_field_and_nothing_is_queued(env, body, field, words):
+    settings, client, _ = env
+    n_jobs = len(client.get("/api/jobs").json())
+    n_msgs = _queued_messages(settings)
+    r = client.post("/api/jobs", json=body)
+    assert r.status_code == 422, r.text
+    errors = r.json()["detail"]
+    assert any(e["field"] == field and words in e["message"] for e in errors), errors
+    assert len(client.get("/api/jobs").json()) == n_jobs
+    assert _queued_messages(settings) == n_msgs
+
+
+def test_unknown_ids_and_tokens_are_404(env):
+    _, client, _ = env
+    assert client.get("/api/jobs/987654").status_code == 404
+    assert "no job with id 987654" in client.get("/api/jobs/987654").json()["detail"]
+    assert client.post("/api/jobs/987654/cancel").status_code == 404
+    assert client.post("/api/jobs/987654/rerun").status_code == 404
+    assert client.get("/api/results/not-a-token").status_code == 404
+    assert client.get("/api/results/not-a-token/stats.csv").status_code == 404
+    r = client.get("/r/AbCdEfGhIjKlMnOpQrStUv")
+    assert r.status_code == 404 and "Result not found" in r.text and "text/html" in r.headers["content-type"]
+    assert client.get("/api/jobs", params={"status": "bogus"}).status_code == 422
+
+
+def test_cancel_then_rerun(env):
+    _, client, _ = env
+    job = _submit(client, prompts=3, seed=202)
+    r = client.post(f"/api/jobs/{job['id']}/cancel")
+    assert r.status_code == 200 and r.json()["status"] == "cancelled"
+    assert client.get(f"/api/jobs/{job['id']}").json()["status"] == "cancelled"
+    r = client.post(f"/api/jobs/{job['id']}/rerun")
+    assert r.status_code == 201
+    new = r.json()
+    assert new["id"] != job["id"] and new["status"] == "queued" and new["spec"] == job["spec"]
+    # a queued job cannot be re-run before it finishes: 409 with the reason
+    r = client.post(f"/api/jobs/{new['id']}/rerun")
+    assert r.status_code == 409 and "still queued" in r.json()["detail"]
+
+
+def _store_result(settings: Settings, job_id: int) -> None:
+    import torch
+
+    from app import services
+    from storage import repo
+    from storage.artifacts import ArtifactStore
+
+    result = JobResult(
+        kind="fisher",
+        summary={"n_samples": 4, "gini": 0.75},
+        layer_stats=[
+            LayerStat("model.layers.0.mlp.up_proj.weight", "up", 0, {"mean": 0.5, "mass": 2.0, "numel": 4}),
+            LayerStat("model.embed_tokens.weight", "embed", None, {"mean": 0.25, "mass": 2.0, "numel": 8}),
+        ],
+        heatmaps=[Heatmap("fisher_mean", ["up"], ["0"], [[0.5]], {"log": True})],
+        series=[SeriesPoint("concentration", 0.1, 0.6), SeriesPoint("concentration", 1.0, 1.0)],
+        tensors={"fisher": {"model.layers.0.mlp.up_proj.weight": torch.arange(4.0).reshape(2, 2)}},
+    )
+    with services.sessions(settings)() as s:
+        repo.mark_running(session=s, job_id=job_id, worker="test")
+        repo.save_result(session=s, job_id=job_id, result=result, store=ArtifactStore(settings.artifacts_dir))
+        repo.mark_succeeded(session=s, job_id=job_id)
+
+
+def test_result_json_downloads_and_share_link(env):
+    settings, client, _ = env
+    job = _submit(client, prompts=5, seed=303)
+    _store_result(settings, job["id"])
+    token = job["share_token"]
+
+    res = client.get(f"/api/results/{token}").json()
+    assert res["job"]["status"] == "succeeded" and res["kind"] == "fisher"
+    assert res["summary"] == {"n_samples": 4, "gini": 0.75}
+    assert [s["param"] for s in res["layer_stats"]] == ["model.layers.0.mlp.up_proj.weight",
+                                                        "model.embed_tokens.weight"]
+    assert res["heatmaps"][0]["z"] == [[0.5]] and len(res["series"]) == 2
+    assert [a["kind"] for a in res["artifacts"]] == ["fisher"]
+
+    # the plot builders take the API's JSON as it is
+    from app import plots
+
+    titles = [t for t, _ in plots.result_figures(res)]
+    assert titles[:2] == ["fisher_mean", "fisher_share"]
+
+    csv_text = client.get(f"/api/results/{token}/stats.csv").text.splitlines()
+    assert csv_text[0] == "group,param,layer,module,mean,mass,numel"
+    assert csv_text[1] == "tensor,model.layers.0.mlp.up_proj.weight,0,up,0.5,2.0,4"
+    assert csv_text[2].startswith("tensor,model.embed_tokens.weight,,embed")
+    stats = client.get(f"/api/results/{token}/stats.json").json()
+    assert stats["summary"]["gini"] == 0.75 and stats["job"]["id"] == job["id"]
+
+    r = client.get(f"/api/results/{token}/artifacts/fisher")
+    assert r.status_code == 200
+    from safetensors.torch import load
+
+    tensors = load(r.content)
+    assert tensors["model.layers.0.mlp.up_proj.weight"].tolist() == [[0.0, 1.0], [2.0, 3.0]]
+    r = client.get(f"/api/results/{token}/artifacts/mask")
+    assert r.status_code == 404 and "it has: fisher" in r.json()["detail"]
+
+    r = client.get(f"/r/{token}")
+    assert r.status_code == 307 and r.headers["location"] == f"/?view={token}"
+
+    # an identical spec on the same model revision returns the stored result (no new job)
+    again = _submit(client, prompts=5, seed=303)
+    assert again["id"] == job["id"] and again["reused"] is True
+
+
+def test_models_list_and_register_inside_allowed_roots_only(env, tmp_path):
+    _, client, models = env
+    names = [m["name"] for m in client.get("/api/models").json()]
+    assert names[0] == "arith-base"
+    zoo = client.get("/api/models").json()[0]
+    assert zoo["architecture"] == "Qwen3ForCausalLM" and zoo["n_layers"] == 2
+
+    outside = _hf_folder(tmp_path / "outside")
+    r = client.post("/api/models", json={"path": str(outside)})
+    assert r.status_code == 422
+    assert r.json()["detail"][0]["field"] == "path"
+    assert "outside the allowed model roots" in r.json()["detail"][0]["message"]
+
+    r = client.post("/api/models", json={"path": str(models / "my-model"), "name": "mine"})
+    assert r.status_code == 201, r.text
+    listed = {m["name"]: m for m in client.get("/api/models").json()}
+    assert listed["mine"]["n_layers"] == 3 and listed["mine"]["path"] == str((models / "my-model").resolve())
+
+
+def test_pages_and_openapi(env):
+    _, client, _ = env
+    r = client.get("/")
+    assert r.status_code == 200 and "fisherlens" in r.text
+    spec = client.get("/api/openapi.json").json()
+    assert {"/api/jobs", "/api/jobs/{job_id}", "/api/jobs/{job_id}/cancel",
+            "/api/results/{token}"} <= set(spec["paths"])
+    assert client.get("/api/docs").status_code == 200
+    assert client.get("/assets/fisherlens.css").status_code == 200
+
+
+def test_web_process_does_not_import_torch(tmp_path):
+    """Building the app and serving a page and a submit must not pull in torch/transformers."""
+    _hf_folder(tmp_path / "zoo" / "arith-base")
+    code = (
+        "import sys\n"
+        "from fastapi.testclient import TestClient\n"
+        "from app.settings import Settings\n"
+        "from app.web import create_app\n"
+        f"s = Settings(fisherlens_home={str(tmp_path)!r}, database_url=None, redis_url=None)\n"
+        "c = TestClient(create_app(s))\n"
+        "assert c.get('/').status_code == 200\n"
+        "r = c.post('/api/jobs', json={'kind': 'fisher', 'spec': {'model': 'arith-base'}})\n"
+        "assert r.status_code == 201, r.text\n"
+        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).resolve().parents[2])
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]"
