@@ -72,6 +72,12 @@ class MaskSpec(_Spec):
     task: TaskRef = "arithmetic"
     seed: int = Field(0, ge=0, le=2**31 - 1)
     prompts: int = Field(16, ge=1, le=4096, description="prompts for the 'gradient' selector")
+    gradient: str | None = Field(
+        None, max_length=1000,
+        description="gradient.safetensors path or 'job:<id>' for the 'gradient' selector "
+        "(default: computed from the SFT loss on `prompts` gold answers of `task`)",
+    )
+    device: str = Field("auto", max_length=32)
 
 
 class TrainSpec(_Spec):
@@ -124,6 +130,10 @@ class DiffSpec(_Spec):
     tuned: ModelRef
     fisher: str | None = Field(None, max_length=1000, description="fisher.safetensors path or 'job:<id>'")
     topk_percent: float = Field(1.0, gt=0.0, le=100.0)
+    store_delta: bool = Field(False, description="also store the full float32 delta as an artifact (large)")
+    svd_max_numel: int = Field(
+        16_000_000, ge=0, le=10_000_000_000, description="skip rank/SVD of 2-D deltas above this size"
+    )
 
 
 class TokensSpec(_Spec):
@@ -133,6 +143,13 @@ class TokensSpec(_Spec):
     layer: int | None = Field(None, ge=0, le=1000, description="None = whole model")
     random_k: int = Field(8, ge=0, le=64, description="random tokens for contrast")
     seed: int = Field(0, ge=0, le=2**31 - 1)
+    low_k: int = Field(8, ge=0, le=64, description="least likely tokens for contrast")
+    full_vocab_max: int = Field(1024, ge=1, le=1_000_000, description="enumerate the whole vocabulary up to this size")
+    mass_target: float = Field(0.99, gt=0.0, le=1.0, description="probability mass covered for larger vocabularies")
+    max_tokens: int = Field(256, ge=1, le=4096, description="cap on tokens enumerated for the Fisher trace")
+    memory_budget_mb: int = Field(1024, ge=16, le=1_048_576)
+    dtype: Dtype = "auto"
+    device: str = Field("auto", max_length=32)
 
     @field_validator("context")
     @classmethod
