@@ -7,6 +7,7 @@ settings.queue_dir (the embedded default). No result backend: job status lives i
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,8 @@ from celery import Celery
 RUN_JOB = "fisherlens.run_job"
 RUN_SHARD = "fisherlens.run_shard"
 FINISH_SHARDS = "fisherlens.finish_shards"
-QUEUE = "fisherlens"
+# One queue for all job kinds; FISHERLENS_QUEUE separates stacks sharing one Redis (and tests).
+QUEUE = os.environ.get("FISHERLENS_QUEUE", "fisherlens")
 
 
 def filesystem_options(queue_dir: Path) -> dict[str, Any]:

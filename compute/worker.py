@@ -430,12 +430,19 @@ def recover(settings: Any, hostname: str | None = None) -> list[tuple[int, str]]
                 if job.parent_id is not None:
                     _fail_parent(s, job.parent_id, f"shard {job.shard_index}: worker lost")
         # Sharded parents: finish when all shards succeeded, fail when one ended badly.
+        cutoff = utcnow() - timedelta(seconds=settings.job_stale_after_s)
         for parent in repo.list_jobs(session=s, status="running", limit=1000):
             shards = repo.shard_jobs(session=s, parent_id=parent.id)
             if not shards or any(j.status in ("queued", "running") for j in shards):
                 continue
+            if (parent.heartbeat_at or parent.created_at) > cutoff:
+                continue  # being finished right now (finish_shards keeps the heartbeat fresh)
             if all(j.status == "succeeded" for j in shards):
-                s.execute(update(Job).where(Job.id == parent.id).values(message="finishing"))
+                s.execute(
+                    update(Job)
+                    .where(Job.id == parent.id)
+                    .values(message="combining shards", heartbeat_at=utcnow())
+                )
                 s.commit()
                 sends.append((parent.id, FINISH_SHARDS))
                 actions.append((parent.id, "finishing"))
@@ -473,10 +480,35 @@ def _on_worker_init(**_: Any) -> None:
 @signals.worker_ready.connect
 def _on_worker_ready(sender: Any = None, **_: Any) -> None:
     hostname = getattr(sender, "hostname", None) or _hostname()
+    settings = get_settings()
     try:
-        recover(get_settings(), hostname=hostname)
+        recover(settings, hostname=hostname)
     except Exception:
         log.exception("start-up recovery failed")
+    _start_reaper(settings)
+
+
+_reaper_stop = threading.Event()
+
+
+def _start_reaper(settings: Any) -> None:
+    """While this worker lives, look for jobs whose worker died (stale heartbeat) every half
+    stale period, so a crash is noticed even when no worker restarts on that machine."""
+    every = max(2.0, settings.job_stale_after_s / 2)
+
+    def loop() -> None:
+        while not _reaper_stop.wait(every):
+            try:
+                recover(settings, hostname=None)
+            except Exception:
+                log.exception("stale-job check failed")
+
+    threading.Thread(target=loop, name="fisherlens-reaper", daemon=True).start()
+
+
+@signals.worker_shutdown.connect
+def _on_worker_shutdown(**_: Any) -> None:
+    _reaper_stop.set()
 
 
 def worker_argv(name: str | None = None, loglevel: str = "INFO") -> list[str]:
