@@ -1,0 +1,225 @@
+"""The Cauchy-Schwarz bound of SCIENCE.md section 3, checked per coordinate on real samples.
+
+For N completions y_n with advantages A_n and per-sample score vectors s_n = grad log p(y_n | x_n)
+(gradient of the summed completion log-prob, the `sequence` Fisher estimator's sample):
+
+    g_i = mean_n A_n s_{n,i}          (the policy gradient of the first GRPO step, sequence form)
+    F_i = mean_n s_{n,i}^2            (the sequence Fisher estimate on the same samples)
+    |g_i| <= sqrt(mean_n A_n^2) * sqrt(F_i)
+
+holds exactly for every coordinate (Cauchy-Schwarz on the empirical measure), so the measured
+fraction must be 1 up to float error: a coordinate counts as holding when
+lhs <= rhs * (1 + rtol) + atol. Sums are accumulated in float64.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from compute.results import Heatmap, SeriesPoint
+
+
+@dataclass
+class BoundResult:
+    lhs: dict[str, torch.Tensor]  # |g_i| per parameter (float64)
+    rhs: dict[str, torch.Tensor]  # sqrt(mean A^2) * sqrt(F_i)
+    fisher: dict[str, torch.Tensor]  # F_i on the same samples
+    n_samples: int
+    rms_advantage: float
+    summary: dict[str, Any] = field(default_factory=dict)
+
+
+def bound_terms(
+    sum_ag: torch.Tensor, sum_g2: torch.Tensor, sum_a2: float, n: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(|g|, rhs, F) from running sums over n samples: sum_n A_n s_n, sum_n s_n^2, sum_n A_n^2."""
+    fisher = sum_g2 / n
+    return (sum_ag / n).abs(), math.sqrt(sum_a2 / n) * fisher.sqrt(), fisher
+
+
+def holds(lhs: torch.Tensor, rhs: torch.Tensor, rtol: float = 1e-5, atol: float = 1e-12) -> torch.Tensor:
+    """Bool tensor: lhs <= rhs * (1 + rtol) + atol (float error allowance relative to the RHS)."""
+    return lhs <= rhs * (1 + rtol) + atol
+
+
+def bound_from_sample_grads(
+    grads: torch.Tensor, advantages: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(|g|, rhs, F), each (P,), from per-sample scores grads (N, P) and advantages (N,)."""
+    g = grads.double()
+    a = advantages.double()
+    return bound_terms((a[:, None] * g).sum(0), (g * g).sum(0), float((a * a).sum()), len(a))
+
+
+def accumulate_sample_grads(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    completion_mask: torch.Tensor,
+    advantages: torch.Tensor,
+    progress: Callable[[float, str], None] | None = None,
+) -> BoundResult:
+    """Per-sample gradients of the summed completion log-prob, one backward per row (N small).
+
+    input_ids, attention_mask, completion_mask: (N, L) right-padded rows; advantages: (N,).
+    Memory: two float64 buffers per parameter.
+    """
+    from compute.train import rollout_logprobs
+
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    sum_ag = {n: torch.zeros(p.shape, dtype=torch.float64, device=p.device) for n, p in params.items()}
+    sum_g2 = {n: torch.zeros(p.shape, dtype=torch.float64, device=p.device) for n, p in params.items()}
+    adv = advantages.double().cpu()
+    N = len(adv)
+    was_training = model.training
+    model.eval()  # deterministic forward (no dropout) like the sampler's
+    try:
+        for i in range(N):
+            width = int(attention_mask[i].sum())
+            ids, am = input_ids[i : i + 1, :width], attention_mask[i : i + 1, :width]
+            lp, _ = rollout_logprobs(model, ids, am)  # (1, width-1)
+            seq = (lp * completion_mask[i : i + 1, 1:width].to(lp.dtype)).sum()
+            grads = torch.autograd.grad(seq, list(params.values()), allow_unused=True)
+            for (n, _p), g in zip(params.items(), grads, strict=True):
+                if g is None:
+                    continue
+                g = g.double()
+                sum_ag[n].add_(g, alpha=float(adv[i]))
+                sum_g2[n].addcmul_(g, g)
+            if progress and (i + 1) % max(1, N // 20) == 0:
+                progress((i + 1) / N, f"per-sample gradients {i + 1}/{N}")
+    finally:
+        model.train(was_training)
+    sum_a2 = float((adv * adv).sum())
+    lhs, rhs, fisher = {}, {}, {}
+    for n in params:
+        lhs[n], rhs[n], fisher[n] = bound_terms(sum_ag[n], sum_g2[n], sum_a2, N)
+    return BoundResult(lhs, rhs, fisher, N, math.sqrt(sum_a2 / max(1, N)))
+
+
+def _ranks(x: torch.Tensor) -> torch.Tensor:
+    """Average ranks (ties share their mean rank), float64."""
+    xs, order = torch.sort(x)
+    n = len(x)
+    ranks_sorted = torch.arange(n, dtype=torch.float64)
+    _, inverse, counts = torch.unique_consecutive(xs, return_inverse=True, return_counts=True)
+    ends = torch.cumsum(counts, 0).double()
+    mean_rank = ends - (counts.double() + 1) / 2  # 0-based mean rank of each tie block
+    ranks_sorted = mean_rank[inverse]
+    out = torch.empty(n, dtype=torch.float64)
+    out[order] = ranks_sorted
+    return out
+
+
+def pearson(x: torch.Tensor, y: torch.Tensor) -> float:
+    x, y = x.double() - x.double().mean(), y.double() - y.double().mean()
+    den = torch.sqrt((x * x).sum() * (y * y).sum())
+    return float((x * y).sum() / den) if den > 0 else float("nan")
+
+
+def spearman(x: torch.Tensor, y: torch.Tensor) -> float:
+    return pearson(_ranks(x.double().cpu()), _ranks(y.double().cpu()))
+
+
+def summarize(
+    res: BoundResult,
+    rtol: float = 1e-5,
+    fisher: Mapping[str, torch.Tensor] | None = None,
+    max_points: int = 3000,
+    max_corr: int = 2_000_000,
+    seed: int = 0,
+) -> tuple[dict[str, Any], list[SeriesPoint], list[Heatmap]]:
+    """Headline numbers, a downsampled scatter (|g| against sqrt(F)) and a log-binned 2-D histogram.
+
+    fisher: an independently estimated Fisher to correlate |g| with as well (optional).
+    """
+    names = list(res.lhs)
+    lhs = torch.cat([res.lhs[n].flatten().cpu() for n in names])
+    rhs = torch.cat([res.rhs[n].flatten().cpu() for n in names])
+    sqf = torch.cat([res.fisher[n].flatten().cpu() for n in names]).sqrt()
+    ok = holds(lhs, rhs, rtol)
+    live = rhs > 0
+    ratio = torch.where(live, lhs / rhs.clamp(min=1e-300), torch.zeros_like(lhs))
+    gen = torch.Generator().manual_seed(seed)
+    corr_idx = (torch.randperm(len(lhs), generator=gen)[:max_corr] if len(lhs) > max_corr
+                else torch.arange(len(lhs)))
+    summary: dict[str, Any] = {
+        "bound_samples": res.n_samples,
+        "bound_rms_advantage": res.rms_advantage,
+        "bound_coordinates": int(len(lhs)),
+        "bound_fraction_holds": float(ok.double().mean()),
+        "bound_violations": int((~ok).sum()),
+        "bound_rtol": rtol,
+        "bound_max_ratio": float(ratio.max()) if len(ratio) else 0.0,
+        "bound_median_ratio": float(ratio[live].median()) if bool(live.any()) else 0.0,
+        "bound_zero_fisher_fraction": float((~live).double().mean()),
+        "grad_sqrt_fisher_pearson": pearson(lhs[corr_idx], sqf[corr_idx]),
+        "grad_sqrt_fisher_spearman": spearman(lhs[corr_idx], sqf[corr_idx]),
+    }
+    if fisher is not None:
+        ext = torch.cat([fisher[n].flatten().cpu().double() for n in names]).clamp(min=0).sqrt()
+        summary["grad_sqrt_fisher_ext_pearson"] = pearson(lhs[corr_idx], ext[corr_idx])
+        summary["grad_sqrt_fisher_ext_spearman"] = spearman(lhs[corr_idx], ext[corr_idx])
+    pick = torch.randperm(len(lhs), generator=gen)[:max_points]
+    pick = pick[torch.argsort(sqf[pick])]
+    series = [SeriesPoint("bound/|grad|", float(sqf[i]), float(lhs[i])) for i in pick.tolist()]
+    series += [SeriesPoint("bound/rhs", float(sqf[i]), float(rhs[i])) for i in pick.tolist()]
+    heatmaps = [_log_hist(lhs[live], sqf[live])] if bool(live.any()) else []
+    return summary, series, heatmaps
+
+
+def _log_hist(lhs: torch.Tensor, sqf: torch.Tensor, bins: int = 24) -> Heatmap:
+    """Counts of coordinates on a log10 |g| (rows) x log10 sqrt(F) (columns) grid."""
+    x = sqf.clamp(min=1e-30).log10()
+    y = lhs.clamp(min=1e-30).log10()
+    lo = float(torch.minimum(x.min(), y[y > -30].min() if bool((y > -30).any()) else x.min()))
+    hi = float(torch.maximum(x.max(), y.max()))
+    hi = hi if hi > lo else lo + 1
+    edges = torch.linspace(lo, hi, bins + 1, dtype=torch.float64)
+    xi = torch.bucketize(x, edges[1:-1])
+    yi = torch.bucketize(y.clamp(min=lo), edges[1:-1])
+    counts = torch.zeros(bins, bins, dtype=torch.float64).index_put_((yi, xi), torch.ones_like(x), accumulate=True)
+    labels = [f"{float((edges[i] + edges[i + 1]) / 2):.2f}" for i in range(bins)]
+    return Heatmap(
+        name="bound_log_hist",
+        x_labels=labels,
+        y_labels=labels,
+        z=[[float(v) if v > 0 else None for v in row] for row in counts.tolist()],
+        meta={"x": "log10 sqrt(F_i)", "y": "log10 |g_i|", "value": "coordinates",
+              "note": "all points lie on or below y = x + log10(rms A)"},
+    )
+
+
+def first_step_bound(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    task: Any,
+    prompts: int = 8,
+    group: int = 8,
+    max_new_tokens: int = 16,
+    seed: int = 0,
+    scale_std: bool = True,
+    temperature: float = 1.0,
+    progress: Callable[[float, str], None] | None = None,
+) -> BoundResult:
+    """Sample the first GRPO batch (train prompts 0..prompts-1, seed as in compute.train), compute
+    group advantages from the task reward, and accumulate the per-sample bound terms."""
+    from compute.grpo import group_advantages
+    from compute.sampling import sample_completions
+
+    examples = task.examples(prompts, seed=seed, split="train", start=0)
+    roll = sample_completions(model, tokenizer, [e.prompt for e in examples], samples=group,
+                              max_new_tokens=max_new_tokens, temperature=temperature,
+                              seed=seed * 1_000_003)
+    rewards = torch.tensor([float(task.reward(c, examples[i].answer))
+                            for c, i in zip(roll.completions, roll.prompt_index.tolist(), strict=True)])
+    adv = group_advantages(rewards, roll.prompt_index.cpu(), scale_std)
+    res = accumulate_sample_grads(model, roll.input_ids, roll.attention_mask, roll.completion_mask,
+                                  adv, progress)
+    res.summary["bound_mean_reward"] = float(rewards.mean())
+    return res
