@@ -1,0 +1,89 @@
+"""compute.analysis against hand-computed values."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from compute.analysis import (
+    concentration_curve,
+    gini,
+    layer_module_stats,
+    summary,
+    tensor_stats,
+    to_heatmaps,
+    to_layer_stats,
+    to_series,
+    topk_jaccard,
+)
+
+F = {
+    "model.embed_tokens.weight": torch.tensor([[1.0, 0.0], [0.0, 1.0]]),  # mass 2
+    "model.layers.0.self_attn.q_proj.weight": torch.tensor([[4.0, 0.0], [0.0, 0.0]]),  # 4
+    "model.layers.0.self_attn.q_norm.weight": torch.tensor([2.0, 0.0]),  # 2 (norm)
+    "model.layers.1.self_attn.q_proj.weight": torch.tensor([[1.0, 1.0], [0.0, 0.0]]),  # 2
+    "model.layers.1.input_layernorm.weight": torch.tensor([0.0, 0.0]),  # 0 (norm)
+}  # total mass 10, 16 coordinates
+
+
+def test_tensor_stats_by_hand():
+    rows = {r["name"]: r for r in tensor_stats(F)}
+    q0 = rows["model.layers.0.self_attn.q_proj.weight"]
+    assert (q0["layer"], q0["module"], q0["numel"]) == (0, "q", 4)
+    assert q0["mass"] == 4 and q0["mean"] == 1.0 and q0["max"] == 4 and q0["share"] == 0.4
+    e = rows["model.embed_tokens.weight"]
+    assert (e["layer"], e["module"], e["mean"], e["share"]) == (None, "embed", 0.5, 0.2)
+
+
+def test_layer_module_stats_by_hand():
+    g = {(r["layer"], r["module"]): r for r in layer_module_stats(F)}
+    assert set(g) == {(None, "embed"), (0, "q"), (0, "norm"), (1, "q"), (1, "norm")}
+    assert g[0, "norm"]["mass"] == 2 and g[0, "norm"]["mean"] == 1.0 and g[0, "norm"]["share"] == 0.2
+    assert g[1, "q"]["mean"] == 0.5 and g[1, "q"]["max"] == 1.0
+    order = [(r["layer"], r["module"]) for r in layer_module_stats(F)]
+    assert order == [(0, "q"), (0, "norm"), (1, "q"), (1, "norm"), (None, "embed")]
+
+
+def test_concentration_curve_by_hand():
+    # sorted values: 4, 2, 1, 1, 1, 1, 0 x 10 ; total 10
+    curve = dict(concentration_curve(F, (1 / 16, 2 / 16, 0.25, 0.5, 1.0, 1e-5)))
+    assert curve[1 / 16] == pytest.approx(0.4)
+    assert curve[2 / 16] == pytest.approx(0.6)
+    assert curve[0.25] == pytest.approx(0.8)  # top 4: 4 + 2 + 1 + 1
+    assert curve[0.5] == pytest.approx(1.0) and curve[1.0] == pytest.approx(1.0)
+    assert curve[1e-5] == pytest.approx(0.4)  # at least one coordinate
+
+
+def test_gini_by_hand():
+    assert gini(torch.ones(5)) == pytest.approx(0.0)
+    assert gini(torch.tensor([0.0, 0.0, 0.0, 1.0])) == pytest.approx(0.75)  # (n-1)/n
+    # x = 1, 2, 3: 2*(1+4+9)/(3*6) - 4/3 = 28/18 - 24/18 = 2/9
+    assert gini(torch.tensor([3.0, 1.0, 2.0])) == pytest.approx(2 / 9)
+    assert gini(torch.zeros(3)) == 0.0
+
+
+def test_topk_jaccard_by_hand():
+    a = {"w": torch.tensor([5.0, 4.0, 3.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])}
+    b = {"w": torch.tensor([5.0, 0.0, 3.0, 4.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0])}
+    # top 30% = 3 coords: {0,1,2} vs {0,2,3}: |∩|=2, |∪|=4
+    assert topk_jaccard(a, b, 30.0) == pytest.approx(0.5)
+    assert topk_jaccard(a, a, 30.0) == 1.0
+    assert topk_jaccard(a, b, 10.0) == 1.0  # top 1 coordinate: index 0 in both
+    with pytest.raises(ValueError, match="^topk_percent:"):
+        topk_jaccard(a, b, 0.0)
+
+
+def test_results_rows():
+    stats = to_layer_stats(F)
+    assert sum(s.group == "tensor" for s in stats) == 5
+    agg = [s for s in stats if s.group == "layer_module"]
+    assert sum(s.values["share"] for s in agg) == pytest.approx(1.0)
+    mean_map, share_map = to_heatmaps(F)
+    assert mean_map.y_labels == ["0", "1", "-"] and mean_map.x_labels == ["embed", "q", "norm"]
+    assert mean_map.z[0] == [None, 1.0, 1.0] and mean_map.z[2] == [0.5, None, None]
+    assert share_map.z[1] == [None, 0.2, 0.0]
+    pts = to_series(F)
+    assert pts[-1].step == 1.0 and pts[-1].value == pytest.approx(1.0)
+    assert [p.value for p in pts] == sorted(p.value for p in pts)  # monotone
+    s = summary(F)
+    assert s["n_params"] == 16 and s["total_mass"] == 10 and s["max"] == 4
