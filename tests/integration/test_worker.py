@@ -1,0 +1,180 @@
+"""Real worker processes (Celery solo pool) running real fisher jobs on the zoo model, against the
+embedded filesystem queue + SQLite and against Redis + PostgreSQL."""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import time
+from collections import Counter
+
+import pytest
+from sqlalchemy import func, select
+
+from app import services
+from compute.specs import SpecError
+from storage import repo
+from storage.artifacts import ArtifactStore
+from storage.models import ArtifactRow, HeatmapRow, LayerStatRow, SeriesRow
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        importlib.util.find_spec("compute.run_fisher") is None,
+        reason="compute.run_fisher (the fisher job) is not in this checkout yet",
+    ),
+]
+
+SMALL = {
+    "model": "arith-base",
+    "task": "arithmetic",
+    "prompts": 4,
+    "samples": 2,
+    "max_new_tokens": 6,
+}
+# Long enough on CPU to be killed in the middle (many small progress steps).
+LONG = {**SMALL, "prompts": 48, "samples": 4, "seed": 1}
+
+
+def _row_counts(settings, job_id: int) -> dict[str, int]:
+    with services.sessions(settings)() as s:
+        return {
+            t.__tablename__: s.scalar(select(func.count()).select_from(t).where(t.job_id == job_id))
+            for t in (LayerStatRow, HeatmapRow, SeriesRow, ArtifactRow)
+        }
+
+
+def _assert_no_duplicates(settings, job_id: int) -> None:
+    res = services.result_by_id(settings, job_id)
+    keys = Counter((s["group"], s["param"], s["module"], s["layer"]) for s in res["layer_stats"])
+    assert max(keys.values()) == 1, [k for k, n in keys.items() if n > 1][:5]
+    names = Counter(h["name"] for h in res["heatmaps"])
+    assert max(names.values(), default=1) == 1
+    series = Counter((p["name"], p["step"]) for p in res["series"])
+    assert max(series.values(), default=1) == 1
+    kinds = Counter(a["kind"] for a in res["artifacts"])
+    assert max(kinds.values(), default=1) == 1
+
+
+def test_fisher_job_runs_and_lands_in_the_database(stack) -> None:
+    stack.start_worker("w1@test")
+    settings = stack.settings
+    job = services.submit(settings, "fisher", SMALL)
+    done = stack.wait_final(job["id"])
+    assert done["status"] == "succeeded", done["error"]
+    assert done["progress"] == 1.0 and done["worker"] == "w1@test" and done["attempts"] == 1
+    res = services.result_by_token(settings, job["share_token"])
+    assert res["job"]["id"] == job["id"] and res["kind"] == "fisher"
+    assert res["layer_stats"] and res["heatmaps"]
+    assert all(h["z"] and len(h["z"]) == len(h["y_labels"]) for h in res["heatmaps"])
+    (fisher,) = [a for a in res["artifacts"] if a["kind"] == "fisher"]
+    tensors = ArtifactStore(settings.artifacts_dir).load_tensors(fisher["path"], fisher["sha256"])
+    assert any(name.endswith("weight") for name in tensors)
+    assert all(float(t.min()) >= 0.0 for t in tensors.values())  # a diagonal Fisher is >= 0
+    _assert_no_duplicates(settings, job["id"])
+    # The same spec again is the stored result, not a new computation.
+    again = services.submit(settings, "fisher", SMALL)
+    assert again["reused"] is True and again["id"] == job["id"]
+
+
+def test_invalid_spec_is_refused_and_nothing_reaches_the_worker(stack) -> None:
+    settings = stack.settings
+    with pytest.raises(SpecError) as err:
+        services.submit(settings, "fisher", {**SMALL, "samples": 100000})
+    assert err.value.errors[0]["field"] == "samples"
+    assert "accepted range" in err.value.errors[0]["message"]
+    assert services.list_jobs(settings) == []
+    w = stack.start_worker("w1@test")
+    time.sleep(1.0)
+    assert "fisherlens.run_job" not in w.log.read_text().split("ready.", 1)[1]
+
+
+def test_sigkill_mid_job_then_restart_reruns_it_once(stack) -> None:
+    w = stack.start_worker("w1@test")
+    settings = stack.settings
+    job = services.submit(settings, "fisher", LONG)
+    stack.wait_for(
+        job["id"], lambda j: j["status"] == "running" and j["progress"] > 0.05, 60, "made progress"
+    )
+    w.kill()
+    # Dead worker: the row still says running (nobody can know yet) ...
+    assert stack.job(job["id"])["status"] == "running"
+    # ... until a worker with the same name starts: it re-queues the job (attempt 2) and runs it.
+    stack.start_worker("w1@test")
+    done = stack.wait_final(job["id"], timeout=120)
+    assert done["status"] == "succeeded", done["error"]
+    assert done["attempts"] == 2
+    counts = _row_counts(settings, job["id"])
+    assert counts["layer_stats"] > 0 and counts["artifacts"] >= 1
+    _assert_no_duplicates(settings, job["id"])
+
+
+def test_worker_lost_on_last_attempt_is_marked_failed_not_running(stack) -> None:
+    env = {"FISHERLENS_MAX_ATTEMPTS": "1"}
+    w = stack.start_worker("w1@test", env)
+    job = services.submit(stack.settings, "fisher", LONG)
+    stack.wait_for(job["id"], lambda j: j["status"] == "running", 60, "started")
+    w.kill()
+    stack.start_worker("w1@test", env)
+    done = stack.wait_final(job["id"], timeout=30)
+    assert done["status"] == "failed" and "worker lost" in done["message"]
+    assert "w1@test" in done["error"]
+
+
+def test_stale_job_of_a_dead_machine_is_taken_over_by_another_worker(stack) -> None:
+    stack.env["JOB_STALE_AFTER_S"] = "4"  # heartbeat every second, reaper every 2 s
+    a = stack.start_worker("a@machine1")
+    job = services.submit(stack.settings, "fisher", SMALL | {"seed": 7, "prompts": 24})
+    stack.wait_for(job["id"], lambda j: j["status"] == "running", 60, "started")
+    stack.start_worker("b@machine2")
+    a.kill()
+    done = stack.wait_final(job["id"], timeout=120)
+    assert done["status"] == "succeeded", done["error"]
+    assert done["worker"] == "b@machine2" and done["attempts"] == 2
+
+
+def test_cancel_running_job(stack) -> None:
+    stack.start_worker("w1@test")
+    job = services.submit(stack.settings, "fisher", LONG | {"seed": 3})
+    stack.wait_for(job["id"], lambda j: j["status"] == "running" and j["progress"] > 0, 60, "ran")
+    services.cancel(stack.settings, job["id"])
+    done = stack.wait_final(job["id"], timeout=60)
+    assert done["status"] == "cancelled"
+    assert _row_counts(stack.settings, job["id"])["layer_stats"] == 0
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("compute.run_fisher") is None
+    or not hasattr(importlib.import_module("compute.run_fisher"), "run_shard")
+    if importlib.util.find_spec("compute.run_fisher")
+    else True,
+    reason="compute.run_fisher.run_shard/finish not available",
+)
+def test_sharded_fisher_over_two_workers_equals_one_worker(stack) -> None:
+    import torch
+
+    stack.start_worker("w1@test")
+    stack.start_worker("w2@test")
+    settings = stack.settings
+    spec = SMALL | {"prompts": 6}
+    one = services.submit(settings, "fisher", spec)
+    two = services.submit(settings, "fisher", spec | {"shards": 2})
+    a = stack.wait_final(one["id"])
+    b = stack.wait_final(two["id"], timeout=120)
+    assert a["status"] == b["status"] == "succeeded", (a["error"], b["error"])
+    with services.sessions(settings)() as s:
+        shards = repo.shard_jobs(session=s, parent_id=two["id"])
+        assert [j.status for j in shards] == ["succeeded", "succeeded"]
+        workers = {j.worker for j in shards}
+    assert workers <= {"w1@test", "w2@test"}
+    store = ArtifactStore(settings.artifacts_dir)
+    ra = services.result_by_id(settings, one["id"])
+    rb = services.result_by_id(settings, two["id"])
+    (fa,) = [x for x in ra["artifacts"] if x["kind"] == "fisher"]
+    (fb,) = [x for x in rb["artifacts"] if x["kind"] == "fisher"]
+    ta = store.load_tensors(fa["path"], fa["sha256"])
+    tb = store.load_tensors(fb["path"], fb["sha256"])
+    assert ta.keys() == tb.keys()
+    for k in ta:
+        torch.testing.assert_close(tb[k], ta[k], rtol=1e-5, atol=1e-10)
+    assert [s["param"] for s in ra["layer_stats"]] == [s["param"] for s in rb["layer_stats"]]
