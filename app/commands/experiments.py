@@ -1,7 +1,204 @@
-"""CLI commands (filled in by the owning area)."""
+"""Experiment commands: `mask`, `diff`, `tokens` (masks area); `train`, `retention` are appended
+to `commands` at the end of this file by the training area.
+
+Compute is imported inside each command so `fisherlens --help` stays light.
+"""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
 import click
 
-commands: list[click.Command] = []
+from app.commands.common import fail, spec_from_options, write_json
+
+
+@contextmanager
+def cli_progress(desc: str) -> Iterator[Callable[[float, str], None]]:
+    """A tqdm bar on stderr driven by progress(fraction, message)."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=1000, desc=desc, leave=False, bar_format="{l_bar}{bar}| {elapsed}")
+
+    def progress(fraction: float, message: str = "") -> None:
+        bar.n = int(1000 * min(max(fraction, 0.0), 1.0))
+        if message:
+            bar.set_postfix_str(message[:60], refresh=False)
+        bar.refresh()
+
+    try:
+        yield progress
+    finally:
+        bar.close()
+
+
+def _num(x: Any, digits: int = 4) -> str:
+    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.{digits}g}"
+    return str(x)
+
+
+def _table(headers: list[str], rows: list[list[Any]]) -> str:
+    cells = [headers] + [[_num(c) for c in r] for r in rows]
+    widths = [max(len(str(r[i])) for r in cells) for i in range(len(headers))]
+    return "\n".join("  ".join(str(c).rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells)
+
+
+def _run(kind: str, spec: Any, desc: str) -> Any:
+    from compute.runners import get_runner
+
+    try:
+        with cli_progress(desc) as progress:
+            return get_runner(kind)(spec, progress)
+    except ValueError as exc:
+        fail(str(exc))
+
+
+# ---------------------------------------------------------------------------------------------
+# mask
+# ---------------------------------------------------------------------------------------------
+
+
+@click.command("mask")
+@click.option("--fisher", help="fisher.safetensors path (or a folder holding one) or job:<id>")
+@click.option("--select", "select", help="fisher | fisher-tensor | fisher-bottom | random | magnitude | "
+              "magnitude-bottom | gradient  [default: fisher]")
+@click.option("--density", type=float, help="fraction of all coordinates kept, in (0, 1]  [default: 0.05]")
+@click.option("--model", help="zoo name or local HF dir (weights for magnitude*, shapes for random)")
+@click.option("--task", help="task for the gradient selector  [default: arithmetic]")
+@click.option("--prompts", type=int, help="prompts for the gradient selector  [default: 16]")
+@click.option("--gradient", help="precomputed gradient.safetensors for the gradient selector")
+@click.option("--seed", type=int, help="seed of the random selector  [default: 0]")
+@click.option("--device", help="auto | cpu | cuda[:N]")
+@click.option("--out", "out", required=True, type=click.Path(dir_okay=False), help="mask.safetensors to write")
+def mask_cmd(out: str, **options: Any) -> None:
+    """Build a boolean mask keeping exactly round(density x N) coordinates, and save it."""
+    spec = spec_from_options("mask", options)
+    from compute.masks import save_mask
+
+    res = _run("mask", spec, f"mask {spec.select}")
+    s = res.summary
+    meta = {"select": spec.select, "density": s["density"], "density_requested": spec.density,
+            "seed": spec.seed, "fisher": spec.fisher or "", "model": spec.model or "", "scores": s["scores"]}
+    path = save_mask(res.tensors["mask"], out, meta)
+    click.echo(f"{spec.select} mask: kept {s['kept']:,} of {s['total']:,} coordinates "
+               f"(density {s['density']:.6g}) in {s['tensors']} tensors -> {path}")
+    if "fisher_mass_kept" in s:
+        click.echo(f"Fisher mass kept: {s['fisher_mass_kept']:.4f}")
+    if "overlap_with_fisher_topk" in s:
+        o = s["overlap_with_fisher_topk"]
+        click.echo(f"vs Fisher top-k at the same density: Jaccard {o['jaccard']:.4f} "
+                   f"(random {o['jaccard_random']:.4f})")
+    click.echo(_table(["module", "density"], [[m, d] for m, d in s["by_module"].items()]))
+
+
+# ---------------------------------------------------------------------------------------------
+# diff
+# ---------------------------------------------------------------------------------------------
+
+
+@click.command("diff")
+@click.argument("base")
+@click.argument("tuned")
+@click.option("--fisher", help="fisher.safetensors of the base model: compare top Fisher with top |delta|")
+@click.option("--topk-percent", type=float, help="top-k%% used for the Fisher/|delta| overlap  [default: 1]")
+@click.option("--store-delta", is_flag=True, default=None, help="also write DIR/delta.safetensors (large)")
+@click.option("--svd-max-numel", type=int, help="skip rank/SVD of larger 2-D deltas")
+@click.option("--out", "out", required=True, type=click.Path(file_okay=False), help="output folder")
+def diff_cmd(base: str, tuned: str, out: str, **options: Any) -> None:
+    """Update sparsity of TUNED relative to BASE (zoo names, local HF dirs, training outputs)."""
+    spec = spec_from_options("diff", {"base": base, "tuned": tuned, **options})
+    res = _run("diff", spec, "diff")
+    s = res.summary
+    out_dir = Path(out)
+    result = res.to_dict()
+    write_json(out_dir / "diff.json", result)
+    if res.tensors.get("delta"):
+        from safetensors.torch import save_file
+
+        save_file({n: t.contiguous() for n, t in res.tensors["delta"].items()}, str(out_dir / "delta.safetensors"))
+    _write_html(result, out_dir / "diff.html")
+    layer_rows = [r for r in res.layer_stats if r.group == "layer_module"]
+    by_layer: dict[str, list[float]] = {}
+    for r in layer_rows:
+        key = "-" if r.layer is None else str(r.layer)
+        acc = by_layer.setdefault(key, [0.0, 0.0, 0.0, 0.0])
+        n = r.values["numel"]
+        acc[0] += n
+        acc[1] += r.values["unchanged_exact"] * n
+        acc[2] += r.values["unchanged_bf16"] * n
+        acc[3] += r.values["unchanged_atol_1e-05"] * n
+    order = sorted(by_layer, key=lambda k: (1, 0) if k == "-" else (0, int(k)))
+    click.echo(_table(["layer", "params", "unchanged", "bf16-equal", "|d|<=1e-5"],
+                      [[k, int(by_layer[k][0]), *(v / by_layer[k][0] for v in by_layer[k][1:])]
+                       for k in order]))
+    click.echo(f"all: {s['n_params']:,} params; unchanged exactly {s['unchanged_exact']:.4f}, "
+               f"bf16-equal {s['unchanged_bf16']:.4f}, |delta|<=1e-5 {s['unchanged_atol_1e-05']:.4f}")
+    if "precision_at_k" in s:
+        click.echo(f"Fisher vs |delta| at top {spec.topk_percent:g}%: precision@k {_num(s['precision_at_k'])}, "
+                   f"AUC {_num(s['auc'])}, Jaccard {_num(s['jaccard'])} (random {_num(s['jaccard_random'])}), "
+                   f"Spearman {_num(s['spearman'])}; AUC for 'changed' {_num(s['changed_auc'])}")
+    click.echo(f"wrote {out_dir / 'diff.json'}")
+
+
+def _write_html(result: dict[str, Any], path: Path) -> None:
+    """All figures of the result in one self-contained HTML file (skipped if plotting fails)."""
+    try:
+        from app.plots import result_figures
+
+        figs = result_figures(result)
+        parts = [fig.to_html(full_html=False, include_plotlyjs=(i == 0)) for i, (_, fig) in enumerate(figs)]
+    except Exception as exc:  # noqa: BLE001 - the JSON is the result; the HTML is a convenience
+        click.echo(f"(no HTML figures: {type(exc).__name__}: {exc})", err=True)
+        return
+    path.write_text("<html><head><meta charset='utf-8'></head><body>" + "\n".join(parts) + "</body></html>")
+
+
+# ---------------------------------------------------------------------------------------------
+# tokens
+# ---------------------------------------------------------------------------------------------
+
+
+@click.command("tokens")
+@click.option("--model", required=True, help="zoo name, local HF dir or hub id")
+@click.option("--context", required=True, help="text before the next token")
+@click.option("--top-k", type=int, help="most likely next tokens  [default: 8]")
+@click.option("--layer", type=int, help="only this block's parameters  [default: whole model]")
+@click.option("--random-k", type=int, help="random contrast tokens  [default: 8]")
+@click.option("--low-k", type=int, help="least likely contrast tokens  [default: 8]")
+@click.option("--seed", type=int, help="seed of the random tokens  [default: 0]")
+@click.option("--device", help="auto | cpu | cuda[:N]")
+@click.option("--dtype", help="auto | float32 | bfloat16 | float16")
+@click.option("--out", "out", type=click.Path(dir_okay=False), help="write the result as JSON")
+def tokens_cmd(out: str | None, **options: Any) -> None:
+    """Next tokens after CONTEXT: probabilities, sensitivity cosines, shares of the Fisher."""
+    spec = spec_from_options("tokens", options)
+    res = _run("tokens", spec, "tokens")
+    s = res.summary
+    click.echo(f"context {spec.context!r} ({s['n_context_tokens']} tokens), scope: {s['scope']} "
+               f"({s['n_params']:,} params), entropy {s['entropy']:.4f} nats")
+    rows = [[i + 1, repr(r["token"]), r["prob"], r["share"], r["contrib"]] for i, r in enumerate(s["top_tokens"])]
+    click.echo(_table(["rank", "token", "prob", "share of F", "p*|g-gbar|^2"], rows))
+    click.echo(f"top-{len(s['top_tokens'])}: probability {s['top_prob_mass']:.4f}, "
+               f"share of the Fisher trace {_num(s['top_fisher_share'])}")
+    cov = "exact, whole vocabulary" if s["fisher_exact"] else (
+        f"over {s['covered_tokens']} tokens covering {s['covered_mass']:.4f} of the probability")
+    click.echo(f"Fisher trace at this position {s['fisher_trace']:.6g} ({cov})")
+    click.echo(f"mean off-diagonal cosine of sensitivities: top {_num(s['mean_cosine_top'])}, "
+               f"random {_num(s['mean_cosine_random'])}, low-probability {_num(s['mean_cosine_low'])}")
+    if out:
+        write_json(Path(out), res.to_dict())
+        click.echo(f"wrote {out}")
+
+
+commands: list[click.Command] = [mask_cmd, diff_cmd, tokens_cmd]
+# Training area: append below, e.g. `commands += [train_cmd, retention_cmd]`.
+from app.commands.training import commands as _training_commands  # noqa: E402
+
+commands += _training_commands

@@ -1,0 +1,124 @@
+"""Job `diff`: update sparsity between two checkpoints, optionally against a Fisher."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from compute.diff import ATOLS, REL_TOLS, diff_checkpoints, open_checkpoint, threshold_labels
+from compute.naming import layer_index, module_type
+from compute.results import Heatmap, JobResult, LayerStat, SeriesPoint, null_progress
+from compute.run_mask import _layer_sort, layer_module_heatmap, load_scores
+from compute.specs import DiffSpec
+
+OVERLAP_KEYS = ("precision_at_k", "auc", "jaccard", "jaccard_baseline", "jaccard_lift", "spearman",
+                "overlap", "n_a", "n_b", "n")
+
+
+def _threshold_meta(label: str) -> dict[str, Any]:
+    if label == "exact":
+        return {"threshold": 0.0, "threshold_label": "exact equality"}
+    if label == "bf16":
+        return {"threshold_label": "equal after casting both to bf16"}
+    if label.startswith("atol_"):
+        return {"threshold": float(label[5:]), "threshold_label": f"|delta| <= {label[5:]}"}
+    return {"relative": float(label[4:]), "threshold_label": f"|delta| <= {label[4:]} x rms(base)"}
+
+
+def _overlap_rows(fisher_res: dict[str, Any], topk_percent: float) -> list[dict[str, Any]]:
+    rows = []
+    for grouping, prefix in (("global", ""), ("module", "module "), ("layer", "layer ")):
+        items = sorted(fisher_res[grouping].items(),
+                       key=lambda kv: _layer_sort(kv[0]) if grouping == "layer" else (0, 0))
+        for g, m in items:
+            row = {"scope": "global" if grouping == "global" else f"{prefix}{g}", "k_percent": topk_percent}
+            row.update({k: m[k] for k in OVERLAP_KEYS})
+            row["jaccard_random"] = m["jaccard_baseline"]
+            rows.append(row)
+    return rows
+
+
+def _finite(x: float) -> float | None:
+    return x if isinstance(x, (int, float)) and math.isfinite(x) else None
+
+
+def run(spec: DiffSpec, progress: Any = null_progress) -> JobResult:
+    progress(0.0, "opening checkpoints")
+    base = open_checkpoint(spec.base, "base")
+    tuned = open_checkpoint(spec.tuned, "tuned")
+    fisher = load_scores(spec.fisher, "fisher") if spec.fisher else None
+    res = diff_checkpoints(base, tuned, fisher=fisher, topk_percent=spec.topk_percent,
+                           keep_delta=spec.store_delta, svd_max_numel=spec.svd_max_numel,
+                           progress=progress)
+    progress(0.95, "summarising")
+    g = res.groups["global"]["all"]
+    summary: dict[str, Any] = {
+        "base": spec.base,
+        "tuned": spec.tuned,
+        "n_params": int(g["numel"]),
+        "tensors": len(res.per_tensor),
+        "update_sparsity": g["unchanged_exact"],
+        "changed_fraction": g["changed_exact"],
+        **{f"unchanged_{lab}": g[f"unchanged_{lab}"] for lab in threshold_labels()},
+        "delta_rms": g["delta_rms"],
+        "max_abs_delta": g["max_abs_delta"],
+        "by_module_unchanged_exact": {m: v["unchanged_exact"] for m, v in res.groups["module"].items()},
+        "skipped": res.skipped,
+        "settings": res.settings,
+    }
+    ranks = [(n, v) for n, v in res.per_tensor.items() if "rank" in v]
+    if ranks:
+        summary["mean_relative_rank"] = sum(v["rank"] / v["rank_max"] for _, v in ranks) / len(ranks)
+    heatmaps: list[Heatmap] = []
+    if res.fisher is not None:
+        fr = res.fisher
+        gl = fr["global"]["all"]
+        summary["overlap"] = _overlap_rows(fr, spec.topk_percent)
+        summary["fisher"] = spec.fisher
+        summary["precision_at_k"] = gl["precision_at_k"]
+        summary["auc"] = gl["auc"]
+        summary["jaccard"] = gl["jaccard"]
+        summary["jaccard_random"] = gl["jaccard_baseline"]
+        summary["spearman"] = gl["spearman"]
+        summary["changed_auc"] = fr["changed"]["auc"]
+        summary["changed_precision"] = fr["changed"]["precision_at_n_changed"]
+        summary["overlap_settings"] = fr["settings"]
+        for metric in ("jaccard_lift", "auc", "precision_at_k"):
+            cells = fr["layer_module"]
+            layers = sorted({k.split("/")[0] for k in cells}, key=_layer_sort)
+            mods = []
+            for k in cells:
+                if k.split("/")[1] not in mods:
+                    mods.append(k.split("/")[1])
+            z = [[_finite(cells[f"{lay}/{m}"][metric]) if f"{lay}/{m}" in cells else None for m in mods]
+                 for lay in layers]
+            heatmaps.append(Heatmap(name=f"fisher_vs_delta_{metric}", x_labels=mods, y_labels=layers, z=z,
+                                    meta={"x_title": "module type", "y_title": "layer",
+                                          "units": metric, "topk_percent": spec.topk_percent}))
+    numel = {n: v["numel"] for n, v in res.per_tensor.items()}
+    for lab in threshold_labels():
+        key = f"unchanged_{lab}"
+        heatmaps.append(layer_module_heatmap(
+            f"update_sparsity_{lab}", {n: (v[key] * numel[n], numel[n]) for n, v in res.per_tensor.items()},
+            {"units": "unchanged fraction", "zmin": 0.0, "zmax": 1.0, **_threshold_meta(lab)},
+        ))
+    layers = sorted(res.groups["layer"], key=_layer_sort)
+    heatmaps.append(Heatmap(
+        name="threshold_profile", x_labels=threshold_labels(), y_labels=layers,
+        z=[[res.groups["layer"][lay][f"unchanged_{lab}"] for lab in threshold_labels()] for lay in layers],
+        meta={"x_title": "threshold", "y_title": "layer", "units": "unchanged fraction",
+              "zmin": 0.0, "zmax": 1.0},
+    ))
+    series = [SeriesPoint("unchanged/atol", a, g[f"unchanged_atol_{a:g}"]) for a in ATOLS]
+    series += [SeriesPoint("unchanged/rel_rms", r, g[f"unchanged_rel_{r:g}"]) for r in REL_TOLS]
+    rows = [LayerStat(param=n, module=module_type(n), layer=layer_index(n),
+                      values={k: float(v) for k, v in vals.items()})
+            for n, vals in res.per_tensor.items()]
+    for key, vals in res.groups["layer_module"].items():
+        lay, mod = key.split("/")
+        rows.append(LayerStat(param="", module=mod, layer=None if lay == "-" else int(lay),
+                              values={k: float(v) for k, v in vals.items()}, group="layer_module"))
+    tensors = {"delta": res.delta} if res.delta is not None else {}
+    progress(1.0, "done")
+    return JobResult(kind="diff", summary=summary, layer_stats=rows, heatmaps=heatmaps, series=series,
+                     tensors=tensors)

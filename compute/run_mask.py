@@ -1,0 +1,248 @@
+"""Job `mask`: build a parameter mask from a Fisher (or weights, gradient, random) at a density.
+
+Also home of `resolve_artifact` (plain paths; 'job:<id>' references are resolved by the worker
+through `set_artifact_resolver`) and of the layer x module heatmap helper the diff job reuses.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from compute.masks import density_by, select_mask
+from compute.naming import MODULE_TYPES, layer_index, layer_label, module_type
+from compute.results import Heatmap, JobResult, LayerStat, null_progress
+from compute.specs import MaskSpec
+
+_RESOLVER: Callable[[str, str], str | Path] | None = None
+
+
+def set_artifact_resolver(fn: Callable[[str, str], str | Path] | None) -> None:
+    """Install the worker's resolver for 'job:<id>' references: fn(ref, kind) -> file path."""
+    global _RESOLVER
+    _RESOLVER = fn
+
+
+def resolve_artifact(ref: str, kind: str) -> Path:
+    """A plain path to an existing file, or a 'job:<id>' reference through the worker's resolver.
+
+    kind is the artifact kind and the field name in errors ("fisher", "mask", "gradient")."""
+    ref = str(ref).strip()
+    if ref.startswith("job:"):
+        if _RESOLVER is None:
+            raise ValueError(f"{kind}: 'job:..' references are resolved by the worker; pass a path")
+        return Path(_RESOLVER(ref, kind))
+    path = Path(ref).expanduser()
+    if path.is_dir() and (path / f"{kind}.safetensors").is_file():
+        path = path / f"{kind}.safetensors"
+    if not path.is_file():
+        raise ValueError(f"{kind}: file not found: {ref}")
+    return path
+
+
+def load_scores(ref: str, kind: str = "fisher") -> dict[str, torch.Tensor]:
+    """name -> float32 tensor from a safetensors file (path or 'job:<id>')."""
+    from safetensors.torch import load_file
+
+    path = resolve_artifact(ref, kind)
+    try:
+        data = load_file(str(path))
+    except Exception as exc:  # noqa: BLE001 - any parse error is a user error about this file
+        raise ValueError(f"{kind}: cannot read {path} as safetensors ({type(exc).__name__}: {exc})") from None
+    out = {n: t.float() for n, t in data.items() if t.is_floating_point()}
+    if not out:
+        raise ValueError(f"{kind}: {path} holds no floating-point tensors")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Heatmap helper (also used by run_diff)
+# ---------------------------------------------------------------------------------------------
+
+
+def _layer_sort(label: str) -> tuple[int, int]:
+    return (1, 0) if label == "-" else (0, int(label))
+
+
+def layer_module_heatmap(
+    name: str, counts: Mapping[str, tuple[float, float]], meta: dict[str, Any] | None = None
+) -> Heatmap:
+    """Ratio sum(num) / sum(den) per (layer, module) cell from per-parameter (num, den) pairs."""
+    cells: dict[tuple[str, str], list[float]] = {}
+    for param, (num, den) in counts.items():
+        c = cells.setdefault((layer_label(layer_index(param)), module_type(param)), [0.0, 0.0])
+        c[0] += num
+        c[1] += den
+    layers = sorted({k[0] for k in cells}, key=_layer_sort)
+    modules = [m for m in MODULE_TYPES if any(k[1] == m for k in cells)]
+    z = [[(cells[(lay, m)][0] / cells[(lay, m)][1]) if (lay, m) in cells and cells[(lay, m)][1] else None
+          for m in modules] for lay in layers]
+    return Heatmap(name=name, x_labels=modules, y_labels=layers, z=z,
+                   meta={"x_title": "module type", "y_title": "layer", **(meta or {})})
+
+
+# ---------------------------------------------------------------------------------------------
+# Gradient scores
+# ---------------------------------------------------------------------------------------------
+
+
+def sft_gradient(model_ref: str, task: str, prompts: int, seed: int, device: str = "auto"
+                 ) -> dict[str, torch.Tensor]:
+    """|d/dθ mean_n NLL(gold answer_n | prompt_n)| over `prompts` train prompts of `task`."""
+    from compute.models import load_model
+    from compute.sampling import build_rollout, token_logprobs
+    from compute.tasks import get_task
+
+    model, tok = load_model(model_ref, device=device, dtype="float32")
+    examples = get_task(task).examples(prompts, seed=seed, split="train")
+    dev = next(model.parameters()).device
+    roll = build_rollout(tok, [e.prompt for e in examples], [e.answer for e in examples], device=dev)
+    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    model.zero_grad(set_to_none=True)
+    lp = token_logprobs(model, roll.input_ids, roll.attention_mask)  # (N, L)
+    loss = -(lp * roll.completion_mask.to(lp.dtype)).sum() / lp.shape[0]
+    loss.backward()
+    out = {n: (p.grad.detach().abs().float().cpu() if p.grad is not None else torch.zeros_like(p, device="cpu"))
+           for n, p in params.items()}
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The job
+# ---------------------------------------------------------------------------------------------
+
+
+def _weights(model_ref: str) -> dict[str, torch.Tensor]:
+    from compute.diff import open_checkpoint
+
+    ck = open_checkpoint(model_ref, "model")
+    out = {}
+    for n in ck.names():
+        t = ck.get(n)
+        if t.is_floating_point():
+            out[n] = t
+    return out
+
+
+def build_mask(spec: MaskSpec, progress: Any = null_progress) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The mask of a MaskSpec and a dict describing where its scores came from."""
+    sel = spec.select
+    fisher = load_scores(spec.fisher, "fisher") if spec.fisher else None
+    info: dict[str, Any] = {"fisher": spec.fisher, "model": spec.model}
+    scores: dict[str, torch.Tensor] | None = None
+    params: dict[str, torch.Tensor] | None = None
+    if sel.startswith("fisher"):
+        if fisher is None:
+            raise ValueError(f"fisher: selector {sel!r} needs a Fisher (fisher.safetensors path or job:<id>)")
+        scores = fisher
+        info["scores"] = "fisher"
+    elif sel.startswith("magnitude"):
+        if not spec.model:
+            raise ValueError(f"model: selector {sel!r} needs the model (its weights are ranked)")
+        progress(0.1, "reading weights")
+        params = _weights(spec.model)
+        if fisher is not None:
+            params = _restrict(params, fisher)
+        info["scores"] = "|weight|"
+    elif sel == "gradient":
+        if spec.gradient:
+            scores = load_scores(spec.gradient, "gradient")
+            info["scores"] = f"|gradient| from {spec.gradient}"
+        elif spec.model:
+            progress(0.1, "computing the gradient")
+            scores = sft_gradient(spec.model, spec.task, spec.prompts, spec.seed, spec.device)
+            info["scores"] = (f"|gradient| of the mean gold-answer NLL over {spec.prompts} "
+                              f"train prompts of {spec.task!r} (seed {spec.seed})")
+        else:
+            raise ValueError("gradient: selector 'gradient' needs --gradient FILE or --model")
+        if fisher is not None:
+            scores = _restrict(scores, fisher)
+    else:  # random
+        if fisher is not None:
+            scores = fisher
+        elif spec.model:
+            params = _weights(spec.model)
+        else:
+            raise ValueError("model: selector 'random' needs --model or --fisher (for tensor shapes)")
+        info["scores"] = f"uniform random per tensor, seed {spec.seed}"
+    if spec.model and fisher is not None and sel.startswith("fisher"):
+        _restrict(_shapes_only(spec.model), fisher)  # the Fisher must belong to this model
+    progress(0.5, f"selecting {sel} at density {spec.density}")
+    mask = select_mask(sel, spec.density, scores=scores, params=params, seed=spec.seed)
+    return mask, {**info, "fisher_tensors": fisher}
+
+
+def _shapes_only(model_ref: str) -> dict[str, torch.Tensor]:
+    from compute.diff import open_checkpoint
+
+    ck = open_checkpoint(model_ref, "model")
+    return {n: torch.empty(ck.shape(n), device="meta") for n in ck.names()}
+
+
+def _restrict(d: Mapping[str, torch.Tensor], ref: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """d's tensors for ref's names (ValueError naming the first missing or mis-shaped one)."""
+    out = {}
+    for n in ref:
+        if n not in d:
+            raise ValueError(f"model: parameter {n!r} of the Fisher is not in the model")
+        if tuple(d[n].shape) != tuple(ref[n].shape):
+            raise ValueError(f"model: parameter {n!r} has shape {list(d[n].shape)} in the model "
+                             f"but {list(ref[n].shape)} in the Fisher")
+        out[n] = d[n]
+    return out
+
+
+def run(spec: MaskSpec, progress: Any = null_progress) -> JobResult:
+    mask, info = build_mask(spec, progress)
+    fisher = info.pop("fisher_tensors")
+    progress(0.8, "statistics")
+    kept = {n: int(m.sum()) for n, m in mask.items()}
+    total = sum(m.numel() for m in mask.values())
+    n_kept = sum(kept.values())
+    summary: dict[str, Any] = {
+        "select": spec.select,
+        "density_requested": spec.density,
+        "density": n_kept / total,
+        "kept": n_kept,
+        "total": total,
+        "tensors": len(mask),
+        "seed": spec.seed,
+        "scores": info["scores"],
+        "fisher": spec.fisher,
+        "model": spec.model,
+        "exact_count_rule": "round_half_up(density * total); per-tensor selectors: largest remainder",
+        "tie_rule": "sorted parameter name, then flat index ascending",
+        "by_module": {k: v["density"] for k, v in density_by(mask, "module").items()},
+        "by_layer": {k: v["density"] for k, v in density_by(mask, "layer").items()},
+    }
+    fisher_mass: dict[str, float] = {}
+    if fisher is not None and set(fisher) >= set(mask):
+        tot = sum(float(fisher[n].double().sum()) for n in mask)
+        fisher_mass = {n: float(fisher[n].double()[mask[n]].sum()) for n in mask}
+        summary["fisher_mass_kept"] = sum(fisher_mass.values()) / tot if tot > 0 else float("nan")
+        if spec.select != "fisher":
+            from compute.overlap import mask_overlap
+
+            ref = select_mask("fisher", spec.density, scores={n: fisher[n] for n in mask})
+            ov = mask_overlap(mask, ref)["all"]
+            summary["overlap_with_fisher_topk"] = {
+                "jaccard": ov["jaccard"], "jaccard_random": ov["jaccard_baseline"],
+                "jaccard_lift": ov["jaccard_lift"], "overlap_frac": ov["overlap_frac_a"],
+            }
+    rows = []
+    for n, m in mask.items():
+        vals = {"density": kept[n] / m.numel(), "kept": float(kept[n]), "numel": float(m.numel())}
+        if fisher_mass:
+            vals["fisher_mass_kept"] = fisher_mass[n]
+        rows.append(LayerStat(param=n, module=module_type(n), layer=layer_index(n), values=vals))
+    heat = layer_module_heatmap(
+        "mask_density", {n: (float(kept[n]), float(m.numel())) for n, m in mask.items()},
+        {"units": "kept fraction", "zmin": 0.0, "zmax": 1.0, "title": f"{spec.select} mask density"},
+    )
+    progress(1.0, "done")
+    return JobResult(kind="mask", summary=summary, layer_stats=rows, heatmaps=[heat],
+                     tensors={"mask": mask})
