@@ -1,7 +1,107 @@
-"""CLI commands (filled in by the owning area)."""
+"""`fisherlens fisher`: estimate the diagonal Fisher of a model on a task, write it and its stats."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Any
+
 import click
 
-commands: list[click.Command] = []
+from app.commands.common import fail, spec_from_options, write_json
+
+
+def _summary_table(result: Any) -> str:
+    """One line per layer: share of Fisher mass, mean, and the module type holding most mass."""
+    rows: dict[Any, dict[str, Any]] = {}
+    for s in result.layer_stats:
+        if s.group != "layer_module":
+            continue
+        r = rows.setdefault(s.layer, {"share": 0.0, "mass": 0.0, "numel": 0, "top": ("", -1.0)})
+        r["share"] += s.values["share"]
+        r["mass"] += s.values["mass"]
+        r["numel"] += s.values["numel"]
+        if s.values["share"] > r["top"][1]:
+            r["top"] = (s.module, s.values["share"])
+    lines = [f"{'layer':>6} {'params':>10} {'share':>7} {'mean':>11}  top module (share)"]
+    for layer in sorted(rows, key=lambda v: (v is None, v or 0)):
+        r = rows[layer]
+        label = "-" if layer is None else str(layer)
+        mean = r["mass"] / r["numel"] if r["numel"] else 0.0
+        lines.append(f"{label:>6} {r['numel']:>10,} {r['share']:>7.1%} {mean:>11.4g}  "
+                     f"{r['top'][0]} ({r['top'][1]:.1%})")
+    return "\n".join(lines)
+
+
+@click.command("fisher")
+@click.option("--model", required=True, help="zoo name, local HF directory, or hub id")
+@click.option("--task", default=None, help="arithmetic | arithmetic-add | arithmetic-mul | jsonl:PATH")
+@click.option("--prompts", type=int, default=None, help="number of task prompts (1..4096)")
+@click.option("--samples", type=int, default=None, help="sampled completions per prompt (1..64)")
+@click.option("--estimator", default=None, help="sequence | token | empirical | batch")
+@click.option("--seed", type=int, default=None, help="seed of prompts and samples")
+@click.option("--out", "out", required=True, type=click.Path(file_okay=False), help="output dir")
+@click.option("--max-new-tokens", type=int, default=None, help="completion length limit")
+@click.option("--temperature", type=float, default=None, help="1.0 = the model's distribution")
+@click.option("--top-k", type=int, default=None, help="default: full distribution")
+@click.option("--top-p", type=float, default=None, help="default: full distribution")
+@click.option("--device", default=None, help="auto | cpu | cuda | cuda:N")
+@click.option("--dtype", default=None, help="auto | float32 | bfloat16 | float16")
+@click.option("--memory-budget-mb", type=int, default=None, help="per-sample gradient memory")
+@click.option("--topk-percent", type=float, default=None, help="top-k%% for split-half stability")
+@click.option("--exact-output/--no-exact-output", default=None,
+              help="also compute the exact output-layer Fisher (default on)")
+def fisher(out: str, **options: Any) -> None:
+    """Estimate the diagonal Fisher; write OUT/fisher.safetensors and OUT/stats.json."""
+    spec = spec_from_options("fisher", options)
+    # cheap checks first: a bad model or task name fails before torch loads anything heavy
+    from compute.modelref import resolve_model
+    from compute.tasks import get_task
+
+    try:
+        get_task(spec.task)
+        resolve_model(spec.model)
+    except ValueError as exc:
+        fail(str(exc))
+
+    from tqdm import tqdm
+
+    from compute.run_fisher import run
+
+    bar = tqdm(total=100, desc="fisher", unit="%", leave=False)
+
+    def progress(fraction: float, message: str = "") -> None:
+        bar.n = round(100 * min(max(fraction, 0.0), 1.0))
+        bar.set_postfix_str(message)
+        bar.refresh()
+
+    try:
+        result = run(spec, progress)
+    except ValueError as exc:
+        fail(str(exc).splitlines()[0])
+    finally:
+        bar.close()
+
+    from safetensors.torch import save_file
+
+    out_dir = Path(out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensors = {n: t.detach().float().contiguous().cpu() for n, t in result.tensors["fisher"].items()}
+    save_file(tensors, str(out_dir / "fisher.safetensors"), metadata={"estimator": spec.estimator})
+    write_json(out_dir / "stats.json", result.to_dict())
+    s = result.summary
+    click.echo(_summary_table(result))
+    stab = s.get("split_half_jaccard")
+    stab_txt = f"{stab:.3f}" if stab is not None else "n/a"
+    click.echo(
+        f"{s['estimator']} Fisher of {spec.model} on {spec.task}: {s['n_samples']} samples "
+        f"({s['n_rows']} sequences, {s['n_tokens']} tokens), gini {s['gini']:.3f}, "
+        f"top 1% holds {s['top1%_share']:.1%} of the mass, split-half top-{spec.topk_percent:g}% "
+        f"Jaccard {stab_txt}"
+    )
+    for name, e in (s.get("exact_output") or {}).items():
+        click.echo(f"exact output-layer check ({name}): relative L1 error "
+                   f"{e['relative_l1_error']:.3f}")
+    click.echo(f"wrote {out_dir / 'fisher.safetensors'} and {out_dir / 'stats.json'}")
+
+
+commands = [fisher]

@@ -1,0 +1,99 @@
+"""compute.run_fisher (job + shards) and `fisherlens fisher` on the real zoo model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+from safetensors.torch import load_file
+
+from app.cli import main
+from compute.run_fisher import finish, run, run_shard, shard_range
+from compute.specs import FisherSpec
+
+
+@pytest.fixture
+def home(zoo_home, monkeypatch):
+    monkeypatch.setenv("FISHERLENS_HOME", str(zoo_home))
+    monkeypatch.setenv("FISHERLENS_DEVICE", "cpu")
+    return zoo_home
+
+
+def test_shard_ranges_cover_prompts():
+    spec = FisherSpec(model="arith-base", prompts=7, shards=3)
+    ranges = [shard_range(spec, i) for i in range(3)]
+    assert ranges[0][0] == 0 and ranges[-1][1] == 7
+    assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:], strict=False))
+    with pytest.raises(ValueError, match="^shard_index:"):
+        shard_range(spec, 3)
+
+
+@pytest.mark.slow
+def test_run_equals_finish_of_shards_and_is_worker_independent(home):
+    spec = FisherSpec(model="arith-base", prompts=5, samples=2, max_new_tokens=4, shards=2, seed=3)
+    res = run(spec)
+    # shards computed separately (as on two workers, in any order) give the identical result
+    outs = [run_shard(spec, 1), run_shard(spec, 0)]
+    again = finish(spec, outs)
+    f, g = res.tensors["fisher"], again.tensors["fisher"]
+    assert list(f) == list(g)
+    assert all(torch.equal(f[n], g[n]) for n in f)
+    # one shard over all prompts: same samples, same Fisher up to summation order
+    one = run(spec.model_copy(update={"shards": 1})).tensors["fisher"]
+    for n in f:
+        torch.testing.assert_close(one[n], f[n], rtol=1e-5, atol=1e-7 * float(f[n].max()) + 1e-12)
+    s = res.summary
+    assert s["n_rows"] == 10 and s["estimator"] == "sequence" and s["shards"] == 2
+    assert 0.0 <= s["split_half_jaccard"] <= 1.0
+    assert set(s["exact_output"]) == {"lm_head.weight"}
+    assert s["exact_output"]["lm_head.weight"]["relative_l1_error"] >= 0
+    assert set(f) == {n for n, _ in _params(home)}
+    assert {h.name for h in res.heatmaps} == {"fisher/mean", "fisher/share"}
+    assert res.series and res.series[-1].value == pytest.approx(1.0)
+    json.dumps(res.to_dict())  # JSON-able
+
+
+def _params(home):
+    from compute.models import load_model
+
+    model, _ = load_model(str(home / "zoo" / "arith-base"), device="cpu")
+    return list(model.named_parameters())
+
+
+@pytest.mark.slow
+def test_cli_fisher_writes_outputs(home, tmp_path):
+    out = tmp_path / "f"
+    r = CliRunner().invoke(main, ["fisher", "--model", "arith-base", "--prompts", "3",
+                                  "--samples", "2", "--max-new-tokens", "4", "--estimator",
+                                  "token", "--seed", "1", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    tensors = load_file(str(out / "fisher.safetensors"))
+    assert set(tensors) == {n for n, _ in _params(home)}
+    assert all(t.dtype == torch.float32 and (t >= 0).all() for t in tensors.values())
+    stats = json.loads((out / "stats.json").read_text())
+    assert stats["kind"] == "fisher" and stats["summary"]["estimator"] == "token"
+    assert stats["summary"]["n_samples"] == stats["summary"]["n_tokens"]
+    assert "share" in r.output and "wrote" in r.output
+
+
+@pytest.mark.parametrize("args,flag", [
+    (["--prompts", "0"], "--prompts"), (["--samples", "1000"], "--samples"),
+    (["--estimator", "magic"], "--estimator"), (["--temperature", "0"], "--temperature"),
+    (["--top-p", "2"], "--top-p"),
+])
+def test_cli_bad_values_exit_2(fl_home, tmp_path, args, flag):
+    r = CliRunner().invoke(main, ["fisher", "--model", "arith-base", "--out", str(tmp_path), *args])
+    assert r.exit_code == 2
+    lines = [ln for ln in r.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and flag in lines[0] and lines[0].startswith("error:")
+
+
+@pytest.mark.parametrize("args,field", [
+    (["--model", "no-such-model"], "model:"), (["--model", "arith-base", "--task", "poetry"], "task:"),
+])
+def test_cli_bad_model_or_task_exit_2(fl_home, tmp_path, args, field):
+    r = CliRunner().invoke(main, ["fisher", *args, "--out", str(tmp_path)])
+    assert r.exit_code == 2
+    assert field in r.output and len([ln for ln in r.output.splitlines() if ln.strip()]) == 1
