@@ -102,6 +102,15 @@ class TrainSpec(_Spec):
     seed: int = Field(0, ge=0, le=2**31 - 1)
     dtype: Dtype = "auto"
     device: str = Field("auto", max_length=32)
+    momentum: float = Field(0.0, ge=0.0, lt=1.0, description="SGD momentum")
+    grad_clip: float | None = Field(1.0, gt=0.0, le=1e6, description="max grad norm; None = off")
+    temperature: float = Field(1.0, gt=0.0, le=5.0, description="sampling temperature")
+    distill_estimator: Literal["full", "sampled"] = Field(
+        "full", description="OPD reverse KL: exact over the vocabulary, or sampled-token estimate"
+    )
+    fisher_prompts: int = Field(32, ge=1, le=4096, description="prompts of the Fisher for mask_select")
+    fisher_samples: int = Field(4, ge=1, le=64, description="samples per prompt of that Fisher")
+    bound: bool = Field(True, description="GRPO: check the Cauchy-Schwarz bound on the first batch")
 
 
 class RetentionSpec(_Spec):
@@ -123,6 +132,15 @@ class RetentionSpec(_Spec):
     fisher_samples: int = Field(4, ge=1, le=64)
     eval_prompts: int = Field(200, ge=1, le=100_000)
     device: str = Field("auto", max_length=32)
+    batch: int = Field(8, ge=1, le=1024, description="prompts per step")
+    group: int = Field(8, ge=2, le=64, description="completions sampled per prompt")
+    max_new_tokens: int = Field(8, ge=1, le=1024)
+    weight_decay: float = Field(0.0, ge=0.0, le=10.0)
+    momentum: float = Field(0.0, ge=0.0, lt=1.0, description="SGD momentum")
+    temperature: float = Field(1.0, gt=0.0, le=5.0)
+    kl_coef: float = Field(0.0, ge=0.0, le=100.0)
+    distill_estimator: Literal["full", "sampled"] = "full"
+    dtype: Dtype = "auto"
 
 
 class DiffSpec(_Spec):

@@ -294,12 +294,15 @@ def train(
     teacher_tokenizer: Any = None,
     progress: Callable[[float, str], None] | None = None,
     evaluate: bool = True,
+    grad_hook: Callable[[int, list[tuple[str, torch.nn.Parameter, torch.Tensor | None]]], None]
+    | None = None,
 ) -> TrainResult:
     """Train `model` in place on `task` with one algorithm; returns the curves and accuracies.
 
     Prompts of step s are train-split items s*batch .. (s+1)*batch-1 of task.examples(seed=seed);
     sampling is seeded by (seed, step), so a masked and a full run with the same config see the
     same prompts and (until the policies diverge) the same random numbers.
+    grad_hook(step, params) sees the masked, unclipped gradients before each optimizer step.
     """
     from compute.models import greedy_accuracy
     from compute.sampling import build_rollout, sample_completions
@@ -399,6 +402,8 @@ def train(
                 loss = sft_loss(lp, cmask, config.aggregation)
             loss.backward()
             mask_gradients(params)
+            if grad_hook is not None:
+                grad_hook(step, params)
             row["grad_norm"] = clip_grad_norm(params, config.grad_clip)
             opt.step()
         row["loss"] = float(loss.detach())
@@ -427,3 +432,23 @@ def save_output(
     tokenizer.save_pretrained(out)
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True, default=str))
     return out
+
+
+def objective_gradient(
+    model: torch.nn.Module, tokenizer: Any, task: Any, config: TrainConfig,
+    teacher: torch.nn.Module | None = None,
+) -> dict[str, torch.Tensor]:
+    """|gradient| (float32, CPU) of the training objective on the first batch at the start
+    (for the 'gradient' mask selector). The model is not changed (a copy takes the step)."""
+    captured: dict[str, torch.Tensor] = {}
+
+    def hook(step: int, params: list[tuple[str, torch.nn.Parameter, torch.Tensor | None]]) -> None:
+        if step == 0 and not captured:
+            for n, p, _m in params:
+                g = p.grad
+                captured[n] = (g.detach().abs().float().cpu() if g is not None
+                               else torch.zeros(p.shape, dtype=torch.float32))
+
+    cfg = TrainConfig(**{**asdict(config), "steps": 1})
+    train(copy.deepcopy(model), tokenizer, task, cfg, teacher=teacher, evaluate=False, grad_hook=hook)
+    return captured

@@ -1,0 +1,188 @@
+"""`fisherlens train` (one full or masked post-training run) and `fisherlens retention` (the
+fixed-mask retention grid)."""
+
+from __future__ import annotations
+
+import math
+import shutil
+from pathlib import Path
+from typing import Any
+
+import click
+
+from app.commands.common import fail, spec_from_options, write_json
+
+
+def _bar(desc: str) -> Any:
+    from tqdm import tqdm
+
+    bar = tqdm(total=1000, desc=desc, leave=False, bar_format="{l_bar}{bar}| {elapsed}<{remaining} {postfix}")
+
+    def progress(fraction: float, message: str = "") -> None:
+        bar.n = round(1000 * min(max(fraction, 0.0), 1.0))
+        bar.set_postfix_str(message[:60])
+        bar.refresh()
+
+    return bar, progress
+
+
+def _check_refs(spec: Any) -> None:
+    from compute.modelref import resolve_model
+    from compute.tasks import get_task
+
+    try:
+        resolve_model(spec.model)
+        if getattr(spec, "teacher", None):
+            resolve_model(spec.teacher)
+        get_task(spec.task)
+    except ValueError as exc:
+        fail(str(exc).splitlines()[0])
+
+
+def _fmt(x: Any) -> str:
+    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.3f}"
+
+
+@click.command("train")
+@click.option("--model", required=True, help="zoo name, local HF directory, or hub id")
+@click.option("--task", help="arithmetic | arithmetic-add | arithmetic-mul | jsonl:PATH")
+@click.option("--algo", help="grpo | opd | sft  [default: grpo]")
+@click.option("--teacher", help="teacher model for opd (same tokenizer)")
+@click.option("--mask", help="mask.safetensors: train only its True coordinates")
+@click.option("--mask-select", help="build a mask in the run: fisher | fisher-tensor | fisher-bottom | "
+              "random | magnitude | magnitude-bottom | gradient")
+@click.option("--mask-density", type=float, help="density of --mask-select (0..1]")
+@click.option("--optimizer", help="adamw | sgd  [default: adamw]")
+@click.option("--lr", type=float, help="learning rate  [default: 1e-3]")
+@click.option("--weight-decay", type=float, help="[default: 0]")
+@click.option("--momentum", type=float, help="SGD momentum  [default: 0]")
+@click.option("--steps", type=int, help="optimizer steps  [default: 30]")
+@click.option("--batch", type=int, help="prompts per step  [default: 8]")
+@click.option("--group", type=int, help="completions per prompt  [default: 8]")
+@click.option("--kl-coef", type=float, help="GRPO KL to the reference  [default: 0]")
+@click.option("--clip-eps", type=float, help="GRPO ratio clip  [default: 0.2]")
+@click.option("--sft-source", help="gold | self  [default: gold]")
+@click.option("--distill-estimator", help="full | sampled  [default: full]")
+@click.option("--max-new-tokens", type=int, help="sampled completion length  [default: 16]")
+@click.option("--temperature", type=float, help="sampling temperature  [default: 1]")
+@click.option("--grad-clip", type=float, help="max gradient norm  [default: 1]")
+@click.option("--eval-prompts", type=int, help="held-out prompts for greedy accuracy  [default: 200]")
+@click.option("--fisher-prompts", type=int, help="Fisher prompts for --mask-select fisher*")
+@click.option("--fisher-samples", type=int, help="Fisher samples per prompt")
+@click.option("--bound/--no-bound", default=None, help="GRPO: check the Fisher bound on batch 1")
+@click.option("--seed", type=int, help="[default: 0]")
+@click.option("--device", help="auto | cpu | cuda | cuda:N")
+@click.option("--dtype", help="auto | float32 | bfloat16 | float16")
+@click.option("--out", "out", required=True, type=click.Path(file_okay=False),
+              help="output dir: the trained model (HF format), metrics.json")
+def train_cmd(out: str, **options: Any) -> None:
+    """Post-train MODEL on TASK (full, or masked), write the model and OUT/metrics.json."""
+    spec = spec_from_options("train", options)
+    out_dir = Path(out)
+    if out_dir.exists() and any(out_dir.iterdir()):
+        fail(f"--out: {out} exists and is not empty; choose a new folder")
+    _check_refs(spec)
+    from compute.run_train import run
+
+    bar, progress = _bar("train")
+    try:
+        result = run(spec, progress)
+    except ValueError as exc:
+        fail(str(exc).splitlines()[0])
+    finally:
+        bar.close()
+    src = Path(result.files["model"])
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    if out_dir.exists():
+        out_dir.rmdir()
+    shutil.move(str(src), str(out_dir))
+    shutil.rmtree(src.parent, ignore_errors=True)
+    if "mask" in result.tensors:
+        from compute.masks import save_mask
+
+        save_mask(result.tensors["mask"], out_dir / "mask.safetensors", metadata=result.summary.get("mask"))
+    s = result.summary
+    click.echo(f"{spec.algo} on {spec.task}: held-out accuracy {_fmt(s['accuracy_before'])} -> "
+               f"{_fmt(s['accuracy_after'])} ({s['settings']['steps']} steps, {s['seconds']:.1f} s, "
+               f"trainable {s['trainable_fraction']:.2%})")
+    us = s.get("update_sparsity", {})
+    if us:
+        click.echo(f"unchanged parameters: exact {_fmt(us.get('unchanged_exact'))}, "
+                   f"|delta|<=1e-5 {_fmt(us.get('unchanged_atol_1e-05'))}")
+    if "bound" in s:
+        b = s["bound"]
+        click.echo(f"bound |g| <= sqrt(E A^2) sqrt(F) holds on {b['bound_fraction_holds']:.6f} of "
+                   f"{b['bound_coordinates']:,} coordinates; Spearman(|g|, sqrt F) "
+                   f"{_fmt(b['grad_sqrt_fisher_spearman'])}")
+    click.echo(f"wrote {out_dir} (model, tokenizer, metrics.json)")
+
+
+def _floats(text: str | None, flag: str) -> list[float] | None:
+    if text is None:
+        return None
+    try:
+        return [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        fail(f"{flag}: got {text!r}; expected comma-separated numbers like 0.01,0.05,0.1")
+
+
+def _words(text: str | None) -> list[str] | None:
+    return None if text is None else [x.strip() for x in text.split(",") if x.strip()]
+
+
+@click.command("retention")
+@click.option("--model", help="zoo name, local HF directory, or hub id  [default: arith-base]")
+@click.option("--task", help="[default: arithmetic]")
+@click.option("--algo", help="grpo | opd | sft  [default: grpo]")
+@click.option("--teacher", help="teacher for opd  [default: arith-teacher for arith-base]")
+@click.option("--densities", help="comma-separated mask densities  [default: 0.01,0.05,0.1]")
+@click.option("--selectors", help="comma-separated selectors  [default: fisher,random,magnitude]")
+@click.option("--seeds", type=int, help="seeds per configuration  [default: 3]")
+@click.option("--steps", type=int, help="optimizer steps per run")
+@click.option("--lr", type=float, help="learning rate")
+@click.option("--optimizer", help="adamw | sgd")
+@click.option("--batch", type=int, help="prompts per step")
+@click.option("--group", type=int, help="completions per prompt")
+@click.option("--max-new-tokens", type=int, help="sampled completion length")
+@click.option("--weight-decay", type=float)
+@click.option("--momentum", type=float, help="SGD momentum")
+@click.option("--temperature", type=float)
+@click.option("--kl-coef", type=float)
+@click.option("--distill-estimator", help="full | sampled")
+@click.option("--fisher-prompts", type=int, help="prompts of the initial Fisher")
+@click.option("--fisher-samples", type=int, help="samples per prompt of the initial Fisher")
+@click.option("--eval-prompts", type=int, help="held-out prompts")
+@click.option("--device", help="auto | cpu | cuda | cuda:N")
+@click.option("--dtype", help="auto | float32 | bfloat16 | float16")
+@click.option("--out", "out", default="retention", show_default=True, type=click.Path(file_okay=False),
+              help="writes OUT/retention.json and OUT/retention.md")
+def retention_cmd(out: str, densities: str | None, selectors: str | None, **options: Any) -> None:
+    """Full vs fixed-mask training from the initial Fisher: the retention table."""
+    options["densities"] = _floats(densities, "--densities")
+    options["selectors"] = _words(selectors)
+    spec = spec_from_options("retention", options)
+    _check_refs(spec)
+    from compute.run_retention import run
+
+    bar, progress = _bar("retention")
+    try:
+        result = run(spec, progress)
+    except ValueError as exc:
+        fail(str(exc).splitlines()[0])
+    finally:
+        bar.close()
+    s = result.summary
+    out_dir = Path(out)
+    write_json(out_dir / "retention.json", {**result.to_dict(), "spec": spec.model_dump(mode="json")})
+    (out_dir / "retention.md").write_text(s["markdown"])
+    click.echo(s["markdown"])
+    us = s.get("full_update_sparsity", {})
+    click.echo(f"full runs: unchanged exact {_fmt(us.get('unchanged_exact'))}, |delta|<=1e-5 "
+               f"{_fmt(us.get('unchanged_atol_1e-05'))}; initial Fisher precision@changed "
+               f"{_fmt(us.get('fisher_precision_at_changed'))}, precision@top1%|delta| "
+               f"{_fmt(us.get('fisher_precision_at_top1pct_delta'))}")
+    click.echo(f"{s['runs']} runs in {s['seconds']:.0f} s; wrote {out_dir / 'retention.json'} and "
+               f"{out_dir / 'retention.md'}")
+
+
+commands: list[click.Command] = [train_cmd, retention_cmd]
