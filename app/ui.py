@@ -23,14 +23,18 @@ from storage.models import FINAL_STATUSES, JOB_STATUSES
 MAX_FIGS = 8  # figure slots in the result view
 MAX_TABLES = 3
 COMPARE_FIGS = 4
-POLL_S = 1.0
+POLL_S = 1.5
 TABS = ("new", "jobs", "result", "tokens", "compare", "models")
 TASKS = ["arithmetic", "arithmetic-add", "arithmetic-mul"]
 SELECTORS = ["fisher", "fisher-tensor", "fisher-bottom", "random", "magnitude", "magnitude-bottom",
              "gradient"]
 
-URL_JS = "(u) => { if (u && window.location.pathname + window.location.search !== u) " \
-         "{ window.history.replaceState(null, '', u); } return u; }"
+URL_JS = """(u) => {
+  if (!u) { return u; }
+  if (u.includes('tab=compare')) { window.__flCompareUrl = u; } else { window.__flResultUrl = u; }
+  if (window.location.pathname + window.location.search !== u) { window.history.replaceState(null, '', u); }
+  return u;
+}"""
 COPY_JS = """(u) => {
   const full = u ? new URL(u, window.location.origin).href : window.location.href;
   if (navigator.clipboard) { navigator.clipboard.writeText(full).catch(() => {}); }
@@ -128,7 +132,7 @@ def downloads_html(result: dict[str, Any]) -> str:
 
 def spec_html(job: dict[str, Any]) -> str:
     spec = job.get("spec") or {}
-    cells = "".join(f"<span class='fl-kv'><b>{esc(k)}</b>={esc(v)}</span>" for k, v in spec.items())
+    cells = " ".join(f"<span class='fl-kv'><b>{esc(k)}</b>={esc(v)}</span>" for k, v in spec.items())
     when = esc((job.get("finished_at") or job.get("created_at") or "")[:19])
     return f"<div class='fl-spec'><b>{esc(job.get('kind'))}</b> job #{esc(job.get('id'))} ({when} UTC): {cells}</div>"
 
@@ -640,12 +644,10 @@ def build_ui(settings: Any) -> gr.Blocks:  # noqa: C901 - layout + wiring read t
                      f_model, t_model, r_model, d_base, k_model, m_model],
             **fast,
         ).then(show_now, inputs=state_in, outputs=result_out, **fast).then(
-            compare_choices, inputs=[c_a, c_b], outputs=[c_a, c_b], **fast
-        ).then(
-            lambda a, b: compare(a, b) if (a or b) else [gr.skip()] * (2 + 2 * COMPARE_FIGS + 1),
-            inputs=[c_a, c_b], outputs=[c_head_a, *c_figs_a, c_head_b, *c_figs_b, url_box], **fast,
+            lambda a, b: [*compare_choices(a, b),
+                          *(compare(a, b) if (a or b) else [gr.skip()] * (2 + 2 * COMPARE_FIGS + 1))],
+            inputs=[c_a, c_b], outputs=[c_a, c_b, c_head_a, *c_figs_a, c_head_b, *c_figs_b, url_box], **fast,
         )
-        timer.tick(poll_result, inputs=state_in, outputs=result_out, **fast)
         view_token.change(show_now, inputs=state_in, outputs=result_out, **fast).then(
             refresh_result_choices, inputs=view_token, outputs=r_pick, **fast)
         r_pick.input(pick_result, inputs=r_pick, outputs=view_token, **fast)
@@ -669,24 +671,19 @@ def build_ui(settings: Any) -> gr.Blocks:  # noqa: C901 - layout + wiring read t
             return (gr.Dropdown(choices=ref_choices("fisher")), gr.Dropdown(choices=ref_choices("mask")),
                     gr.Dropdown(choices=ref_choices("fisher")))
 
-        tab_new.select(refresh_refs, outputs=[m_fisher, t_mask, d_fisher], **fast).then(
-            lambda: "/?tab=new", outputs=url_box, **fast)
+        tab_new.select(refresh_refs, outputs=[m_fisher, t_mask, d_fisher], **fast)
 
-        tab_jobs.select(lambda: "/?tab=jobs", outputs=url_box, **fast)
-        timer.tick(jobs_view, inputs=[j_kind, j_status, jobs_last], outputs=[j_table, jobs_last], **fast)
         for comp in (j_kind, j_status):
             comp.change(lambda k, s: jobs_view(k, s, ""), inputs=[j_kind, j_status],
                         outputs=[j_table, jobs_last], **fast)
         for btn, action in ((j_open, "open"), (j_cancel, "cancel"), (j_rerun, "rerun")):
             btn.click(lambda i, a=action: job_action(a, i), inputs=j_id, outputs=[j_msg, view_token, tabs])
 
-        tab_tokens.select(lambda: "/?tab=tokens", outputs=url_box, **fast)
         k_btn.click(run_tokens, inputs=[k_model, k_context, k_topk, k_layer, k_random],
                     outputs=[k_msg, tok_token, tok_sig])
         k_context.submit(run_tokens, inputs=[k_model, k_context, k_topk, k_layer, k_random],
                          outputs=[k_msg, tok_token, tok_sig])
         tok_poll_out = [k_progress, k_choice, k_bars, k_sim_top, k_sim_rand, tok_sig]
-        timer.tick(poll_tokens, inputs=[tok_token, tok_sig], outputs=tok_poll_out, **fast)
         k_choice.input(extend_context, inputs=[k_context, k_choice], outputs=k_context).then(
             run_tokens, inputs=[k_model, k_context, k_topk, k_layer, k_random],
             outputs=[k_msg, tok_token, tok_sig])
@@ -694,8 +691,15 @@ def build_ui(settings: Any) -> gr.Blocks:  # noqa: C901 - layout + wiring read t
         tab_compare.select(compare_choices, inputs=[c_a, c_b], outputs=[c_a, c_b], **fast)
         c_btn.click(compare, inputs=[c_a, c_b], outputs=[c_head_a, *c_figs_a, c_head_b, *c_figs_b, url_box])
 
-        tab_models.select(models_table, outputs=m_table, **fast).then(
-            lambda: "/?tab=models", outputs=url_box, **fast)
+        tab_models.select(models_table, outputs=m_table, **fast)
+
+        # one poll per tick for the whole page (result progress, jobs table, token job)
+        def poll_all(token, sig, ro, kind, status, last, ttoken, tsig):
+            return [*poll_result(token, sig, ro), *jobs_view(kind, status, last),
+                    *poll_tokens(ttoken, tsig)]
+
+        timer.tick(poll_all, inputs=[*state_in, j_kind, j_status, jobs_last, tok_token, tok_sig],
+                   outputs=[*result_out, j_table, jobs_last, *tok_poll_out], **fast)
         reg_btn.click(register, inputs=[reg_path, reg_name], outputs=[reg_msg, m_table])
     return demo
 

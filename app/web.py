@@ -29,7 +29,7 @@ def _field(loc: tuple[Any, ...] | list[Any]) -> str:
 
 def not_found_page(token: str) -> str:
     return f"""<!doctype html><html lang="en"><head><meta charset="utf-8">
-<title>fisherlens: result not found</title><link rel="stylesheet" href="/assets/fisherlens.css"></head>
+<title>fisherlens: result not found</title><link rel="stylesheet" href="/fisherlens-static/fisherlens.css"></head>
 <body class="fl-page"><main class="fl-notfound" id="fl-notfound">
 <h1>Result not found</h1>
 <p>No fisherlens result has the share link <code>/r/{html.escape(token)}</code>.</p>
@@ -79,7 +79,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             return HTMLResponse(not_found_page(token), status_code=404)
         return RedirectResponse(f"/?view={token}", status_code=307)
 
-    app.mount("/assets", StaticFiles(directory=str(ASSETS)), name="assets")
+    app.mount("/fisherlens-static", StaticFiles(directory=str(ASSETS)), name="assets")
 
     blocks = build_ui(settings)
     blocks.queue(default_concurrency_limit=4)
@@ -88,7 +88,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         blocks,
         path="/",
         css_paths=[ASSETS / "fisherlens.css"],
-        head='<link rel="icon" href="/assets/favicon.svg">',
+        head='<link rel="icon" href="/fisherlens-static/favicon.svg">'
+        '<script src="/fisherlens-static/fisherlens.js" defer></script>',
         footer_links=["settings"],
         run_history=False,
         show_error=True,

@@ -213,7 +213,7 @@ def test_pages_and_openapi(env):
     assert {"/api/jobs", "/api/jobs/{job_id}", "/api/jobs/{job_id}/cancel",
             "/api/results/{token}"} <= set(spec["paths"])
     assert client.get("/api/docs").status_code == 200
-    assert client.get("/assets/fisherlens.css").status_code == 200
+    assert client.get("/fisherlens-static/fisherlens.css").status_code == 200
 
 
 def test_web_process_does_not_import_torch(tmp_path):
