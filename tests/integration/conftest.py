@@ -202,7 +202,7 @@ def stack(
         yield s
     finally:
         for w in s.workers:
-            w.stop()
+            w.kill()  # tests are done with them; a warm shutdown only costs time
         ca._apps.clear()
         if request.param == "redis":
             import redis

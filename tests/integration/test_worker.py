@@ -124,10 +124,12 @@ def test_worker_lost_on_last_attempt_is_marked_failed_not_running(stack) -> None
 def test_stale_job_of_a_dead_machine_is_taken_over_by_another_worker(stack) -> None:
     stack.env["JOB_STALE_AFTER_S"] = "4"  # heartbeat every second, reaper every 2 s
     a = stack.start_worker("a@machine1")
-    job = services.submit(stack.settings, "fisher", SMALL | {"seed": 7, "prompts": 24})
+    job = services.submit(stack.settings, "fisher", LONG | {"seed": 7})
     stack.wait_for(job["id"], lambda j: j["status"] == "running", 60, "started")
-    stack.start_worker("b@machine2")
     a.kill()
+    # Another machine's worker: its start-up check or its periodic check (every 2 s) finds the
+    # heartbeat older than 4 s and re-queues the job, which it then runs itself.
+    stack.start_worker("b@machine2")
     done = stack.wait_final(job["id"], timeout=120)
     assert done["status"] == "succeeded", done["error"]
     assert done["worker"] == "b@machine2" and done["attempts"] == 2
