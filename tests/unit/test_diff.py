@@ -126,3 +126,85 @@ def test_checkpoints_from_folders_single_and_sharded(tmp_path) -> None:
     other.save_pretrained(tmp_path / "other")
     with pytest.raises(ValueError, match="different architecture: parameter 'lm_head.weight'"):
         diff_checkpoints(base, Checkpoint(tmp_path / "other", "tuned"))
+
+
+@pytest.fixture
+def pair(tmp_path, monkeypatch):
+    from safetensors.torch import save_file
+
+    from tests.unit.fisher_tiny import char_tokenizer, tiny_model
+
+    monkeypatch.setenv("ALLOWED_MODEL_ROOTS", str(tmp_path))
+    monkeypatch.setenv("FISHERLENS_HOME", str(tmp_path / "home"))
+    model = tiny_model("qwen3")
+    model.save_pretrained(tmp_path / "base")
+    char_tokenizer().save_pretrained(tmp_path / "base")
+    up0 = model.model.layers[1].mlp.up_proj.weight.detach().clone()
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight[:3] += 0.1  # 3 rows of 16, above bf16 resolution
+        model.model.layers[0].self_attn.q_proj.weight[:, :2] += 1e-6  # below bf16 resolution
+    model.save_pretrained(tmp_path / "tuned")
+    fisher = {n: torch.zeros(p.shape) for n, p in model.named_parameters()}
+    # |delta| of the big changes itself: a perfect predictor of the top |delta|
+    fisher["model.layers.1.mlp.up_proj.weight"] = (model.model.layers[1].mlp.up_proj.weight.detach() - up0).abs()
+    save_file(fisher, str(tmp_path / "fisher.safetensors"))
+    return tmp_path, model
+
+
+def test_run_diff_job(pair) -> None:
+    from compute.run_diff import run
+    from compute.specs import DiffSpec
+
+    root, model = pair
+    total = sum(p.numel() for p in model.parameters())
+    up, q = model.model.layers[1].mlp.up_proj.weight, model.model.layers[0].self_attn.q_proj.weight
+    n_up, n_q = 3 * up.shape[1], 2 * q.shape[0]
+    res = run(DiffSpec(base=str(root / "base"), tuned=str(root / "tuned"),
+                       fisher=str(root / "fisher.safetensors"), topk_percent=0.5))
+    s = res.summary
+    assert s["n_params"] == total
+    assert s["unchanged_exact"] == pytest.approx(1 - (n_up + n_q) / total)
+    assert s["unchanged_bf16"] == pytest.approx(1 - n_up / total)
+    assert s["unchanged_atol_1e-05"] == pytest.approx(1 - n_up / total)
+    assert s["unchanged_atol_1e-07"] == pytest.approx(1 - (n_up + n_q) / total)
+    names = {h.name for h in res.heatmaps}
+    assert {"update_sparsity_exact", "update_sparsity_bf16", "update_sparsity_atol_1e-05",
+            "threshold_profile", "fisher_vs_delta_auc"} <= names
+    exact = next(h for h in res.heatmaps if h.name == "update_sparsity_exact")
+    assert exact.meta["threshold"] == 0.0
+    assert exact.z[exact.y_labels.index("1")][exact.x_labels.index("up")] == pytest.approx(1 - 3 / up.shape[0])
+    k = round(0.005 * total)
+    assert s["overlap_settings"]["k"] == k and k <= n_up
+    assert s["precision_at_k"] == 1.0  # top-0.5% Fisher lies inside the 0.1 changes (top |delta|)
+    assert s["overlap"][0]["scope"] == "global"
+    assert res.tensors == {}
+    assert {r.group for r in res.layer_stats} == {"tensor", "layer_module"}
+    assert [p.step for p in res.series if p.name == "unchanged/atol"] == [1e-8, 1e-7, 1e-6, 1e-5, 1e-4]
+
+
+def test_cli_diff(pair) -> None:
+    import json
+
+    from click.testing import CliRunner
+
+    from app.cli import main
+
+    root, model = pair
+    out = root / "d"
+    r = CliRunner().invoke(main, ["diff", str(root / "base"), str(root / "tuned"), "--fisher",
+                                  str(root / "fisher.safetensors"), "--topk-percent", "0.5", "--store-delta", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "layer" in r.output and "unchanged exactly" in r.output and "precision@k 1" in r.output
+    data = json.loads((out / "diff.json").read_text())
+    assert data["kind"] == "diff" and data["heatmaps"] and data["summary"]["precision_at_k"] == 1.0
+    from safetensors.torch import load_file
+
+    delta = load_file(str(out / "delta.safetensors"))
+    assert int((delta["model.layers.1.mlp.up_proj.weight"] != 0).sum()) == 3 * 16
+    bad = root / "other"
+    from tests.unit.fisher_tiny import tiny_model
+
+    tiny_model("qwen3", layers=3).save_pretrained(bad)
+    r = CliRunner().invoke(main, ["diff", str(root / "base"), str(bad), "--out", str(out)])
+    assert r.exit_code == 2
+    assert "error: tuned: different architecture: parameter 'model.layers.2." in r.output

@@ -214,3 +214,90 @@ def test_apply_mask_zeroes_gradients_and_restores() -> None:
     for n, p in model.named_parameters():
         assert torch.equal(p[~mask[n]], ref[n][~mask[n]])
         assert torch.equal(p[mask[n]], ref[n][mask[n]] + 1.0)
+
+
+# --------------------------------------------------------------------------------- job and CLI
+
+
+@pytest.fixture
+def model_dir(tmp_path, monkeypatch):
+    from safetensors.torch import save_file
+
+    from tests.unit.fisher_tiny import char_tokenizer, tiny_model
+
+    monkeypatch.setenv("ALLOWED_MODEL_ROOTS", str(tmp_path))
+    monkeypatch.setenv("FISHERLENS_HOME", str(tmp_path / "home"))
+    model = tiny_model("qwen3")
+    model.save_pretrained(tmp_path / "base")
+    char_tokenizer().save_pretrained(tmp_path / "base")
+    g = torch.Generator().manual_seed(0)
+    fisher = {n: torch.rand(p.shape, generator=g) for n, p in model.named_parameters()}
+    save_file(fisher, str(tmp_path / "fisher.safetensors"))
+    return tmp_path, model, fisher
+
+
+def test_run_mask_fisher_and_magnitude(model_dir) -> None:
+    from compute.run_mask import run
+    from compute.specs import MaskSpec
+
+    root, model, fisher = model_dir
+    res = run(MaskSpec(fisher=str(root / "fisher.safetensors"), select="fisher", density=0.1,
+                       model=str(root / "base")))
+    mask = res.tensors["mask"]
+    total = sum(p.numel() for p in model.parameters())
+    assert res.summary["kept"] == n_keep(0.1, total) and res.summary["total"] == total
+    want = select_mask("fisher", 0.1, scores=fisher)
+    assert all(torch.equal(mask[n], want[n]) for n in want)
+    kept_mass = sum(float(fisher[n][want[n]].sum()) for n in want) / sum(float(f.sum()) for f in fisher.values())
+    assert res.summary["fisher_mass_kept"] == pytest.approx(kept_mass)
+    hm = res.heatmaps[0]
+    assert hm.name == "mask_density" and hm.y_labels == ["0", "1", "-"] and "q" in hm.x_labels
+    assert {r.param for r in res.layer_stats} == set(fisher)
+    mag = run(MaskSpec(select="magnitude", density=0.1, model=str(root / "base")))
+    want = select_mask("magnitude", 0.1, params=model)
+    assert all(torch.equal(mag.tensors["mask"][n], want[n]) for n in want)
+
+
+def test_run_mask_gradient_and_errors(model_dir) -> None:
+    from compute.run_mask import resolve_artifact, run, set_artifact_resolver, sft_gradient
+    from compute.specs import MaskSpec
+
+    root, model, fisher = model_dir
+    res = run(MaskSpec(select="gradient", density=0.05, model=str(root / "base"), prompts=4))
+    grad = sft_gradient(str(root / "base"), "arithmetic", 4, 0, "cpu")
+    assert sum(float(g.sum()) for g in grad.values()) > 0
+    want = select_mask("gradient", 0.05, scores=grad)
+    assert all(torch.equal(res.tensors["mask"][n], want[n]) for n in want)
+    with pytest.raises(ValueError, match=r"fisher: 'job:\.\.' references are resolved by the worker; pass a path"):
+        run(MaskSpec(fisher="job:12", select="fisher"))
+    with pytest.raises(ValueError, match="fisher: file not found"):
+        run(MaskSpec(fisher=str(root / "nope.safetensors")))
+    with pytest.raises(ValueError, match="needs a Fisher"):
+        run(MaskSpec(select="fisher-tensor", model=str(root / "base")))
+    try:
+        set_artifact_resolver(lambda ref, kind: root / f"{kind}.safetensors")
+        assert resolve_artifact("job:7", "fisher") == root / "fisher.safetensors"
+        assert run(MaskSpec(fisher="job:7", select="random", density=0.5)).summary["kept"] == n_keep(
+            0.5, sum(f.numel() for f in fisher.values()))
+    finally:
+        set_artifact_resolver(None)
+
+
+def test_cli_mask(model_dir) -> None:
+    from click.testing import CliRunner
+
+    from app.cli import main
+
+    root, model, fisher = model_dir
+    out = root / "m.safetensors"
+    r = CliRunner().invoke(main, ["mask", "--fisher", str(root / "fisher.safetensors"), "--select",
+                                  "fisher-tensor", "--density", "0.2", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "fisher-tensor mask: kept" in r.output
+    mask = load_mask(out, model=model)
+    assert sum(int(m.sum()) for m in mask.values()) == n_keep(0.2, sum(f.numel() for f in fisher.values()))
+    assert mask_metadata(out)["select"] == "fisher-tensor"
+    r = CliRunner().invoke(main, ["mask", "--select", "nope", "--out", str(out)])
+    assert r.exit_code == 2 and "--select: got 'nope'" in r.output
+    r = CliRunner().invoke(main, ["mask", "--select", "fisher", "--fisher", "job:3", "--out", str(out)])
+    assert r.exit_code == 2 and "error: fisher: 'job:..' references are resolved by the worker" in r.output

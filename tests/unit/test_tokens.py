@@ -135,3 +135,52 @@ def test_large_vocabulary_covers_mass_and_states_it() -> None:
     torch.testing.assert_close(torch.tensor(part.top.contrib), torch.tensor(exact.top.contrib), rtol=1e-5, atol=0)
     capped = token_mechanism(model, ids, TokensConfig(top_k=3, full_vocab_max=4, mass_target=1.0, max_tokens=5))
     assert len(capped.covered_ids) == 5 and capped.covered_mass < 1.0
+
+
+@pytest.fixture
+def model_dir(tmp_path, monkeypatch):
+    from tests.unit.fisher_tiny import char_tokenizer, tiny_model
+
+    monkeypatch.setenv("ALLOWED_MODEL_ROOTS", str(tmp_path))
+    monkeypatch.setenv("FISHERLENS_HOME", str(tmp_path / "home"))
+    model = tiny_model("qwen3")
+    tok = char_tokenizer()
+    model.save_pretrained(tmp_path / "m")
+    tok.save_pretrained(tmp_path / "m")
+    return tmp_path / "m", model, tok
+
+
+def test_run_tokens_job_and_cli(model_dir, tmp_path) -> None:
+    import json
+
+    from click.testing import CliRunner
+
+    from app.cli import main
+    from compute.run_tokens import run
+    from compute.specs import TokensSpec
+
+    path, model, tok = model_dir
+    res = run(TokensSpec(model=str(path), context="12+3", top_k=4, random_k=3, low_k=2, device="cpu"))
+    s = res.summary
+    ids = torch.tensor([tok("12+3")["input_ids"]])
+    direct = token_mechanism(model.eval(), ids, TokensConfig(top_k=4, random_k=3, low_k=2))
+    assert s["fisher_trace"] == pytest.approx(direct.fisher_trace, rel=1e-5)
+    assert [r["id"] for r in s["top_tokens"]] == direct.top.ids
+    assert s["top_tokens"][0]["token"] == tok.decode([direct.top.ids[0]])
+    assert s["fisher_exact"] and s["covered_mass"] == pytest.approx(1.0)
+    assert sum(r.values["share"] for r in res.layer_stats) == pytest.approx(1.0, rel=1e-6)
+    names = [h.name for h in res.heatmaps]
+    assert names == ["similarity_top", "similarity_random", "similarity_low"]
+    top = res.heatmaps[0]
+    assert len(top.z) == 4 and top.z[0][0] == pytest.approx(1.0, abs=1e-5) and len(set(top.x_labels)) == 4
+    assert s["mean_cosine_top"] == pytest.approx(direct.top.mean_offdiag_cosine(), abs=1e-6)
+    out = tmp_path / "tok.json"
+    r = CliRunner().invoke(main, ["tokens", "--model", str(path), "--context", "12+3", "--top-k", "4",
+                                  "--layer", "0", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "scope: layer 0" in r.output and "mean off-diagonal cosine" in r.output
+    assert json.loads(out.read_text())["kind"] == "tokens"
+    r = CliRunner().invoke(main, ["tokens", "--model", str(path), "--context", "12", "--layer", "9"])
+    assert r.exit_code == 2 and "error: layer: 9 is not a block of this model; accepted: 0..1" in r.output
+    r = CliRunner().invoke(main, ["tokens", "--model", str(path), "--context", "   "])
+    assert r.exit_code == 2 and "--context" in r.output
