@@ -356,44 +356,76 @@ def _split_curve_name(name: str) -> tuple[str, str] | None:
     return metric, run
 
 
-def training_curves(result: dict[str, Any], metric: str | None = None) -> go.Figure:
-    """Series named "<metric>/<run>": one line per run (mask) for `metric` (default: first,
-    preferring "reward"); a dropdown switches metric when there are several."""
-    groups: dict[str, dict[str, tuple[list[float], list[float]]]] = defaultdict(dict)
+Curves = dict[str, dict[str, tuple[list[float], list[float]]]]  # metric -> run -> (xs, ys)
+
+
+def curve_groups(result: dict[str, Any], prefixes: Sequence[str] | None = None) -> Curves:
+    """Series named "<metric>/<run>" grouped as metric -> run -> (xs, ys), for the given metric
+    prefixes (all when None). "bound/*" points are never curves."""
+    groups: Curves = defaultdict(dict)
     for name, xy in series_by_name(result).items():
         parts = _split_curve_name(name)
-        if parts:
-            groups[parts[0]][parts[1]] = xy
+        if not parts or parts[0] == "bound" or (prefixes is not None and parts[0] not in prefixes):
+            continue
+        groups[parts[0]][parts[1]] = xy
+    return dict(groups)
+
+
+def curves_figure(
+    groups: Curves,
+    title: str,
+    x_title: str = "step",
+    metric: str | None = None,
+    log_x: bool = False,
+    labels: dict[str, str] | None = None,
+) -> go.Figure:
+    """One line per run for the chosen metric; a dropdown switches metric when there are several."""
     if not groups:
-        return empty_figure("no training curves in this result")
-    metrics = sorted(groups, key=lambda m: (m != "reward", m))
+        return empty_figure(f"no data for {title.lower()}")
+    labels = labels or {}
+    metrics = sorted(groups, key=lambda m: (m not in ("reward", "train_reward", "retention"), m))
     chosen = metric if metric in groups else metrics[0]
     fig = go.Figure()
     visibility: dict[str, list[bool]] = {m: [] for m in metrics}
     for m in metrics:
         for run, (xs, ys) in sorted(groups[m].items()):
-            fig.add_scatter(x=xs, y=ys, mode="lines", name=run, visible=(m == chosen),
-                            legendgroup=run,
-                            hovertemplate=f"{run}<br>step %{{x}}: {m} %{{y:.4g}}<extra></extra>")
+            fig.add_scatter(x=xs, y=ys, mode="lines+markers" if len(xs) < 30 else "lines", name=run,
+                            visible=(m == chosen), legendgroup=run,
+                            hovertemplate=f"{run}<br>{x_title} %{{x}}: {labels.get(m, m)} %{{y:.4g}}<extra></extra>")
             for mm in metrics:
                 visibility[mm].append(mm == m)
     if len(metrics) > 1:
         fig.update_layout(updatemenus=[{
-            "buttons": [{"label": m, "method": "update",
-                         "args": [{"visible": visibility[m]}, {"yaxis.title.text": m}]}
+            "buttons": [{"label": labels.get(m, m), "method": "update",
+                         "args": [{"visible": visibility[m]}, {"yaxis.title.text": labels.get(m, m)}]}
                         for m in metrics],
             "direction": "down", "x": 1.0, "xanchor": "right", "y": 1.15, "yanchor": "top",
             "active": metrics.index(chosen),
         }])
-    fig.update_xaxes(title_text="step")
-    fig.update_yaxes(title_text=chosen)
-    return _layout(fig, "Training curves (one line per mask)")
+    fig.update_xaxes(title_text=x_title, type="log" if log_x else "linear")
+    fig.update_yaxes(title_text=labels.get(chosen, chosen))
+    return _layout(fig, title)
+
+
+def training_curves(result: dict[str, Any], metric: str | None = None) -> go.Figure:
+    """Series named "<metric>/<run>": one line per run (mask) for `metric` (default: first,
+    preferring "reward"); a dropdown switches metric when there are several.
+
+    A train job's own curves are "train/<metric>" (one run): shown one metric at a time."""
+    groups = curve_groups(result)
+    if set(groups) <= {"train", "eval"} and "train" in groups:
+        groups = {k: {"this run": xy} for k, xy in groups["train"].items()}
+        return curves_figure(groups, "Training curves", metric=metric)
+    groups = {m: g for m, g in groups.items() if m not in ("retention", "heldout", "unchanged", "eval")}
+    return curves_figure(groups, "Training curves (one line per mask)", metric=metric,
+                         labels={"train_reward": "sample reward"})
 
 
 def bound_scatter(result: dict[str, Any], max_points: int = MAX_POINTS) -> go.Figure:
     """|gradient| (y) against sqrt(Fisher) (x) per coordinate, downsampled, log-log, with the
     Cauchy-Schwarz bound line y = sqrt(E[A^2]) x when the summary gives the constant."""
-    s = series_by_name(result).get("bound")
+    named = series_by_name(result)
+    s = named.get("bound") or named.get("bound/|grad|")
     if not s:
         return empty_figure("no bound check points in this result")
     xs, ys = s
@@ -403,8 +435,8 @@ def bound_scatter(result: dict[str, Any], max_points: int = MAX_POINTS) -> go.Fi
     fig = go.Figure()
     fig.add_scattergl(x=x, y=y, mode="markers", name="coordinates", marker={"size": 4, "opacity": 0.5},
                       hovertemplate="sqrt(F)=%{x:.4e}<br>|g|=%{y:.4e}<extra></extra>")
-    summ = result.get("summary") or {}
-    c = _finite(summ.get("bound_constant") or summ.get("sqrt_mean_a2"))
+    summ = {**(result.get("summary") or {}), **((result.get("summary") or {}).get("bound") or {})}
+    c = _finite(summ.get("bound_constant") or summ.get("bound_rms_advantage"))
     pos = [v for v in x if v > 0]
     if c is not None and pos:
         lo, hi = min(pos), max(pos)
@@ -413,7 +445,7 @@ def bound_scatter(result: dict[str, Any], max_points: int = MAX_POINTS) -> go.Fi
     fig.update_xaxes(title_text="sqrt(Fisher)", type="log")
     fig.update_yaxes(title_text="|gradient|", type="log")
     note = f" ({len(keep)} of {len(xs)} points)" if len(keep) < len(xs) else ""
-    held = summ.get("bound_holds_fraction")
+    held = summ.get("bound_holds_fraction", summ.get("bound_fraction_holds"))
     extra = f", holds for {fmt(held)}" if held is not None else ""
     return _layout(fig, f"Gradient vs Fisher bound{note}{extra}")
 
@@ -479,18 +511,19 @@ def update_sparsity_heatmap(result: dict[str, Any]) -> go.Figure:
     labels = []
     for i, h in enumerate(hms):
         z, xl, yl = pool_matrix(h["z"], h["x_labels"], h["y_labels"])
-        t = (h.get("meta") or {}).get("threshold")
-        label = str(t) if t is not None else h.get("name", f"#{i}")
+        meta = h.get("meta") or {}
+        t = meta.get("threshold")
+        label = str(meta.get("threshold_label") or (t if t is not None else h.get("name", f"#{i}")))
         labels.append(label)
         fig.add_heatmap(
             z=z, x=xl, y=yl, zmin=0.0, zmax=1.0, colorscale=COLORSCALE, visible=(i == 0), name=label,
             customdata=[[fmt(v) for v in row] for row in z],
             colorbar={"title": {"text": "unchanged fraction"}},
-            hovertemplate=f"threshold {label}<br>layer %{{y}}, module %{{x}}<br>unchanged = %{{customdata}}<extra></extra>",
+            hovertemplate=f"{label}<br>layer %{{y}}, module %{{x}}<br>unchanged = %{{customdata}}<extra></extra>",
         )
     steps = [{"label": lab, "method": "update",
               "args": [{"visible": [j == i for j in range(len(hms))]},
-                       {"title.text": f"Update sparsity (|delta| <= {lab})"}]}
+                       {"title.text": f"Update sparsity: unchanged by {lab}"}]}
              for i, lab in enumerate(labels)]
     if len(hms) > 1:
         fig.update_layout(sliders=[{"active": 0, "currentvalue": {"prefix": "threshold: "},
@@ -498,7 +531,7 @@ def update_sparsity_heatmap(result: dict[str, Any]) -> go.Figure:
     fig.update_xaxes(title_text="module type", type="category")
     fig.update_yaxes(title_text="layer", type="category", autorange="reversed")
     ny = len(hms[0]["y_labels"])
-    return _layout(fig, f"Update sparsity (|delta| <= {labels[0]})", height=max(360, 24 * ny + 200))
+    return _layout(fig, f"Update sparsity: unchanged by {labels[0]}", height=max(360, 24 * ny + 200))
 
 
 # ---------------------------------------------------------------- tables
@@ -531,6 +564,8 @@ def overlap_table(result: dict[str, Any]) -> Table:
     """Fisher-vs-update overlap metrics (precision@k, AUC, Jaccard vs its random baseline...)."""
     summ = result.get("summary") or {}
     rows = summ.get("overlap")
+    if rows is None and isinstance(summ.get("overlap_with_fisher_topk"), dict):
+        rows = summ["overlap_with_fisher_topk"]
     if rows is None:
         rows = [{"param": r.get("param"), "layer": r.get("layer"), "module": r.get("module"), **r["values"]}
                 for r in result.get("layer_stats") or [] if r.get("group") == "overlap"]
@@ -544,17 +579,36 @@ def overlap_table(result: dict[str, Any]) -> Table:
 def retention_table(result: dict[str, Any]) -> Table:
     """One row per (selector, density): masked reward, retention mean and spread over seeds."""
     summ = result.get("summary") or {}
-    rows = summ.get("retention") or summ.get("table") or []
-    return _rows_table(rows, ("selector", "density", "reward", "reward_mean", "reward_std",
-                              "retention", "retention_mean", "retention_std", "seeds"))
+    rows = summ.get("retention") or summ.get("rows") or []
+    rows = [{k: v for k, v in r.items() if not isinstance(v, list | dict)} for r in rows if isinstance(r, dict)]
+    if rows and summ.get("base_reward") is not None:
+        rows = [{"selector": "(base, no training)", "reward_mean": summ["base_reward"]},
+                {"selector": "(full training)", "density": 1.0, "reward_mean": summ.get("full_reward_mean"),
+                 "reward_std": summ.get("full_reward_std"), "retention_mean": 1.0}, *rows]
+    return _rows_table(rows, ("selector", "density", "actual_density", "reward", "reward_mean",
+                              "reward_std", "retention", "retention_mean", "retention_std", "seeds"))
 
 
 def summary_table(result: dict[str, Any]) -> Table:
     """Flat scalar entries of the summary (nested objects shown as text)."""
     summ = result.get("summary") or {}
-    rows = [[k, _cell(v)] for k, v in summ.items()
-            if not isinstance(v, list | dict) or len(str(v)) < 200]
+    rows: list[list[Any]] = []
+    for k, v in summ.items():
+        if isinstance(v, dict) and k not in ("settings", "overlap_settings") and len(v) <= 40:
+            rows += [[f"{k}.{kk}", _cell(vv)] for kk, vv in v.items()
+                     if not isinstance(vv, list | dict) or len(str(vv)) < 200]
+        elif not isinstance(v, list | dict) or len(str(v)) < 200:
+            rows.append([k, _cell(v)])
     return ["key", "value"], rows
+
+
+def exact_output_table(result: dict[str, Any]) -> Table:
+    """Monte-Carlo vs exact output-layer Fisher (a correctness check), one row per parameter."""
+    rows = (result.get("summary") or {}).get("exact_output")
+    if not isinstance(rows, dict) or not rows:
+        return [], []
+    return _rows_table([{"param": k, **v} for k, v in rows.items() if isinstance(v, dict)],
+                       ("param", "relative_l1_error", "mc_mass", "exact_mass"))
 
 
 def layer_stats_table(result: dict[str, Any]) -> Table:
@@ -586,13 +640,14 @@ def token_bars(result: dict[str, Any]) -> go.Figure:
     """Top next tokens (and random contrast tokens): probability and share of the Fisher."""
     top = _token_rows(result, "top_tokens")
     rnd = _token_rows(result, "random_tokens")
+    low = _token_rows(result, "low_tokens")
     if not top:
         return empty_figure("no token results")
     fig = go.Figure()
-    for rows, label, colour in ((top, "top", "#1f77b4"), (rnd, "random", "#ff7f0e")):
+    for rows, label, colour in ((top, "top", "#1f77b4"), (rnd, "random", "#ff7f0e"), (low, "low", "#2ca02c")):
         if not rows:
             continue
-        x = [f"{show_token(r.get('token', ''))} ({label})" if label == "random" else show_token(r.get("token", ""))
+        x = [f"{show_token(r.get('token', ''))} ({label})" if label != "top" else show_token(r.get("token", ""))
              for r in rows]
         fig.add_bar(x=x, y=[r.get("prob") for r in rows], name=f"probability ({label})",
                     marker_color=colour, hovertemplate="%{x}: p=%{y:.4g}<extra></extra>")
@@ -615,12 +670,14 @@ def token_similarity_heatmap(result: dict[str, Any], which: str = "top") -> go.F
     if not pick:
         return empty_figure(f"no {which}-token similarity matrix")
     hm = pick[0]
+    mean = (hm.get("meta") or {}).get("mean_offdiag")
     hm = {**hm, "x_labels": [show_token(t) for t in hm.get("x_labels", [])],
           "y_labels": [show_token(t) for t in hm.get("y_labels", [])]}
     meta = {"zmin": -1.0, "zmax": 1.0, "units": "cosine", "colorscale": "RdBu", "x_title": "token",
             "y_title": "token", **(hm.get("meta") or {})}
+    extra = f", mean off-diagonal {fmt(mean)}" if mean is not None else ""
     return heatmap_figure({**hm, "meta": meta}, log=False,
-                          title=f"Sensitivity similarity ({which} tokens)")
+                          title=f"Sensitivity similarity ({which} tokens{extra})")
 
 
 def token_choices(result: dict[str, Any]) -> list[tuple[str, str]]:
@@ -639,47 +696,70 @@ def result_figures(result: dict[str, Any]) -> list[tuple[str, go.Figure]]:
     Shown figures only: builders that have nothing to draw are left out."""
     kind = result.get("kind") or (result.get("job") or {}).get("kind")
     names = series_by_name(result)
+    heatmaps = result.get("heatmaps") or []
     figs: list[tuple[str, go.Figure]] = []
     has_stats = any(r.get("values") for r in result.get("layer_stats") or [])
     cells = layer_module_cells(result) if has_stats else {}
     has = {k for c in cells.values() for k in c}
+    shown: set[str] = set()  # stored heatmaps already drawn by a specific builder
     if kind == "tokens":
         figs.append(("tokens", token_bars(result)))
-        for which in ("top", "random"):
-            if any("similarity" in h.get("name", "") and (which in h.get("name", "") or which == "top")
-                   for h in result.get("heatmaps") or []):
+        for which in ("top", "random", "low"):
+            if any(h.get("name") == f"similarity_{which}" for h in heatmaps) or (
+                    which == "top" and any("similarity" in h.get("name", "") for h in heatmaps)):
                 figs.append((f"similarity_{which}", token_similarity_heatmap(result, which)))
+        if "share" in has:
+            figs.append(("fisher_share", layer_module_heatmap(
+                result, "share", title="This position's Fisher: share by layer x module (log colour scale)")))
         return figs
-    if "mean" in has and kind != "mask":
-        figs.append(("fisher_mean", layer_module_heatmap(result, "mean")))
-    if "share" in has and kind != "mask":
-        figs.append(("fisher_share", layer_module_heatmap(result, "share")))
-        figs.append(("per_layer", per_layer_bars(result, "share")))
+    if kind in ("fisher", None) or ("mean" in has and kind not in ("mask", "diff", "train")):
+        if "mean" in has:
+            figs.append(("fisher_mean", layer_module_heatmap(result, "mean")))
+            shown.add("fisher/mean")
+        if "share" in has:
+            figs.append(("fisher_share", layer_module_heatmap(result, "share")))
+            figs.append(("per_layer", per_layer_bars(result, "share")))
+            shown.add("fisher/share")
     if "concentration" in names:
         figs.append(("concentration", concentration_figure(result)))
-    if "density" in has or any("density" in h.get("name", "") and not _is_sparsity(h)
-                               for h in result.get("heatmaps") or []):
+    if any("density" in h.get("name", "") and not _is_sparsity(h) for h in heatmaps) or (
+            kind == "mask" and "density" in has):
         figs.append(("mask_density", mask_density_heatmap(result)))
-    if any(_is_sparsity(h) for h in result.get("heatmaps") or []):
+    if any(_is_sparsity(h) for h in heatmaps):
         figs.append(("update_sparsity", update_sparsity_heatmap(result)))
-    if "bound" in names:
+    if "bound" in names or "bound/|grad|" in names:
         figs.append(("bound", bound_scatter(result)))
-    if any(_split_curve_name(n) for n in names):
+    groups = curve_groups(result)
+    if kind == "retention":
+        sweep = {m: g for m, g in groups.items() if m in ("retention", "heldout")}
+        if sweep:
+            figs.append(("retention_curve", curves_figure(
+                sweep, "Retention by mask density (mean over seeds)", x_title="density",
+                metric="retention", log_x=True, labels={"heldout": "held-out reward"})))
+    if kind == "diff":
+        unchanged = {m: g for m, g in groups.items() if m == "unchanged"}
+        if unchanged:
+            by_kind = {run: {run: xy} for run, xy in unchanged["unchanged"].items()}
+            figs.append(("unchanged_curve", curves_figure(
+                by_kind, "Unchanged fraction by threshold", x_title="threshold", log_x=True,
+                labels={"atol": "unchanged (|delta| <= atol)", "rel_rms": "unchanged (|delta| <= t x rms)"})))
+    elif any(m not in ("retention", "heldout", "unchanged") for m in groups):
         figs.append(("training", training_curves(result)))
-    shown = {"similarity"}
-    for h in result.get("heatmaps") or []:  # anything else stored: generic heatmap
+    for h in heatmaps:  # anything else stored: a generic heatmap
         name = h.get("name", "")
-        if _is_sparsity(h) or "density" in name or any(s in name for s in shown):
+        if _is_sparsity(h) or "density" in name or "similarity" in name or name in shown:
             continue
-        figs.append((f"heatmap:{name}", heatmap_figure(h)))
+        log = True if name == "bound_log_hist" else None
+        figs.append((f"heatmap:{name}", heatmap_figure(h, log=log)))
     return figs
 
 
 def result_tables(result: dict[str, Any]) -> list[tuple[str, Table]]:
     """(title, table) pairs: overlap, retention, summary (non-empty only)."""
     out = []
-    for title, table in (("Overlap (Fisher vs update)", overlap_table(result)),
-                         ("Retention", retention_table(result)),
+    for title, table in (("Retention", retention_table(result)),
+                         ("Overlap (Fisher vs update)", overlap_table(result)),
+                         ("Exact output-layer check (Monte-Carlo vs closed form)", exact_output_table(result)),
                          ("Summary", summary_table(result))):
         if table[1]:
             out.append((title, table))

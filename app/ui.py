@@ -21,7 +21,7 @@ from compute.specs import SPECS, SpecError
 from storage.models import FINAL_STATUSES, JOB_STATUSES
 
 MAX_FIGS = 8  # figure slots in the result view
-MAX_TABLES = 3
+MAX_TABLES = 4
 COMPARE_FIGS = 4
 POLL_S = 1.5
 TABS = ("new", "jobs", "result", "tokens", "compare", "models")

@@ -163,14 +163,18 @@ def test_training_curves_one_line_per_mask_and_metric_menu():
 
 
 def test_tables():
+    # compute.run_retention's summary: base/full rewards and one row per (selector, density)
     res = {"kind": "retention", "summary": {
-        "retention": [{"selector": "fisher", "density": 0.05, "retention_mean": 0.91234567, "retention_std": 0.1},
-                      {"selector": "random", "density": 0.05, "retention_mean": 0.5, "retention_std": 0.2}],
+        "rows": [{"selector": "fisher", "density": 0.05, "retention_mean": 0.91234567, "retention_std": 0.1,
+                  "rewards": [0.5, 0.6]},
+                 {"selector": "random", "density": 0.05, "retention_mean": 0.5, "retention_std": 0.2}],
         "overlap": {"global": {"precision_at_k": 0.3, "auc": 0.8}, "q": {"precision_at_k": 0.1, "auc": 0.6}},
-        "base_reward": 0.2}}
+        "base_reward": 0.2, "full_reward_mean": 0.8, "full_reward_std": 0.05}}
     h, rows = plots.retention_table(res)
-    assert h[:2] == ["selector", "density"] and rows[0][:2] == ["fisher", 0.05]
-    assert rows[0][h.index("retention_mean")] == pytest.approx(0.9123)
+    assert h[:2] == ["selector", "density"] and "rewards" not in h  # per-seed lists left out
+    assert [r[0] for r in rows] == ["(base, no training)", "(full training)", "fisher", "random"]
+    assert rows[0][h.index("reward_mean")] == 0.2 and rows[1][h.index("reward_mean")] == 0.8
+    assert rows[2][h.index("retention_mean")] == pytest.approx(0.9123)
     h, rows = plots.overlap_table(res)
     assert h[0] == "scope" and rows[1] == ["q", 0.1, 0.6]
     h, rows = plots.summary_table(res)
@@ -211,3 +215,64 @@ def test_empty_result_gives_message_figures():
     assert plots.result_figures(res) == []
     fig = plots.layer_module_heatmap(res)
     assert "no per-layer" in fig.layout.annotations[0].text
+
+
+def test_train_job_curves_bound_and_eval():
+    # compute.run_train names: train/<metric>, eval/accuracy, bound/|grad| and bound/rhs points
+    series = [{"name": "train/reward", "step": s, "value": 0.1 * s} for s in range(1, 4)]
+    series += [{"name": "train/loss", "step": s, "value": 1.0 / s} for s in range(1, 4)]
+    series += [{"name": "eval/accuracy", "step": 0, "value": 0.2}, {"name": "eval/accuracy", "step": 3, "value": 0.5}]
+    series += [{"name": "bound/|grad|", "step": x, "value": 0.5 * x} for x in (1e-3, 1e-2, 1e-1)]
+    series += [{"name": "bound/rhs", "step": x, "value": 2.0 * x} for x in (1e-3, 1e-2, 1e-1)]
+    res = {"kind": "train", "series": series, "heatmaps": [], "layer_stats": [],
+           "summary": {"bound": {"bound_rms_advantage": 2.0, "bound_fraction_holds": 1.0}}}
+    fig = plots.training_curves(res)
+    assert fig.layout.yaxis.title.text == "reward"
+    assert [b.label for b in fig.layout.updatemenus[0].buttons] == ["reward", "loss"]
+    reward = next(t for t in fig.data if t.visible)
+    assert list(reward.y) == pytest.approx([0.1, 0.2, 0.3])
+    pts, line = plots.bound_scatter(res).data
+    assert list(pts.y) == pytest.approx([0.5e-3, 0.5e-2, 0.5e-1])
+    assert list(line.y) == pytest.approx([2e-3, 2e-1])  # sqrt(E[A^2]) * sqrt(F) at the ends
+    assert "holds for 1" in plots.bound_scatter(res).layout.title.text
+    titles = [t for t, _ in plots.result_figures(res)]
+    assert titles == ["bound", "training"]
+
+
+def test_retention_and_diff_figures():
+    ret = {"kind": "retention", "summary": {}, "layer_stats": [], "series": [
+        {"name": "retention/fisher", "step": 0.01, "value": 0.5}, {"name": "retention/fisher", "step": 0.1, "value": 0.9},
+        {"name": "retention/random", "step": 0.01, "value": 0.1}, {"name": "heldout/fisher", "step": 0.01, "value": 0.3},
+        {"name": "train_reward/full", "step": 1, "value": 0.2}, {"name": "train_reward/fisher@0.01", "step": 1, "value": 0.1}],
+        "heatmaps": [{"name": "retention", "x_labels": ["0.01", "0.1"], "y_labels": ["fisher", "random"],
+                      "z": [[0.5, 0.9], [0.1, None]], "meta": {}}]}
+    figs = dict(plots.result_figures(ret))
+    assert list(figs) == ["retention_curve", "training", "heatmap:retention"]
+    curve = figs["retention_curve"]
+    assert sorted(t.name for t in curve.data if t.visible) == ["fisher", "random"]
+    assert curve.layout.xaxis.type == "log" and curve.layout.xaxis.title.text == "density"
+    assert sorted(t.name for t in figs["training"].data) == ["fisher@0.01", "full"]
+
+    diff = {"kind": "diff", "summary": {}, "layer_stats": [], "series": [
+        {"name": "unchanged/atol", "step": 1e-8, "value": 0.2}, {"name": "unchanged/atol", "step": 1e-5, "value": 0.7}],
+        "heatmaps": [
+            {"name": "update_sparsity_exact", "x_labels": ["q"], "y_labels": ["0"], "z": [[0.1]],
+             "meta": {"threshold": 0.0, "threshold_label": "exact equality"}},
+            {"name": "update_sparsity_bf16", "x_labels": ["q"], "y_labels": ["0"], "z": [[0.4]],
+             "meta": {"threshold_label": "equal after casting both to bf16"}},
+            {"name": "threshold_profile", "x_labels": ["exact"], "y_labels": ["0"], "z": [[0.1]], "meta": {}}]}
+    figs = dict(plots.result_figures(diff))
+    assert list(figs) == ["update_sparsity", "unchanged_curve", "heatmap:threshold_profile"]
+    assert [t.name for t in figs["update_sparsity"].data] == ["exact equality", "equal after casting both to bf16"]
+    assert list(figs["unchanged_curve"].data[0].y) == [0.2, 0.7]
+
+
+def test_fisher_runner_heatmaps_not_drawn_twice(fisher_result):
+    res = {**fisher_result, "heatmaps": [
+        {"name": "fisher/mean", "x_labels": ["q"], "y_labels": ["0"], "z": [[1.0]], "meta": {}},
+        {"name": "fisher/share", "x_labels": ["q"], "y_labels": ["0"], "z": [[1.0]], "meta": {}}],
+        "summary": {"exact_output": {"lm_head.weight": {"relative_l1_error": 0.01, "mc_mass": 1.0, "exact_mass": 1.01}}}}
+    assert [t for t, _ in plots.result_figures(res)] == ["fisher_mean", "fisher_share", "per_layer", "concentration"]
+    tables = dict(plots.result_tables(res))
+    h, rows = tables["Exact output-layer check (Monte-Carlo vs closed form)"]
+    assert h == ["param", "relative_l1_error", "mc_mass", "exact_mass"] and rows[0][0] == "lm_head.weight"
