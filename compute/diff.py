@@ -207,12 +207,12 @@ def tensor_diff_stats(base: torch.Tensor, tuned: torch.Tensor, svd_max_numel: in
     s["sq_sum"] = float(sq.sum())
     s["max_abs"] = float(ad.max()) if n else 0.0
     if n:
-        sorted_sq = torch.sort(sq.flatten(), descending=True).values
-        cum = torch.cumsum(sorted_sq, 0)
-        for p in ENERGY_TOP_PERCENT:
-            k = max(1, int(math.floor(p / 100 * n + 0.5)))
-            s[f"energy_top_{p:g}pct"] = float(cum[k - 1] / cum[-1]) if s["sq_sum"] > 0 else float("nan")
-        del sorted_sq, cum
+        ks = {p: max(1, int(math.floor(p / 100 * n + 0.5))) for p in ENERGY_TOP_PERCENT}
+        top = torch.topk(sq.flatten(), max(ks.values()), sorted=True).values  # largest first
+        cum = torch.cumsum(top, 0)
+        for p, k in ks.items():
+            s[f"energy_top_{p:g}pct"] = float(cum[k - 1]) / s["sq_sum"] if s["sq_sum"] > 0 else float("nan")
+        del top, cum
     if delta.dim() == 2 and 0 < n <= svd_max_numel:
         s.update(svd_stats(delta))
     return s, delta

@@ -20,8 +20,8 @@ tensors with the largest fractional parts (ties: parameter name order), so the t
 Ties in scores are broken by position: parameter names in sorted order, then flat index ascending
 (the earlier coordinate wins for top-k and for bottom-k alike).
 
-Global top-k never concatenates the model: the k-th value is found by bisection on an
-order-preserving integer key of the float32 scores (<= 33 counting passes over the tensors, one
+Global top-k never concatenates the model: the k-th value is found by a radix select on an
+order-preserving 32-bit key of the float32 scores (two histogram passes over the tensors, one
 tensor-sized temporary at a time), then ties at the threshold are resolved exactly in position
 order.
 """
@@ -107,19 +107,20 @@ def topk_mask(
     if k == total:
         return {n: torch.ones_like(scores[n], dtype=torch.bool) for n in scores}
 
-    def count_ge(t: int) -> int:
-        return sum(int((_ordered_key(scores[n], bottom) >= t).sum()) for n in names)
-
-    # Largest threshold T with count(key >= T) >= k: that T is the k-th largest key.
-    lo, hi = -(2**31), 2**31  # count_ge(lo) = total >= k; count_ge(hi) = 0 < k
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if count_ge(mid) >= k:
-            lo = mid
-        else:
-            hi = mid
-    threshold = lo
-    n_above = sum(int((_ordered_key(scores[n], bottom) > threshold).sum()) for n in names)
+    # Radix select on the unsigned 32-bit key: the high 16 bits, then the low 16 bits within the
+    # bin holding the k-th largest. Two counting passes, 65536 bins each.
+    hist = torch.zeros(65536, dtype=torch.int64)
+    for n in names:
+        u = _ordered_key(scores[n], bottom).flatten() + 2**31  # in [0, 2**32)
+        hist += torch.bincount(u >> 16, minlength=65536).cpu()
+    hi_bin, above_hi = _kth_bin(hist, k)
+    hist.zero_()
+    for n in names:
+        u = _ordered_key(scores[n], bottom).flatten() + 2**31
+        hist += torch.bincount(u[(u >> 16) == hi_bin] & 0xFFFF, minlength=65536).cpu()
+    lo_bin, above_lo = _kth_bin(hist, k - above_hi)
+    threshold = ((hi_bin << 16) | lo_bin) - 2**31  # the k-th largest key
+    n_above = above_hi + above_lo
     need_ties = k - n_above  # >= 1: how many coordinates equal to the threshold to take, in order
     out: Mask = {}
     for n in names:
@@ -139,6 +140,15 @@ def topk_mask(
                 need_ties = 0
         out[n] = m
     return {n: out[n] for n in scores}  # caller's key order
+
+
+def _kth_bin(hist: torch.Tensor, k: int) -> tuple[int, int]:
+    """Bin holding the k-th largest element of a histogram, and how many lie in higher bins."""
+    from_top = torch.cumsum(hist.flip(0), 0)  # from_top[j] = count in bins >= 65535 - j
+    j = int(torch.searchsorted(from_top, torch.tensor([k]), right=False)[0])
+    b = 65535 - j
+    above = int(from_top[j - 1]) if j > 0 else 0
+    return b, above
 
 
 def per_tensor_counts(shapes: Mapping[str, torch.Size | tuple[int, ...]], density: float) -> dict[str, int]:
