@@ -235,3 +235,35 @@ def test_web_process_does_not_import_torch(tmp_path):
                          cwd=Path(__file__).resolve().parents[2])
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_ui_form_values_become_valid_specs_and_html_is_escaped():
+    from app import ui
+    from compute.specs import parse_spec
+
+    forms = {
+        "fisher": dict(model="arith-base", task="arithmetic", prompts=8.0, samples=2.0, estimator="sequence",
+                       seed=0.0, max_new_tokens=16.0, temperature=1.0, exact_output=True),
+        "mask": dict(fisher="job:1", select="random", density=0.05, model="", seed=0.0),
+        "train": dict(model="arith-base", task="arithmetic", algo="grpo", teacher=None, mask="", mask_select=None,
+                      mask_density=None, optimizer="adamw", lr=0.001, steps=30.0, batch=8.0, group=8.0, seed=0.0),
+        "retention": dict(model="arith-base", algo="grpo", teacher=None, densities=[0.01, 0.05],
+                          selectors=["fisher", "random"], seeds=3.0, steps=30.0, lr=0.001),
+        "diff": dict(base="arith-base", tuned="arith-teacher", fisher="", topk_percent=1.0),
+        "tokens": dict(model="arith-base", context="12+34=", top_k=8.0, layer=None, random_k=8.0),
+    }
+    for kind, values in forms.items():
+        spec = parse_spec(kind, ui.clean_spec(values))
+        assert spec is not None
+    assert ui.clean_spec({"prompts": 8.0, "temperature": 1.0, "model": " m "}) == \
+        {"prompts": 8, "temperature": 1.0, "model": "m"}
+    assert ui._range_info("fisher", "prompts") == "accepted: >= 1, <= 4096"
+    with pytest.raises(Exception, match="densities"):
+        ui.parse_float_list("0.1, x", "densities")
+
+    evil = "<script>alert(1)</script>"
+    job = {"id": 1, "kind": "fisher", "status": "failed", "progress": 0.5, "message": evil, "error": evil,
+           "spec": {"model": evil}, "share_token": "t", "created_at": None}
+    for html_text in (ui.progress_html(job), ui.jobs_table_html([job]), ui.spec_html(job)):
+        assert "<script>" not in html_text and "&lt;script&gt;" in html_text
+    assert "data-status='failed'" in ui.progress_html(job)

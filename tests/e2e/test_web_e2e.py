@@ -1,0 +1,239 @@
+"""End to end in headless Chromium: `fisherlens up` on a temp home (SQLite, filesystem queue, one
+real worker), a Fisher job submitted through the form, its live progress, the heatmap, the share
+link in a fresh browser context, form validation, and the not-found page of unknown links.
+
+Screenshots go to test-artifacts/e2e/; with FISHERLENS_UPDATE_DOCS=1 the README ones are also
+written to docs/screenshots/.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+ARTIFACTS = ROOT / "test-artifacts" / "e2e"
+DOCS = ROOT / "docs" / "screenshots"
+CHROMIUM = os.environ.get("FISHERLENS_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                 "--disable-component-update", "--disable-sync", "--no-first-run"]
+JOB_TIMEOUT_MS = 300_000
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _get_json(url: str) -> object:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def shot(page, name: str, docs: bool = False, full_page: bool = True) -> None:
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / f"{name}.png"), full_page=full_page)
+    if docs and os.environ.get("FISHERLENS_UPDATE_DOCS") == "1":
+        DOCS.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(ARTIFACTS / f"{name}.png", DOCS / f"{name}.png")
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not Path(CHROMIUM).exists():
+        pytest.skip(f"e2e: no Chromium at {CHROMIUM} (Debian: apt-get install chromium; .ci/run does)")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:  # pragma: no cover
+        pytest.skip("e2e: the playwright Python package is not installed (pip install playwright)")
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield b
+        b.close()
+
+
+@pytest.fixture(scope="module")
+def server(browser, zoo_home: Path, tmp_path_factory: pytest.TempPathFactory):
+    """`fisherlens up` on a fresh home holding a copy of the session's zoo; yields the base URL."""
+    home = tmp_path_factory.mktemp("e2e_home")
+    shutil.copytree(zoo_home / "zoo", home / "zoo")
+    port = _free_port()
+    env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL", "PUBLIC_URL")}
+    env.update(FISHERLENS_HOME=str(home), FISHERLENS_DEVICE="cpu", OMP_NUM_THREADS="1",
+               GRADIO_ANALYTICS_ENABLED="False")
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    log = open(ARTIFACTS / "server.log", "wb")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen([sys.executable, "-m", "app.cli", "up", "--port", str(port)], cwd=ROOT,
+                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 240
+    try:
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"fisherlens up exited ({proc.returncode}); see {ARTIFACTS / 'server.log'}")
+            try:
+                _get_json(base + "/api/health")
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    pytest.fail(f"fisherlens up did not serve {base} in 240 s; see server.log")
+                time.sleep(1)
+        yield base
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)  # uvicorn stops, then `up` stops its worker
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+        log.close()
+
+
+def _open(browser, url: str, clipboard: bool = False):
+    ctx = browser.new_context(viewport={"width": 1360, "height": 900})
+    if clipboard:
+        try:
+            ctx.grant_permissions(["clipboard-read", "clipboard-write"], origin=url.split("/?")[0].split("/r/")[0])
+        except Exception:  # noqa: BLE001 - clipboard permissions are optional in some builds
+            pass
+    page = ctx.new_page()
+    page.set_default_timeout(60_000)
+    resp = page.goto(url)
+    return ctx, page, resp
+
+
+def _plot_data(page, selector: str) -> dict:
+    """The first trace of the Plotly figure inside `selector` (what plotly.js rendered)."""
+    page.wait_for_selector(f"{selector} .js-plotly-plot", timeout=60_000)
+    return page.eval_on_selector(
+        f"{selector} .js-plotly-plot",
+        "el => ({n: el.data.length, type: el.data[0].type, x: el.data[0].x, y: el.data[0].y, "
+        "z: el.data[0].z, title: (el.layout.title || {}).text})",
+    )
+
+
+def test_fisher_job_form_progress_heatmap_and_share_link(browser, server):
+    ctx, page, _ = _open(browser, server + "/", clipboard=True)
+    page.wait_for_selector("#fisher-submit")
+    page.wait_for_function("() => { const i = document.querySelector('#fisher-model input');"
+                           " return i && i.value === 'arith-base'; }")
+    page.fill("#fisher-prompts input", "6")
+    page.fill("#fisher-samples input", "2")
+    shot(page, "new-job-form", docs=True, full_page=False)
+    page.click("#fisher-submit")
+
+    # the page switches to the result view and follows the job's progress bar
+    bar = page.wait_for_selector("#fl-progress .fl-progress[data-job]")
+    job_id = int(bar.get_attribute("data-job"))
+    seen = set()
+    deadline = time.monotonic() + JOB_TIMEOUT_MS / 1000
+    while time.monotonic() < deadline:
+        status = page.get_attribute("#fl-progress .fl-progress", "data-status")
+        if status not in seen:
+            seen.add(status)
+            if status == "running":
+                shot(page, "progress-running", docs=True, full_page=False)
+        if status in ("succeeded", "failed", "cancelled"):
+            break
+        page.wait_for_timeout(300)
+    assert status == "succeeded", page.inner_text("#fl-progress")
+    assert page.get_attribute("#fl-progress .fl-progress", "data-progress") == "1.0000"
+
+    data = _plot_data(page, "#fl-fig-0")
+    assert data["type"] == "heatmap" and "Fisher mean by layer x module" in data["title"]
+    assert "q" in data["x"] and "0" in data["y"]
+    values = [v for row in data["z"] for v in row if v is not None]
+    assert values, "the heatmap has no finite cells"
+    api = _get_json(f"{server}/api/jobs/{job_id}")
+    token = api["share_token"]
+    assert api["status"] == "succeeded"
+    assert f"r={token}" in page.url  # the address bar follows the result shown
+    page.wait_for_timeout(1500)  # let the other figures draw for the screenshot
+    shot(page, "result-fisher", docs=True)
+
+    share = page.input_value("#fl-share-url textarea, #fl-share-url input")
+    assert share == f"{server}/r/{token}"
+    page.click("#fl-copy")
+    try:
+        copied = page.evaluate("navigator.clipboard.readText()")
+    except Exception:  # noqa: BLE001 - headless clipboard may be unavailable; the box is the link
+        copied = share
+    assert copied == share
+
+    page.click("#tab-jobs-button")
+    page.wait_for_selector(f"#fl-jobs tr[data-job='{job_id}'][data-status='succeeded']")
+    assert page.url.endswith("/?tab=jobs")
+    shot(page, "jobs", docs=True, full_page=False)
+    ctx.close()
+
+    # anyone with the link: a fresh context (no cookies, no state) sees the same figure read-only
+    ctx2, page2, _ = _open(browser, share)
+    data2 = _plot_data(page2, "#fl-fig-0")
+    assert data2["z"] == data["z"] and data2["x"] == data["x"] and data2["y"] == data["y"]
+    page2.wait_for_function(f"() => window.location.pathname === '/r/{token}'")
+    assert not page2.is_visible("#tab-new-button")  # read-only: no job forms
+    assert page2.is_visible(".fl-shared")
+    page2.wait_for_timeout(1000)
+    shot(page2, "share-view", docs=True)
+    ctx2.close()
+
+
+def test_out_of_range_value_shows_message_and_queues_nothing(browser, server):
+    before = len(_get_json(server + "/api/jobs"))
+    ctx, page, _ = _open(browser, server + "/")
+    page.wait_for_selector("#fisher-submit")
+    page.wait_for_function("() => { const i = document.querySelector('#fisher-model input');"
+                           " return i && i.value === 'arith-base'; }")
+    page.fill("#fisher-prompts input", "5000")
+    page.click("#fisher-submit")
+    msg = page.wait_for_selector(".fl-errors").inner_text()
+    assert "prompts" in msg and "got 5000" in msg and "accepted range: >= 1, <= 4096" in msg
+    assert "nothing was queued" in msg
+    shot(page, "validation-error", docs=True, full_page=False)
+    assert len(_get_json(server + "/api/jobs")) == before
+    ctx.close()
+
+
+def test_unknown_share_link_shows_not_found(browser, server):
+    ctx, page, resp = _open(browser, f"{server}/r/{secrets.token_urlsafe(24)}")
+    assert resp.status == 404
+    assert page.inner_text("h1") == "Result not found"
+    assert "share link" in page.inner_text("#fl-notfound")
+    shot(page, "not-found")
+    ctx.close()
+
+
+def test_token_explorer_runs_a_job_and_clicking_a_token_extends_the_context(browser, server):
+    ctx, page, _ = _open(browser, server + "/?tab=tokens")
+    page.wait_for_selector("#tokens-submit")
+    page.wait_for_function("() => { const i = document.querySelector('#tokens-context textarea, "
+                           "#tokens-context input'); return i && i.value === '12+34='; }")
+    page.wait_for_timeout(500)
+    page.click("#tokens-submit")
+    page.wait_for_selector("#tokens-bars .js-plotly-plot", timeout=JOB_TIMEOUT_MS)
+    bars = _plot_data(page, "#tokens-bars")
+    assert bars["type"] == "bar" and len(bars["x"]) >= 2 and 0 < sum(bars["y"]) <= 1 + 1e-6
+    first = page.locator("#tokens-choice label").first
+    token_label = first.inner_text()
+    shot(page, "token-explorer", docs=True)
+    first.click()
+    box = "#tokens-context textarea, #tokens-context input"
+    page.wait_for_function(f"() => document.querySelector({box!r}).value.length > 6")
+    extended = page.input_value(box)
+    assert extended.startswith("12+34=") and len(extended) > len("12+34="), (extended, token_label)
+    ctx.close()
