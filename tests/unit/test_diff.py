@@ -208,3 +208,28 @@ def test_cli_diff(pair) -> None:
     r = CliRunner().invoke(main, ["diff", str(root / "base"), str(bad), "--out", str(out)])
     assert r.exit_code == 2
     assert "error: tuned: different architecture: parameter 'model.layers.2." in r.output
+
+
+@pytest.mark.slow
+def test_zoo_diff_and_mask_commands(zoo_home, monkeypatch, tmp_path) -> None:
+    """The commands run on the zoo models by name (base vs teacher: a long SFT continuation)."""
+    import json
+
+    from click.testing import CliRunner
+
+    from app.cli import main
+
+    monkeypatch.setenv("FISHERLENS_HOME", str(zoo_home))
+    r = CliRunner().invoke(main, ["diff", "arith-base", "arith-teacher", "--out", str(tmp_path / "d")])
+    assert r.exit_code == 0, r.output
+    s = json.loads((tmp_path / "d" / "diff.json").read_text())["summary"]
+    n = s["n_params"]
+    assert n > 10_000 and 0.0 <= s["unchanged_exact"] <= s["unchanged_bf16"] <= 1.0
+    assert s["unchanged_atol_1e-08"] <= s["unchanged_atol_0.0001"]
+    r = CliRunner().invoke(main, ["mask", "--select", "magnitude", "--density", "0.01", "--model",
+                                  "arith-base", "--out", str(tmp_path / "m.safetensors")])
+    assert r.exit_code == 0, r.output
+    from compute.masks import load_mask
+
+    mask = load_mask(tmp_path / "m.safetensors")
+    assert sum(int(m.sum()) for m in mask.values()) == round(0.01 * n)

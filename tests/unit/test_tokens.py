@@ -184,3 +184,17 @@ def test_run_tokens_job_and_cli(model_dir, tmp_path) -> None:
     assert r.exit_code == 2 and "error: layer: 9 is not a block of this model; accepted: 0..1" in r.output
     r = CliRunner().invoke(main, ["tokens", "--model", str(path), "--context", "   "])
     assert r.exit_code == 2 and "--context" in r.output
+
+
+@pytest.mark.slow
+def test_zoo_tokens(zoo_home, monkeypatch) -> None:
+    from compute.run_tokens import run
+    from compute.specs import TokensSpec
+
+    monkeypatch.setenv("FISHERLENS_HOME", str(zoo_home))
+    res = run(TokensSpec(model="arith-base", context="12+34=", top_k=4, random_k=4, low_k=4, device="cpu"))
+    s = res.summary
+    assert s["fisher_exact"] and s["covered_mass"] == pytest.approx(1.0)
+    assert s["top_tokens"][0]["prob"] >= s["top_tokens"][-1]["prob"]
+    assert {r["token"] for r in s["top_tokens"]} & set("0123456789")  # digits follow "="
+    assert -1.0 <= s["mean_cosine_top"] <= 1.0
