@@ -31,6 +31,8 @@ SELECTORS = ["fisher", "fisher-tensor", "fisher-bottom", "random", "magnitude", 
 
 URL_JS = """(u) => {
   if (!u) { return u; }
+  // a share link (/r/<token>) is a read-only view: only the result tab is offered
+  document.body.classList.toggle('fl-readonly', u.startsWith('/r/'));
   if (u.includes('tab=compare')) { window.__flCompareUrl = u; } else { window.__flResultUrl = u; }
   if (window.location.pathname + window.location.search !== u) { window.history.replaceState(null, '', u); }
   return u;
@@ -132,7 +134,8 @@ def downloads_html(result: dict[str, Any]) -> str:
 
 def spec_html(job: dict[str, Any]) -> str:
     spec = job.get("spec") or {}
-    cells = " ".join(f"<span class='fl-kv'><b>{esc(k)}</b>={esc(v)}</span>" for k, v in spec.items())
+    cells = " ".join(f"<span class='fl-kv'><b>{esc(k)}</b>={esc('none' if v is None else v)}</span>"
+                     for k, v in spec.items())
     when = esc((job.get("finished_at") or job.get("created_at") or "")[:19])
     return f"<div class='fl-spec'><b>{esc(job.get('kind'))}</b> job #{esc(job.get('id'))} ({when} UTC): {cells}</div>"
 
