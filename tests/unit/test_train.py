@@ -176,3 +176,73 @@ def test_grpo_same_seed_same_result() -> None:
 def test_opd_needs_teacher() -> None:
     with pytest.raises(ValueError, match="^teacher:"):
         train(tiny_model("qwen3"), char_tokenizer(), get_task("arithmetic"), _cfg("opd"))
+
+
+# ---------------------------------------------------------------------------------------------
+# CLI
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "args,flag",
+    [(["--model", "arith-base", "--lr", "-1"], "--lr"),
+     (["--model", "arith-base", "--algo", "ppo"], "--algo"),
+     (["--model", "arith-base", "--group", "1"], "--group"),
+     (["--model", "no-such-model-xyz"], "model")],
+)
+def test_train_cli_bad_values_exit_2_with_one_line(args: list[str], flag: str, tmp_path, fl_home) -> None:
+    from click.testing import CliRunner
+
+    from app.commands.training import train_cmd
+
+    res = CliRunner().invoke(train_cmd, [*args, "--out", str(tmp_path / "o")])
+    assert res.exit_code == 2, res.output
+    lines = [ln for ln in res.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and flag in lines[0], res.output
+
+
+def test_retention_cli_bad_values_exit_2(tmp_path, fl_home) -> None:
+    from click.testing import CliRunner
+
+    from app.commands.training import retention_cmd
+
+    for args, flag in ((["--densities", "0.1,abc"], "--densities"), (["--densities", "0,0.1"], "--densities"),
+                       (["--selectors", "fisher,best"], "--selectors"), (["--seeds", "0"], "--seeds")):
+        res = CliRunner().invoke(retention_cmd, [*args, "--out", str(tmp_path)])
+        assert res.exit_code == 2, res.output
+        assert flag in res.output and len(res.output.strip().splitlines()) == 1, res.output
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("algo", ["grpo", "opd", "sft"])
+def test_train_cli_on_zoo_masked_run(algo: str, zoo_home, tmp_path, monkeypatch) -> None:
+    import json
+
+    from click.testing import CliRunner
+    from safetensors.torch import load_file
+
+    from app.commands.training import train_cmd
+
+    monkeypatch.setenv("FISHERLENS_HOME", str(zoo_home))
+    out = tmp_path / "run"
+    args = ["--model", "arith-base", "--algo", algo, "--steps", "2", "--batch", "2", "--group", "2",
+            "--eval-prompts", "10", "--max-new-tokens", "4", "--mask-select", "magnitude",
+            "--mask-density", "0.1", "--weight-decay", "0.1", "--device", "cpu", "--out", str(out)]
+    if algo == "opd":
+        args += ["--teacher", "arith-teacher"]
+    res = CliRunner().invoke(train_cmd, args)
+    assert res.exit_code == 0, res.output
+    metrics = json.loads((out / "metrics.json").read_text())
+    assert len(metrics["curve"]) == 2 and metrics["settings"]["lr"] == 1e-3
+    assert 0 <= metrics["accuracy_before"] <= 1 and 0 <= metrics["accuracy_after"] <= 1
+    if algo == "grpo":
+        assert metrics["bound"]["bound_fraction_holds"] == 1.0
+    base = load_file(str(zoo_home / "zoo" / "arith-base" / "model.safetensors"))
+    tuned = load_file(str(out / "model.safetensors"))
+    mask = load_file(str(out / "mask.safetensors"))
+    moved = 0
+    for n, m in mask.items():
+        assert torch.equal(tuned[n][~m], base[n][~m]), n
+        moved += int((tuned[n][m] != base[n][m]).sum())
+    assert moved > 0
+    assert metrics["update_sparsity"]["unchanged_exact"] >= 0.9
