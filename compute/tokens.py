@@ -7,9 +7,11 @@ d log p(v)/dθ = g_v - gbar and the position's diagonal Fisher is
     F_i = sum_v p_v (g_{v,i} - gbar_i)^2,    trace F = sum_v c_v,  c_v = p_v ||g_v - gbar||^2.
 
 So each token's contribution to the Fisher is c_v, and its share is c_v / trace F. Everything is
-computed from the Gram matrix of the vectors {g_v} and gbar, accumulated over chunks of
-parameters so that memory stays within `memory_budget_mb` (one backward pass per token per
-chunk). gbar itself is one backward pass of sum_v p_v z_v (p detached), so it is exact for any
+computed from the Gram matrix of the vectors {g_v} and gbar when all (rows x parameters) fit in
+`memory_budget_mb` ("gram" mode: one backward pass per token). Otherwise ("stream" mode, large
+models) the Fisher of the enumerated tokens is accumulated one full gradient at a time (gbar, F
+and one gradient in memory) and the Gram matrix of the displayed tokens is accumulated over
+parameter chunks that fit the budget (one backward pass per displayed token per chunk). gbar itself is one backward pass of sum_v p_v z_v (p detached), so it is exact for any
 vocabulary. The trace is exact when the whole vocabulary is enumerated (V <= full_vocab_max);
 otherwise it is summed over the most likely tokens until `mass_target` of the probability is
 covered or `max_tokens` tokens are used, and the covered mass is reported.
@@ -174,6 +176,8 @@ def token_mechanism(
     if input_ids.shape[0] != 1 or input_ids.shape[1] < 1:
         raise ValueError(f"context: expected one non-empty context, got shape {list(input_ids.shape)}")
     params = scope_parameters(model, cfg.layer)
+    budget = int(cfg.memory_budget_mb * 2**20)
+    n_params = sum(p.numel() for p in params.values())
     was_training = model.training
     model.eval()
     try:
@@ -182,48 +186,35 @@ def token_mechanism(
             probs = torch.softmax(z.detach().double(), -1)  # (V,) float64
             covered, exact = covered_tokens(probs, cfg)
             top, rnd, low = token_sets(probs, cfg)
-            union = list(dict.fromkeys([*covered, *top, *rnd, *low]))
-            row = {v: i for i, v in enumerate(union)}
-            R = len(union) + 1  # last row: gbar
-            gram = torch.zeros(R, R, dtype=torch.float64)
-            cov_idx = torch.tensor([row[v] for v in covered])
+            display = list(dict.fromkeys([*top, *rnd, *low]))
+            union = list(dict.fromkeys([*covered, *display]))
             p_cov = probs[covered].to(torch.float64)  # (C,)
-            tensor_fisher: dict[str, float] = {}
-            pos_fisher: dict[str, torch.Tensor] = {}
-            gbar_obj = (probs.to(z.dtype).detach() * z).sum()
-            chunks = _chunks(params, R, int(cfg.memory_budget_mb * 2**20))
-            steps = len(chunks) * R
-            done = 0
-            for chunk in chunks:
-                inputs = [params[n] for n in chunk]
-                sizes = [p.numel() for p in inputs]
-                J = torch.empty(R, sum(sizes), dtype=torch.float32, device=z.device)  # (R, D_chunk)
-                for v in union:
-                    gs = torch.autograd.grad(z[v], inputs, retain_graph=True, allow_unused=True)
-                    J[row[v]] = _flat(gs, inputs)
-                    done += 1
-                    if progress and done % 8 == 0:
-                        progress(done / steps, f"token sensitivities {done}/{steps}")
-                gs = torch.autograd.grad(gbar_obj, inputs, retain_graph=True, allow_unused=True)
-                J[R - 1] = _flat(gs, inputs)
-                done += 1
-                gram += (J.double() @ J.double().T).cpu()
-                # per-coordinate Fisher over the covered tokens: sum_v p_v (g_v - gbar)^2
-                dev = J[cov_idx.to(J.device)].double() - J[R - 1].double()  # (C, D_chunk)
-                f = (p_cov.to(J.device)[:, None] * dev.pow(2)).sum(0)  # (D_chunk,)
-                for n, part, p in zip(chunk, torch.split(f, sizes), inputs, strict=True):
-                    tensor_fisher[n] = float(part.sum())
-                    if keep_fisher:
-                        pos_fisher[n] = part.float().view_as(p).cpu()
-                del J, dev, f
+            gbar_obj = (probs.to(z.dtype).detach() * z).sum()  # its gradient is gbar
+            if (len(union) + 1) * n_params * 4 <= budget:
+                # Everything in one (R, D) matrix: Gram of all rows, Fisher from the same rows.
+                mode = "gram"
+                rows = union
+                gram, tensor_fisher, pos_fisher, n_chunks = _gram(
+                    z, params, rows, gbar_obj, budget, progress, fisher=(covered, p_cov), keep_fisher=keep_fisher)
+                row = {v: i for i, v in enumerate(rows)}
+                deviation = _deviation(gram)
+                dev_cov = deviation[torch.tensor([row[v] for v in covered])]
+            else:
+                # Large scope: Fisher of the covered tokens by streaming one full gradient at a
+                # time (memory ~ 3 x scope), Gram of the displayed tokens by parameter chunks.
+                mode = "stream"
+                dev_cov, tensor_fisher, pos_fisher = _stream_fisher(
+                    z, params, covered, p_cov, gbar_obj, keep_fisher, progress)
+                rows = display
+                gram, _, _, n_chunks = _gram(z, params, rows, gbar_obj, budget, progress)
+                row = {v: i for i, v in enumerate(rows)}
+                deviation = _deviation(gram)
     finally:
         model.train(was_training)
 
+    R = gram.shape[0]
     gbar_sq = float(gram[R - 1, R - 1])
-    diag = gram.diagonal()[:-1]  # ||g_v||^2
-    cross = gram[:-1, R - 1]  # g_v . gbar
-    deviation = (diag - 2 * cross + gbar_sq).clamp_min(0.0)  # ||g_v - gbar||^2, (R-1,)
-    trace = float((p_cov * deviation[cov_idx]).sum())
+    trace = float((p_cov * dev_cov).sum())
 
     def tset(ids: list[int]) -> TokenSet:
         idx = torch.tensor([row[v] for v in ids], dtype=torch.long)
@@ -253,7 +244,7 @@ def token_mechanism(
         covered_mass=float(p_cov.sum()),
         exact=exact,
         gbar_norm=math.sqrt(max(gbar_sq, 0.0)),
-        n_params=sum(p.numel() for p in params.values()),
+        n_params=n_params,
         scope="model" if cfg.layer is None else f"layer {cfg.layer}",
         tensor_fisher=tensor_fisher,
         position_fisher=pos_fisher if keep_fisher else None,
@@ -261,10 +252,90 @@ def token_mechanism(
             "top_k": cfg.top_k, "random_k": cfg.random_k, "low_k": cfg.low_k, "seed": cfg.seed,
             "full_vocab_max": cfg.full_vocab_max, "mass_target": cfg.mass_target,
             "max_tokens": cfg.max_tokens, "memory_budget_mb": cfg.memory_budget_mb,
-            "parameter_chunks": len(chunks),
+            "parameter_chunks": n_chunks,
+            "mode": mode,
             "random_tokens_from": "uniform over tokens outside the top-k",
         },
     )
+
+
+def _deviation(gram: torch.Tensor) -> torch.Tensor:
+    """||g_v - gbar||^2 for each row of a Gram matrix whose last row/column is gbar. (R-1,)"""
+    R = gram.shape[0]
+    diag = gram.diagonal()[:-1]  # ||g_v||^2
+    cross = gram[:-1, R - 1]  # g_v . gbar
+    return (diag - 2 * cross + gram[R - 1, R - 1]).clamp_min(0.0)
+
+
+def _gram(
+    z: torch.Tensor, params: dict[str, torch.nn.Parameter], rows: list[int], gbar_obj: torch.Tensor,
+    budget: int, progress: Progress | None,
+    fisher: tuple[list[int], torch.Tensor] | None = None, keep_fisher: bool = False,
+) -> tuple[torch.Tensor, dict[str, float], dict[str, torch.Tensor], int]:
+    """Gram matrix (R+1, R+1) float64 of g_v for v in rows plus gbar (last), accumulated over
+    parameter chunks of at most `budget` bytes of (R+1, D_chunk) float32. With fisher=(ids, p),
+    ids a subset of rows, also the per-coordinate sum_v p_v (g_v - gbar)^2 per tensor."""
+    R = len(rows) + 1
+    pos = {v: i for i, v in enumerate(rows)}
+    gram = torch.zeros(R, R, dtype=torch.float64)
+    tensor_fisher: dict[str, float] = {}
+    pos_fisher: dict[str, torch.Tensor] = {}
+    chunks = _chunks(params, R, budget)
+    steps, done = len(chunks) * R, 0
+    for chunk in chunks:
+        inputs = [params[n] for n in chunk]
+        sizes = [p.numel() for p in inputs]
+        J = torch.empty(R, sum(sizes), dtype=torch.float32, device=z.device)  # (R, D_chunk)
+        for v in rows:
+            gs = torch.autograd.grad(z[v], inputs, retain_graph=True, allow_unused=True)
+            J[pos[v]] = _flat(gs, inputs)
+            done += 1
+            if progress and done % 8 == 0:
+                progress(done / steps, f"token sensitivities {done}/{steps}")
+        J[R - 1] = _flat(torch.autograd.grad(gbar_obj, inputs, retain_graph=True, allow_unused=True), inputs)
+        done += 1
+        gram += (J.double() @ J.double().T).cpu()
+        if fisher is not None:
+            ids, p_ids = fisher
+            idx = torch.tensor([pos[v] for v in ids], device=J.device)
+            dev = J[idx].double() - J[R - 1].double()  # (C, D_chunk)
+            f = (p_ids.to(J.device)[:, None] * dev.pow(2)).sum(0)  # (D_chunk,)
+            for n, part, p in zip(chunk, torch.split(f, sizes), inputs, strict=True):
+                tensor_fisher[n] = float(part.sum())
+                if keep_fisher:
+                    pos_fisher[n] = part.float().view_as(p).cpu()
+            del dev, f
+        del J
+    return gram, tensor_fisher, pos_fisher, len(chunks)
+
+
+def _stream_fisher(
+    z: torch.Tensor, params: dict[str, torch.nn.Parameter], covered: list[int], p_cov: torch.Tensor,
+    gbar_obj: torch.Tensor, keep_fisher: bool, progress: Progress | None,
+) -> tuple[torch.Tensor, dict[str, float], dict[str, torch.Tensor]]:
+    """||g_v - gbar||^2 for each covered token (C,) and F = sum_v p_v (g_v - gbar)^2 per tensor,
+    one full gradient at a time (gbar, F and one gradient in memory)."""
+    names = list(params)
+    inputs = [params[n] for n in names]
+    gbar = [g.float() if g is not None else torch.zeros_like(p, dtype=torch.float32)
+            for g, p in zip(torch.autograd.grad(gbar_obj, inputs, retain_graph=True, allow_unused=True),
+                            inputs, strict=True)]
+    F = [torch.zeros_like(g) for g in gbar]
+    dev_cov = torch.zeros(len(covered), dtype=torch.float64)
+    for j, v in enumerate(covered):
+        gs = torch.autograd.grad(z[v], inputs, retain_graph=True, allow_unused=True)
+        pv = float(p_cov[j])
+        total = 0.0
+        for t, (g, gb) in enumerate(zip(gs, gbar, strict=True)):
+            d = (g.float() if g is not None else torch.zeros_like(gb)) - gb
+            total += float(d.double().pow(2).sum())
+            F[t].add_(d.pow(2), alpha=pv)
+        dev_cov[j] = total
+        if progress and j % 8 == 0:
+            progress(j / max(1, len(covered)), f"Fisher over covered tokens {j}/{len(covered)}")
+    tensor_fisher = {n: float(f.double().sum()) for n, f in zip(names, F, strict=True)}
+    pos_fisher = {n: f.cpu() for n, f in zip(names, F, strict=True)} if keep_fisher else {}
+    return dev_cov, tensor_fisher, pos_fisher
 
 
 def _flat(grads: tuple[torch.Tensor | None, ...], inputs: list[torch.Tensor]) -> torch.Tensor:

@@ -112,11 +112,22 @@ def test_layer_scope_and_chunking_agree() -> None:
     assert full.n_params == G.shape[1] and full.scope == "layer 1"
     assert full.fisher_trace == pytest.approx(float(F.sum()), rel=1e-5)
     # a tiny memory budget splits the parameters into many chunks: same numbers
+    # a tiny memory budget: streamed Fisher, Gram over many parameter chunks; same numbers
     small = token_mechanism(model, ids, TokensConfig(top_k=4, layer=1, memory_budget_mb=0.01))
+    assert small.settings["mode"] == "stream" and full.settings["mode"] == "gram"
     assert small.settings["parameter_chunks"] > 3 and full.settings["parameter_chunks"] == 1
     assert small.fisher_trace == pytest.approx(full.fisher_trace, rel=1e-6)
-    torch.testing.assert_close(small.top.cosine, full.top.cosine, rtol=1e-5, atol=1e-6)
+    for a, b in ((small.top, full.top), (small.random, full.random), (small.low, full.low)):
+        assert a.ids == b.ids
+        torch.testing.assert_close(a.cosine, b.cosine, rtol=1e-5, atol=1e-6)
+        assert a.contrib == pytest.approx(b.contrib, rel=1e-5, abs=1e-12)
+        assert a.share == pytest.approx(b.share, rel=1e-5, abs=1e-12)
     assert small.tensor_fisher == pytest.approx(full.tensor_fisher, rel=1e-5)
+    whole = token_mechanism(model, ids, TokensConfig(top_k=4, memory_budget_mb=0.01), keep_fisher=True)
+    G, p, F, params = _brute(model, ids)
+    flat = torch.cat([whole.position_fisher[n].reshape(-1) for n in params]).double()
+    torch.testing.assert_close(flat, F, rtol=1e-4, atol=1e-9)
+    assert whole.fisher_trace == pytest.approx(float(F.sum()), rel=1e-5)
     with pytest.raises(ValueError, match=r"layer: 7 is not a block of this model; accepted: 0..1"):
         token_mechanism(model, ids, TokensConfig(layer=7))
 
