@@ -7,6 +7,7 @@ Compute is imported inside each command so `fisherlens --help` stays light.
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -50,6 +51,15 @@ def _table(headers: list[str], rows: list[list[Any]]) -> str:
     return "\n".join("  ".join(str(c).rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells)
 
 
+def allow_local_dirs(*refs: str | None) -> None:
+    """The CLI runs as its user: model folders named on its command line (e.g. a training output)
+    are added to ALLOWED_MODEL_ROOTS for this process. Jobs from the web stay restricted."""
+    extra = [str(Path(r).expanduser().resolve()) for r in refs if r and Path(r).expanduser().is_dir()]
+    if extra:
+        current = os.environ.get("ALLOWED_MODEL_ROOTS", "")
+        os.environ["ALLOWED_MODEL_ROOTS"] = ":".join(p for p in [current, *extra] if p)
+
+
 def _run(kind: str, spec: Any, desc: str) -> Any:
     from compute.runners import get_runner
 
@@ -80,6 +90,7 @@ def _run(kind: str, spec: Any, desc: str) -> Any:
 def mask_cmd(out: str, **options: Any) -> None:
     """Build a boolean mask keeping exactly round(density x N) coordinates, and save it."""
     spec = spec_from_options("mask", options)
+    allow_local_dirs(spec.model)
     from compute.masks import save_mask
 
     res = _run("mask", spec, f"mask {spec.select}")
@@ -114,6 +125,7 @@ def mask_cmd(out: str, **options: Any) -> None:
 def diff_cmd(base: str, tuned: str, out: str, **options: Any) -> None:
     """Update sparsity of TUNED relative to BASE (zoo names, local HF dirs, training outputs)."""
     spec = spec_from_options("diff", {"base": base, "tuned": tuned, **options})
+    allow_local_dirs(spec.base, spec.tuned)
     res = _run("diff", spec, "diff")
     s = res.summary
     out_dir = Path(out)
@@ -179,6 +191,7 @@ def _write_html(result: dict[str, Any], path: Path) -> None:
 def tokens_cmd(out: str | None, **options: Any) -> None:
     """Next tokens after CONTEXT: probabilities, sensitivity cosines, shares of the Fisher."""
     spec = spec_from_options("tokens", options)
+    allow_local_dirs(spec.model)
     res = _run("tokens", spec, "tokens")
     s = res.summary
     click.echo(f"context {spec.context!r} ({s['n_context_tokens']} tokens), scope: {s['scope']} "

@@ -182,7 +182,7 @@ def test_run_diff_job(pair) -> None:
     assert [p.step for p in res.series if p.name == "unchanged/atol"] == [1e-8, 1e-7, 1e-6, 1e-5, 1e-4]
 
 
-def test_cli_diff(pair) -> None:
+def test_cli_diff(pair, monkeypatch) -> None:
     import json
 
     from click.testing import CliRunner
@@ -190,6 +190,7 @@ def test_cli_diff(pair) -> None:
     from app.cli import main
 
     root, model = pair
+    monkeypatch.setenv("ALLOWED_MODEL_ROOTS", "")  # the CLI trusts folders named on its command line
     out = root / "d"
     r = CliRunner().invoke(main, ["diff", str(root / "base"), str(root / "tuned"), "--fisher",
                                   str(root / "fisher.safetensors"), "--topk-percent", "0.5", "--store-delta", "--out", str(out)])
