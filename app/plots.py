@@ -570,7 +570,8 @@ def overlap_table(result: dict[str, Any]) -> Table:
         rows = [{"param": r.get("param"), "layer": r.get("layer"), "module": r.get("module"), **r["values"]}
                 for r in result.get("layer_stats") or [] if r.get("group") == "overlap"]
     if rows is None or rows == []:
-        keys = [k for k in summ if any(s in k for s in ("precision", "auc", "jaccard", "spearman"))]
+        keys = [k for k in summ if any(s in k for s in ("precision", "auc", "jaccard", "spearman"))
+                and not k.startswith("split_half") and not isinstance(summ[k], list | dict)]
         rows = [{"metric": k, "value": summ[k]} for k in keys]
     return _rows_table(rows, ("scope", "metric", "k_percent", "precision_at_k", "auc", "jaccard",
                               "jaccard_random", "spearman", "value"))

@@ -169,6 +169,21 @@ def _is_int_field(name: str) -> bool:
     return False
 
 
+def opt_number(text: Any, field: str, integer: bool = False) -> int | float | None:
+    """Blank -> None (the spec default); else the number; SpecError naming `field` otherwise."""
+    if text is None or (isinstance(text, str) and not text.strip()):
+        return None
+    try:
+        value = float(text)
+    except (TypeError, ValueError):
+        raise SpecError([{"field": field, "message": f"got {text!r}; give a number or leave it blank"}]) from None
+    if integer:
+        if not value.is_integer():
+            raise SpecError([{"field": field, "message": f"got {text!r}; give a whole number or leave it blank"}])
+        return int(value)
+    return value
+
+
 def parse_float_list(text: str | None, field: str) -> list[float] | None:
     if text is None or not str(text).strip():
         return None
@@ -232,6 +247,10 @@ def build_ui(settings: Any) -> gr.Blocks:  # noqa: C901 - layout + wiring read t
                      steps, batch, group, seed):
         if mask_select == "(none)":
             mask_select = None
+        try:
+            mask_density = opt_number(mask_density, "mask_density")
+        except SpecError as exc:
+            return errors_html(exc.errors), gr.skip(), gr.skip()
         return submit_and_show("train", clean_spec(dict(
             model=model, task=task, algo=algo, teacher=teacher, mask=mask, mask_select=mask_select,
             mask_density=mask_density if mask_select else None, optimizer=optimizer, lr=lr,
@@ -250,30 +269,38 @@ def build_ui(settings: Any) -> gr.Blocks:  # noqa: C901 - layout + wiring read t
         return submit_and_show("diff", clean_spec(dict(
             base=base, tuned=tuned, fisher=fisher, topk_percent=topk_percent)))
 
+    def job_by_token(token: str) -> dict[str, Any] | None:
+        """The job row of a share token (no result rows): what the progress poll needs."""
+        from storage import repo
+
+        with services.sessions(settings)() as s:
+            job = repo.get_job_by_token(session=s, token=token)
+            return repo.job_dict(job) if job is not None else None
+
     def get_result(token: str) -> dict[str, Any] | None:
         return services.result_by_token(settings, token) if token else None
 
     def result_outputs(token: str, sig: str, readonly: bool, force: bool = False) -> list[Any]:
         """Updates for: progress, spec, share box, downloads, cancel, rerun, figs..., tables...,
         url, sig. gr.skip() everywhere when nothing changed since `sig`."""
-        n_out = 7 + MAX_FIGS + MAX_TABLES + 2
+        n_out = 7 + MAX_FIGS + MAX_TABLES + 3
         if not token:
             return [gr.skip()] * n_out
-        job = services.result_by_token(settings, token) if token else None
-        if job is None:
+        meta = job_by_token(token)  # light: the job row only; the rows are read when drawing
+        if meta is None:
             new_sig = f"{token}:missing"
             if new_sig == sig and not force:
                 return [gr.skip()] * n_out
             return [not_found_html(token), "", "", gr.HTML(visible=False), gr.Button(visible=False),
                     gr.Button(visible=False), "",
                     *[gr.Plot(visible=False, value=None)] * MAX_FIGS,
-                    *[gr.Dataframe(visible=False)] * MAX_TABLES, gr.skip(), new_sig]
-        meta = job["job"]
+                    *[gr.Dataframe(visible=False)] * MAX_TABLES, gr.skip(), new_sig, gr.skip()]
         status = meta["status"]
         final = status in FINAL_STATUSES
         new_sig = f"{token}:{status}:{meta.get('progress')}:{meta.get('message')}"
         if new_sig == sig and not force:
             return [gr.skip()] * n_out
+        job = (services.result_by_token(settings, token) if status == "succeeded" else None) or {"job": meta}
         share = services.share_url(settings, token)
         path = f"/r/{token}" if readonly else "/?" + urlencode({"tab": "result", "r": token})
         head = [progress_html(meta), spec_html(meta), share,
@@ -282,11 +309,13 @@ def build_ui(settings: Any) -> gr.Blocks:  # noqa: C901 - layout + wiring read t
                 gr.Button(visible=not readonly and not final),
                 gr.Button(visible=not readonly and final), gr.skip()]
         was_final_rendered = sig.startswith(f"{token}:") and sig.split(":")[1] in FINAL_STATUSES
+        status_changed = not sig.startswith(f"{token}:{status}:")
+        pick = refresh_result_choices(token) if status_changed and not readonly else gr.skip()
         if not final or (was_final_rendered and not force):
             # still running: progress only; figures stay hidden until the result is stored
             figs = [gr.Plot(visible=False, value=None)] * MAX_FIGS if not final else [gr.skip()] * MAX_FIGS
             tables = [gr.Dataframe(visible=False)] * MAX_TABLES if not final else [gr.skip()] * MAX_TABLES
-            return [*head, *figs, *tables, path, new_sig]
+            return [*head, *figs, *tables, path, new_sig, pick]
         figs_out: list[Any] = []
         figures = plots.result_figures(job) if status == "succeeded" else []
         for i in range(MAX_FIGS):
@@ -305,7 +334,7 @@ def build_ui(settings: Any) -> gr.Blocks:  # noqa: C901 - layout + wiring read t
                 tabs_out.append(gr.Dataframe(visible=False))
         if status == "succeeded" and not figures and not tables:
             head[0] += note_html("This result has no figures or tables.")
-        return [*head, *figs_out, *tabs_out, path, new_sig]
+        return [*head, *figs_out, *tabs_out, path, new_sig, pick]
 
     def on_load(request: gr.Request):
         """Read the URL: /r/<token> arrives as ?view=<token> (read-only), ?r=, ?tab=, ?a=&b=."""
@@ -384,6 +413,10 @@ def build_ui(settings: Any) -> gr.Blocks:  # noqa: C901 - layout + wiring read t
 
     # tokens tab
     def run_tokens(model, context, top_k, layer, random_k):
+        try:
+            layer = opt_number(layer, "layer", integer=True)
+        except SpecError as exc:
+            return errors_html(exc.errors), gr.skip(), ""
         data = clean_spec(dict(model=model, context=context, top_k=top_k, layer=layer, random_k=random_k))
         if isinstance(context, str) and context:
             data["context"] = context  # keep leading/trailing spaces: they are tokens
@@ -395,14 +428,14 @@ def build_ui(settings: Any) -> gr.Blocks:  # noqa: C901 - layout + wiring read t
     def poll_tokens(token, sig):
         """Updates for: progress, token radio, bars, similarity (top), similarity (random), sig."""
         n = 6
-        res = get_result(token) if token else None
-        if res is None:
+        meta = job_by_token(token) if token else None
+        if meta is None:
             return [gr.skip()] * n
-        meta = res["job"]
         new_sig = f"{token}:{meta['status']}:{meta.get('progress')}"
         if new_sig == sig:
             return [gr.skip()] * n
-        if meta["status"] != "succeeded":
+        res = get_result(token) if meta["status"] == "succeeded" else None
+        if res is None:
             return [progress_html(meta), gr.skip(), gr.skip(), gr.skip(), gr.skip(), new_sig]
         choices = plots.token_choices(res)
         names = [h.get("name", "") for h in res.get("heatmaps") or []]
@@ -518,7 +551,7 @@ def build_ui(settings: Any) -> gr.Blocks:  # noqa: C901 - layout + wiring read t
                                                  allow_custom_value=True)
                             t_msel = gr.Dropdown(["(none)", *SELECTORS], value="(none)",
                                                  label="or build a mask with selector")
-                            t_mden = gr.Number(None, label="mask density", info=_range_info("train", "mask_density"))
+                            t_mden = gr.Textbox("", label="mask density", info=_range_info("train", "mask_density"))
                         with gr.Row():
                             t_opt = gr.Dropdown(["adamw", "sgd"], value="adamw", label="optimizer")
                             t_lr = gr.Number(1e-3, label="learning rate", info=_range_info("train", "lr"))
@@ -595,17 +628,17 @@ def build_ui(settings: Any) -> gr.Blocks:  # noqa: C901 - layout + wiring read t
                     k_context = gr.Textbox("12+34=", label="context", scale=4, elem_id="tokens-context",
                                            info="accepted: 1 to 2000 characters")
                     k_topk = gr.Number(8, label="top k", precision=0, info=_range_info("tokens", "top_k"))
-                    k_layer = gr.Number(None, label="layer (blank = whole model)", precision=0)
+                    k_layer = gr.Textbox("", label="layer (blank = whole model)", elem_id="tokens-layer")
                     k_random = gr.Number(8, label="random tokens", precision=0, info=_range_info("tokens", "random_k"))
                 k_btn = gr.Button("Explore", variant="primary", elem_id="tokens-submit")
                 k_msg = gr.HTML()
                 k_progress = gr.HTML()
                 k_choice = gr.Radio(label="next tokens: click one to extend the context", visible=False,
                                     elem_id="tokens-choice")
-                k_bars = gr.Plot(visible=False, elem_id="tokens-bars")
+                k_bars = gr.Plot(visible=False, elem_id="tokens-bars", label="next tokens")
                 with gr.Row():
-                    k_sim_top = gr.Plot(visible=False)
-                    k_sim_rand = gr.Plot(visible=False)
+                    k_sim_top = gr.Plot(visible=False, label="similarity (top tokens)")
+                    k_sim_rand = gr.Plot(visible=False, label="similarity (random tokens)")
 
             with gr.Tab("Compare", id="compare", elem_id="tab-compare") as tab_compare:
                 with gr.Row():
@@ -635,7 +668,7 @@ def build_ui(settings: Any) -> gr.Blocks:  # noqa: C901 - layout + wiring read t
 
         # ------------------------------------------------------------ wiring
         result_out = [r_progress, r_spec, r_share, r_downloads, r_cancel, r_rerun, r_note,
-                      *r_figs, *r_tables, url_box, view_sig]
+                      *r_figs, *r_tables, url_box, view_sig, r_pick]
         state_in = [view_token, view_sig, readonly]
         fast = {"show_progress": "hidden", "concurrency_limit": None}
 
@@ -651,8 +684,7 @@ def build_ui(settings: Any) -> gr.Blocks:  # noqa: C901 - layout + wiring read t
                           *(compare(a, b) if (a or b) else [gr.skip()] * (2 + 2 * COMPARE_FIGS + 1))],
             inputs=[c_a, c_b], outputs=[c_a, c_b, c_head_a, *c_figs_a, c_head_b, *c_figs_b, url_box], **fast,
         )
-        view_token.change(show_now, inputs=state_in, outputs=result_out, **fast).then(
-            refresh_result_choices, inputs=view_token, outputs=r_pick, **fast)
+        view_token.change(show_now, inputs=state_in, outputs=result_out, **fast)
         r_pick.input(pick_result, inputs=r_pick, outputs=view_token, **fast)
         r_refresh.click(refresh_result_choices, inputs=view_token, outputs=r_pick, **fast)
         r_copy.click(None, inputs=r_share, js=COPY_JS)
