@@ -51,6 +51,17 @@ def _table(headers: list[str], rows: list[list[Any]]) -> str:
     return "\n".join("  ".join(str(c).rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells)
 
 
+def json_safe(obj: Any) -> Any:
+    """NaN/inf -> None (strict JSON), recursively."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: json_safe(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [json_safe(v) for v in obj]
+    return obj
+
+
 def allow_local_dirs(*refs: str | None) -> None:
     """The CLI runs as its user: model folders named on its command line (e.g. a training output)
     are added to ALLOWED_MODEL_ROOTS for this process. Jobs from the web stay restricted."""
@@ -129,7 +140,7 @@ def diff_cmd(base: str, tuned: str, out: str, **options: Any) -> None:
     res = _run("diff", spec, "diff")
     s = res.summary
     out_dir = Path(out)
-    result = res.to_dict()
+    result = json_safe(res.to_dict())
     write_json(out_dir / "diff.json", result)
     if res.tensors.get("delta"):
         from safetensors.torch import save_file
@@ -206,7 +217,7 @@ def tokens_cmd(out: str | None, **options: Any) -> None:
     click.echo(f"mean off-diagonal cosine of sensitivities: top {_num(s['mean_cosine_top'])}, "
                f"random {_num(s['mean_cosine_random'])}, low-probability {_num(s['mean_cosine_low'])}")
     if out:
-        write_json(Path(out), res.to_dict())
+        write_json(Path(out), json_safe(res.to_dict()))
         click.echo(f"wrote {out}")
 
 

@@ -196,7 +196,7 @@ def test_cli_diff(pair, monkeypatch) -> None:
                                   str(root / "fisher.safetensors"), "--topk-percent", "0.5", "--store-delta", "--out", str(out)])
     assert r.exit_code == 0, r.output
     assert "layer" in r.output and "unchanged exactly" in r.output and "precision@k 1" in r.output
-    data = json.loads((out / "diff.json").read_text())
+    data = json.loads((out / "diff.json").read_text(), parse_constant=lambda c: pytest.fail(f"not strict JSON: {c}"))
     assert data["kind"] == "diff" and data["heatmaps"] and data["summary"]["precision_at_k"] == 1.0
     from safetensors.torch import load_file
 
