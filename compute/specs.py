@@ -114,6 +114,8 @@ class TrainSpec(_Spec):
 
 
 class RetentionSpec(_Spec):
+    """Defaults tuned on arith-base (GRPO: held-out greedy accuracy ~0.2 -> ~0.3 in 100 steps)."""
+
     model: ModelRef = "arith-base"
     task: TaskRef = "arithmetic"
     algo: Algo = "grpo"
@@ -125,16 +127,16 @@ class RetentionSpec(_Spec):
         default_factory=lambda: ["fisher", "random", "magnitude"], min_length=1, max_length=8
     )
     seeds: int = Field(3, ge=1, le=16)
-    steps: int = Field(30, ge=1, le=100_000)
-    lr: float = Field(1e-3, gt=0.0, le=10.0)
+    steps: int = Field(100, ge=1, le=100_000)
+    lr: float = Field(2e-4, gt=0.0, le=10.0)
     optimizer: Literal["adamw", "sgd"] = "adamw"
     fisher_prompts: int = Field(64, ge=1, le=4096)
     fisher_samples: int = Field(4, ge=1, le=64)
-    eval_prompts: int = Field(200, ge=1, le=100_000)
+    eval_prompts: int = Field(500, ge=1, le=100_000)
     device: str = Field("auto", max_length=32)
-    batch: int = Field(8, ge=1, le=1024, description="prompts per step")
+    batch: int = Field(16, ge=1, le=1024, description="prompts per step")
     group: int = Field(8, ge=2, le=64, description="completions sampled per prompt")
-    max_new_tokens: int = Field(8, ge=1, le=1024)
+    max_new_tokens: int = Field(6, ge=1, le=1024)
     weight_decay: float = Field(0.0, ge=0.0, le=10.0)
     momentum: float = Field(0.0, ge=0.0, lt=1.0, description="SGD momentum")
     temperature: float = Field(1.0, gt=0.0, le=5.0)

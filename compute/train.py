@@ -317,6 +317,7 @@ def train(
         teacher.eval()
         for p in teacher.parameters():
             p.requires_grad_(False)
+    flags = {n: p.requires_grad for n, p in model.named_parameters()}
     params = prepare_masked_params(model, mask)
     n_total = sum(p.numel() for p in model.parameters())
     n_train = sum(int(m.sum()) if m is not None else p.numel() for _, p, m in params)
@@ -415,8 +416,8 @@ def train(
         progress((step + 1) / config.steps, msg)
     model.eval()
     after = acc() if evaluate else float("nan")
-    for p in model.parameters():
-        p.requires_grad_(True)
+    for n, p in model.named_parameters():
+        p.requires_grad_(flags[n])
     settings = asdict(config)
     settings["masked"] = mask is not None
     return TrainResult(curve, before, after, settings, time.perf_counter() - t0, n_train / max(1, n_total))
