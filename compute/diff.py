@@ -198,18 +198,18 @@ def tensor_diff_stats(base: torch.Tensor, tuned: torch.Tensor, svd_max_numel: in
     ad = delta.abs()
     for a in ATOLS:
         s[f"unchanged_atol_{a:g}"] = float((ad <= a).sum())
-    rms = float(b32.double().pow(2).mean().sqrt()) if n else 0.0
+    rms = math.sqrt(float(torch.sum(b32.square(), dtype=torch.float64)) / n) if n else 0.0
     s["base_rms"] = rms
     for r in REL_TOLS:
         s[f"unchanged_rel_{r:g}"] = float((ad <= r * rms).sum())
     del b32
-    sq = ad.double().pow(2)
-    s["sq_sum"] = float(sq.sum())
+    sq = ad.square()  # float32; sums below in float64
+    s["sq_sum"] = float(torch.sum(sq, dtype=torch.float64))
     s["max_abs"] = float(ad.max()) if n else 0.0
     if n:
         ks = {p: max(1, int(math.floor(p / 100 * n + 0.5))) for p in ENERGY_TOP_PERCENT}
         top = torch.topk(sq.flatten(), max(ks.values()), sorted=True).values  # largest first
-        cum = torch.cumsum(top, 0)
+        cum = torch.cumsum(top.double(), 0)
         for p, k in ks.items():
             s[f"energy_top_{p:g}pct"] = float(cum[k - 1]) / s["sq_sum"] if s["sq_sum"] > 0 else float("nan")
         del top, cum
