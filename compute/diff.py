@@ -80,7 +80,9 @@ class Checkpoint:
         single = self.folder / "model.safetensors"
         if single.is_file():
             return [single]
-        files = sorted(self.folder.glob("*.safetensors"))
+        # fisherlens artifacts that may sit next to the weights (e.g. a training output's mask)
+        files = sorted(f for f in self.folder.glob("*.safetensors")
+                       if f.stem not in ("mask", "fisher", "delta", "gradient"))
         if not files:
             raise ValueError(f"{self.label}: no safetensors weights in {self.folder} "
                              "(save the model with safe_serialization=True)")
