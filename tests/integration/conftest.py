@@ -4,6 +4,7 @@ reason when a service is not reachable). Each test gets its own home, queue name
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import signal
@@ -161,9 +162,9 @@ class Stack:
         return self.wait_for(job_id, lambda j: j["status"] in FINAL, timeout, "finished")
 
 
-@pytest.fixture(params=["filesystem", pytest.param("redis", marks=pytest.mark.redis)])
-def stack(
-    request: pytest.FixtureRequest, tmp_path: Path, zoo_home: Path, monkeypatch: pytest.MonkeyPatch
+@contextlib.contextmanager
+def _stack(
+    kind: str, tmp_path: Path, zoo_home: Path, monkeypatch: pytest.MonkeyPatch
 ) -> Iterator[Stack]:
     home = tmp_path / "home"
     home.mkdir()
@@ -182,7 +183,7 @@ def stack(
         ),
     }
     pg = None
-    if request.param == "redis":
+    if kind == "redis":
         _redis_or_skip()
         env["REDIS_URL"] = REDIS_URL
         pg = _pg_schema()
@@ -190,23 +191,47 @@ def stack(
         if url:
             env["DATABASE_URL"] = url
     # This process (services.submit) must see the same queue name and settings.
-    for k in ("FISHERLENS_HOME", "REDIS_URL", "DATABASE_URL"):
+    for k in ("REDIS_URL", "DATABASE_URL"):
         monkeypatch.delenv(k, raising=False)
+    for k in ("FISHERLENS_HOME", "REDIS_URL", "DATABASE_URL", "FISHERLENS_DEVICE"):
+        if k in env:
+            monkeypatch.setenv(k, env[k])
     monkeypatch.setenv("FISHERLENS_QUEUE", queue)
     import compute.celery_app as ca
 
     monkeypatch.setattr(ca, "QUEUE", queue)
     ca._apps.clear()
-    s = Stack(request.param, home, env)
+    s = Stack(kind, home, env)
     try:
         yield s
     finally:
         for w in s.workers:
             w.kill()  # tests are done with them; a warm shutdown only costs time
         ca._apps.clear()
-        if request.param == "redis":
+        if kind == "redis":
             import redis
 
             redis.Redis.from_url(REDIS_URL).delete(queue)
         if pg is not None:
             next(pg, None)
+
+
+@pytest.fixture(params=["filesystem", pytest.param("redis", marks=pytest.mark.redis)])
+def stack(
+    request: pytest.FixtureRequest, tmp_path: Path, zoo_home: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Stack]:
+    """Both deployments: embedded (filesystem queue + SQLite) and Redis + PostgreSQL."""
+    with _stack(request.param, tmp_path, zoo_home, monkeypatch) as s:
+        yield s
+
+
+@pytest.fixture
+def fs_stack(tmp_path: Path, zoo_home: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Stack]:
+    with _stack("filesystem", tmp_path, zoo_home, monkeypatch) as s:
+        yield s
+
+
+@pytest.fixture
+def redis_stack(tmp_path: Path, zoo_home: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Stack]:
+    with _stack("redis", tmp_path, zoo_home, monkeypatch) as s:
+        yield s

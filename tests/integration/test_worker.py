@@ -33,7 +33,7 @@ SMALL = {
     "max_new_tokens": 6,
 }
 # Long enough on CPU to be killed in the middle (many small progress steps).
-LONG = {**SMALL, "prompts": 48, "samples": 4, "seed": 1}
+LONG = {**SMALL, "prompts": 96, "samples": 4, "seed": 1}
 
 
 def _row_counts(settings, job_id: int) -> dict[str, int]:
@@ -109,7 +109,8 @@ def test_sigkill_mid_job_then_restart_reruns_it_once(stack) -> None:
     _assert_no_duplicates(settings, job["id"])
 
 
-def test_worker_lost_on_last_attempt_is_marked_failed_not_running(stack) -> None:
+def test_worker_lost_on_last_attempt_is_marked_failed_not_running(fs_stack) -> None:
+    stack = fs_stack
     env = {"FISHERLENS_MAX_ATTEMPTS": "1"}
     w = stack.start_worker("w1@test", env)
     job = services.submit(stack.settings, "fisher", LONG)
@@ -121,7 +122,9 @@ def test_worker_lost_on_last_attempt_is_marked_failed_not_running(stack) -> None
     assert "w1@test" in done["error"]
 
 
-def test_stale_job_of_a_dead_machine_is_taken_over_by_another_worker(stack) -> None:
+@pytest.mark.redis
+def test_stale_job_of_a_dead_machine_is_taken_over_by_another_worker(redis_stack) -> None:
+    stack = redis_stack
     stack.env["JOB_STALE_AFTER_S"] = "4"  # heartbeat every second, reaper every 2 s
     a = stack.start_worker("a@machine1")
     job = services.submit(stack.settings, "fisher", LONG | {"seed": 7})
@@ -135,7 +138,8 @@ def test_stale_job_of_a_dead_machine_is_taken_over_by_another_worker(stack) -> N
     assert done["worker"] == "b@machine2" and done["attempts"] == 2
 
 
-def test_cancel_running_job(stack) -> None:
+def test_cancel_running_job(fs_stack) -> None:
+    stack = fs_stack
     stack.start_worker("w1@test")
     job = services.submit(stack.settings, "fisher", LONG | {"seed": 3})
     stack.wait_for(job["id"], lambda j: j["status"] == "running" and j["progress"] > 0, 60, "ran")
@@ -145,38 +149,34 @@ def test_cancel_running_job(stack) -> None:
     assert _row_counts(stack.settings, job["id"])["layer_stats"] == 0
 
 
-@pytest.mark.skipif(
-    importlib.util.find_spec("compute.run_fisher") is None
-    or not hasattr(importlib.import_module("compute.run_fisher"), "run_shard")
-    if importlib.util.find_spec("compute.run_fisher")
-    else True,
-    reason="compute.run_fisher.run_shard/finish not available",
-)
-def test_sharded_fisher_over_two_workers_equals_one_worker(stack) -> None:
+@pytest.mark.redis
+def test_sharded_fisher_over_two_workers_equals_one_worker(redis_stack) -> None:
+    """Two worker processes each take a shard (child job rows), the last one queues the finisher;
+    the stored Fisher equals the same spec computed start to end in one process."""
     import torch
 
+    from compute.run_fisher import run
+    from compute.specs import parse_spec
+
+    stack = redis_stack
     stack.start_worker("w1@test")
     stack.start_worker("w2@test")
     settings = stack.settings
-    spec = SMALL | {"prompts": 6}
-    one = services.submit(settings, "fisher", spec)
-    two = services.submit(settings, "fisher", spec | {"shards": 2})
-    a = stack.wait_final(one["id"])
-    b = stack.wait_final(two["id"], timeout=120)
-    assert a["status"] == b["status"] == "succeeded", (a["error"], b["error"])
+    spec = SMALL | {"prompts": 6, "shards": 2}
+    job = services.submit(settings, "fisher", spec)
+    one = run(parse_spec("fisher", spec))  # the whole job in one process, shard after shard
+    done = stack.wait_final(job["id"], timeout=120)
+    assert done["status"] == "succeeded", done["error"]
     with services.sessions(settings)() as s:
-        shards = repo.shard_jobs(session=s, parent_id=two["id"])
+        shards = repo.shard_jobs(session=s, parent_id=job["id"])
         assert [j.status for j in shards] == ["succeeded", "succeeded"]
-        workers = {j.worker for j in shards}
-    assert workers <= {"w1@test", "w2@test"}
-    store = ArtifactStore(settings.artifacts_dir)
-    ra = services.result_by_id(settings, one["id"])
-    rb = services.result_by_id(settings, two["id"])
-    (fa,) = [x for x in ra["artifacts"] if x["kind"] == "fisher"]
-    (fb,) = [x for x in rb["artifacts"] if x["kind"] == "fisher"]
-    ta = store.load_tensors(fa["path"], fa["sha256"])
-    tb = store.load_tensors(fb["path"], fb["sha256"])
-    assert ta.keys() == tb.keys()
-    for k in ta:
-        torch.testing.assert_close(tb[k], ta[k], rtol=1e-5, atol=1e-10)
-    assert [s["param"] for s in ra["layer_stats"]] == [s["param"] for s in rb["layer_stats"]]
+        assert {j.worker for j in shards} <= {"w1@test", "w2@test"}
+    assert [j["id"] for j in services.list_jobs(settings)] == [job["id"]]  # shards hidden
+    res = services.result_by_id(settings, job["id"])
+    (art,) = [x for x in res["artifacts"] if x["kind"] == "fisher"]
+    stored = ArtifactStore(settings.artifacts_dir).load_tensors(art["path"], art["sha256"])
+    assert stored.keys() == one.tensors["fisher"].keys()
+    for k, t in one.tensors["fisher"].items():
+        torch.testing.assert_close(stored[k], t, rtol=1e-5, atol=1e-12)
+    assert [s["param"] for s in res["layer_stats"]] == [s.param for s in one.layer_stats]
+    assert res["summary"]["n_rows"] == one.summary["n_rows"]
