@@ -445,38 +445,77 @@ def bound_scatter(result: dict[str, Any], max_points: int = MAX_POINTS) -> go.Fi
     fig.update_xaxes(title_text="sqrt(Fisher)", type="log")
     fig.update_yaxes(title_text="|gradient|", type="log")
     note = f" ({len(keep)} of {len(xs)} points)" if len(keep) < len(xs) else ""
-    held = summ.get("bound_holds_fraction", summ.get("bound_fraction_holds"))
-    extra = f", holds for {fmt(held)}" if held is not None else ""
+    held = _finite(summ.get("bound_holds_fraction", summ.get("bound_fraction_holds")))
+    extra = f"; the bound holds for {100 * held:.4g}% of coordinates" if held is not None else ""
     return _layout(fig, f"Gradient vs Fisher bound{note}{extra}")
 
 
 # ---------------------------------------------------------------- heatmaps
 
 
+HEATMAP_TITLES = {
+    "fisher/mean": "Fisher mean by layer x module",
+    "fisher/share": "Fisher share of mass by layer x module",
+    "fisher_vs_delta_jaccard_lift": "Top-k Fisher vs top-k |delta|: Jaccard / random baseline",
+    "fisher_vs_delta_auc": "Fisher as a predictor of top-k |delta|: ROC-AUC",
+    "fisher_vs_delta_precision_at_k": "Top-k Fisher vs top-k |delta|: precision@k",
+    "threshold_profile": "Unchanged fraction by layer and threshold",
+    "bound_log_hist": "Coordinates by log10 |gradient| (rows) and log10 sqrt(Fisher) (columns)",
+    "retention": "Retention by selector and density (mean over seeds)",
+}
+
+
+def heatmap_title(hm: dict[str, Any]) -> str:
+    meta = hm.get("meta") or {}
+    name = hm.get("name", "heatmap")
+    return meta.get("title") or HEATMAP_TITLES.get(name) or name.replace("_", " ").replace("/", ": ")
+
+
+def _canonical_columns(hm: dict[str, Any]) -> dict[str, Any]:
+    """Module-type columns in the canonical order (embed, q, k, v, ..., lm_head)."""
+    x = list(hm.get("x_labels") or [])
+    if not x or not all(v in MODULE_ORDER for v in x):
+        return hm
+    order = sorted(range(len(x)), key=lambda j: MODULE_ORDER.index(x[j]))
+    if order == list(range(len(x))):
+        return hm
+    z = [[row[j] for j in order] for row in hm.get("z") or []]
+    return {**hm, "x_labels": [x[j] for j in order], "z": z}
+
+
+def _is_layer_axis(labels: Sequence[str], title: str) -> bool:
+    return title == "layer" or (bool(labels) and all(str(v).isdigit() or v == NO_LAYER for v in labels))
+
+
 def heatmap_figure(hm: dict[str, Any], log: bool | None = None, title: str | None = None) -> go.Figure:
-    """Any stored heatmap (pooled when large). log=None -> meta.get("log", False)."""
+    """Any stored heatmap (pooled when large). log=None -> meta.get("log", False).
+
+    Axis titles from meta x_title/y_title (or x/y); layer rows read top-down, other y axes upward."""
+    hm = _canonical_columns(hm)
     z, xl, yl = pool_matrix(hm.get("z") or [], hm.get("x_labels") or [], hm.get("y_labels") or [])
     if not z or not z[0]:
         return empty_figure(f"heatmap {hm.get('name', '')} is empty")
     meta = hm.get("meta") or {}
+    x_title = str(meta.get("x_title") or meta.get("x") or "")
+    y_title = str(meta.get("y_title") or meta.get("y") or "")
     use_log = bool(meta.get("log", False)) if log is None else log
     zz = [[log10_or_none(v) for v in row] for row in z] if use_log else z
     exact = [[fmt(v) for v in row] for row in z]
-    unit = meta.get("units") or meta.get("value") or "value"
+    unit = str(meta.get("units") or meta.get("value") or "value")
     colorbar = _log_colorbar(zz, f"log10 {unit}") if use_log else {"title": {"text": unit}}
     trace = go.Heatmap(
         z=zz, x=xl, y=yl, customdata=exact, colorscale=meta.get("colorscale", COLORSCALE),
         colorbar=colorbar, hoverongaps=False,
-        hovertemplate=f"{meta.get('y_title', 'y')} %{{y}}, {meta.get('x_title', 'x')} %{{x}}"
+        hovertemplate=f"{y_title or 'y'} %{{y}}, {x_title or 'x'} %{{x}}"
                       f"<br>{unit} = %{{customdata}}<extra></extra>",
     )
     if not use_log and meta.get("zmin") is not None:
         trace.update(zmin=meta["zmin"], zmax=meta.get("zmax"))
     fig = go.Figure(trace)
-    fig.update_xaxes(title_text=meta.get("x_title", ""), type="category")
-    fig.update_yaxes(title_text=meta.get("y_title", ""), type="category", autorange="reversed")
-    return _layout(fig, title or meta.get("title") or hm.get("name", "heatmap"),
-                   height=max(300, min(900, 24 * len(yl) + 140)))
+    fig.update_xaxes(title_text=x_title, type="category")
+    fig.update_yaxes(title_text=y_title, type="category",
+                     autorange="reversed" if _is_layer_axis(yl, y_title) else True)
+    return _layout(fig, title or heatmap_title(hm), height=max(300, min(900, 24 * len(yl) + 140)))
 
 
 def mask_density_heatmap(result: dict[str, Any]) -> go.Figure:
@@ -575,6 +614,38 @@ def overlap_table(result: dict[str, Any]) -> Table:
         rows = [{"metric": k, "value": summ[k]} for k in keys]
     return _rows_table(rows, ("scope", "metric", "k_percent", "precision_at_k", "auc", "jaccard",
                               "jaccard_random", "spearman", "value"))
+
+
+def retention_figure(result: dict[str, Any]) -> go.Figure:
+    """Retention (mean over seeds, error bars = spread over seeds) against density, one line per
+    selector; full training = 1, base = 0 by definition."""
+    rows = [r for r in (result.get("summary") or {}).get("rows") or [] if isinstance(r, dict)]
+    rows = [r for r in rows if _finite(r.get("density")) is not None and "retention_mean" in r]
+    if not rows:
+        return curves_figure({m: g for m, g in curve_groups(result).items() if m in ("retention", "heldout")},
+                             "Retention by mask density (mean over seeds)", x_title="density",
+                             metric="retention", log_x=True, labels={"heldout": "held-out reward"})
+    fig = go.Figure()
+    by_sel: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in rows:
+        by_sel[str(r.get("selector"))].append(r)
+    for sel, rs in by_sel.items():
+        rs.sort(key=lambda r: float(r["density"]))
+        fig.add_scatter(
+            x=[float(r["density"]) for r in rs], y=[_finite(r["retention_mean"]) for r in rs],
+            error_y={"type": "data", "array": [_finite(r.get("retention_std")) or 0.0 for r in rs],
+                     "visible": True},
+            mode="lines+markers", name=sel,
+            customdata=[[fmt(r.get("reward_mean")), fmt(r.get("retention_std")), len(r.get("retentions") or [])]
+                        for r in rs],
+            hovertemplate=f"{sel} @ density %{{x}}<br>retention %{{y:.4g}} +- %{{customdata[1]}}"
+                          "<br>held-out reward %{customdata[0]} (%{customdata[2]} seeds)<extra></extra>",
+        )
+    fig.add_hline(y=1.0, line_dash="dot", line_color="grey", annotation_text="full training")
+    fig.add_hline(y=0.0, line_dash="dot", line_color="grey", annotation_text="base")
+    fig.update_xaxes(title_text="mask density (fraction of coordinates trained)", type="log")
+    fig.update_yaxes(title_text="retention = (masked - base) / (full - base)")
+    return _layout(fig, "Retention by mask density (mean +- spread over seeds)")
 
 
 def retention_table(result: dict[str, Any]) -> Table:
@@ -732,11 +803,8 @@ def result_figures(result: dict[str, Any]) -> list[tuple[str, go.Figure]]:
         figs.append(("bound", bound_scatter(result)))
     groups = curve_groups(result)
     if kind == "retention":
-        sweep = {m: g for m, g in groups.items() if m in ("retention", "heldout")}
-        if sweep:
-            figs.append(("retention_curve", curves_figure(
-                sweep, "Retention by mask density (mean over seeds)", x_title="density",
-                metric="retention", log_x=True, labels={"heldout": "held-out reward"})))
+        if (result.get("summary") or {}).get("rows") or any(m in ("retention", "heldout") for m in groups):
+            figs.append(("retention_curve", retention_figure(result)))
     if kind == "diff":
         unchanged = {m: g for m, g in groups.items() if m == "unchanged"}
         if unchanged:

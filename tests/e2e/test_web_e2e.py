@@ -237,3 +237,37 @@ def test_token_explorer_runs_a_job_and_clicking_a_token_extends_the_context(brow
     extended = page.input_value(box)
     assert extended.startswith("12+34=") and len(extended) > len("12+34="), (extended, token_label)
     ctx.close()
+
+
+def _post_json(url: str, body: dict) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        return json.loads(r.read())
+
+
+def _wait_job(server: str, job_id: int, timeout_s: float = JOB_TIMEOUT_MS / 1000) -> dict:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        job = _get_json(f"{server}/api/jobs/{job_id}")
+        if job["status"] in ("succeeded", "failed", "cancelled"):
+            return job
+        time.sleep(1)
+    raise AssertionError(f"job {job_id} did not finish in {timeout_s} s")
+
+
+def test_compare_base_and_teacher_fisher_side_by_side(browser, server):
+    tokens = []
+    for model in ("arith-base", "arith-teacher"):  # submitted through the REST API this time
+        job = _post_json(server + "/api/jobs", {"kind": "fisher", "spec": {"model": model, "prompts": 4, "samples": 2}})
+        assert job["share_url"].endswith("/r/" + job["share_token"])
+        assert _wait_job(server, job["id"])["status"] == "succeeded"
+        tokens.append(job["share_token"])
+    ctx, page, _ = _open(browser, f"{server}/?tab=compare&a={tokens[0]}&b={tokens[1]}")
+    page.wait_for_function("() => document.querySelectorAll('#tab-compare .js-plotly-plot').length >= 2",
+                           timeout=90_000)
+    heads = page.inner_text("#tab-compare")
+    assert "arith-base" in heads and "arith-teacher" in heads
+    page.wait_for_timeout(1000)
+    shot(page, "compare", docs=True)
+    ctx.close()

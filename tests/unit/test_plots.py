@@ -234,7 +234,7 @@ def test_train_job_curves_bound_and_eval():
     pts, line = plots.bound_scatter(res).data
     assert list(pts.y) == pytest.approx([0.5e-3, 0.5e-2, 0.5e-1])
     assert list(line.y) == pytest.approx([2e-3, 2e-1])  # sqrt(E[A^2]) * sqrt(F) at the ends
-    assert "holds for 1" in plots.bound_scatter(res).layout.title.text
+    assert "holds for 100% of coordinates" in plots.bound_scatter(res).layout.title.text
     titles = [t for t, _ in plots.result_figures(res)]
     assert titles == ["bound", "training"]
 
@@ -248,9 +248,16 @@ def test_retention_and_diff_figures():
                       "z": [[0.5, 0.9], [0.1, None]], "meta": {}}]}
     figs = dict(plots.result_figures(ret))
     assert list(figs) == ["retention_curve", "training", "heatmap:retention"]
-    curve = figs["retention_curve"]
+    curve = figs["retention_curve"]  # from the series when the summary has no rows
     assert sorted(t.name for t in curve.data if t.visible) == ["fisher", "random"]
     assert curve.layout.xaxis.type == "log" and curve.layout.xaxis.title.text == "density"
+    rows = [{"selector": "fisher", "density": 0.1, "retention_mean": 0.9, "retention_std": 0.05, "retentions": [0.85, 0.95]},
+            {"selector": "fisher", "density": 0.01, "retention_mean": 0.4, "retention_std": 0.1, "retentions": [0.3, 0.5]},
+            {"selector": "random", "density": 0.01, "retention_mean": 0.2, "retention_std": 0.0}]
+    fig = plots.retention_figure({"kind": "retention", "summary": {"rows": rows}})
+    fisher = next(t for t in fig.data if t.name == "fisher")
+    assert list(fisher.x) == [0.01, 0.1] and list(fisher.y) == [0.4, 0.9]
+    assert list(fisher.error_y.array) == [0.1, 0.05]
     assert sorted(t.name for t in figs["training"].data) == ["fisher@0.01", "full"]
 
     diff = {"kind": "diff", "summary": {}, "layer_stats": [], "series": [
@@ -276,3 +283,18 @@ def test_fisher_runner_heatmaps_not_drawn_twice(fisher_result):
     tables = dict(plots.result_tables(res))
     h, rows = tables["Exact output-layer check (Monte-Carlo vs closed form)"]
     assert h == ["param", "relative_l1_error", "mc_mass", "exact_mass"] and rows[0][0] == "lm_head.weight"
+
+
+def test_generic_heatmap_axes_order_and_titles():
+    hm = {"name": "fisher_vs_delta_auc", "x_labels": ["lm_head", "q", "embed"], "y_labels": ["0", "-"],
+          "z": [[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]], "meta": {"x_title": "module type", "y_title": "layer"}}
+    fig = plots.heatmap_figure(hm)
+    tr = fig.data[0]
+    assert list(tr.x) == ["embed", "q", "lm_head"] and [list(r) for r in tr.z] == [[3.0, 2.0, 1.0], [6.0, 5.0, 4.0]]
+    assert fig.layout.yaxis.autorange == "reversed" and fig.layout.xaxis.title.text == "module type"
+    assert "ROC-AUC" in fig.layout.title.text
+    hist = {"name": "bound_log_hist", "x_labels": ["-2.0", "-1.0"], "y_labels": ["-2.0", "-1.0"],
+            "z": [[10.0, None], [1.0, 100.0]], "meta": {"x": "log10 sqrt(F_i)", "y": "log10 |g_i|"}}
+    fig = plots.heatmap_figure(hist, log=True)
+    assert fig.layout.yaxis.autorange is True and fig.layout.yaxis.title.text == "log10 |g_i|"
+    assert fig.data[0].z[1][1] == pytest.approx(2.0) and fig.data[0].customdata[1][1] == "100"
