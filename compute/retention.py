@@ -97,9 +97,11 @@ def run_retention(
     fisher_config: Any,
     teacher: torch.nn.Module | None = None,
     progress: Callable[[float, str], None] | None = None,
+    first_seed: int = 0,
 ) -> dict[str, Any]:
     """Run the whole grid; `config` is the TrainConfig shared by every run (its seed is replaced
-    by 0..seeds-1). The model is not modified (each run trains a copy)."""
+    by first_seed .. first_seed+seeds-1). The model is not modified (each run trains a copy).
+    Seeds are independent: grids over disjoint seed ranges can be merged row by row."""
     from compute.fisher import estimate_fisher
     from compute.models import greedy_accuracy
     from compute.run_train import build_mask_in_memory, update_sparsity
@@ -148,7 +150,7 @@ def run_retention(
     full_sparsity: list[dict[str, Any]] = []
     curves: dict[str, list[list[dict[str, float]]]] = {}
     masked: dict[tuple[str, float], list[float]] = {(s, d): [] for s in selectors for d in densities}
-    for seed in range(seeds):
+    for seed in range(first_seed, first_seed + seeds):
         a, res, m = one_run(seed, None, f"seed {seed} full")
         full.append(a)
         curves.setdefault("full", []).append(res.curve)
@@ -170,5 +172,6 @@ def run_retention(
     table["curves"] = curves
     table["seconds"] = round(time.perf_counter() - t0, 1)
     table["runs"] = n_runs
+    table["seeds"] = list(range(first_seed, first_seed + seeds))
     prog(1.0, "done")
     return table
