@@ -759,6 +759,18 @@ def token_choices(result: dict[str, Any]) -> list[tuple[str, str]]:
             for r in rows]
 
 
+def share_colour_range(a: go.Figure, b: go.Figure) -> None:
+    """Give two single-heatmap figures one colour range (in place), so colours compare directly."""
+    if len(a.data) != 1 or len(b.data) != 1 or a.data[0].type != "heatmap" or b.data[0].type != "heatmap":
+        return
+    vals = [v for fig in (a, b) for row in (fig.data[0].z or []) for v in row if _finite(v) is not None]
+    if not vals:
+        return
+    lo, hi = min(vals), max(vals)
+    for fig in (a, b):
+        fig.data[0].update(zmin=lo, zmax=hi, zauto=False)
+
+
 # ---------------------------------------------------------------- what a result view shows
 
 

@@ -456,15 +456,21 @@ def build_ui(settings: Any) -> gr.Blocks:  # noqa: C901 - layout + wiring read t
     # compare tab
     def compare(a, b):
         out: list[Any] = []
+        sides = []
         for token in (a, b):
             res = get_result(token) if token else None
+            figs = plots.result_figures(res) if res and res["job"]["status"] == "succeeded" else []
+            sides.append((token, res, figs[:COMPARE_FIGS]))
+        left, right = dict(sides[0][2]), dict(sides[1][2])
+        for name in set(left) & set(right):  # same figure on both sides: one colour range
+            plots.share_colour_range(left[name], right[name])
+        for token, res, figs in sides:
             if res is None:
                 head = not_found_html(token) if token else note_html("Pick a result.")
                 out += [head, *[gr.Plot(visible=False, value=None)] * COMPARE_FIGS]
                 continue
-            figs = plots.result_figures(res) if res["job"]["status"] == "succeeded" else []
             head = spec_html(res["job"]) + (progress_html(res["job"]) if res["job"]["status"] != "succeeded" else "")
-            slots = [gr.Plot(value=f, label=t, visible=True) for t, f in figs[:COMPARE_FIGS]]
+            slots = [gr.Plot(value=f, label=t, visible=True) for t, f in figs]
             slots += [gr.Plot(visible=False, value=None)] * (COMPARE_FIGS - len(slots))
             out += [head, *slots]
         url = "/?" + urlencode({"tab": "compare", "a": a or "", "b": b or ""})

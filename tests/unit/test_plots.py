@@ -298,3 +298,10 @@ def test_generic_heatmap_axes_order_and_titles():
     fig = plots.heatmap_figure(hist, log=True)
     assert fig.layout.yaxis.autorange is True and fig.layout.yaxis.title.text == "log10 |g_i|"
     assert fig.data[0].z[1][1] == pytest.approx(2.0) and fig.data[0].customdata[1][1] == "100"
+
+
+def test_compare_shares_one_colour_range():
+    a = plots.heatmap_figure({"name": "x", "x_labels": ["q"], "y_labels": ["0", "1"], "z": [[1.0], [2.0]], "meta": {}})
+    b = plots.heatmap_figure({"name": "x", "x_labels": ["q"], "y_labels": ["0", "1"], "z": [[0.5], [5.0]], "meta": {}})
+    plots.share_colour_range(a, b)
+    assert (a.data[0].zmin, a.data[0].zmax) == (0.5, 5.0) == (b.data[0].zmin, b.data[0].zmax)
