@@ -134,3 +134,37 @@ def test_broker_down_marks_job_failed_not_queued(fl_home: Path, monkeypatch) -> 
     (row,) = services.list_jobs(settings)
     assert row["status"] == "failed" and "broker" in row["message"]
     celery_app._apps.clear()
+
+
+# -- the CLI on top of the services ---------------------------------------------------------------
+def test_cli_submit_status_jobs_cancel(settings, tmp_path: Path) -> None:
+    from click.testing import CliRunner
+
+    from app.cli import main
+
+    cli = CliRunner()
+    bad = cli.invoke(main, ["submit", "fisher", "--spec", '{"model": "arith-base", "prompts": 0}'])
+    assert bad.exit_code == 2
+    assert "prompts: got 0; accepted range: >= 1, <= 4096" in bad.output
+    assert cli.invoke(main, ["submit", "fisher", "--spec", "{nope"]).exit_code == 2
+    assert _messages(settings) == []
+
+    spec = tmp_path / "spec.json"
+    spec.write_text(
+        json.dumps({"model": "arith-base", "task": "arithmetic", "prompts": 8, "samples": 2})
+    )
+    ok = cli.invoke(main, ["submit", "fisher", "--spec", f"@{spec}"])
+    assert ok.exit_code == 0, ok.output
+    job_id = int(ok.output.split()[1])
+    assert "share link: http://127.0.0.1:7860/r/" in ok.output
+    assert _messages(settings) == [{"task": RUN_JOB, "args": [job_id], "kwargs": {}}]
+    assert cli.invoke(main, ["status", str(job_id)]).output.strip() == "queued"
+    listing = cli.invoke(main, ["jobs"]).output
+    assert f"{job_id:>5}  fisher    queued" in listing
+    assert "cancelled" in cli.invoke(main, ["cancel", str(job_id)]).output
+    assert cli.invoke(main, ["status", str(job_id)]).output.strip() == "cancelled"
+    waited = cli.invoke(main, ["status", str(job_id), "--wait", "--timeout", "1"])
+    assert waited.exit_code == 1 and waited.output.strip() == "cancelled"
+    missing = cli.invoke(main, ["status", "999"])
+    assert missing.exit_code == 2 and "no job with id 999" in missing.output
+    assert cli.invoke(main, ["db", "upgrade"]).exit_code == 0
