@@ -31,6 +31,12 @@ def _check_refs(spec: Any) -> None:
     from compute.tasks import get_task
 
     try:
+        from app.commands.experiments import allow_local_dirs
+
+        allow_local_dirs(spec.model, getattr(spec, "teacher", None))  # folders named by the user
+    except ImportError:  # pragma: no cover - the experiments module is another area's
+        pass
+    try:
         resolve_model(spec.model)
         if getattr(spec, "teacher", None):
             resolve_model(spec.teacher)
