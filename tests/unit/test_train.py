@@ -246,3 +246,21 @@ def test_train_cli_on_zoo_masked_run(algo: str, zoo_home, tmp_path, monkeypatch)
         moved += int((tuned[n][m] != base[n][m]).sum())
     assert moved > 0
     assert metrics["update_sparsity"]["unchanged_exact"] >= 0.9
+
+
+def test_objective_gradient_and_in_memory_masks_leave_the_model_unchanged() -> None:
+    from compute.run_train import build_mask_in_memory
+    from compute.train import objective_gradient
+
+    tok, task = char_tokenizer(), get_task("arithmetic-add?digits=1")
+    model = tiny_model("qwen3")
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    cfg = _cfg("sft", steps=1)
+    grads = objective_gradient(model, tok, task, cfg)
+    assert set(grads) == set(start) and all(bool((g >= 0).all()) for g in grads.values())
+    assert sum(float(g.sum()) for g in grads.values()) > 0
+    for sel in ("gradient", "magnitude", "random"):
+        mask, info = build_mask_in_memory(model, tok, task, sel, 0.1, 0, gradient_config=cfg)
+        assert info["actual_density"] == pytest.approx(0.1, abs=1e-3)
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach(), start[n])
