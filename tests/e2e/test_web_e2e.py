@@ -140,16 +140,16 @@ def test_fisher_job_form_progress_heatmap_and_share_link(browser, server):
     # the page switches to the result view and follows the job's progress bar
     bar = page.wait_for_selector("#fl-progress .fl-progress[data-job]")
     job_id = int(bar.get_attribute("data-job"))
-    seen = set()
+    best = -1.0  # screenshot the bar mid-run: each time it has moved on by 10% or more
     deadline = time.monotonic() + JOB_TIMEOUT_MS / 1000
     while time.monotonic() < deadline:
         status = page.get_attribute("#fl-progress .fl-progress", "data-status")
-        if status not in seen:
-            seen.add(status)
-            if status == "running":
-                shot(page, "progress-running", docs=True, full_page=False)
         if status in ("succeeded", "failed", "cancelled"):
             break
+        frac = float(page.get_attribute("#fl-progress .fl-progress", "data-progress") or 0)
+        if status == "running" and frac >= best + 0.1:
+            best = frac
+            shot(page, "progress-running", docs=True, full_page=False)
         page.wait_for_timeout(300)
     assert status == "succeeded", page.inner_text("#fl-progress")
     assert page.get_attribute("#fl-progress .fl-progress", "data-progress") == "1.0000"
