@@ -7,6 +7,7 @@ reads the setting itself, so a library user cannot switch it on by accident.
 
 from __future__ import annotations
 
+import inspect
 import os
 from typing import Any
 
@@ -102,6 +103,99 @@ def load_model(
     model.to(dev)
     model.eval()
     return model, tokenizer
+
+
+@torch.no_grad()
+def greedy_generate(
+    model: Any,
+    tokenizer: Any,
+    prompts: list[str],
+    max_new_tokens: int = 8,
+    batch_size: int = 256,
+) -> list[str]:
+    """Greedy completions (decoded, special tokens dropped), stopping each row at eos.
+
+    Batched with left padding and a KV cache; works for any HF causal LM (position ids are
+    passed explicitly, so left padding is safe for Qwen3, Llama and GPT-2).
+    """
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens: {max_new_tokens} must be >= 1")
+    device = next(model.parameters()).device
+    eos_id = tokenizer.eos_token_id
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
+    # transformers >= 5.2x renamed `past_key_values` to `cache`; remote-code models may not have.
+    params = inspect.signature(model.forward).parameters
+    cache_kw = "cache" if "cache" in params else "past_key_values"
+    was_training = model.training
+    model.eval()
+    out: list[str] = []
+    try:
+        for lo in range(0, len(prompts), batch_size):
+            chunk = prompts[lo : lo + batch_size]
+            enc = [tokenizer(p)["input_ids"] for p in chunk]
+            width = max(len(ids) for ids in enc)
+            ids = torch.full((len(enc), width), pad_id, dtype=torch.long)
+            mask = torch.zeros((len(enc), width), dtype=torch.long)
+            for i, row in enumerate(enc):  # left padding
+                ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
+                mask[i, width - len(row) :] = 1
+            ids, mask = ids.to(device), mask.to(device)
+            pos = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, T)
+            done = torch.zeros(len(enc), dtype=torch.bool, device=device)
+            generated = []
+            past = None
+            step_ids, step_pos = ids, pos
+            for _ in range(max_new_tokens):
+                kv = {cache_kw: past} if past is not None else {}
+                res = model(
+                    input_ids=step_ids, attention_mask=mask, position_ids=step_pos,
+                    use_cache=True, **kv,
+                )
+                past = res.get(cache_kw)
+                nxt = res.logits[:, -1].argmax(-1)  # (B,)
+                nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
+                generated.append(nxt)
+                if eos_id is not None:
+                    done = done | (nxt == eos_id)
+                if bool(done.all()):
+                    break
+                step_ids = nxt[:, None]  # (B, 1)
+                step_pos = step_pos[:, -1:] + 1
+                mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            gen = torch.stack(generated, dim=1).tolist()  # (B, new)
+            for row in gen:
+                if eos_id is not None and eos_id in row:
+                    row = row[: row.index(eos_id)]
+                out.append(tokenizer.decode(row, skip_special_tokens=True))
+    finally:
+        model.train(was_training)
+    return out
+
+
+def greedy_accuracy(
+    model: Any,
+    tokenizer: Any,
+    task: Any,
+    n: int = 200,
+    split: str = "test",
+    seed: int = 0,
+    max_new_tokens: int = 8,
+    batch_size: int = 256,
+    start: int = 0,
+) -> float:
+    """Mean task reward of greedy completions on `n` prompts of `split` (task: Task or name)."""
+    from compute.tasks import get_task
+
+    if isinstance(task, str):
+        task = get_task(task)
+    examples = task.examples(n, seed=seed, split=split, start=start)
+    if not examples:
+        return 0.0
+    completions = greedy_generate(
+        model, tokenizer, [e.prompt for e in examples], max_new_tokens, batch_size
+    )
+    rewards = [task.reward(c, e.answer) for c, e in zip(completions, examples, strict=True)]
+    return sum(rewards) / len(rewards)
 
 
 def model_info(model: Any) -> dict[str, Any]:

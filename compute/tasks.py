@@ -3,11 +3,14 @@
 No torch here: the web process imports this to validate task names.
 
 Task names accepted by `get_task`:
-- ``arithmetic``      addition and multiplication mixed half/half (the zoo's task);
+- ``arithmetic``      addition and multiplication, 3:1 (the zoo's task);
 - ``arithmetic-add``  addition only;   ``arithmetic-mul``  multiplication only;
   each takes options after ``?``: ``digits`` (max digits of every addition operand and of the
-  first multiplication operand, 1..6, default 2) and ``mul_digits`` (max digits of the second
-  multiplication operand, 1..6, default 1), e.g. ``arithmetic-add?digits=3``;
+  first multiplication operand, 1..6, default 2), ``mul_digits`` (max digits of the second
+  multiplication operand, 1..6, default 1) and, for ``arithmetic``, ``mul_share`` (fraction of
+  multiplications, 0..1, default 0.25), e.g. ``arithmetic-add?digits=3``.
+  The default mix is chosen so the zoo calibrates well: 2-digit addition generalises from the
+  train split to held-out problems, 2-digit x 1-digit multiplication only partly does;
 - ``jsonl:PATH``      one ``{"prompt": ..., "answer": ...}`` object per line (an optional
   ``"split": "train"|"test"`` pins a line to a split). Options: ``jsonl:PATH?match=numeric``
   compares the first number of the completion with the answer's number (commas ignored, GSM8K
@@ -123,15 +126,18 @@ class ArithmeticTask(Task):
     """Integer addition/multiplication, prompt ``"12+34="`` and answer ``"46"``.
 
     Operands are uniform in [0, 10**digits); the second multiplication operand is uniform in
-    [0, 10**mul_digits). Ops are drawn uniformly from `ops`.
+    [0, 10**mul_digits). With both ops, a problem is a multiplication with probability
+    `mul_share`.
     """
 
     def __init__(
         self, name: str = "arithmetic", ops: tuple[str, ...] = ("+", "*"), digits: int = 2,
-        mul_digits: int = 1,
+        mul_digits: int = 1, mul_share: float = 0.25,
     ) -> None:
-        if not ops or any(op not in "+*" for op in ops):
+        if not ops or any(op not in ("+", "*") for op in ops):
             raise ValueError(f"ops: {ops!r} is not accepted; accepted: '+', '*'")
+        if not 0.0 <= mul_share <= 1.0:
+            raise ValueError(f"mul_share: {mul_share} is out of range; accepted: 0..1")
         for field, value in (("digits", digits), ("mul_digits", mul_digits)):
             if not 1 <= value <= 6:
                 raise ValueError(f"{field}: {value} is out of range; accepted: 1..6")
@@ -139,9 +145,13 @@ class ArithmeticTask(Task):
         self.ops = tuple(ops)
         self.digits = digits
         self.mul_digits = mul_digits
+        self.mul_share = mul_share
 
     def _draw(self, rng: random.Random) -> tuple[int, str, int]:
-        op = self.ops[rng.randrange(len(self.ops))]
+        if len(self.ops) == 1:
+            op = self.ops[0]
+        else:
+            op = "*" if rng.random() < self.mul_share else "+"
         a = rng.randrange(10**self.digits)
         b = rng.randrange(10 ** (self.digits if op == "+" else self.mul_digits))
         return a, op, b
@@ -152,7 +162,8 @@ class ArithmeticTask(Task):
         _check_split(split)
         _check_range(n, start)
         want_test = split == "test"
-        rng = random.Random(f"{self.name}|{self.ops}|{self.digits}|{self.mul_digits}|{seed}|{split}")
+        key = f"{self.ops}|{self.digits}|{self.mul_digits}|{self.mul_share}|{seed}|{split}"
+        rng = random.Random(key)
         out: list[Example] = []
         i = 0
         while len(out) < n:
@@ -271,10 +282,16 @@ def get_task(name: str) -> Task:
     ops = {"arithmetic": ("+", "*"), "arithmetic-add": ("+",), "arithmetic-mul": ("*",)}
     if base not in ops:
         raise _unknown(name)
-    opts = _options(name, query, ("digits", "mul_digits"))
+    allowed = ("digits", "mul_digits", "mul_share") if base == "arithmetic" else ("digits", "mul_digits")
+    opts = _options(name, query, allowed)
+    try:
+        mul_share = float(opts.get("mul_share", 0.25))
+    except ValueError:
+        raise ValueError(f"task: option mul_share={opts['mul_share']!r} is not a number") from None
     return ArithmeticTask(
         name=name,
         ops=ops[base],
         digits=_int_option(opts, "digits", 2),
         mul_digits=_int_option(opts, "mul_digits", 1),
+        mul_share=mul_share,
     )
