@@ -33,6 +33,7 @@ from sqlalchemy import update
 from app.settings import get_settings
 from compute.celery_app import FINISH_SHARDS, QUEUE, RUN_JOB, RUN_SHARD, make_celery, send_job
 from compute.results import JobCancelled
+from compute.specs import FisherSpec
 from storage import repo
 from storage.artifacts import ArtifactStore
 from storage.db import session_factory, upgrade
@@ -279,7 +280,6 @@ def _fan_out(settings: Any, job_id: int, spec: Any) -> str:
 
 def execute_shard(settings: Any, job_id: int, hostname: str | None = None) -> str:
     from compute.run_fisher import run_shard
-    from compute.specs import parse_spec
 
     hostname = hostname or _hostname()
     with _sessions(settings)() as s:
@@ -301,7 +301,7 @@ def execute_shard(settings: Any, job_id: int, hostname: str | None = None) -> st
 
         import torch
 
-        spec = parse_spec("fisher", spec_data)
+        spec = FisherSpec.model_validate(spec_data)
         progress = JobProgress(settings, job_id, parent_id=parent_id)
         with _heartbeat(settings, job_id), _scratch(settings, job_id):
             progress(0.0, f"shard {index}")
@@ -361,7 +361,6 @@ def execute_finish(settings: Any, job_id: int, hostname: str | None = None) -> s
     import torch
 
     from compute.run_fisher import finish
-    from compute.specs import parse_spec
 
     hostname = hostname or _hostname()
     store = ArtifactStore(settings.artifacts_dir)
@@ -369,7 +368,7 @@ def execute_finish(settings: Any, job_id: int, hostname: str | None = None) -> s
         job = repo.get_job(session=s, job_id=job_id)
         if job is None or job.status in FINAL_STATUSES:
             return "skipped"
-        spec = parse_spec("fisher", dict(job.spec))
+        spec = FisherSpec.model_validate(dict(job.spec))
         outputs = []
         for child in repo.shard_jobs(session=s, parent_id=job_id):
             art = repo.get_artifact(session=s, job_id=child.id, kind="shard")

@@ -366,3 +366,22 @@ def test_folder_artifact_moved_under_job(store: ArtifactStore, tmp_path: Path) -
     (store.root / "3" / "model" / "config.json").write_text('{"x": 1}')
     with pytest.raises(ArtifactError, match="corrupt"):
         store.verify(info.path, info.sha256)
+
+
+def test_migrations_are_package_data() -> None:
+    """`pip install .` (a wheel) must ship env.py and every version, not only the editable tree."""
+    import fnmatch
+
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+
+    root = Path(__file__).resolve().parents[2]
+    patterns = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-data"
+    ]["storage"]
+    needed = [
+        p.relative_to(root / "storage").as_posix()
+        for p in (root / "storage" / "migrations").rglob("*.py")
+    ]
+    assert "migrations/env.py" in needed and "migrations/versions/0001_initial.py" in needed
+    for rel in needed:
+        assert any(fnmatch.fnmatch(rel, pat) for pat in patterns), rel

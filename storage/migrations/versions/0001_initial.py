@@ -62,7 +62,7 @@ def upgrade() -> None:
     op.create_index("ix_jobs_share_token", "jobs", ["share_token"], unique=True)
     op.create_index("ix_jobs_reuse", "jobs", ["kind", "spec_hash", "model_revision"])
 
-    def child(name: str, *cols: sa.Column) -> None:
+    def child(name: str, *cols: sa.Column | sa.UniqueConstraint) -> None:
         op.create_table(
             name,
             sa.Column("id", sa.Integer(), primary_key=True),
