@@ -217,7 +217,14 @@ def execute_job(settings: Any, job_id: int, hostname: str | None = None) -> str:
             return skip
         assert job is not None
         kind, spec_data = job.kind, dict(job.spec)
-        repo.mark_running(session=s, job_id=job_id, worker=hostname)
+        if (
+            repo.claim_job(
+                session=s, job_id=job_id, worker=hostname, stale_after_s=settings.job_stale_after_s
+            )
+            is None
+        ):
+            log.info("job %s skipped: claimed by another delivery", job_id)
+            return "claimed elsewhere"
     try:
         spec = parse_spec(kind, spec_data)
         if kind == "fisher" and getattr(spec, "shards", 1) > 1:
@@ -295,7 +302,14 @@ def execute_shard(settings: Any, job_id: int, hostname: str | None = None) -> st
             return skip
         assert job is not None
         parent_id, index, spec_data = job.parent_id, int(job.shard_index or 0), dict(job.spec)
-        repo.mark_running(session=s, job_id=job_id, worker=hostname)
+        if (
+            repo.claim_job(
+                session=s, job_id=job_id, worker=hostname, stale_after_s=settings.job_stale_after_s
+            )
+            is None
+        ):
+            log.info("shard job %s skipped: claimed by another delivery", job_id)
+            return "claimed elsewhere"
     try:
         import io
 

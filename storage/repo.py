@@ -206,6 +206,51 @@ def mark_running(*, session: Session, job_id: int, worker: str) -> Job:
     return job
 
 
+def claim_job(*, session: Session, job_id: int, worker: str, stale_after_s: float) -> Job | None:
+    """Atomically mark a job `running` for `worker` (attempts + 1) if nobody else holds it:
+    it is queued, or running under this worker's name, or running with a heartbeat older than
+    stale_after_s. Returns the job, or None when another delivery already claimed it (two
+    workers handed the same job can never both run it)."""
+    now = utcnow()
+    cutoff = now - timedelta(seconds=stale_after_s)
+    res = session.execute(
+        update(Job)
+        .where(
+            Job.id == job_id,
+            Job.cancel_requested.is_(False),
+            (Job.status == "queued")
+            | (
+                (Job.status == "running")
+                & (
+                    (Job.worker == worker)
+                    | Job.heartbeat_at.is_(None)
+                    | (Job.heartbeat_at < cutoff)
+                )
+            ),
+        )
+        .values(
+            status="running",
+            worker=worker[:255],
+            attempts=Job.attempts + 1,
+            started_at=now,
+            heartbeat_at=now,
+            finished_at=None,
+            error=None,
+            progress=0.0,
+            message="started",
+        )
+        .execution_options(synchronize_session=False)
+    )
+    session.commit()
+    if res.rowcount != 1:  # type: ignore[attr-defined]
+        return None
+    job = _must(session, job_id)
+    if job.attempts > 1:
+        job.message = f"started (attempt {job.attempts})"
+        session.commit()
+    return job
+
+
 def mark_succeeded(*, session: Session, job_id: int, message: str = "done") -> Job:
     return _finish(session, job_id, "succeeded", message=message, progress=1.0)
 

@@ -385,3 +385,22 @@ def test_migrations_are_package_data() -> None:
     assert "migrations/env.py" in needed and "migrations/versions/0001_initial.py" in needed
     for rel in needed:
         assert any(fnmatch.fnmatch(rel, pat) for pat in patterns), rel
+
+
+def test_claim_job_lets_one_delivery_run_it(session) -> None:
+    job = repo.create_job(session=session, kind="fisher", spec={}, spec_hash="c")
+    first = repo.claim_job(session=session, job_id=job.id, worker="a@x", stale_after_s=300)
+    assert first is not None and first.status == "running" and first.attempts == 1
+    assert repo.claim_job(session=session, job_id=job.id, worker="b@y", stale_after_s=300) is None
+    # The same worker name again means its earlier process died: it may take the job back.
+    again = repo.claim_job(session=session, job_id=job.id, worker="a@x", stale_after_s=300)
+    assert again is not None and again.attempts == 2 and again.message == "started (attempt 2)"
+    again.heartbeat_at = utcnow() - timedelta(seconds=301)
+    session.commit()
+    taken = repo.claim_job(session=session, job_id=job.id, worker="b@y", stale_after_s=300)
+    assert taken is not None and taken.worker == "b@y" and taken.attempts == 3
+    repo.mark_succeeded(session=session, job_id=job.id)
+    assert repo.claim_job(session=session, job_id=job.id, worker="b@y", stale_after_s=0) is None
+    c = repo.create_job(session=session, kind="fisher", spec={}, spec_hash="d")
+    repo.request_cancel(session=session, job_id=c.id)
+    assert repo.claim_job(session=session, job_id=c.id, worker="a@x", stale_after_s=300) is None
