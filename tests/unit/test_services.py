@@ -168,3 +168,15 @@ def test_cli_submit_status_jobs_cancel(settings, tmp_path: Path) -> None:
     missing = cli.invoke(main, ["status", "999"])
     assert missing.exit_code == 2 and "no job with id 999" in missing.output
     assert cli.invoke(main, ["db", "upgrade"]).exit_code == 0
+
+
+def test_web_side_modules_do_not_import_torch() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, app.services, app.commands.jobs, compute.celery_app, storage.repo;"
+        "print(sorted(m for m in ('torch', 'transformers', 'compute.worker') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
