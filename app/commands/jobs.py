@@ -225,11 +225,21 @@ def up_cmd(host: str | None, port: int | None, no_worker: bool) -> None:
     upgrade(settings.db_url)
     click.echo(f"database: {_safe_url(settings.db_url)}")
     click.echo(f"queue: {settings.redis_url or f'filesystem {settings.queue_dir}'}")
-    if not (settings.zoo_dir / "arith-base" / "config.json").is_file():
+    from compute.modelref import ZOO_NAMES
+
+    missing = [n for n in ZOO_NAMES if not (settings.zoo_dir / n / "config.json").is_file()]
+    if missing:
         click.echo(f"building the model zoo in {settings.zoo_dir} (first start only) ...")
         from compute.zoo import build_zoo
 
-        build_zoo(settings.zoo_dir)
+        last = [0.0]
+
+        def show(fraction: float, message: str = "") -> None:
+            if time.monotonic() - last[0] > 2.0 or fraction >= 1.0:
+                last[0] = time.monotonic()
+                click.echo(f"  zoo {fraction:4.0%} {message}")
+
+        build_zoo(settings.zoo_dir, progress=show, force=False)
     worker: subprocess.Popen[bytes] | None = None
     if not no_worker:
         worker = subprocess.Popen(
