@@ -57,7 +57,7 @@ def _not_found(what: str) -> HTTPException:
 
 def zoo_models(settings: Any) -> list[dict[str, Any]]:
     """Built zoo models, read from their config.json and fisherlens.json (no torch import)."""
-    out = []
+    out: list[dict[str, Any]] = []
     zoo = Path(settings.zoo_dir)
     if not zoo.is_dir():
         return out

@@ -324,15 +324,15 @@ def build_ui(settings: Any) -> gr.Blocks:  # noqa: C901 - layout + wiring read t
                 figs_out.append(gr.Plot(value=fig, visible=True, label=title))
             else:
                 figs_out.append(gr.Plot(visible=False, value=None))
-        tables = plots.result_tables(job) if status == "succeeded" else []
+        table_list = plots.result_tables(job) if status == "succeeded" else []
         tabs_out: list[Any] = []
         for i in range(MAX_TABLES):
-            if i < len(tables):
-                title, (headers, rows) = tables[i]
+            if i < len(table_list):
+                title, (headers, rows) = table_list[i]
                 tabs_out.append(gr.Dataframe(value=rows, headers=headers, label=title, visible=True))
             else:
                 tabs_out.append(gr.Dataframe(visible=False))
-        if status == "succeeded" and not figures and not tables:
+        if status == "succeeded" and not figures and not table_list:
             head[0] += note_html("This result has no figures or tables.")
         return [*head, *figs_out, *tabs_out, path, new_sig, pick]
 
@@ -404,10 +404,10 @@ def build_ui(settings: Any) -> gr.Blocks:  # noqa: C901 - layout + wiring read t
             if action == "rerun":
                 job = services.rerun(settings, job_id)
                 return note_html(f"Re-running job #{job_id} as #{job['id']}."), gr.skip(), gr.skip()
-            job = services.get_job(settings, job_id)
-            if job is None:
+            found = services.get_job(settings, job_id)
+            if found is None:
                 raise LookupError(f"job: no job with id {job_id}")
-            return note_html(f"Showing job #{job_id}."), job["share_token"], gr.Tabs(selected="result")
+            return note_html(f"Showing job #{job_id}."), found["share_token"], gr.Tabs(selected="result")
         except (LookupError, ValueError, RuntimeError) as exc:
             return note_html(esc(exc), "error"), gr.skip(), gr.skip()
 
@@ -676,7 +676,7 @@ def build_ui(settings: Any) -> gr.Blocks:  # noqa: C901 - layout + wiring read t
         result_out = [r_progress, r_spec, r_share, r_downloads, r_cancel, r_rerun, r_note,
                       *r_figs, *r_tables, url_box, view_sig, r_pick]
         state_in = [view_token, view_sig, readonly]
-        fast = {"show_progress": "hidden", "concurrency_limit": None}
+        fast: dict[str, Any] = {"show_progress": "hidden", "concurrency_limit": None}
 
         url_box.change(None, inputs=url_box, js=URL_JS)
         demo.load(
