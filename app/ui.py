@@ -10,7 +10,7 @@ so it can always be copied: /r/<token> (read-only result), /?tab=..., /?tab=comp
 from __future__ import annotations
 
 import html
-import json
+import logging
 from typing import Any
 from urllib.parse import urlencode
 
@@ -19,6 +19,8 @@ import gradio as gr
 from app import api, plots, services
 from compute.specs import SPECS, SpecError
 from storage.models import FINAL_STATUSES, JOB_STATUSES
+
+log = logging.getLogger(__name__)
 
 MAX_FIGS = 8  # figure slots in the result view
 MAX_TABLES = 4
@@ -735,9 +737,15 @@ def build_ui(settings: Any) -> gr.Blocks:  # noqa: C901 - layout + wiring read t
         tab_models.select(models_table, outputs=m_table, **fast)
 
         # one poll per tick for the whole page (result progress, jobs table, token job)
+        n_poll = len(result_out) + 2 + len(tok_poll_out)
+
         def poll_all(token, sig, ro, kind, status, last, ttoken, tsig):
-            return [*poll_result(token, sig, ro), *jobs_view(kind, status, last),
-                    *poll_tokens(ttoken, tsig)]
+            try:
+                return [*poll_result(token, sig, ro), *jobs_view(kind, status, last),
+                        *poll_tokens(ttoken, tsig)]
+            except Exception:  # noqa: BLE001 - e.g. a busy database: try again next tick, no modal
+                log.warning("poll failed; retrying on the next tick", exc_info=True)
+                return [gr.skip()] * n_poll
 
         timer.tick(poll_all, inputs=[*state_in, j_kind, j_status, jobs_last, tok_token, tok_sig],
                    outputs=[*result_out, j_table, jobs_last, *tok_poll_out], **fast)
@@ -759,7 +767,3 @@ def _range_info(kind: str, field: str) -> str:
                 hi, hi_op = getattr(m, attr), op
     parts = [f"{lo_op} {lo}" if lo is not None else "", f"{hi_op} {hi}" if hi is not None else ""]
     return "accepted: " + ", ".join(p for p in parts if p) if any(parts) else ""
-
-
-def _json(v: Any) -> str:
-    return json.dumps(v, default=str)
