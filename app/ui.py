@@ -90,9 +90,9 @@ def progress_html(job: dict[str, Any] | None) -> str:
     return out + "</div>"
 
 
-def errors_html(errors: list[dict[str, str]]) -> str:
+def errors_html(errors: list[dict[str, str]], title: str = "Not submitted (nothing was queued)") -> str:
     items = "".join(f"<li><b>{esc(e.get('field'))}</b>: {esc(e.get('message'))}</li>" for e in errors)
-    return f"<div class='fl-errors' role='alert'><b>Not submitted</b> (nothing was queued):<ul>{items}</ul></div>"
+    return f"<div class='fl-errors' role='alert'><b>{esc(title)}</b>:<ul>{items}</ul></div>"
 
 
 def note_html(text: str, kind: str = "ok") -> str:
@@ -493,7 +493,7 @@ def build_ui(settings: Any) -> gr.Blocks:  # noqa: C901 - layout + wiring read t
         try:
             m = api.register_local_model(settings, path or "", name)
         except SpecError as exc:
-            return errors_html(exc.errors), gr.skip()
+            return errors_html(exc.errors, "Not registered"), gr.skip()
         return note_html(f"Registered <b>{esc(m['name'])}</b> ({esc(m['source'])})."), models_table()
 
     # ------------------------------------------------------------ layout
@@ -605,22 +605,23 @@ def build_ui(settings: Any) -> gr.Blocks:  # noqa: C901 - layout + wiring read t
                         j_cancel = gr.Button("Cancel", size="sm", variant="stop")
                         j_rerun = gr.Button("Re-run", size="sm")
                 j_msg = gr.HTML()
-                j_table = gr.HTML(elem_id="fl-jobs")
+                j_table = gr.HTML(elem_id="fl-jobs", elem_classes=["fl-quiet"])
 
             with gr.Tab("Result", id="result", elem_id="tab-result"):
                 with gr.Row(visible=True) as result_pick_row:
                     r_pick = gr.Dropdown(label="result", choices=[], allow_custom_value=True, scale=4,
-                                         elem_id="result-pick")
+                                         elem_id="result-pick", elem_classes=["fl-quiet"])
                     r_refresh = gr.Button("Refresh list", size="sm", scale=1)
-                r_progress = gr.HTML(progress_html(None), elem_id="fl-progress")
-                r_spec = gr.HTML()
+                r_progress = gr.HTML(progress_html(None), elem_id="fl-progress", elem_classes=["fl-quiet"])
+                r_spec = gr.HTML(elem_classes=["fl-quiet"])
                 with gr.Row():
                     r_share = gr.Textbox(label="share link (anyone with it sees this result, read-only)",
-                                         interactive=False, buttons=["copy"], elem_id="fl-share-url", scale=5)
+                                         interactive=False, buttons=["copy"], elem_id="fl-share-url", scale=5,
+                                         elem_classes=["fl-quiet"])
                     r_copy = gr.Button("Copy link", size="sm", elem_id="fl-copy", scale=1)
                     r_cancel = gr.Button("Cancel job", size="sm", variant="stop", visible=False, scale=1)
                     r_rerun = gr.Button("Re-run", size="sm", visible=False, scale=1)
-                r_downloads = gr.HTML(visible=False)
+                r_downloads = gr.HTML(visible=False, elem_classes=["fl-quiet"])
                 r_note = gr.HTML()
                 r_figs = [gr.Plot(visible=False, elem_classes=["fl-fig"], elem_id=f"fl-fig-{i}")
                           for i in range(MAX_FIGS)]
@@ -640,7 +641,7 @@ def build_ui(settings: Any) -> gr.Blocks:  # noqa: C901 - layout + wiring read t
                     k_random = gr.Number(8, label="random tokens", precision=0, info=_range_info("tokens", "random_k"))
                 k_btn = gr.Button("Explore", variant="primary", elem_id="tokens-submit")
                 k_msg = gr.HTML()
-                k_progress = gr.HTML()
+                k_progress = gr.HTML(elem_id="tokens-progress", elem_classes=["fl-quiet"])
                 k_choice = gr.Radio(label="next tokens: click one to extend the context", visible=False,
                                     elem_id="tokens-choice")
                 k_bars = gr.Plot(visible=False, elem_id="tokens-bars", label="next tokens")
