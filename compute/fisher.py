@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -31,6 +32,8 @@ from torch import nn
 from compute.sampling import Rollout, build_rollout, position_ids_from_mask, sample_completions
 
 ESTIMATORS = ("sequence", "token", "empirical", "batch")
+# module -> whether its per-row gradients may use the elementwise-affine shortcut (verified once)
+_AFFINE_OK: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
 
 
 def _wide(t: torch.Tensor) -> torch.Tensor:
@@ -56,7 +59,8 @@ class _Accumulator:
                  dtype: torch.dtype = torch.float32):
         self.names = names  # id(param) -> name
         self.shapes = shapes
-        self.groups = groups  # (B,) long on device
+        self.groups = groups  # (B,) long on device, sorted
+        self.groups_cpu = groups.tolist()
         self.n_groups = n_groups
         self.device = device
         self.budget = budget_bytes
@@ -65,35 +69,56 @@ class _Accumulator:
         self.uses: dict[str, int] = {}  # uses seen in this forward
         self.arrived: dict[str, int] = {}
         self.rows: dict[str, torch.Tensor] = {}  # name -> (B, *shape) per-row grads (shared only)
+        self.scratch: dict[tuple, torch.Tensor] = {}
 
     def rows_per_chunk(self, numel_per_row: int) -> int:
         return max(1, self.budget // max(1, 4 * 2 * numel_per_row))
 
     def _add_squares(self, name: str, rows: slice, grad: torch.Tensor) -> None:
         """grad (b, *shape) per-row gradients of rows `rows`: add their squares per group."""
+        acc = self._sum(name)
+        # one fused multiply-add per row into its group's sum: reads each per-row gradient once
+        # (measured faster on CPU than square().sum(0) or a norm over the row dim)
+        g_rows = self.groups_cpu[rows.start : rows.stop]
+        for i, k in enumerate(g_rows):
+            acc[k].addcmul_(grad[i], grad[i])
+
+    def buffer(self, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """A scratch tensor reused across modules of the same shape (saves page faults)."""
+        key = (tuple(shape), dtype)
+        buf = self.scratch.get(key)
+        if buf is None:
+            buf = self.scratch[key] = torch.empty(shape, dtype=dtype, device=self.device)
+        return buf
+
+    def _sum(self, name: str) -> torch.Tensor:
         acc = self.sums.get(name)
         if acc is None:
             acc = self.sums[name] = torch.zeros(
                 (self.n_groups, *self.shapes[name]), dtype=self.dtype, device=self.device
             )
-        sq = grad.square()
-        if self.n_groups == 1:
-            acc[0] += sq.sum(0)
-        else:
-            acc.index_add_(0, self.groups[rows], sq)
+        return acc
 
-    def contribute(self, name: str, rows: slice, grad: torch.Tensor) -> None:
-        """Per-row gradient (b, *shape) of one use of a parameter for rows `rows`."""
-        if self.uses[name] == 1:
-            self._add_squares(name, rows, grad)
-            return
+    def add_row_square(self, name: str, row: int, grad: torch.Tensor) -> None:
+        """grad (*shape): the whole gradient of one row (single-use parameter)."""
+        self._sum(name)[self.groups_cpu[row]].addcmul_(grad, grad)
+
+    def row_buffer(self, name: str) -> torch.Tensor:
+        """(B, *shape) per-row gradient sums of a shared parameter (zeros on first use)."""
         buf = self.rows.get(name)
         if buf is None:
             B = self.groups.shape[0]
             buf = self.rows[name] = torch.zeros(
                 (B, *self.shapes[name]), dtype=self.dtype, device=self.device
             )
-        buf[rows] += grad
+        return buf
+
+    def contribute(self, name: str, rows: slice, grad: torch.Tensor) -> None:
+        """Per-row gradient (b, *shape) of one use of a parameter for rows `rows`."""
+        if self.uses[name] == 1:
+            self._add_squares(name, rows, grad)
+            return
+        self.row_buffer(name)[rows] += grad
 
     def use_done(self, name: str) -> None:
         self.arrived[name] = self.arrived.get(name, 0) + 1
@@ -205,14 +230,24 @@ class _PerSampleHooks:
             gf = _wide(g.reshape(B, -1, g.shape[-1]))  # (B, T, out)
             if "weight" in local:
                 name = local["weight"]
-                step = acc.rows_per_chunk(mod.weight.numel())
-                for s in range(0, B, step):
-                    rows = slice(s, min(B, s + step))
-                    if isinstance(mod, nn.Linear):
-                        gw = torch.bmm(gf[rows].transpose(1, 2), xf[rows])  # (b, out, in)
-                    else:
-                        gw = torch.bmm(xf[rows].transpose(1, 2), gf[rows])  # (b, in, out)
-                    acc.contribute(name, rows, gw)
+                linear = isinstance(mod, nn.Linear)
+                if acc.uses[name] == 1:
+                    # one row at a time into a reused buffer, squared straight into the sums:
+                    # no (B, out, in) temporary, each per-row gradient read once
+                    buf = acc.buffer(mod.weight.shape, gf.dtype)
+                    for i in range(B):
+                        if linear:
+                            torch.mm(gf[i].T, xf[i], out=buf)  # (out, in)
+                        else:
+                            torch.mm(xf[i].T, gf[i], out=buf)  # (in, out)
+                        acc.add_row_square(name, i, buf)
+                else:  # shared parameter: keep per-row gradients until every use arrived
+                    rb = acc.row_buffer(name)
+                    for i in range(B):
+                        if linear:
+                            rb[i].addmm_(gf[i].T, xf[i])
+                        else:
+                            rb[i].addmm_(xf[i].T, gf[i])
                 acc.use_done(name)
             if "bias" in local:
                 acc.contribute(local["bias"], slice(0, B), gf.sum(1))  # (B, out)
@@ -223,6 +258,24 @@ class _PerSampleHooks:
                 raise NotImplementedError("model: nn.Embedding with max_norm is not supported")
             self._embedding(mod, local["weight"], x, g)
             acc.use_done(local["weight"])
+            return
+        verdict = _AFFINE_OK.get(mod)
+        fast = self._affine(mod, names, args, kwargs, g) if verdict is not False else None
+        if fast is not None and verdict is None:  # first call: verify against the generic path
+            parts: dict[str, list[torch.Tensor]] = {}
+            self._generic(mod, names, args, kwargs, g,
+                          sink=lambda n, rows, gr: parts.setdefault(n, []).append(gr))
+            ref = {n: torch.cat(v) for n, v in parts.items()}
+            ok = all(torch.allclose(fast[n], ref[n], rtol=1e-4,
+                                    atol=1e-5 * float(ref[n].abs().max()) + 1e-30) for n in ref)
+            _AFFINE_OK[mod] = ok
+            fast = fast if ok else ref
+        elif fast is None:
+            _AFFINE_OK[mod] = False
+        if fast is not None:
+            for _, name in names:
+                acc.contribute(name, slice(0, B), fast[name])
+                acc.use_done(name)
             return
         self._generic(mod, names, args, kwargs, g)
         for _, name in names:
@@ -259,12 +312,46 @@ class _PerSampleHooks:
             dense.index_add_(0, (ids[rows] + off).reshape(-1), gf[rows].reshape(-1, d))
             acc.contribute(name, rows, dense.view(b, V, d))
 
+    def _affine(self, mod: nn.Module, names: list[tuple[str, str]], args: tuple, kwargs: dict,
+                g: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        """Per-row grads (B, d) for modules elementwise-affine in 1-D params over the last dim
+        (RMSNorm, LayerNorm, q_norm/k_norm, Gemma's (1 + w) norm): output = base + q * slope_q,
+        so grad_q = sum over positions of g * slope_q, with slope_q = f(q=1) - f(all 0).
+        Returns None when the parameter shapes do not fit; correctness of the affine assumption
+        is verified once per module against the generic path (see _per_row)."""
+        from torch.func import functional_call
+
+        d = g.shape[-1]
+        if not all(getattr(mod, k).dim() == 1 and getattr(mod, k).shape[0] == d for k, _ in names):
+            return None
+        gf = _wide(g)
+        B = g.shape[0]
+        a = tuple(_wide(t) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+                  for t in args)
+        kw = {k: _wide(v) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+              for k, v in kwargs.items()}
+        zeros = {k: torch.zeros(d, dtype=gf.dtype, device=g.device) for k, _ in names}
+        self.recomputing = True
+        try:
+            with torch.no_grad():
+                base = functional_call(mod, zeros, a, kw)
+                out = {}
+                for k, name in names:
+                    p = dict(zeros)
+                    p[k] = torch.ones(d, dtype=gf.dtype, device=g.device)
+                    slope = functional_call(mod, p, a, kw) - base  # (B, ..., d)
+                    out[name] = (gf * slope).reshape(B, -1, d).sum(1)  # (B, d)
+        finally:
+            self.recomputing = False
+        return out
+
     def _generic(self, mod: nn.Module, names: list[tuple[str, str]], args: tuple, kwargs: dict,
-                 g: torch.Tensor) -> None:
+                 g: torch.Tensor, sink: Callable | None = None) -> None:
         """Exact per-row gradients of any module: vmap over rows of vjp(functional_call)."""
         from torch.func import functional_call, vjp, vmap
 
         acc = self.acc
+        sink = sink or acc.contribute
         B = g.shape[0]
         params = {k: _wide(getattr(mod, k).detach()) for k, _ in names}
         keys = list(kwargs)
@@ -297,7 +384,7 @@ class _PerSampleHooks:
                 chunk = [a[rows] if d == 0 else a for a, d in zip(flat, in_dims, strict=True)]
                 grads = vmap(one_row, in_dims=(0, *in_dims))(g[rows], *chunk)
                 for k, name in names:
-                    acc.contribute(name, rows, grads[k])
+                    sink(name, rows, grads[k])
         finally:
             self.recomputing = False
 
@@ -375,6 +462,12 @@ def per_sample_square_sums(
     if (w < 0).any():
         raise ValueError("weights: must be >= 0")
     grp = torch.zeros(N, dtype=torch.long) if groups is None else groups.long().cpu()
+    order = torch.argsort(grp, stable=True)  # contiguous groups (see _Accumulator._add_squares)
+    if not torch.equal(order, torch.arange(N)):
+        input_ids, attention_mask, completion_mask = (
+            input_ids[order.to(input_ids.device)], attention_mask[order.to(attention_mask.device)],
+            completion_mask[order.to(completion_mask.device)])
+        w, grp = w[order], grp[order]
     bs = batch_size or _auto_batch(model, L, budget, _shared_numel(model, params))
     sums: dict[str, torch.Tensor] = {}
     f64 = any(p.dtype == torch.float64 for p in params.values())

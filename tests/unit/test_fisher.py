@@ -288,3 +288,27 @@ def test_config_errors_name_the_field(kw, field):
     with pytest.raises(ValueError, match=f"^{field}:"):
         FisherConfig(**kw)
     assert FisherConfig.__dataclass_fields__["samples"].metadata["help"]
+
+
+class SquaredScaleNorm(torch.nn.Module):
+    """Not affine in its weight (y = x * w^2): the norm shortcut must detect it and fall back."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.linspace(0.5, 1.5, d))
+
+    def forward(self, hidden_states):
+        return hidden_states * self.weight**2
+
+
+def test_non_affine_module_uses_exact_generic_path(tok):
+    model = tiny_model("qwen3", seed=15)
+    model.model.norm = SquaredScaleNorm(model.config.hidden_size)
+    roll = _rollout(model, tok, seed=6)
+    got = fisher_from_samples(model, roll.input_ids, roll.attention_mask, roll.completion_mask)
+    ref = naive_fisher(model, roll.input_ids, roll.attention_mask, roll.completion_mask)
+    _assert_fisher_close(got, ref)
+    from compute.fisher import _AFFINE_OK
+
+    assert _AFFINE_OK[model.model.norm] is False
+    assert _AFFINE_OK[model.model.layers[0].input_layernorm] is True
