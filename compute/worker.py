@@ -448,9 +448,9 @@ def recover(settings: Any, hostname: str | None = None) -> list[tuple[int, str]]
             shards = repo.shard_jobs(session=s, parent_id=parent.id)
             if not shards or any(j.status in ("queued", "running") for j in shards):
                 continue
-            if (parent.heartbeat_at or parent.created_at) > cutoff:
-                continue  # being finished right now (finish_shards keeps the heartbeat fresh)
             if all(j.status == "succeeded" for j in shards):
+                if (parent.heartbeat_at or parent.created_at) > cutoff:
+                    continue  # being finished now (finish_shards keeps the heartbeat fresh)
                 s.execute(
                     update(Job)
                     .where(Job.id == parent.id)
