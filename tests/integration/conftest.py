@@ -5,6 +5,7 @@ reason when a service is not reachable). Each test gets its own home, queue name
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import secrets
 import signal
@@ -211,7 +212,19 @@ def _stack(
         if kind == "redis":
             import redis
 
-            redis.Redis.from_url(REDIS_URL).delete(queue)
+            r = redis.Redis.from_url(REDIS_URL)
+            for key in r.scan_iter(f"*{queue}*"):
+                r.delete(key)
+            # Messages of killed workers wait in kombu's "unacked" hash for the visibility
+            # timeout; drop ours so they are not restored into a dead queue hours later.
+            for tag, raw in r.hgetall("unacked").items():
+                try:
+                    routing_key = json.loads(raw)[2]
+                except (ValueError, IndexError, TypeError):
+                    continue
+                if routing_key == queue:
+                    r.hdel("unacked", tag)
+                    r.zrem("unacked_index", tag)
         if pg is not None:
             next(pg, None)
 
