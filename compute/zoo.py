@@ -4,15 +4,19 @@ Both zoo models are the same small Qwen3-architecture causal LM (untied embeddin
 character-level tokenizer, trained by SFT on the train split of the `arithmetic` task
 (prompt "12+34=", completion "46<eos>"):
 
-- ``arith-base``: the first checkpoint of the run whose greedy accuracy on a validation set
-  (train-split prompts) reaches ``base_target`` (25%): partly trained, room for RL;
-- ``arith-teacher``: the same run continued until validation accuracy reaches
-  ``teacher_target`` (or ``max_steps``): the teacher for on-policy distillation. Same
-  architecture and tokenizer as the base, so logits are directly comparable.
+- ``arith-base``: the first checkpoint (constant LR) whose greedy accuracy on a validation set
+  reaches ``base_target`` (25%): partly trained, room for RL;
+- ``arith-teacher``: the same run continued for ``teacher_steps`` with a cosine-decayed LR,
+  keeping the checkpoint with the best validation accuracy: the teacher for on-policy
+  distillation. Same architecture and tokenizer as the base, so logits compare directly.
 
-Stopping on measured accuracy (not a fixed step count) keeps the two models in their accuracy
-ranges for any seed and torch version. Held-out accuracy (test split, greedy) is measured after
-training and written, with the recipe, to ``<zoo_dir>/<name>/fisherlens.json``.
+The validation set is a hash-selected part of the task's train split that SFT never sees; the
+test split is used only for the recorded accuracy. Stopping the base on measured accuracy (not a
+fixed step count) keeps it in range for any seed. Held-out accuracy (500 test prompts, greedy)
+is written with the recipe, steps, seed and timings to ``<zoo_dir>/<name>/fisherlens.json``.
+
+Builds run on the CPU with `BUILD_THREADS` torch threads, so they are bit-for-bit reproducible
+given the seed, the recipe, the torch version and the CPU type.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>")
 # Every character the tokenizer knows (specials first). Enough for arithmetic and simple JSONL.
 CHARS = "0123456789+-*/=.,()?: abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ\n"
 INFO_FILE = "fisherlens.json"
+BUILD_THREADS = 2  # fixed: CPU float reductions depend on the thread count
 
 __all__ = [
     "ZOO_NAMES", "ZooRecipe", "build_tokenizer", "build_model", "build_zoo", "zoo_list",
@@ -195,6 +200,24 @@ def build_zoo(
         report(1.0, "zoo already built")
         return [results[n] for n in names]
 
+    threads = torch.get_num_threads()
+    torch.set_num_threads(BUILD_THREADS)
+    try:
+        _train_zoo(zoo_dir, todo, results, report, seed, recipe)
+    finally:
+        torch.set_num_threads(threads)
+    report(1.0, "zoo built")
+    return [results[n] for n in names]
+
+
+def _train_zoo(
+    zoo_dir: Path,
+    todo: list[str],
+    results: dict[str, Any],
+    report: Callable[[float, str], None],
+    seed: int,
+    recipe: ZooRecipe,
+) -> None:
     t0, c0 = time.perf_counter(), time.process_time()
     task = get_task(ZOO_TASK)
     tokenizer = build_tokenizer()
@@ -285,8 +308,6 @@ def build_zoo(
                     best = (val_acc, step, {k: v.detach().clone() for k, v in model.state_dict().items()})
         model.load_state_dict(best[2])
         finish("arith-teacher", best[1], best[0])
-    report(1.0, "zoo built")
-    return [results[n] for n in names]
 
 
 def zoo_list(zoo_dir: str | Path) -> list[dict[str, Any]]:
