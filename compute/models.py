@@ -132,7 +132,7 @@ def greedy_generate(
     try:
         for lo in range(0, len(prompts), batch_size):
             chunk = prompts[lo : lo + batch_size]
-            enc = [tokenizer(p)["input_ids"] for p in chunk]
+            enc = tokenizer(list(chunk))["input_ids"]
             width = max(len(ids) for ids in enc)
             ids = torch.full((len(enc), width), pad_id, dtype=torch.long)
             mask = torch.zeros((len(enc), width), dtype=torch.long)
