@@ -89,7 +89,9 @@ class TrainSpec(_Spec):
     mask_select: Selector | None = Field(None, description="build a mask in the job with this selector")
     mask_density: float | None = Field(None, gt=0.0, le=1.0)
     optimizer: Literal["adamw", "sgd"] = "adamw"
-    lr: float = Field(1e-3, gt=0.0, le=10.0)
+    lr: float = Field(
+        2e-4, gt=0.0, le=10.0, description="AdamW 1e-3 collapses GRPO on arith-base; 2e-4 is stable"
+    )
     weight_decay: float = Field(0.0, ge=0.0, le=10.0)
     steps: int = Field(30, ge=1, le=100_000)
     batch: int = Field(8, ge=1, le=1024, description="prompts per step")
