@@ -233,7 +233,7 @@ def test_train_cli_on_zoo_masked_run(algo: str, zoo_home, tmp_path, monkeypatch)
     res = CliRunner().invoke(train_cmd, args)
     assert res.exit_code == 0, res.output
     metrics = json.loads((out / "metrics.json").read_text())
-    assert len(metrics["curve"]) == 2 and metrics["settings"]["lr"] == 1e-3
+    assert len(metrics["curve"]) == 2 and metrics["settings"]["lr"] == metrics["spec"]["lr"] == 2e-4
     assert 0 <= metrics["accuracy_before"] <= 1 and 0 <= metrics["accuracy_after"] <= 1
     if algo == "grpo":
         assert metrics["bound"]["bound_fraction_holds"] == 1.0
