@@ -10,7 +10,8 @@ Methods (all compute sum_n g_n^2 over the N rows, except the floor):
   token       fisherlens token estimator (reported relative to fisherlens sequence)
 
 Each configuration runs with padding (the sampled, right-padded rows) and without (every row cut
-to the shortest row's length). Times are medians of --repeats runs after one warm-up; peak
+to the shortest row's length). Times are the fastest of --repeats round-robin runs after one warm-up (the machine
+may be shared; medians are in the JSON); peak
 memory is the peak RSS increase over the call (CPU, sampled every 5 ms in a separate run) or the CUDA peak
 allocation increase. Usage: python benchmarks/bench_fisher.py [--rows 16 --new-tokens 16 ...]
 """
@@ -186,24 +187,36 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def time_method(fn, model, data, device, repeats):
+def run_methods(names, model, data, device, repeats):
+    """Warm-up every method once, then time them round-robin (so load spikes on the shared machine
+    hit all methods alike) and keep each method's fastest run; one extra run measures memory."""
     ids, am, cm = data
-    try:
-        out = fn(model, ids, am, cm)  # warm-up, also the result checked against fisherlens
-    except Exception as exc:  # noqa: BLE001 - a peer that cannot run this model is reported
-        msg = str(exc).strip().splitlines()[0][:120] if str(exc).strip() else ""
-        return {"error": f"n/a: {type(exc).__name__}: {msg}"}, None
-    times = []
-    for _ in range(repeats):  # timing runs without the memory poller (it contends for the GIL)
-        _sync(device)
-        t0 = time.perf_counter()
-        fn(model, ids, am, cm)
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    with PeakMemory(device) as pm:  # one extra run for memory
-        fn(model, ids, am, cm)
-    peak = pm.peak
-    return {"seconds": statistics.median(times), "peak_mb": peak / 2**20}, out
+    stats, outs = {}, {}
+    for name in names:
+        print(f"    warm-up {name}", flush=True)
+        try:
+            outs[name] = METHODS[name](model, ids, am, cm)
+            stats[name] = {"times": []}
+        except Exception as exc:  # noqa: BLE001 - a peer that cannot run this model is reported
+            msg = str(exc).strip().splitlines()[0][:120] if str(exc).strip() else ""
+            stats[name] = {"error": f"n/a: {type(exc).__name__}: {msg}"}
+    ok = [n for n in names if "error" not in stats[n]]
+    for _ in range(repeats):
+        for name in ok:
+            _sync(device)
+            t0 = time.perf_counter()
+            METHODS[name](model, ids, am, cm)
+            _sync(device)
+            stats[name]["times"].append(time.perf_counter() - t0)
+    for name in ok:
+        with PeakMemory(device) as pm:
+            METHODS[name](model, ids, am, cm)
+        st = stats[name]
+        st["seconds"] = min(st["times"])
+        st["median_seconds"] = statistics.median(st["times"])
+        st["peak_mb"] = pm.peak / 2**20
+        print(f"    {name}: {st['seconds']:.3f}s (median {st['median_seconds']:.3f}s)", flush=True)
+    return stats, outs
 
 
 def max_rel_diff(a, b):
@@ -256,19 +269,17 @@ def bench_model(label, model, tok, prompts, args, device):
         row = {"model": label, "params": n_params, "padding": pad_label, "rows": data[0].shape[0],
                "length": data[0].shape[1], "tokens": int(data[1].sum()),
                "completion_tokens": int(data[2].sum()), "methods": {}}
-        ref = None
-        for name in ["floor", "fisherlens", *[m for m in args.methods if m not in
-                                               ("floor", "fisherlens")]]:
-            if name in args.skip:
-                continue
-            print(f"  {label} / {pad_label} / {name} ...", end="", flush=True)
-            stats, out = time_method(METHODS[name], model, data, device, args.repeats)
-            print(f"    {stats}", flush=True)
-            if name == "fisherlens":
-                ref = out
-            elif out is not None and ref is not None and name not in ("floor", "token"):
-                stats["max_rel_diff_vs_fisherlens"] = max_rel_diff(out, ref)
-            row["methods"][name] = stats
+        names = ["floor", "fisherlens", *[m for m in args.methods
+                                          if m not in ("floor", "fisherlens")]]
+        names = [n for n in names if n not in args.skip]
+        print(f"  {label} / {pad_label}: {data[0].shape[0]} rows x {data[0].shape[1]} tokens",
+              flush=True)
+        stats, outs = run_methods(names, model, data, device, args.repeats)
+        ref = outs.get("fisherlens")
+        for name, out in outs.items():
+            if ref is not None and name not in ("floor", "token", "fisherlens"):
+                stats[name]["max_rel_diff_vs_fisherlens"] = max_rel_diff(out, ref)
+        row["methods"] = stats
         floor = row["methods"]["floor"]["seconds"]
         seq = row["methods"]["fisherlens"]["seconds"]
         for st in row["methods"].values():
@@ -308,7 +319,7 @@ def main() -> None:
     ap.add_argument("--rows-prompts", type=int, default=8, help="prompts (rows = prompts x samples)")
     ap.add_argument("--samples", type=int, default=2, help="samples per prompt")
     ap.add_argument("--new-tokens", type=int, default=12, help="max new tokens per completion")
-    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--vocab", type=int, default=8192, help="vocab of the random Qwen3 model")
