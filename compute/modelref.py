@@ -43,7 +43,9 @@ def _local_dir(ref: str, roots: list[Path]) -> str:
     resolved_roots = [Path(r).expanduser().resolve() for r in roots]
     shown = ", ".join(str(r) for r in resolved_roots) or "(none)"
     if ".." in raw.parts:
-        raise ValueError(f"model: {ref!r} contains '..'; give a path inside the allowed roots: {shown}")
+        raise ValueError(
+            f"model: {ref!r} contains '..'; give a path inside the allowed roots: {shown}"
+        )
     resolved = raw.resolve()  # follows symlinks, so a link inside a root to outside is rejected
     if not _inside(resolved, resolved_roots):
         raise ValueError(
@@ -62,11 +64,14 @@ def resolve_model(ref: str, settings: Any | None = None) -> str:
     hub id ``org/name`` -> unchanged. Anything else: ValueError "model: ..."."""
     settings = _settings(settings)
     if not isinstance(ref, str) or not ref.strip():
-        raise ValueError("model: empty model reference; give a zoo name, a local directory or org/name")
+        raise ValueError(
+            "model: empty model reference; give a zoo name, a local directory or org/name"
+        )
     ref = ref.strip()
     zoo_dir = Path(settings.zoo_dir).expanduser().resolve()
     if ref in ZOO_NAMES or (
-        re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", ref) and (zoo_dir / ref / "config.json").is_file()
+        re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", ref)
+        and (zoo_dir / ref / "config.json").is_file()
     ):
         path = zoo_dir / ref
         if not (path / "config.json").is_file():
@@ -110,7 +115,8 @@ def model_revision(ref: str, settings: Any | None = None) -> str:
         return resolved
     folder = Path(resolved)
     files = sorted(
-        p for p in folder.iterdir()
+        p
+        for p in folder.iterdir()
         if p.is_file() and (p.name in _EXTRA_FILES or p.name.endswith(_WEIGHT_SUFFIXES))
     )
     h = hashlib.sha256()

@@ -26,7 +26,7 @@ _DTYPES = {
 
 
 def resolve_device(device: str | torch.device | None = None) -> torch.device:
-    """"auto"/None: env FISHERLENS_DEVICE if set, else cuda if available, else cpu."""
+    """ "auto"/None: env FISHERLENS_DEVICE if set, else cuda if available, else cpu."""
     if isinstance(device, torch.device):
         return device
     if device in (None, "", "auto"):
@@ -36,14 +36,18 @@ def resolve_device(device: str | torch.device | None = None) -> torch.device:
     try:
         dev = torch.device(device)
     except (RuntimeError, TypeError):
-        raise ValueError(f"device: {device!r} is not a device; accepted: auto, cpu, cuda, cuda:N") from None
+        raise ValueError(
+            f"device: {device!r} is not a device; accepted: auto, cpu, cuda, cuda:N"
+        ) from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device: {device!r} requested but CUDA is not available; use auto or cpu")
     return dev
 
 
-def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device | str | None = None) -> torch.dtype:
-    """"auto"/None: bfloat16 on a CUDA device that supports it, else float32."""
+def resolve_dtype(
+    dtype: str | torch.dtype | None, device: torch.device | str | None = None
+) -> torch.dtype:
+    """ "auto"/None: bfloat16 on a CUDA device that supports it, else float32."""
     if isinstance(dtype, torch.dtype):
         return dtype
     if dtype in (None, "", "auto"):
@@ -52,7 +56,9 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device | str | 
             return torch.bfloat16
         return torch.float32
     if dtype not in _DTYPES:
-        raise ValueError(f"dtype: {dtype!r} is not accepted; accepted: auto, float32, bfloat16, float16")
+        raise ValueError(
+            f"dtype: {dtype!r} is not accepted; accepted: auto, float32, bfloat16, float16"
+        )
     return _DTYPES[dtype]
 
 
@@ -92,10 +98,14 @@ def load_model(
             raise ValueError(
                 f"model: could not load {name_or_path!r} from the hub (no network?): {first}"
             ) from None
-        raise ValueError(f"model: could not load {name_or_path!r} from {resolved}: {first}") from None
+        raise ValueError(
+            f"model: could not load {name_or_path!r} from {resolved}: {first}"
+        ) from None
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
-            raise ValueError(f"model: tokenizer of {name_or_path!r} has neither a pad nor an eos token")
+            raise ValueError(
+                f"model: tokenizer of {name_or_path!r} has neither a pad nor an eos token"
+            )
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "right"
     if getattr(model.config, "pad_token_id", None) is None:
@@ -148,8 +158,11 @@ def greedy_generate(
             for _ in range(max_new_tokens):
                 kv = {cache_kw: past} if past is not None else {}
                 res = model(
-                    input_ids=step_ids, attention_mask=mask, position_ids=step_pos,
-                    use_cache=True, **kv,
+                    input_ids=step_ids,
+                    attention_mask=mask,
+                    position_ids=step_pos,
+                    use_cache=True,
+                    **kv,
                 )
                 past = res.get(cache_kw)
                 nxt = res.logits[:, -1].argmax(-1)  # (B,)

@@ -131,8 +131,12 @@ class ArithmeticTask(Task):
     """
 
     def __init__(
-        self, name: str = "arithmetic", ops: tuple[str, ...] = ("+", "*"), digits: int = 2,
-        mul_digits: int = 1, mul_share: float = 0.25,
+        self,
+        name: str = "arithmetic",
+        ops: tuple[str, ...] = ("+", "*"),
+        digits: int = 2,
+        mul_digits: int = 1,
+        mul_share: float = 0.25,
     ) -> None:
         if not ops or any(op not in ("+", "*") for op in ops):
             raise ValueError(f"ops: {ops!r} is not accepted; accepted: '+', '*'")
@@ -232,7 +236,7 @@ class JsonlTask(Task):
         if not items and n > 0:
             raise ValueError(
                 f"task: {self.path} has no {split} examples ({len(self.splits['train'])} train, "
-                f"{len(self.splits['test'])} test); add lines or pin some with \"split\": \"{split}\""
+                f'{len(self.splits["test"])} test); add lines or pin some with "split": "{split}"'
             )
         out: list[Example] = []
         perms: dict[int, list[int]] = {}
@@ -273,7 +277,7 @@ def get_task(name: str) -> Task:
     if not isinstance(name, str) or not name:
         raise _unknown(str(name))
     if name.startswith("jsonl:"):
-        path, _, query = name[len("jsonl:"):].partition("?")
+        path, _, query = name[len("jsonl:") :].partition("?")
         if not path:
             raise ValueError("task: 'jsonl:' needs a path, e.g. jsonl:/data/gsm8k.jsonl")
         opts = _options(name, query, ("match",))
@@ -282,7 +286,9 @@ def get_task(name: str) -> Task:
     ops = {"arithmetic": ("+", "*"), "arithmetic-add": ("+",), "arithmetic-mul": ("*",)}
     if base not in ops:
         raise _unknown(name)
-    allowed = ("digits", "mul_digits", "mul_share") if base == "arithmetic" else ("digits", "mul_digits")
+    allowed = (
+        ("digits", "mul_digits", "mul_share") if base == "arithmetic" else ("digits", "mul_digits")
+    )
     opts = _options(name, query, allowed)
     try:
         mul_share = float(opts.get("mul_share", 0.25))

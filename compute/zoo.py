@@ -15,7 +15,7 @@ test split is used only for the recorded accuracy. Stopping the base on measured
 fixed step count) keeps it in range for any seed. Held-out accuracy (500 test prompts, greedy)
 is written with the recipe, steps, seed and timings to ``<zoo_dir>/<name>/fisherlens.json``.
 
-Builds run on the CPU with `BUILD_THREADS` torch threads, so they are bit-for-bit reproducible
+Builds run on the CPU with `BUILD_THREADS` (1) torch thread, so they are bit-for-bit reproducible
 given the seed, the recipe, the torch version and the CPU type.
 """
 
@@ -42,11 +42,20 @@ SPECIAL_TOKENS = ("<pad>", "<eos>", "<bos>", "<unk>")
 # Every character the tokenizer knows (specials first). Enough for arithmetic and simple JSONL.
 CHARS = "0123456789+-*/=.,()?: abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ\n"
 INFO_FILE = "fisherlens.json"
-BUILD_THREADS = 2  # fixed: CPU float reductions depend on the thread count
+# Fixed, since float reductions depend on it. One thread: the model is so small that a second
+# thread barely helps, and it keeps the build fast on a busy machine.
+BUILD_THREADS = 1
 
 __all__ = [
-    "ZOO_NAMES", "ZooRecipe", "build_tokenizer", "build_model", "build_zoo", "zoo_list",
-    "greedy_accuracy", "greedy_generate", "sft_tensors",
+    "ZOO_NAMES",
+    "ZooRecipe",
+    "build_tokenizer",
+    "build_model",
+    "build_zoo",
+    "zoo_list",
+    "greedy_accuracy",
+    "greedy_generate",
+    "sft_tensors",
 ]
 
 
@@ -60,15 +69,23 @@ class ZooRecipe:
     num_kv_heads: int = field(default=2, metadata={"help": "key/value heads (GQA)"})
     intermediate_size: int = field(default=192, metadata={"help": "MLP width"})
     batch_size: int = field(default=128, metadata={"help": "SFT sequences per step"})
-    lr: float = field(default=3e-3, metadata={"help": "AdamW learning rate (constant after warmup)"})
+    lr: float = field(
+        default=3e-3, metadata={"help": "AdamW learning rate (constant after warmup)"}
+    )
     warmup_steps: int = field(default=20, metadata={"help": "linear warmup steps"})
     weight_decay: float = field(default=0.1, metadata={"help": "AdamW weight decay"})
     eval_every: int = field(default=25, metadata={"help": "steps between validation checks"})
-    val_prompts: int = field(default=256, metadata={"help": "validation prompts (held-out part of train)"})
-    test_prompts: int = field(default=500, metadata={"help": "held-out test prompts for the record"})
+    val_prompts: int = field(
+        default=256, metadata={"help": "validation prompts (held-out part of train)"}
+    )
+    test_prompts: int = field(
+        default=500, metadata={"help": "held-out test prompts for the record"}
+    )
     base_target: float = field(default=0.25, metadata={"help": "val accuracy that stops the base"})
     base_max_steps: int = field(default=1500, metadata={"help": "cap on steps to the base"})
-    teacher_steps: int = field(default=1000, metadata={"help": "steps after the base, cosine-decayed LR"})
+    teacher_steps: int = field(
+        default=1000, metadata={"help": "steps after the base, cosine-decayed LR"}
+    )
 
     def __post_init__(self) -> None:
         if not 0.0 < self.base_target < 1.0:
@@ -131,7 +148,7 @@ def is_val(prompt: str) -> bool:
 
 
 def sft_tensors(tokenizer: Any, examples: list[Any]) -> tuple[torch.Tensor, ...]:
-    """(input_ids, attention_mask, labels), each (N, L) right-padded; labels only on answer + eos."""
+    """(input_ids, attention_mask, labels), each (N, L), right-padded; labels on answer + eos."""
     rows, label_rows = [], []
     eos = tokenizer.eos_token_id  # property lookups are slow: read once
     unique = sorted({ex.prompt for ex in examples} | {ex.answer for ex in examples})
@@ -193,9 +210,7 @@ def build_zoo(
     zoo_dir.mkdir(parents=True, exist_ok=True)
     report = progress or (lambda fraction, message: None)
     todo = [n for n in names if force or not _is_built(zoo_dir / n)]
-    results = {
-        n: json.loads((zoo_dir / n / INFO_FILE).read_text()) for n in names if n not in todo
-    }
+    results = {n: json.loads((zoo_dir / n / INFO_FILE).read_text()) for n in names if n not in todo}
     if not todo:
         report(1.0, "zoo already built")
         return [results[n] for n in names]
@@ -228,7 +243,9 @@ def _train_zoo(
 
     # SFT pool and validation set: disjoint parts of the train split (the test split stays unseen).
     draws = task.examples(40_000, seed=seed, split="train")
-    pool_ids, pool_mask, pool_labels = sft_tensors(tokenizer, [e for e in draws if not is_val(e.prompt)])
+    pool_ids, pool_mask, pool_labels = sft_tensors(
+        tokenizer, [e for e in draws if not is_val(e.prompt)]
+    )
     val = [e for e in draws if is_val(e.prompt)][: recipe.val_prompts]
     gen = torch.Generator().manual_seed(seed)
     history: list[tuple[int, float]] = []
@@ -253,11 +270,16 @@ def _train_zoo(
         acc = _accuracy(model, tokenizer, task, val)
         model.train()
         history.append((step, round(acc, 4)))
-        report(min(0.99, step / total_guess), f"{stage}: step {step}, loss {loss:.3f}, val acc {acc:.2f}")
+        report(
+            min(0.99, step / total_guess),
+            f"{stage}: step {step}, loss {loss:.3f}, val acc {acc:.2f}",
+        )
         return acc
 
     def finish(name: str, step: int, val_acc: float) -> None:
-        test_acc = _accuracy(model, tokenizer, task, task.examples(recipe.test_prompts, split="test"))
+        test_acc = _accuracy(
+            model, tokenizer, task, task.examples(recipe.test_prompts, split="test")
+        )
         model.train()
         info = {
             "name": name,
@@ -299,13 +321,19 @@ def _train_zoo(
         base_step = step
         best = (val_acc, step, {k: v.detach().clone() for k, v in model.state_dict().items()})
         for i in range(recipe.teacher_steps):
-            lr = recipe.lr * (0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * i / recipe.teacher_steps)))
+            lr = recipe.lr * (
+                0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * i / recipe.teacher_steps))
+            )
             loss = train_step(step, lr)
             step += 1
             if (step - base_step) % recipe.eval_every == 0:
                 val_acc = validate(step, "arith-teacher", loss)
                 if val_acc > best[0]:
-                    best = (val_acc, step, {k: v.detach().clone() for k, v in model.state_dict().items()})
+                    best = (
+                        val_acc,
+                        step,
+                        {k: v.detach().clone() for k, v in model.state_dict().items()},
+                    )
         model.load_state_dict(best[2])
         finish("arith-teacher", best[1], best[0])
 

@@ -14,8 +14,13 @@ def zoo() -> None:
 
 @zoo.command("build")
 @click.option("--names", default=None, help="Comma-separated zoo names (default: all).")
-@click.option("--seed", default=0, show_default=True, type=click.IntRange(0, 2**31 - 1),
-              help="Seed for initialisation and training data.")
+@click.option(
+    "--seed",
+    default=0,
+    show_default=True,
+    type=click.IntRange(0, 2**31 - 1),
+    help="Seed for initialisation and training data.",
+)
 @click.option("--force", is_flag=True, help="Rebuild models that are already built.")
 def build(names: str | None, seed: int, force: bool) -> None:
     """Build the zoo models under $FISHERLENS_HOME/zoo (deterministic given --seed)."""

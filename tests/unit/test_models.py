@@ -40,7 +40,9 @@ def test_zoo_name_not_built_and_built(tmp_path: Path) -> None:
     s = _settings(tmp_path)
     with pytest.raises(ValueError) as info:
         resolve_model("arith-base", s)
-    assert str(info.value) == "model: zoo model 'arith-base' is not built; run `fisherlens zoo build`"
+    assert (
+        str(info.value) == "model: zoo model 'arith-base' is not built; run `fisherlens zoo build`"
+    )
     _fake_model_dir(s.zoo_dir / "arith-base")
     assert resolve_model("arith-base", s) == str(s.zoo_dir / "arith-base")
 
@@ -142,15 +144,30 @@ def _tiny(arch: str, vocab: int) -> torch.nn.Module:
     torch.manual_seed(0)
     if arch == "qwen3":
         return Qwen3ForCausalLM(
-            Qwen3Config(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+            Qwen3Config(
+                vocab_size=vocab,
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                head_dim=8,
+            )
         )
     if arch == "llama":
         return LlamaForCausalLM(
-            LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2)
+            LlamaConfig(
+                vocab_size=vocab,
+                hidden_size=32,
+                intermediate_size=64,
+                num_hidden_layers=2,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+            )
         )
-    return GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_embd=32, n_layer=2, n_head=4, n_positions=64))
+    return GPT2LMHeadModel(
+        GPT2Config(vocab_size=vocab, n_embd=32, n_layer=2, n_head=4, n_positions=64)
+    )
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama", "gpt2"])
@@ -166,7 +183,9 @@ def test_load_local_models(tmp_path: Path, arch: str) -> None:
     loaded, tokenizer = load_model(str(path), device="cpu", dtype="float32", settings=s)
     assert not loaded.training
     assert tokenizer.pad_token == ("<eos>" if arch == "gpt2" else "<pad>")
-    for (n1, p1), (n2, p2) in zip(model.state_dict().items(), loaded.state_dict().items(), strict=True):
+    for (n1, p1), (n2, p2) in zip(
+        model.state_dict().items(), loaded.state_dict().items(), strict=True
+    ):
         assert n1 == n2 and torch.equal(p1, p2)
     info = model_info(loaded)
     assert info["n_layers"] == 2 and info["hidden_size"] == 32 and info["vocab_size"] == len(tok)
@@ -188,7 +207,9 @@ def test_load_local_models(tmp_path: Path, arch: str) -> None:
     assert next(lowp.parameters()).dtype == torch.bfloat16
 
 
-def test_hub_id_without_network_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_hub_id_without_network_is_a_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     with pytest.raises(ValueError) as info:

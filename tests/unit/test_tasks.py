@@ -40,9 +40,11 @@ def test_start_offsets_shard_the_sequence() -> None:
     task = get_task("arithmetic")
     whole = task.examples(30, seed=1, split="test")
     assert task.examples(10, seed=1, split="test", start=10) == whole[10:20]
-    assert task.examples(10, seed=1, split="test", start=0) + task.examples(
-        20, seed=1, split="test", start=10
-    ) == whole
+    assert (
+        task.examples(10, seed=1, split="test", start=0)
+        + task.examples(20, seed=1, split="test", start=10)
+        == whole
+    )
 
 
 def test_difficulty_options() -> None:
@@ -104,7 +106,9 @@ def test_jsonl_task(tmp_path: Path) -> None:
     train = task.examples(50, seed=0)
     test = task.examples(20, seed=0, split="test")
     assert train == get_task(f"jsonl:{path}").examples(50, seed=0)
-    assert {e.prompt for e in task.examples(500)} & {e.prompt for e in task.examples(500, split="test")} == set()
+    assert {e.prompt for e in task.examples(500)} & {
+        e.prompt for e in task.examples(500, split="test")
+    } == set()
     assert {e.prompt for e in train} <= {r["prompt"] for r in rows}
     assert len(test) == 20
     # exact match by default (first line, stripped)
@@ -123,7 +127,10 @@ def test_jsonl_task(tmp_path: Path) -> None:
 def test_jsonl_split_pinning_and_numbers(tmp_path: Path) -> None:
     path = _write(
         tmp_path / "d.jsonl",
-        [{"prompt": "a", "answer": 1, "split": "test"}, {"prompt": "b", "answer": "2", "split": "train"}],
+        [
+            {"prompt": "a", "answer": 1, "split": "test"},
+            {"prompt": "b", "answer": "2", "split": "train"},
+        ],
     )
     task = get_task(f"jsonl:{path}")
     assert task.examples(1, split="test") == [Example("a", "1")]
@@ -140,7 +147,9 @@ def test_jsonl_split_pinning_and_numbers(tmp_path: Path) -> None:
         ('{"prompt": "x", "answer": "1", "split": "dev"}', "'split' must be"),
     ],
 )
-def test_jsonl_malformed_line_names_file_and_line(tmp_path: Path, bad_line: str, fragment: str) -> None:
+def test_jsonl_malformed_line_names_file_and_line(
+    tmp_path: Path, bad_line: str, fragment: str
+) -> None:
     path = _write(tmp_path / "bad.jsonl", [{"prompt": "1+1=", "answer": "2"}, "", bad_line])
     with pytest.raises(ValueError) as info:
         get_task(f"jsonl:{path}")
