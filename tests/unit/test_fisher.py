@@ -312,3 +312,16 @@ def test_non_affine_module_uses_exact_generic_path(tok):
 
     assert _AFFINE_OK[model.model.norm] is False
     assert _AFFINE_OK[model.model.layers[0].input_layernorm] is True
+
+
+@pytest.mark.parametrize("arch,tied", [("qwen3", True), ("gpt2", False)])
+def test_row_loop_path_exact(tok, arch, tied, monkeypatch):
+    """Large weights take the one-row-at-a-time path; force it on the tiny models."""
+    import compute.fisher as fisher_mod
+
+    monkeypatch.setattr(fisher_mod, "_SMALL_BATCHED", 0)
+    model = tiny_model(arch, tied=tied, seed=16)
+    roll = _rollout(model, tok, seed=7)
+    got = fisher_from_samples(model, roll.input_ids, roll.attention_mask, roll.completion_mask)
+    ref = naive_fisher(model, roll.input_ids, roll.attention_mask, roll.completion_mask)
+    _assert_fisher_close(got, ref)
