@@ -169,8 +169,16 @@ def _save(model: Any, tokenizer: Any, out: Path, info: dict[str, Any]) -> None:
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    model.save_pretrained(tmp, safe_serialization=True)
-    tokenizer.save_pretrained(tmp)
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # one tiny shard: its bar would only break our own
+    try:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     (tmp / INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True))
     shutil.rmtree(out, ignore_errors=True)
     tmp.replace(out)
