@@ -190,16 +190,51 @@ class MaskedOptimizer:
     @torch.no_grad()
     def step(self) -> None:
         self.t += 1
-        for name, p, m in self.params:
-            g = p.grad
-            if g is None:
-                continue
-            if m is not None:
-                g = g * m  # idempotent if already masked; guarantees the invariant here too
-            if self.kind == "adamw":
-                self._adamw(name, p, g, m)
-            else:
-                self._sgd(name, p, g, m)
+        live = [(n, p, m) for n, p, m in self.params if p.grad is not None]
+        if self.kind == "adamw":
+            self._adamw_foreach(live)
+            return
+        for name, p, m in live:
+            g = p.grad if m is None else p.grad * m  # re-mask: the invariant holds even if
+            self._sgd(name, p, g, m)  # the caller forgot mask_gradients
+
+    def _adamw_foreach(self, live: list[tuple[str, torch.nn.Parameter, torch.Tensor | None]]) -> None:
+        """AdamW over all tensors at once (torch._foreach_*), same maths as `_adamw`."""
+        if not live:
+            return
+        for n, p, _m in live:
+            if n not in self.state:
+                self.state[n] = {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+        params = [p for _, p, _m in live]
+        grads = [p.grad for _, p, _m in live]
+        masked = [i for i, (_, _p, m) in enumerate(live) if m is not None]
+        if masked:  # re-mask: the invariant holds even if the caller forgot mask_gradients
+            gm = torch._foreach_mul([grads[i] for i in masked], [live[i][2] for i in masked])
+            for i, g in zip(masked, gm, strict=True):
+                grads[i] = g
+        m1 = [self.state[n]["exp_avg"] for n, _p, _m in live]
+        m2 = [self.state[n]["exp_avg_sq"] for n, _p, _m in live]
+        b1, b2 = self.betas
+        torch._foreach_mul_(m1, b1)
+        torch._foreach_add_(m1, grads, alpha=1 - b1)
+        torch._foreach_mul_(m2, b2)
+        torch._foreach_addcmul_(m2, grads, grads, value=1 - b2)
+        bc1 = 1 - b1**self.t
+        bc2 = 1 - b2**self.t
+        denom = torch._foreach_sqrt(m2)
+        torch._foreach_div_(denom, math.sqrt(bc2))
+        torch._foreach_add_(denom, self.eps)
+        updates = torch._foreach_div(m1, denom)  # exactly 0 off the mask
+        torch._foreach_mul_(updates, self.lr / bc1)
+        if self.wd:
+            dense = [i for i, (_, _p, m) in enumerate(live) if m is None]
+            if dense:
+                torch._foreach_add_([updates[i] for i in dense], [params[i] for i in dense],
+                                    alpha=self.lr * self.wd)
+            if masked:  # decoupled decay only on the mask
+                torch._foreach_addcmul_([updates[i] for i in masked], [params[i] for i in masked],
+                                        [live[i][2] for i in masked], value=self.lr * self.wd)
+        torch._foreach_sub_(params, updates)
 
     def _adamw(self, name: str, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor | None) -> None:
         st = self.state.get(name)
@@ -239,11 +274,10 @@ def clip_grad_norm(
     grads = [p.grad for _, p, _m in params if p.grad is not None]
     if not grads:
         return 0.0
-    norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+    norm = torch.linalg.vector_norm(torch.stack([n.float() for n in torch._foreach_norm(grads)]))
     if max_norm is not None:
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        for g in grads:
-            g.mul_(scale.to(g.dtype))
+        torch._foreach_mul_(grads, scale.to(grads[0].dtype))
     return float(norm)
 
 
