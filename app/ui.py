@@ -562,11 +562,11 @@ def build_ui(settings: Any) -> gr.Blocks:  # noqa: C901 - layout + wiring read t
                             t_mden = gr.Textbox("", label="mask density", info=_range_info("train", "mask_density"))
                         with gr.Row():
                             t_opt = gr.Dropdown(["adamw", "sgd"], value="adamw", label="optimizer")
-                            t_lr = gr.Number(1e-3, label="learning rate", info=_range_info("train", "lr"))
-                            t_steps = gr.Number(30, label="steps", precision=0, info=_range_info("train", "steps"))
-                            t_batch = gr.Number(8, label="prompts per step", precision=0,
+                            t_lr = gr.Number(_default("train", "lr"), label="learning rate", info=_range_info("train", "lr"))
+                            t_steps = gr.Number(_default("train", "steps"), label="steps", precision=0, info=_range_info("train", "steps"))
+                            t_batch = gr.Number(_default("train", "batch"), label="prompts per step", precision=0,
                                                 info=_range_info("train", "batch"))
-                            t_group = gr.Number(8, label="GRPO group", precision=0, info=_range_info("train", "group"))
+                            t_group = gr.Number(_default("train", "group"), label="GRPO group", precision=0, info=_range_info("train", "group"))
                             t_seed = gr.Number(0, label="seed", precision=0)
                         t_btn = gr.Button("Train", variant="primary")
                         t_msg = gr.HTML()
@@ -579,9 +579,9 @@ def build_ui(settings: Any) -> gr.Blocks:  # noqa: C901 - layout + wiring read t
                             r_dens = gr.Textbox("0.01,0.05,0.1", label="densities (comma separated)")
                             r_sel = gr.CheckboxGroup(SELECTORS, value=["fisher", "random", "magnitude"],
                                                      label="selectors")
-                            r_seeds = gr.Number(3, label="seeds", precision=0, info=_range_info("retention", "seeds"))
-                            r_steps = gr.Number(30, label="steps", precision=0, info=_range_info("retention", "steps"))
-                            r_lr = gr.Number(1e-3, label="learning rate", info=_range_info("retention", "lr"))
+                            r_seeds = gr.Number(_default("retention", "seeds"), label="seeds", precision=0, info=_range_info("retention", "seeds"))
+                            r_steps = gr.Number(_default("retention", "steps"), label="steps", precision=0, info=_range_info("retention", "steps"))
+                            r_lr = gr.Number(_default("retention", "lr"), label="learning rate", info=_range_info("retention", "lr"))
                         r_btn = gr.Button("Run retention sweep", variant="primary")
                         r_msg = gr.HTML()
                     with gr.Tab("Checkpoint diff", id="f-diff"):
@@ -752,6 +752,11 @@ def build_ui(settings: Any) -> gr.Blocks:  # noqa: C901 - layout + wiring read t
                    outputs=[*result_out, j_table, jobs_last, *tok_poll_out], **fast)
         reg_btn.click(register, inputs=[reg_path, reg_name], outputs=[reg_msg, m_table])
     return demo
+
+
+def _default(kind: str, field: str) -> Any:
+    """The spec's own default, so forms never drift from what the CLI and API use."""
+    return SPECS[kind].model_fields[field].default
 
 
 def _range_info(kind: str, field: str) -> str:
