@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -31,3 +33,22 @@ def write_json(path: Path, data: Any) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(data, indent=2, sort_keys=True, default=str))
     tmp.replace(path)
+
+
+@contextmanager
+def cli_progress(desc: str) -> Iterator[Callable[[float, str], None]]:
+    """A tqdm bar on stderr driven by progress(fraction, message)."""
+    from tqdm import tqdm
+
+    bar = tqdm(total=1000, desc=desc, leave=False, bar_format="{l_bar}{bar}| {elapsed}")
+
+    def progress(fraction: float, message: str = "") -> None:
+        bar.n = int(1000 * min(max(fraction, 0.0), 1.0))
+        if message:
+            bar.set_postfix_str(message[:60], refresh=False)
+        bar.refresh()
+
+    try:
+        yield progress
+    finally:
+        bar.close()

@@ -8,33 +8,12 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import click
 
-from app.commands.common import fail, spec_from_options, write_json
-
-
-@contextmanager
-def cli_progress(desc: str) -> Iterator[Callable[[float, str], None]]:
-    """A tqdm bar on stderr driven by progress(fraction, message)."""
-    from tqdm import tqdm
-
-    bar = tqdm(total=1000, desc=desc, leave=False, bar_format="{l_bar}{bar}| {elapsed}")
-
-    def progress(fraction: float, message: str = "") -> None:
-        bar.n = int(1000 * min(max(fraction, 0.0), 1.0))
-        if message:
-            bar.set_postfix_str(message[:60], refresh=False)
-        bar.refresh()
-
-    try:
-        yield progress
-    finally:
-        bar.close()
+from app.commands.common import cli_progress, fail, spec_from_options, write_json
 
 
 def _num(x: Any, digits: int = 4) -> str:

@@ -10,20 +10,8 @@ from typing import Any
 
 import click
 
-from app.commands.common import fail, spec_from_options, write_json
-
-
-def _bar(desc: str) -> Any:
-    from tqdm import tqdm
-
-    bar = tqdm(total=1000, desc=desc, leave=False, bar_format="{l_bar}{bar}| {elapsed}<{remaining} {postfix}")
-
-    def progress(fraction: float, message: str = "") -> None:
-        bar.n = round(1000 * min(max(fraction, 0.0), 1.0))
-        bar.set_postfix_str(message[:60])
-        bar.refresh()
-
-    return bar, progress
+from app.commands.common import cli_progress, fail, spec_from_options, write_json
+from compute.specs import TrainSpec
 
 
 def _check_refs(spec: Any) -> None:
@@ -59,10 +47,10 @@ def _fmt(x: Any) -> str:
               "random | magnitude | magnitude-bottom | gradient")
 @click.option("--mask-density", type=float, help="density of --mask-select (0..1]")
 @click.option("--optimizer", help="adamw | sgd  [default: adamw]")
-@click.option("--lr", type=float, help="learning rate  [default: 1e-3]")
+@click.option("--lr", type=float, help=f"learning rate  [default: {TrainSpec.model_fields['lr'].default}]")
 @click.option("--weight-decay", type=float, help="[default: 0]")
 @click.option("--momentum", type=float, help="SGD momentum  [default: 0]")
-@click.option("--steps", type=int, help="optimizer steps  [default: 30]")
+@click.option("--steps", type=int, help=f"optimizer steps  [default: {TrainSpec.model_fields['steps'].default}]")
 @click.option("--batch", type=int, help="prompts per step  [default: 8]")
 @click.option("--group", type=int, help="completions per prompt  [default: 8]")
 @click.option("--kl-coef", type=float, help="GRPO KL to the reference  [default: 0]")
@@ -90,13 +78,11 @@ def train_cmd(out: str, **options: Any) -> None:
     _check_refs(spec)
     from compute.run_train import run
 
-    bar, progress = _bar("train")
-    try:
-        result = run(spec, progress)
-    except ValueError as exc:
-        fail(str(exc).splitlines()[0])
-    finally:
-        bar.close()
+    with cli_progress("train") as progress:
+        try:
+            result = run(spec, progress)
+        except ValueError as exc:
+            fail(str(exc).splitlines()[0])
     src = Path(result.files["model"])
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     if out_dir.exists():
@@ -170,13 +156,11 @@ def retention_cmd(out: str, densities: str | None, selectors: str | None, **opti
     _check_refs(spec)
     from compute.run_retention import run
 
-    bar, progress = _bar("retention")
-    try:
-        result = run(spec, progress)
-    except ValueError as exc:
-        fail(str(exc).splitlines()[0])
-    finally:
-        bar.close()
+    with cli_progress("retention") as progress:
+        try:
+            result = run(spec, progress)
+        except ValueError as exc:
+            fail(str(exc).splitlines()[0])
     s = result.summary
     out_dir = Path(out)
     write_json(out_dir / "retention.json", {**result.to_dict(), "spec": spec.model_dump(mode="json")})
