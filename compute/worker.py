@@ -21,7 +21,7 @@ import tempfile
 import threading
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -231,10 +231,27 @@ def execute_job(settings: Any, job_id: int, hostname: str | None = None) -> str:
             return _fan_out(settings, job_id, spec)
         with _sessions(settings)() as s:
             spec = _resolve_refs(settings, s, kind, spec)
+    except Exception as exc:
+        log.exception("job %s failed", job_id)
+        _fail(settings, job_id, exc)
+        return "failed"
+
+    def compute(progress: JobProgress) -> Any:
+        progress(0.0, "loading")
+        return get_runner(kind)(spec, progress)
+
+    return _compute_and_store(settings, job_id, compute, "running")
+
+
+def _compute_and_store(
+    settings: Any, job_id: int, compute: Callable[[JobProgress], Any], phase: str
+) -> str:
+    """Run `compute(progress)` under a heartbeat, store its JobResult, and end the job row:
+    succeeded, cancelled (JobCancelled from progress) or failed (any other error, with its text)."""
+    try:
         progress = JobProgress(settings, job_id)
         with _heartbeat(settings, job_id), _scratch(settings, job_id):
-            progress(0.0, "loading")
-            result = get_runner(kind)(spec, progress)
+            result = compute(progress)
             with _sessions(settings)() as s:
                 repo.save_result(
                     session=s,
@@ -247,10 +264,10 @@ def execute_job(settings: Any, job_id: int, hostname: str | None = None) -> str:
         return "succeeded"
     except JobCancelled:
         with _sessions(settings)() as s:
-            repo.mark_cancelled(session=s, job_id=job_id, message="cancelled while running")
+            repo.mark_cancelled(session=s, job_id=job_id, message=f"cancelled while {phase}")
         return "cancelled"
     except Exception as exc:
-        log.exception("job %s failed", job_id)
+        log.exception("job %s failed while %s", job_id, phase)
         _fail(settings, job_id, exc)
         return "failed"
 
@@ -392,23 +409,9 @@ def execute_finish(settings: Any, job_id: int, hostname: str | None = None) -> s
             outputs.append(torch.load(io.BytesIO(blob), weights_only=True, map_location="cpu"))
         s.execute(update(Job).where(Job.id == job_id).values(worker=hostname))
         s.commit()
-    try:
-        progress = JobProgress(settings, job_id)
-        with _heartbeat(settings, job_id), _scratch(settings, job_id):
-            result = finish(spec, outputs, progress)
-            with _sessions(settings)() as s:
-                repo.save_result(session=s, job_id=job_id, result=result, store=store)
-        with _sessions(settings)() as s:
-            repo.mark_succeeded(session=s, job_id=job_id)
-        return "succeeded"
-    except JobCancelled:
-        with _sessions(settings)() as s:
-            repo.mark_cancelled(session=s, job_id=job_id, message="cancelled while combining")
-        return "cancelled"
-    except Exception as exc:
-        log.exception("finishing sharded job %s failed", job_id)
-        _fail(settings, job_id, exc)
-        return "failed"
+    return _compute_and_store(
+        settings, job_id, lambda progress: finish(spec, outputs, progress), "combining"
+    )
 
 
 # -- recovery of jobs left by dead workers ------------------------------------------------------
