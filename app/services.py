@@ -17,7 +17,7 @@ from compute.celery_app import send_job
 from compute.specs import SpecError, parse_spec
 from storage import repo
 from storage.db import session_factory, upgrade
-from storage.models import FINAL_STATUSES
+from storage.models import FINAL_STATUSES, revision_digest
 
 _JOB_REF = re.compile(r"^job:(\d{1,12})$")
 # Spec fields naming other jobs' artifacts: field -> (kind of job it must be, artifact kind).
@@ -53,7 +53,7 @@ def _public(settings: Any, job_dict: dict[str, Any], **extra: Any) -> dict[str, 
     return out
 
 
-def validate(settings: Any, kind: str, data: dict[str, Any]) -> tuple[Any, str | None]:
+def validate(settings: Any, kind: str, data: dict[str, Any]) -> tuple[Any, list[str]]:
     """(spec, model revision) or SpecError naming each bad field. Checks model references
     (allowed roots, zoo built) and job/file references, so nothing unrunnable is queued."""
     spec = parse_spec(kind, data)
@@ -81,7 +81,7 @@ def validate(settings: Any, kind: str, data: dict[str, Any]) -> tuple[Any, str |
             errors.append({"field": field, "message": str(exc)})
     if errors:
         raise SpecError(errors)
-    return spec, (";".join(revisions) if revisions else None)
+    return spec, revisions
 
 
 def _ref_revision(settings: Any, ref: str, want_kind: str) -> str:
@@ -122,8 +122,9 @@ def submit(settings: Any, kind: str, data: dict[str, Any], *, reuse: bool = True
     Returns the job dict plus "share_url" and "reused" (True when an earlier result is returned
     instead of computing again). Raises compute.specs.SpecError (nothing queued) on bad input.
     """
-    spec, revision = validate(settings, kind, data)
+    spec, parts = validate(settings, kind, data)
     spec_hash = spec.spec_hash()
+    revision = revision_digest(parts)
     with sessions(settings)() as s:
         if reuse:
             old = repo.find_reusable(
@@ -137,6 +138,7 @@ def submit(settings: Any, kind: str, data: dict[str, Any], *, reuse: bool = True
             spec=spec.model_dump(mode="json"),
             spec_hash=spec_hash,
             model_revision=revision,
+            revisions=parts,
         )
         out = repo.job_dict(job)
     try:

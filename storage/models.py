@@ -6,6 +6,7 @@ deleted with it; a re-delivered job replaces its result rows (see repo.save_resu
 
 from __future__ import annotations
 
+import hashlib
 from datetime import datetime, timezone
 from typing import Any
 
@@ -31,6 +32,15 @@ FINAL_STATUSES = ("succeeded", "failed", "cancelled")
 
 def utcnow() -> datetime:
     return datetime.now(timezone.utc)
+
+
+def revision_digest(parts: list[str] | None) -> str | None:
+    """jobs.model_revision: the sha256 hex (64 characters, fits every database) of a job's
+    revision parts joined with ';' (None when there are none). The parts are kept in
+    jobs.revisions. Migration 0002 converts older rows with the same function."""
+    if not parts:
+        return None
+    return hashlib.sha256(";".join(parts).encode("utf-8")).hexdigest()
 
 
 class UTCDateTime(TypeDecorator[datetime]):
@@ -77,7 +87,9 @@ class Job(Base):
     kind: Mapped[str] = mapped_column(String(32), index=True)
     spec: Mapped[dict[str, Any]] = mapped_column(JSON)
     spec_hash: Mapped[str] = mapped_column(String(64))
+    # sha256 of the joined revision parts (revision_digest); the parts are in `revisions`.
     model_revision: Mapped[str | None] = mapped_column(String(128), default=None)
+    revisions: Mapped[list[str] | None] = mapped_column(JSON, default=None)
     status: Mapped[str] = mapped_column(String(16), default="queued", index=True)
     progress: Mapped[float] = mapped_column(Float, default=0.0)
     message: Mapped[str] = mapped_column(Text, default="")

@@ -25,6 +25,7 @@ from storage.models import (
     LayerStatRow,
     Model,
     SeriesRow,
+    revision_digest,
     utcnow,
 )
 
@@ -114,12 +115,18 @@ def create_job(
     model_revision: str | None = None,
     parent_id: int | None = None,
     shard_index: int | None = None,
+    revisions: list[str] | None = None,
 ) -> Job:
+    """A queued job. `revisions` (the parts, e.g. ['model=<sha256>', 'mask=job:3:<sha256>'])
+    are stored as they are and their digest becomes model_revision (unless one is given)."""
+    if model_revision is None and revisions:
+        model_revision = revision_digest(revisions)
     job = Job(
         kind=kind,
         spec=_clean(spec),
         spec_hash=spec_hash,
         model_revision=model_revision,
+        revisions=list(revisions) if revisions else None,
         status="queued",
         progress=0.0,
         message="queued",
@@ -458,6 +465,7 @@ def job_dict(job: Job) -> dict[str, Any]:
         "spec": job.spec,
         "spec_hash": job.spec_hash,
         "model_revision": job.model_revision,
+        "revisions": job.revisions,
         "status": job.status,
         "progress": job.progress,
         "message": job.message,

@@ -112,7 +112,59 @@ def test_migrations_create_every_table_and_are_idempotent(db_url: str) -> None:
         "artifacts",
         "alembic_version",
     } <= tables
-    assert current_revision(engine) == "0001"
+    assert current_revision(engine) == _head()
+    engine.dispose()
+
+
+def _head() -> str:
+    from alembic.script import ScriptDirectory
+
+    from storage.db import alembic_config
+
+    return str(ScriptDirectory.from_config(alembic_config("sqlite://")).get_current_head())
+
+
+def test_long_revisions_fit_and_0002_converts_existing_rows(db_url: str) -> None:
+    """jobs.model_revision is String(128); a diff/OPD/masked-train job joins 3 revisions
+    (~200 characters), which PostgreSQL refused (StringDataRightTruncation -> HTTP 500).
+    Now the column holds their sha256 and the parts live in jobs.revisions; 0002 converts rows
+    written under 0001 with the same digest, so reuse still finds them."""
+    import hashlib
+
+    from storage.models import revision_digest
+
+    upgrade(db_url, "0001")
+    engine = make_engine(db_url)
+    old = "model=" + "a" * 64 + ";mask=job:3:" + "b" * 40  # fits the old column on both backends
+    with engine.begin() as conn:
+        conn.execute(
+            text(
+                "INSERT INTO jobs (kind, spec, spec_hash, model_revision, status, progress, "
+                "message, share_token, created_at, attempts, cancel_requested) VALUES "
+                "('train', '{}', 'h', :rev, 'succeeded', 1.0, 'done', 'tok-old', "
+                "CURRENT_TIMESTAMP, 1, false)"
+            ),
+            {"rev": old},
+        )
+    upgrade(db_url)
+    assert current_revision(engine) == _head()
+    factory = make_session_factory(engine)
+    with factory() as s:
+        row = s.scalar(select(Job).where(Job.share_token == "tok-old"))
+        assert row.model_revision == hashlib.sha256(old.encode()).hexdigest()
+        assert row.revisions == old.split(";")
+        found = repo.find_reusable(
+            session=s, kind="train", spec_hash="h", model_revision=revision_digest(old.split(";"))
+        )
+        assert found is not None and found.id == row.id
+        parts = [f"{f}={'c' * 64}" for f in ("base", "tuned")] + [f"fisher=job:12:{'d' * 64}"]
+        assert len(";".join(parts)) > 128
+        job = repo.create_job(session=s, kind="diff", spec={}, spec_hash="h2", revisions=parts)
+        s.expire_all()
+        job = repo.get_job(session=s, job_id=job.id)
+        assert job.revisions == parts and len(job.model_revision) == 64
+        assert job.model_revision == hashlib.sha256(";".join(parts).encode()).hexdigest()
+        assert repo.job_dict(job)["revisions"] == parts
     engine.dispose()
 
 
