@@ -43,7 +43,8 @@ def test_submit_creates_row_and_queues_task_by_name_with_only_the_id(settings) -
     assert _messages(settings) == [{"task": RUN_JOB, "args": [job["id"]], "kwargs": {}}]
     row = services.get_job(settings, job["id"])
     assert row["spec"]["prompts"] == 8 and row["spec"]["estimator"] == "sequence"  # defaults stored
-    assert row["model_revision"].startswith("model=")
+    assert row["revisions"][0].startswith("model=") and len(row["revisions"]) == 1
+    assert len(row["model_revision"]) == 64  # sha256 of the joined parts, fits any database
 
 
 def test_identical_succeeded_spec_is_reused_until_model_changes(settings) -> None:
