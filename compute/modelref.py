@@ -1,4 +1,10 @@
-"""Model references: zoo name, local HF directory (inside the allowed roots), or hub id.
+"""Model and artifact references: zoo name, local HF directory (inside the allowed roots), hub
+id, or `job:N` (the saved output of a succeeded job, read from the artifact store).
+
+`resolve_job_ref` is the one resolver of `job:N`: the API/UI validation (app.services), the CLI's
+direct commands (through resolve_model / compute.run_mask.resolve_artifact) and the worker
+(compute.worker._resolve_refs) all call it, so a reference accepted at submit time is the file the
+worker reads. Error messages name the field and never a server path.
 
 No torch here: the web process validates model references with this module.
 """
@@ -7,10 +13,13 @@ from __future__ import annotations
 
 import hashlib
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-ZOO_NAMES = ("arith-base", "arith-teacher")
+ZOO_NAMES = ("arith-base", "arith-teacher", "arith-deep-base", "arith-deep-teacher")
+# Real pretrained models converted into the zoo by `fisherlens zoo add NAME` (compute.zoo).
+REAL_MODEL_NAMES = ("smollm2-135m",)
 
 # org/name on the Hugging Face hub (no path tricks: no leading dot, no '..', exactly one '/').
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -20,6 +29,122 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 _EXTRA_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
 
 _file_digests: dict[tuple[str, int, int], str] = {}  # (path, mtime_ns, size) -> sha256
+
+JOB_REF = re.compile(r"^job:(\d{1,12})$")
+MODEL_FIELDS = ("model", "teacher", "base", "tuned")
+# What a `job:N` in each field must point at: field -> (job kinds accepted, artifact kind).
+# A train job stores its trained model folder as artifact "model" (and the mask it built, if any).
+JOB_REF_TARGETS: dict[str, tuple[tuple[str, ...], str]] = {
+    **{f: (("train",), "model") for f in MODEL_FIELDS},
+    "fisher": (("fisher",), "fisher"),
+    "mask": (("mask", "train"), "mask"),
+}
+# Spec fields, per job kind, that name an artifact file (path or job:N) rather than a model.
+ARTIFACT_FIELDS: dict[str, tuple[str, ...]] = {
+    "mask": ("fisher", "gradient"),
+    "train": ("mask", "fisher"),
+    "diff": ("fisher",),
+}
+
+
+@dataclass(frozen=True)
+class JobArtifact:
+    """A resolved `job:N`: the verified absolute path of its artifact and what it is."""
+
+    job_id: int
+    job_kind: str
+    artifact: str
+    path: Path
+    sha256: str
+    label: str
+
+
+def job_ref_id(ref: Any) -> int | None:
+    """N for 'job:N', else None."""
+    m = JOB_REF.match(ref.strip()) if isinstance(ref, str) else None
+    return int(m.group(1)) if m else None
+
+
+def trained_model_label(job_id: int, spec: dict[str, Any]) -> str:
+    """'#6 train arith-base grpo masked': how a trained model is listed in the UI."""
+    masked = " masked" if spec.get("mask") or spec.get("mask_select") else ""
+    base = spec.get("model") or "?"
+    if job_ref_id(base) is not None:
+        base = f"#{job_ref_id(base)}"
+    return f"#{job_id} train {base} {spec.get('algo', 'grpo')}{masked}"
+
+
+_verified: dict[tuple[str, str], tuple[Any, ...]] = {}  # (path, sha256) -> file fingerprint
+
+
+def _fingerprint(path: Path) -> tuple[Any, ...]:
+    files = sorted(path.rglob("*")) if path.is_dir() else [path]
+    return tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file())
+
+
+def resolve_job_ref(
+    ref: str, field: str, settings: Any | None = None, session: Any | None = None
+) -> JobArtifact:
+    """'job:N' in spec field `field` -> the verified artifact it names.
+
+    Checks that job N exists, has finished successfully, is of a kind that can fill `field`
+    (JOB_REF_TARGETS) and that its artifact is present and matches its recorded sha256 (folders
+    are re-hashed only when a file changed). ValueError "<field>: ..." otherwise."""
+    from storage import repo
+    from storage.artifacts import ArtifactError, ArtifactStore
+
+    job_id = job_ref_id(ref)
+    if job_id is None:
+        raise ValueError(f"{field}: {ref!r} is not a job reference; write job:<number>, e.g. job:3")
+    kinds, art_kind = JOB_REF_TARGETS.get(field, ((), field))
+    if not kinds:
+        raise ValueError(f"{field}: job references are not accepted here; give a file")
+    settings = _settings(settings)
+    if session is None:
+        from storage.db import session_factory
+
+        with session_factory(settings.db_url)() as s:
+            return resolve_job_ref(ref, field, settings, s)
+    try:
+        job = repo.get_job(session=session, job_id=job_id)
+    except Exception:  # noqa: BLE001 - no jobs table yet (fresh database): nothing to point at
+        job = None
+    want = " or ".join(kinds)
+    if job is None:
+        raise ValueError(f"{field}: job {job_id} does not exist; give the id of a succeeded {want} job")
+    if job.kind not in kinds:
+        raise ValueError(f"{field}: job {job_id} is a {job.kind} job; a {want} job is needed")
+    if job.status != "succeeded":
+        raise ValueError(
+            f"{field}: job {job_id} is {job.status}; only a succeeded {want} job can be used"
+        )
+    art = repo.get_artifact(session=session, job_id=job.id, kind=art_kind)
+    if art is None:
+        raise ValueError(f"{field}: job {job_id} has no {art_kind} artifact")
+    store = ArtifactStore(settings.artifacts_dir)
+    try:
+        path = store.resolve(art.path)
+        key = (str(path), art.sha256)
+        if not path.exists():
+            raise ValueError(
+                f"{field}: the {art_kind} of job {job_id} is missing from the artifact store "
+                f"(deleted?); re-run job {job_id}"
+            )
+        fp = _fingerprint(path)
+        if _verified.get(key) != fp:
+            store.verify(art.path, art.sha256)
+            _verified[key] = fp
+    except ArtifactError:
+        raise ValueError(
+            f"{field}: the {art_kind} of job {job_id} does not match its recorded sha256 "
+            f"(corrupt or changed); re-run job {job_id}"
+        ) from None
+    label = (
+        trained_model_label(job.id, dict(job.spec or {}))
+        if art_kind == "model"
+        else f"#{job.id} {job.kind}"
+    )
+    return JobArtifact(job.id, job.kind, art_kind, path, art.sha256, label)
 
 
 def _settings(settings: Any | None) -> Any:
@@ -41,15 +166,13 @@ def _inside(path: Path, roots: list[Path]) -> bool:
 def _local_dir(ref: str, roots: list[Path]) -> str:
     raw = Path(ref).expanduser()
     resolved_roots = [Path(r).expanduser().resolve() for r in roots]
-    shown = ", ".join(str(r) for r in resolved_roots) or "(none)"
+    # Messages never list the roots: they are server paths (the operator knows them).
     if ".." in raw.parts:
-        raise ValueError(
-            f"model: {ref!r} contains '..'; give a path inside the allowed roots: {shown}"
-        )
+        raise ValueError(f"model: {ref!r} contains '..'; give a path inside the allowed model roots")
     resolved = raw.resolve()  # follows symlinks, so a link inside a root to outside is rejected
     if not _inside(resolved, resolved_roots):
         raise ValueError(
-            f"model: local directory {ref!r} is outside the allowed model roots ({shown}); "
+            f"model: local directory {ref!r} is outside the allowed model roots; "
             "the operator can add folders with ALLOWED_MODEL_ROOTS=/a:/b"
         )
     if not resolved.is_dir():
@@ -61,13 +184,26 @@ def _local_dir(ref: str, roots: list[Path]) -> str:
 
 def resolve_model(ref: str, settings: Any | None = None) -> str:
     """Zoo name -> its folder; local dir (inside settings.model_roots) -> resolved path;
-    hub id ``org/name`` -> unchanged. Anything else: ValueError "model: ..."."""
+    hub id ``org/name`` -> unchanged; ``job:N`` (a succeeded train job) -> its verified saved
+    model folder in the artifact store. Anything else: ValueError "model: ..."."""
     settings = _settings(settings)
     if not isinstance(ref, str) or not ref.strip():
         raise ValueError(
             "model: empty model reference; give a zoo name, a local directory or org/name"
         )
     ref = ref.strip()
+    if ref.startswith("job:"):
+        return str(resolve_job_ref(ref, "model", settings).path)
+    try:
+        return _resolve_name_or_path(ref, settings)
+    except OSError as exc:  # e.g. a 300-character name: "File name too long"
+        shown = ref if len(ref) <= 80 else ref[:77] + "..."
+        raise ValueError(
+            f"model: {shown!r} is not a usable model reference ({exc.strerror or type(exc).__name__})"
+        ) from None
+
+
+def _resolve_name_or_path(ref: str, settings: Any) -> str:
     zoo_dir = Path(settings.zoo_dir).expanduser().resolve()
     if ref in ZOO_NAMES or (
         re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.-]*", ref)
@@ -77,6 +213,11 @@ def resolve_model(ref: str, settings: Any | None = None) -> str:
         if not (path / "config.json").is_file():
             raise ValueError(f"model: zoo model {ref!r} is not built; run `fisherlens zoo build`")
         return str(path)
+    if ref in REAL_MODEL_NAMES:
+        path = zoo_dir / ref
+        if not (path / "config.json").is_file():
+            raise ValueError(f"model: {ref!r} is not added yet; run `fisherlens zoo add {ref}`")
+        return str(path)
     roots = list(settings.model_roots)
     if _looks_like_path(ref) or Path(ref).expanduser().exists():
         return _local_dir(ref, roots)
@@ -84,8 +225,8 @@ def resolve_model(ref: str, settings: Any | None = None) -> str:
         return ref
     raise ValueError(
         f"model: unknown model {ref!r}; accepted: a zoo name ({', '.join(ZOO_NAMES)}), "
-        "a local HF directory inside the allowed roots "
-        f"({', '.join(str(r) for r in roots) or 'none'}), or a hub id org/name"
+        "a local HF directory inside the allowed model roots, a hub id org/name, or job:N "
+        "(a succeeded train job)"
     )
 
 
@@ -93,7 +234,8 @@ def is_hub_id(resolved: str) -> bool:
     return not Path(resolved).is_absolute() and bool(_HUB_ID.match(resolved))
 
 
-def _file_sha256(path: Path) -> str:
+def file_sha256(path: Path) -> str:
+    """sha256 hex of a file, cached by (path, mtime, size)."""
     st = path.stat()
     key = (str(path), st.st_mtime_ns, st.st_size)
     digest = _file_digests.get(key)
@@ -121,5 +263,24 @@ def model_revision(ref: str, settings: Any | None = None) -> str:
     )
     h = hashlib.sha256()
     for p in files:
-        h.update(f"{p.name}\0{_file_sha256(p)}\n".encode())
+        h.update(f"{p.name}\0{file_sha256(p)}\n".encode())
     return h.hexdigest()
+
+
+def spec_job_refs(kind: str, spec: Any) -> list[tuple[str, str]]:
+    """(field, 'job:N') for every job reference in a spec of job `kind`."""
+    out = []
+    for field in (*MODEL_FIELDS, *ARTIFACT_FIELDS.get(kind, ())):
+        ref = getattr(spec, field, None)
+        if isinstance(ref, str) and ref.strip().startswith("job:"):
+            out.append((field, ref.strip()))
+    return out
+
+
+def check_spec_refs(kind: str, spec: Any, settings: Any | None = None, session: Any = None) -> Any:
+    """Resolve (and so verify) every `job:N` in the spec; ValueError naming the first bad one.
+    The spec is returned unchanged: references stay `job:N` (results show them, not server
+    paths) and are resolved again, by resolve_job_ref, where the files are read."""
+    for field, ref in spec_job_refs(kind, spec):
+        resolve_job_ref(ref, field, settings, session)
+    return spec

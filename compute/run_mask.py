@@ -32,9 +32,11 @@ def resolve_artifact(ref: str, kind: str) -> Path:
     kind is the artifact kind and the field name in errors ("fisher", "mask", "gradient")."""
     ref = str(ref).strip()
     if ref.startswith("job:"):
-        if _RESOLVER is None:
-            raise ValueError(f"{kind}: 'job:..' references are resolved by the worker; pass a path")
-        return Path(_RESOLVER(ref, kind))
+        if _RESOLVER is not None:
+            return Path(_RESOLVER(ref, kind))
+        from compute.modelref import resolve_job_ref  # the one resolver of job:N (DB + store)
+
+        return resolve_job_ref(ref, kind).path
     path = Path(ref).expanduser()
     if path.is_dir() and (path / f"{kind}.safetensors").is_file():
         path = path / f"{kind}.safetensors"

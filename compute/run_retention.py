@@ -6,9 +6,7 @@ import math
 from typing import Any
 
 from compute.results import Heatmap, JobResult, SeriesPoint, null_progress
-from compute.specs import RetentionSpec
-
-DEFAULT_TEACHERS = {"arith-base": "arith-teacher"}
+from compute.specs import DEFAULT_TEACHERS, RetentionSpec
 
 
 def run(spec: RetentionSpec, progress: Any = null_progress) -> JobResult:

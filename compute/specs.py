@@ -12,7 +12,15 @@ import hashlib
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Estimator = Literal["sequence", "token", "empirical", "batch"]
@@ -20,6 +28,8 @@ Selector = Literal[
     "fisher", "fisher-tensor", "fisher-bottom", "random", "magnitude", "magnitude-bottom", "gradient"
 ]
 Algo = Literal["grpo", "opd", "sft"]
+# Retention's OPD teacher when none is given (compute.run_retention uses this table).
+DEFAULT_TEACHERS = {"arith-base": "arith-teacher"}
 
 
 class _Spec(BaseModel):
@@ -31,14 +41,51 @@ class _Spec(BaseModel):
         return hashlib.sha256(f"{type(self).__name__}:{blob}".encode()).hexdigest()
 
 
-ModelRef = Annotated[str, Field(min_length=1, max_length=500, description="zoo name, local HF dir, or hub id")]
+def _check_task(name: str) -> str:
+    """Task name and options (e.g. arithmetic?digits=1000000 is refused here, not in a worker).
+    jsonl: files are checked where the allowed roots are known (app.services.validate)."""
+    from compute.tasks import get_task
+
+    if name.startswith("jsonl:"):
+        path, _, query = name[len("jsonl:"):].partition("?")
+        if not path.strip():
+            raise ValueError("'jsonl:' needs a path, e.g. jsonl:/data/gsm8k.jsonl")
+        for key, _eq, value in (part.partition("=") for part in query.split("&") if part):
+            if key != "match":
+                raise ValueError(f"unknown option {key!r} in {name!r}; accepted: match")
+            if value not in ("exact", "numeric"):
+                raise ValueError(f"match={value!r} is not accepted; accepted: exact, numeric")
+        return name
+    try:
+        get_task(name)
+    except ValueError as exc:
+        msg = str(exc)
+        raise ValueError(msg[len("task: "):] if msg.startswith("task: ") else msg) from None
+    return name
+
+
+_DEVICE = r"^(auto|cpu|mps|cuda(:\d{1,2})?)$"
+
+ModelRef = Annotated[
+    str,
+    Field(
+        min_length=1,
+        max_length=500,
+        description="zoo name, local HF dir, hub id org/name, or job:N (a succeeded train job)",
+    ),
+]
 TaskRef = Annotated[
     str,
     Field(
         min_length=1,
         max_length=500,
-        description="'arithmetic', 'arithmetic-add', 'arithmetic-mul', or 'jsonl:PATH'",
+        description="'arithmetic', 'arithmetic-add', 'arithmetic-mul' (options after '?', e.g. "
+        "'arithmetic-add?digits=3'), or 'jsonl:PATH'",
     ),
+    AfterValidator(_check_task),
+]
+Device = Annotated[
+    str, Field(max_length=32, pattern=_DEVICE, description="auto | cpu | mps | cuda | cuda:N")
 ]
 
 
@@ -58,8 +105,17 @@ class FisherSpec(_Spec):
     topk_percent: float = Field(1.0, gt=0.0, le=100.0, description="top-k% used for split-half stability")
     exact_output: bool = Field(True, description="also compute the exact output-layer Fisher")
     dtype: Dtype = "auto"
-    device: str = Field("auto", max_length=32)
+    device: Device = "auto"
     memory_budget_mb: int = Field(2048, ge=64, le=1_048_576)
+
+    @model_validator(mode="after")
+    def _shards_have_prompts(self) -> FisherSpec:
+        if self.shards > self.prompts:
+            raise ValueError(
+                f"shards: got {self.shards}; accepted range: >= 1, <= prompts ({self.prompts}): "
+                "every shard needs at least one prompt"
+            )
+        return self
 
 
 class MaskSpec(_Spec):
@@ -77,7 +133,20 @@ class MaskSpec(_Spec):
         description="gradient.safetensors path or 'job:<id>' for the 'gradient' selector "
         "(default: computed from the SFT loss on `prompts` gold answers of `task`)",
     )
-    device: str = Field("auto", max_length=32)
+
+    @model_validator(mode="after")
+    def _selector_inputs(self) -> MaskSpec:
+        sel = self.select
+        if sel.startswith("fisher") and not self.fisher:
+            raise ValueError(f"fisher: selector {sel!r} needs a Fisher (job:<id> of a fisher job)")
+        if sel.startswith("magnitude") and not self.model:
+            raise ValueError(f"model: selector {sel!r} needs the model (its weights are ranked)")
+        if sel == "gradient" and not (self.gradient or self.model):
+            raise ValueError("model: selector 'gradient' needs a model (or a gradient file)")
+        if sel == "random" and not (self.model or self.fisher):
+            raise ValueError("model: selector 'random' needs a model or a Fisher (for tensor shapes)")
+        return self
+    device: Device = "auto"
 
 
 class TrainSpec(_Spec):
@@ -103,7 +172,7 @@ class TrainSpec(_Spec):
     eval_prompts: int = Field(200, ge=1, le=100_000)
     seed: int = Field(0, ge=0, le=2**31 - 1)
     dtype: Dtype = "auto"
-    device: str = Field("auto", max_length=32)
+    device: Device = "auto"
     momentum: float = Field(0.0, ge=0.0, lt=1.0, description="SGD momentum")
     grad_clip: float | None = Field(1.0, gt=0.0, le=1e6, description="max grad norm; None = off")
     temperature: float = Field(1.0, gt=0.0, le=5.0, description="sampling temperature")
@@ -113,6 +182,18 @@ class TrainSpec(_Spec):
     fisher_prompts: int = Field(32, ge=1, le=4096, description="prompts of the Fisher for mask_select")
     fisher_samples: int = Field(4, ge=1, le=64, description="samples per prompt of that Fisher")
     bound: bool = Field(True, description="GRPO: check the Cauchy-Schwarz bound on the first batch")
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> TrainSpec:
+        if self.algo == "opd" and not self.teacher:
+            raise ValueError("teacher: algo 'opd' needs a teacher model (e.g. arith-teacher)")
+        if self.mask and self.mask_select:
+            raise ValueError("mask: give either mask or mask_select + mask_density, not both")
+        if self.mask_select and self.mask_density is None:
+            raise ValueError("mask_density: needed with mask_select; accepted range: > 0, <= 1")
+        if self.mask_density is not None and not self.mask_select:
+            raise ValueError("mask_select: mask_density needs a selector (e.g. fisher)")
+        return self
 
 
 class RetentionSpec(_Spec):
@@ -135,7 +216,7 @@ class RetentionSpec(_Spec):
     fisher_prompts: int = Field(64, ge=1, le=4096)
     fisher_samples: int = Field(4, ge=1, le=64)
     eval_prompts: int = Field(500, ge=1, le=100_000)
-    device: str = Field("auto", max_length=32)
+    device: Device = "auto"
     batch: int = Field(16, ge=1, le=1024, description="prompts per step")
     group: int = Field(8, ge=2, le=64, description="completions sampled per prompt")
     max_new_tokens: int = Field(6, ge=1, le=1024)
@@ -145,6 +226,15 @@ class RetentionSpec(_Spec):
     kl_coef: float = Field(0.0, ge=0.0, le=100.0)
     distill_estimator: Literal["full", "sampled"] = "full"
     dtype: Dtype = "auto"
+
+    @model_validator(mode="after")
+    def _opd_teacher(self) -> RetentionSpec:
+        if self.algo == "opd" and not self.teacher and self.model not in DEFAULT_TEACHERS:
+            raise ValueError(
+                f"teacher: algo 'opd' needs a teacher model for {self.model!r} "
+                f"(a default exists only for {', '.join(DEFAULT_TEACHERS)})"
+            )
+        return self
 
 
 class DiffSpec(_Spec):
@@ -171,7 +261,7 @@ class TokensSpec(_Spec):
     max_tokens: int = Field(256, ge=1, le=4096, description="cap on tokens enumerated for the Fisher trace")
     memory_budget_mb: int = Field(1024, ge=16, le=1_048_576)
     dtype: Dtype = "auto"
-    device: str = Field("auto", max_length=32)
+    device: Device = "auto"
 
     @field_validator("context")
     @classmethod
@@ -227,6 +317,16 @@ def _friendly(err: Any, cls: type[BaseModel]) -> dict[str, str]:
         return {"field": field, "message": "unknown field"}
     if typ == "literal_error":
         return {"field": field, "message": f"got {value!r}; accepted: {ctx.get('expected')}"}
+    if typ == "value_error":
+        msg = str(ctx.get("error") or err.get("msg", "invalid value"))
+        head, sep, rest = msg.partition(": ")
+        if field == "spec" and sep and head in cls.model_fields:  # a cross-field rule
+            return {"field": head, "message": rest}
+        return {"field": field, "message": msg}
+    if typ == "string_pattern_mismatch" and field.split(".")[-1] == "device":
+        return {"field": field, "message": f"got {value!r}; accepted: auto, cpu, mps, cuda, cuda:N"}
+    if typ in {"int_from_float", "int_parsing", "int_type"}:
+        return {"field": field, "message": f"got {value!r}; give a whole number"}
     return {"field": field, "message": err.get("msg", "invalid value")}
 
 

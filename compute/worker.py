@@ -167,19 +167,12 @@ def _claim(settings: Any, s: Any, job: Job | None, hostname: str) -> str | None:
 
 
 def _resolve_refs(settings: Any, s: Any, kind: str, spec: Any) -> Any:
-    """'job:<id>' in MaskSpec.fisher / TrainSpec.mask / DiffSpec.fisher -> verified file path."""
-    updates: dict[str, str] = {}
-    store = ArtifactStore(settings.artifacts_dir)
-    for field, art_kind in REF_FIELDS.get(kind, {}).items():
-        ref = getattr(spec, field, None)
-        if not ref or not str(ref).startswith("job:"):
-            continue
-        ref_id = int(str(ref)[4:])
-        art = repo.get_artifact(session=s, job_id=ref_id, kind=art_kind)
-        if art is None:
-            raise ValueError(f"{field}: job {ref_id} has no {art_kind} artifact")
-        updates[field] = str(store.verify(art.path, art.sha256))
-    return spec.model_copy(update=updates) if updates else spec
+    """Check every 'job:<id>' of the spec (model, teacher, base, tuned, fisher, mask) with
+    compute.modelref, the resolver the API validated it with; the spec keeps the references
+    (the compute code resolves them again where it reads the files)."""
+    from compute.modelref import check_spec_refs
+
+    return check_spec_refs(kind, spec, settings, s)
 
 
 def _fail(settings: Any, job_id: int, exc: BaseException) -> None:

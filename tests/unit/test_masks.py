@@ -268,7 +268,7 @@ def test_run_mask_gradient_and_errors(model_dir) -> None:
     assert sum(float(g.sum()) for g in grad.values()) > 0
     want = select_mask("gradient", 0.05, scores=grad)
     assert all(torch.equal(res.tensors["mask"][n], want[n]) for n in want)
-    with pytest.raises(ValueError, match=r"fisher: 'job:\.\.' references are resolved by the worker; pass a path"):
+    with pytest.raises(ValueError, match=r"fisher: job 12 does not exist"):  # via compute.modelref
         run(MaskSpec(fisher="job:12", select="fisher"))
     with pytest.raises(ValueError, match="fisher: file not found"):
         run(MaskSpec(fisher=str(root / "nope.safetensors")))
