@@ -6,7 +6,8 @@ Every function takes `settings` (app.settings.Settings) and returns plain dicts.
 
 from __future__ import annotations
 
-import re
+import contextlib
+import json
 import threading
 from pathlib import Path
 from typing import Any
@@ -14,19 +15,20 @@ from typing import Any
 from sqlalchemy.orm import Session, sessionmaker
 
 from compute.celery_app import send_job
+from compute.modelref import (
+    ARTIFACT_FIELDS,
+    MODEL_FIELDS,
+    file_sha256,
+    job_ref_id,
+    model_revision,
+    resolve_job_ref,
+    resolve_model,
+    spec_job_refs,
+)
 from compute.specs import SpecError, parse_spec
 from storage import repo
 from storage.db import session_factory, upgrade
 from storage.models import FINAL_STATUSES, revision_digest
-
-_JOB_REF = re.compile(r"^job:(\d{1,12})$")
-# Spec fields naming other jobs' artifacts: field -> (kind of job it must be, artifact kind).
-REF_FIELDS: dict[str, dict[str, tuple[str, str]]] = {
-    "mask": {"fisher": ("fisher", "fisher")},
-    "train": {"mask": ("mask", "mask")},
-    "diff": {"fisher": ("fisher", "fisher")},
-}
-MODEL_FIELDS = ("model", "teacher", "base", "tuned")
 
 _upgraded: set[str] = set()
 _upgrade_lock = threading.Lock()
@@ -54,66 +56,171 @@ def _public(settings: Any, job_dict: dict[str, Any], **extra: Any) -> dict[str, 
 
 
 def validate(settings: Any, kind: str, data: dict[str, Any]) -> tuple[Any, list[str]]:
-    """(spec, model revision) or SpecError naming each bad field. Checks model references
-    (allowed roots, zoo built) and job/file references, so nothing unrunnable is queued."""
-    spec = parse_spec(kind, data)
-    errors: list[dict[str, str]] = []
-    revisions: list[str] = []
-    from compute.modelref import model_revision
+    """(spec, revision parts) or SpecError naming each bad field: the one validation path of the
+    API, the UI and `fisherlens submit` (the direct CLI commands call check_spec with local=True).
+    Nothing that passes is refused by a worker for its input."""
+    spec = parse_spec(kind, data)  # types, ranges, cross-field rules, task names and options
+    return spec, check_spec(settings, kind, spec)
 
-    for field in MODEL_FIELDS:
-        ref = getattr(spec, field, None)
-        if not ref:
-            continue
+
+def check_spec(settings: Any, kind: str, spec: Any, *, local: bool = False) -> list[str]:
+    """What the spec alone cannot say: model references (allowed roots, zoo built, job:N of a
+    succeeded train job), layer ranges against the model's config.json, artifact references
+    (job:N: exists, succeeded, right kind, readable artifact; files: inside the allowed roots,
+    readable safetensors) and jsonl: task files (inside the allowed roots, every line valid).
+    `local` (the CLI's direct commands, run as the user): any readable file is accepted.
+    Returns the revision parts (one per referenced model or artifact); SpecError otherwise.
+    Messages name the field and echo the user's input, never a server path."""
+    errors: list[dict[str, str]] = []
+    parts: list[str] = []
+    needs_db = bool(spec_job_refs(kind, spec))
+    with sessions(settings)() if needs_db else contextlib.nullcontext() as s:
+        for field in MODEL_FIELDS:
+            ref = getattr(spec, field, None)
+            if not ref:
+                continue
+            try:
+                parts.append(f"{field}={_model_revision(settings, s, field, ref)}")
+                if field == "model" and getattr(spec, "layer", None) is not None:
+                    _check_layer(settings, s, ref, int(spec.layer))
+            except ValueError as exc:
+                errors.append(_field_error(field, exc))
+        for field in ARTIFACT_FIELDS.get(kind, ()):
+            ref = getattr(spec, field, None)
+            if not ref:
+                continue
+            try:
+                parts.append(f"{field}={_artifact_revision(settings, s, field, ref, local)}")
+            except ValueError as exc:
+                errors.append(_field_error(field, exc))
+    task = getattr(spec, "task", None)
+    if isinstance(task, str) and task.startswith("jsonl:"):
         try:
-            revisions.append(f"{field}={model_revision(ref, settings)}")
+            _check_jsonl(settings, task, local)
         except ValueError as exc:
-            msg = str(exc)
-            msg = msg.split(": ", 1)[1] if msg.startswith("model: ") else msg
-            errors.append({"field": field, "message": msg})
-    for field, (want_kind, _art) in REF_FIELDS.get(kind, {}).items():
-        ref = getattr(spec, field, None)
-        if not ref:
-            continue
-        try:
-            revisions.append(f"{field}={_ref_revision(settings, ref, want_kind)}")
-        except ValueError as exc:
-            errors.append({"field": field, "message": str(exc)})
+            errors.append(_field_error("task", exc))
     if errors:
         raise SpecError(errors)
-    return spec, revisions
+    return parts
 
 
-def _ref_revision(settings: Any, ref: str, want_kind: str) -> str:
-    """A revision string for a 'job:<id>' or file reference; ValueError if unusable."""
-    m = _JOB_REF.match(ref.strip())
-    if m:
-        with sessions(settings)() as s:
-            job = repo.get_job(session=s, job_id=int(m.group(1)))
-            if job is None:
-                raise ValueError(f"{ref!r}: no such job")
-            if job.kind != want_kind:
-                raise ValueError(f"{ref!r} is a {job.kind} job; a {want_kind} job is needed")
-            if job.status != "succeeded":
-                raise ValueError(f"{ref!r} is {job.status}; submit this once it has succeeded")
-            art = repo.get_artifact(session=s, job_id=job.id, kind=want_kind)
-            return f"job:{job.id}:{art.sha256 if art else ''}"
-    if ref.startswith("job:"):
-        raise ValueError(f"{ref!r}: a job reference is 'job:<number>'")
-    path = Path(ref).expanduser()
-    if not path.is_absolute():
-        raise ValueError(f"{ref!r}: give an absolute path, or 'job:<id>' of a {want_kind} job")
-    roots = [Path(settings.artifacts_dir), *[Path(r) for r in settings.model_roots]]
-    resolved = path.resolve()
-    if not any(resolved.is_relative_to(r.resolve()) for r in roots):
+def _field_error(field: str, exc: Exception) -> dict[str, str]:
+    msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    for prefix in (f"{field}: ", "model: ", "task: "):
+        if msg.startswith(prefix):
+            msg = msg[len(prefix):]
+            break
+    return {"field": field, "message": msg}
+
+
+def _model_revision(settings: Any, s: Any, field: str, ref: str) -> str:
+    """The revision part of a model reference; ValueError if it cannot be used."""
+    if job_ref_id(ref) is not None:
+        art = resolve_job_ref(ref, field, settings, s)
+        return f"job:{art.job_id}:{art.sha256}"
+    return model_revision(ref, settings)
+
+
+def _model_config(settings: Any, s: Any, ref: str) -> dict[str, Any] | None:
+    """config.json of a local or zoo model or a trained model (None for hub ids): read as JSON,
+    no torch, no weights."""
+    folder = (
+        resolve_job_ref(ref, "model", settings, s).path
+        if job_ref_id(ref) is not None
+        else Path(resolve_model(ref, settings))
+    )
+    if not folder.is_absolute():
+        return None
+    try:
+        cfg = json.loads((folder / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        raise ValueError(f"model: {ref!r} has no readable config.json") from None
+    return cfg if isinstance(cfg, dict) else None
+
+
+def _check_layer(settings: Any, s: Any, ref: str, layer: int) -> None:
+    cfg = _model_config(settings, s, ref)
+    if cfg is None:
+        return
+    n = next(
+        (cfg[k] for k in ("num_hidden_layers", "n_layer", "num_layers") if isinstance(cfg.get(k), int)),
+        None,
+    )
+    if n is not None and not 0 <= layer < n:
         raise ValueError(
-            f"{ref!r} is outside the artifact root and the allowed model roots "
-            f"({', '.join(str(r) for r in roots)})"
+            f"layer: got {layer}; accepted range: >= 0, <= {n - 1} ({ref} has {n} blocks)"
         )
-    if not resolved.is_file():
-        raise ValueError(f"{ref!r}: file does not exist")
-    st = resolved.stat()
-    return f"{resolved}:{st.st_size}:{st.st_mtime_ns}"
+
+
+def _safetensors_header(path: Path) -> None:
+    """ValueError unless `path` starts like a safetensors file (length + JSON header)."""
+    try:
+        with path.open("rb") as fh:
+            head = fh.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if not 2 <= n <= 100_000_000:
+                raise ValueError("is not a safetensors file")
+            header = json.loads(fh.read(n))
+    except OSError as exc:
+        raise ValueError(f"cannot be read ({exc.strerror or type(exc).__name__})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ValueError("is not a safetensors file (unreadable header)") from None
+    if not isinstance(header, dict) or not any(k != "__metadata__" for k in header):
+        raise ValueError("is a safetensors file with no tensors")
+
+
+def _inside(path: Path, roots: list[Path]) -> bool:
+    return any(path.is_relative_to(Path(r).expanduser().resolve()) for r in roots)
+
+
+def _artifact_revision(settings: Any, s: Any, field: str, ref: str, local: bool) -> str:
+    """The revision part of a fisher/mask/gradient reference ('job:<id>' or a file)."""
+    ref = ref.strip()
+    if ref.startswith("job:"):
+        art = resolve_job_ref(ref, field, settings, s)
+        return f"job:{art.job_id}:{art.sha256}"
+    path = Path(ref).expanduser()
+    if not local and not path.is_absolute():
+        raise ValueError(f"{ref!r}: give an absolute path, or job:<id> of a {field} job")
+    try:
+        resolved = path.resolve()
+        if not local and not _inside(resolved, [settings.artifacts_dir, *settings.model_roots]):
+            raise ValueError(
+                f"{ref!r} is outside the artifact store and the allowed model roots; "
+                f"use job:<id> of a {field} job"
+            )
+        if resolved.is_dir() and (resolved / f"{field}.safetensors").is_file():
+            resolved = resolved / f"{field}.safetensors"
+        if not resolved.is_file():
+            raise ValueError(f"{ref!r}: file does not exist")
+    except OSError as exc:
+        raise ValueError(f"{ref[:80]!r}: not a usable path ({exc.strerror})") from None
+    try:
+        _safetensors_header(resolved)
+    except ValueError as exc:
+        raise ValueError(f"{ref!r} {exc}") from None
+    return f"file:{file_sha256(resolved)}"
+
+
+def _check_jsonl(settings: Any, task: str, local: bool) -> None:
+    from compute.tasks import get_task
+
+    raw = task[len("jsonl:"):].partition("?")[0]
+    path = Path(raw).expanduser()
+    if not local and not path.is_absolute():
+        raise ValueError(f"jsonl file {raw!r}: give an absolute path")
+    try:
+        resolved = path.resolve()
+        if not local and not _inside(resolved, list(settings.model_roots)):
+            raise ValueError(
+                f"jsonl file {raw!r} is outside the allowed roots; the operator can add folders "
+                "with ALLOWED_MODEL_ROOTS=/a:/b"
+            )
+        if not resolved.is_file():
+            raise ValueError(f"jsonl file {raw!r} does not exist")
+        get_task(task).examples(1, split="train")  # parses every line; needs a train example
+    except OSError as exc:
+        raise ValueError(f"jsonl file {raw[:80]!r} cannot be read ({exc.strerror})") from None
 
 
 def submit(settings: Any, kind: str, data: dict[str, Any], *, reuse: bool = True) -> dict[str, Any]:

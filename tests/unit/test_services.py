@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from app import services
 from app.settings import get_settings
@@ -21,8 +22,12 @@ def settings(fl_home: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("FISHERLENS_QUEUE", "fisherlens")
     zoo = fl_home / "zoo" / "arith-base"  # model_revision only hashes the files
     zoo.mkdir(parents=True)
-    (zoo / "config.json").write_text('{"model_type": "llama"}')
+    (zoo / "config.json").write_text('{"model_type": "llama", "num_hidden_layers": 2}')
     (zoo / "model.safetensors").write_bytes(b"weights-v1")
+    teacher = fl_home / "zoo" / "arith-teacher"
+    teacher.mkdir(parents=True)
+    (teacher / "config.json").write_text('{"model_type": "llama", "num_hidden_layers": 2}')
+    (teacher / "model.safetensors").write_bytes(b"teacher")
     return get_settings()
 
 
@@ -83,18 +88,165 @@ def test_invalid_spec_names_fields_and_queues_nothing(settings) -> None:
 
 def test_job_references_must_be_succeeded_jobs_of_the_right_kind(settings) -> None:
     fisher = services.submit(settings, "fisher", {"model": "arith-base"})
-    with pytest.raises(SpecError, match="fisher: 'job:.*' is queued"):
+    with pytest.raises(SpecError, match=f"fisher: job {fisher['id']} is queued; only a succeeded"):
         services.submit(settings, "mask", {"fisher": f"job:{fisher['id']}"})
-    with pytest.raises(SpecError, match="no such job"):
+    with pytest.raises(SpecError, match="job 999 does not exist"):
         services.submit(settings, "mask", {"fisher": "job:999"})
-    with pytest.raises(SpecError, match="is a fisher job; a mask job is needed"):
+    with pytest.raises(SpecError, match="is a fisher job; a mask or train job is needed"):
         services.submit(settings, "train", {"model": "arith-base", "mask": f"job:{fisher['id']}"})
-    with pytest.raises(SpecError, match="outside the artifact root"):
+    with pytest.raises(SpecError, match="outside the artifact store"):
         services.submit(settings, "mask", {"fisher": "/etc/passwd"})
     with services.sessions(settings)() as s:
         repo.mark_succeeded(session=s, job_id=fisher["id"])
+    with pytest.raises(SpecError, match=f"job {fisher['id']} has no fisher artifact"):
+        services.submit(settings, "mask", {"fisher": f"job:{fisher['id']}"})
+    _store_result(settings, fisher["id"], tensors={"fisher": {"w": torch.ones(3)}})
     mask = services.submit(settings, "mask", {"fisher": f"job:{fisher['id']}", "density": 0.1})
     assert mask["status"] == "queued"
+    assert mask["revisions"][0].startswith(f"fisher=job:{fisher['id']}:")
+
+
+def _store_result(settings, job_id: int, **kw) -> None:
+    from compute.results import JobResult
+    from storage.artifacts import ArtifactStore
+
+    with services.sessions(settings)() as s:
+        repo.save_result(session=s, job_id=job_id, result=JobResult(kind="x", summary={}, **kw),
+                         store=ArtifactStore(settings.artifacts_dir))
+        repo.mark_succeeded(session=s, job_id=job_id)
+
+
+def _trained(settings, tmp_path: Path, **spec) -> dict:
+    """A succeeded train job whose saved model folder is in the artifact store (as a worker
+    leaves it): the folder is an HF directory with 2 layers."""
+    job = services.submit(settings, "train", {"model": "arith-base", **spec})
+    out = tmp_path / f"trained-{job['id']}"
+    out.mkdir()
+    (out / "config.json").write_text('{"model_type": "llama", "num_hidden_layers": 2}')
+    (out / "model.safetensors").write_bytes(b"trained weights")
+    _store_result(settings, job["id"], files={"model": str(out)})
+    return job
+
+
+def test_trained_model_is_a_model_everywhere(settings, tmp_path: Path) -> None:
+    """job:N of a succeeded train job is accepted as model, teacher, base and tuned; the trained
+    folder lives in the artifact store (outside the allowed model roots), is verified by sha256,
+    and errors name the field without server paths."""
+    from compute.modelref import resolve_job_ref, resolve_model
+
+    trained = _trained(settings, tmp_path, mask_select="fisher", mask_density=0.1)
+    ref = f"job:{trained['id']}"
+    art = resolve_job_ref(ref, "tuned", settings)
+    assert art.label == f"#{trained['id']} train arith-base grpo masked"
+    assert art.path.is_relative_to(settings.artifacts_dir) and (art.path / "config.json").is_file()
+    assert resolve_model(ref, settings) == str(art.path)
+    for kind, spec in [
+        ("diff", {"base": "arith-base", "tuned": ref}),
+        ("fisher", {"model": ref, "prompts": 2}),
+        ("tokens", {"model": ref, "context": "1+1=", "layer": 1}),
+        ("train", {"model": "arith-base", "algo": "opd", "teacher": ref}),
+    ]:
+        job = services.submit(settings, kind, spec)
+        assert job["status"] == "queued", (kind, job)
+        assert any(p.startswith(f"{f}=job:{trained['id']}:") for p in job["revisions"]
+                   for f in ("model", "teacher", "tuned"))
+    with pytest.raises(SpecError) as err:
+        services.submit(settings, "tokens", {"model": ref, "context": "1+1=", "layer": 2})
+    assert err.value.errors == [{"field": "model", "message": f"layer: got 2; accepted range: >= 0, <= 1 ({ref} has 2 blocks)"}]
+    fisher = services.submit(settings, "fisher", {"model": "arith-base", "prompts": 3})
+    with pytest.raises(SpecError, match="tuned: job .* is a fisher job; a train job is needed"):
+        services.submit(settings, "diff", {"base": "arith-base", "tuned": f"job:{fisher['id']}"})
+    # corrupt, then missing: a clear 4xx-style message, no server path
+    (art.path / "model.safetensors").write_bytes(b"changed")
+    with pytest.raises(SpecError) as err:
+        services.submit(settings, "diff", {"base": "arith-base", "tuned": ref, "topk_percent": 2})
+    msg = err.value.errors[0]["message"]
+    assert err.value.errors[0]["field"] == "tuned" and "does not match its recorded sha256" in msg
+    import shutil
+
+    shutil.rmtree(art.path)
+    with pytest.raises(SpecError, match="missing from the artifact store") as err:
+        services.submit(settings, "diff", {"base": "arith-base", "tuned": ref, "topk_percent": 3})
+    assert str(settings.home) not in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("kind", "spec", "field", "words"),
+    [
+        ("train", {"model": "arith-base", "algo": "opd"}, "teacher", "needs a teacher"),
+        ("fisher", {"model": "arith-base", "task": "nonsense"}, "task", "unknown task 'nonsense'"),
+        ("fisher", {"model": "arith-base", "task": "arithmetic?digits=1000000"}, "task", "accepted: 1..6"),
+        ("fisher", {"model": "arith-base", "task": "arithmetic?bogus=1"}, "task", "unknown option"),
+        ("fisher", {"model": "arith-base", "task": "jsonl:/missing.jsonl"}, "task", "outside the allowed roots"),
+        ("fisher", {"model": "arith-base", "task": "jsonl:data.jsonl"}, "task", "absolute path"),
+        ("tokens", {"model": "arith-base", "context": "1+", "layer": 7}, "model", "layer: got 7; accepted range: >= 0, <= 1"),
+        ("fisher", {"model": "arith-base", "prompts": 1.5}, "prompts", "whole number"),
+        ("fisher", {"model": "arith-base", "device": "banana"}, "device", "cuda:N"),
+        ("fisher", {"model": "arith-base", "prompts": 2, "shards": 3}, "shards", "<= prompts (2)"),
+        ("mask", {"select": "fisher"}, "fisher", "needs a Fisher"),
+        ("mask", {"select": "gradient", "gradient": "job:1", "model": "arith-base"}, "gradient", "not accepted"),
+        ("train", {"model": "arith-base", "mask_select": "fisher"}, "mask_density", "needed with mask_select"),
+        ("retention", {"model": "arith-teacher", "algo": "opd"}, "teacher", "needs a teacher"),
+        ("diff", {"base": "arith-base", "tuned": "job:x"}, "tuned", "not a job reference"),
+        ("fisher", {"model": "a" * 300}, "model", "not a usable model reference"),
+    ],
+)
+def test_bad_input_never_queues_anything(settings, kind, spec, field, words) -> None:
+    with pytest.raises(SpecError) as err:
+        services.submit(settings, kind, spec)
+    fields = {e["field"]: e["message"] for e in err.value.errors}
+    assert field in fields and words in fields[field], err.value.errors
+    assert _messages(settings) == [] and services.list_jobs(settings) == []
+    for e in err.value.errors:  # no server path in what the user sees
+        assert str(settings.home) not in e["message"]
+
+
+def test_jsonl_tasks_inside_the_allowed_roots_are_checked_line_by_line(fl_home, tmp_path, monkeypatch) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    monkeypatch.setenv("ALLOWED_MODEL_ROOTS", str(data))
+    zoo = fl_home / "zoo" / "arith-base"
+    zoo.mkdir(parents=True)
+    (zoo / "config.json").write_text("{}")
+    settings = get_settings()
+    good = data / "good.jsonl"
+    good.write_text('{"prompt": "1+1=", "answer": 2, "split": "train"}\n')
+    bad = data / "bad.jsonl"
+    bad.write_text('{"prompt": "1+1=", "answer": 2}\nnot json\n')
+    assert services.submit(settings, "fisher", {"model": "arith-base", "task": f"jsonl:{good}"})["status"] == "queued"
+    with pytest.raises(SpecError, match=r"bad.jsonl:2: not valid JSON"):
+        services.submit(settings, "fisher", {"model": "arith-base", "task": f"jsonl:{bad}"})
+    with pytest.raises(SpecError, match="does not exist"):
+        services.submit(settings, "fisher", {"model": "arith-base", "task": f"jsonl:{data / 'none.jsonl'}"})
+
+
+def test_long_revisions_on_postgresql(fl_home, tmp_path, monkeypatch) -> None:
+    """On PostgreSQL a diff of two models with a Fisher answered 500 (the joined revisions did
+    not fit String(128)); now it is stored as a digest with its parts."""
+    from tests.unit.test_storage import _pg_schema_url
+
+    gen = _pg_schema_url()
+    url = next(gen)
+    try:
+        monkeypatch.setenv("DATABASE_URL", url)
+        monkeypatch.setenv("FISHERLENS_QUEUE", "fisherlens")
+        for name in ("arith-base", "arith-teacher"):
+            z = fl_home / "zoo" / name
+            z.mkdir(parents=True)
+            (z / "config.json").write_text('{"model_type": "llama"}')
+            (z / "model.safetensors").write_bytes(name.encode())
+        settings = get_settings()
+        fisher = services.submit(settings, "fisher", {"model": "arith-base"})
+        _store_result(settings, fisher["id"], tensors={"fisher": {"w": torch.ones(3)}})
+        trained = _trained(settings, tmp_path)
+        job = services.submit(settings, "diff", {"base": "arith-base", "tuned": f"job:{trained['id']}",
+                                                 "fisher": f"job:{fisher['id']}"})
+        assert len(";".join(job["revisions"])) > 128 and len(job["model_revision"]) == 64
+        opd = services.submit(settings, "train", {"model": "arith-base", "algo": "opd",
+                                                  "teacher": "arith-teacher"})
+        assert opd["status"] == "queued"
+    finally:
+        gen.close()
 
 
 def test_cancel_and_rerun(settings) -> None:
