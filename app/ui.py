@@ -10,13 +10,16 @@ so it can always be copied: /r/<token> (read-only result), /?tab=..., /?tab=comp
 from __future__ import annotations
 
 import html
+import json
 import logging
 from typing import Any
 from urllib.parse import urlencode
 
 import gradio as gr
+from gradio.components.plot import PlotData
 
 from app import api, plots, services
+from app.figures.store import store_for
 from compute.specs import SPECS, SpecError
 from storage.models import FINAL_STATUSES, JOB_STATUSES
 
@@ -302,7 +305,12 @@ def build_ui(settings: Any) -> gr.Blocks:  # noqa: C901 - layout + wiring read t
         new_sig = f"{token}:{status}:{meta.get('progress')}:{meta.get('message')}"
         if new_sig == sig and not force:
             return [gr.skip()] * n_out
-        job = (services.result_by_token(settings, token) if status == "succeeded" else None) or {"job": meta}
+        # figures, tables and downloads from the stored figures (app/figures/store.py: built once
+        # per job, the same file the share page draws)
+        stored = store_for(settings).get(meta["id"], meta.get("finished_at"),
+                                         lambda: services.result_by_token(settings, token)
+                                         ) if status == "succeeded" else None
+        job = {"job": meta, "artifacts": (stored or {}).get("artifacts") or []}
         share = services.share_url(settings, token)
         path = f"/r/{token}" if readonly else "/?" + urlencode({"tab": "result", "r": token})
         head = [progress_html(meta), spec_html(meta), share,
@@ -319,14 +327,15 @@ def build_ui(settings: Any) -> gr.Blocks:  # noqa: C901 - layout + wiring read t
             tables = [gr.Dataframe(visible=False)] * MAX_TABLES if not final else [gr.skip()] * MAX_TABLES
             return [*head, *figs, *tables, path, new_sig, pick]
         figs_out: list[Any] = []
-        figures = plots.result_figures(job) if status == "succeeded" else []
+        figures = [(f["title"], PlotData(type="plotly", plot=json.dumps(f["figure"])))
+                   for f in (stored or {}).get("figures") or []]
         for i in range(MAX_FIGS):
             if i < len(figures):
                 title, fig = figures[i]
                 figs_out.append(gr.Plot(value=fig, visible=True, label=title))
             else:
                 figs_out.append(gr.Plot(visible=False, value=None))
-        table_list = plots.result_tables(job) if status == "succeeded" else []
+        table_list = [(t["title"], (t["headers"], t["rows"])) for t in (stored or {}).get("tables") or []]
         tabs_out: list[Any] = []
         for i in range(MAX_TABLES):
             if i < len(table_list):

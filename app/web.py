@@ -6,14 +6,13 @@ The web process never imports torch: it reads the database and sends Celery task
 
 from __future__ import annotations
 
-import html
 import os
 from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse
+from fastapi.responses import JSONResponse
 from fastapi.staticfiles import StaticFiles
 
 from app import services
@@ -27,29 +26,12 @@ def _field(loc: tuple[Any, ...] | list[Any]) -> str:
     return ".".join(parts) or "body"
 
 
-def not_found_page(token: str) -> str:
-    return f"""<!doctype html><html lang="en"><head><meta charset="utf-8">
-<title>fisherlens: result not found</title><link rel="stylesheet" href="/fisherlens-static/fisherlens.css"></head>
-<body class="fl-page"><main class="fl-notfound" id="fl-notfound">
-<h1>Result not found</h1>
-<p>No fisherlens result has the share link <code>/r/{html.escape(token)}</code>.</p>
-<p>Check that the link was copied completely; share links are long random tokens and cannot be
-guessed. The result may also have been deleted from this server.</p>
-<p><a href="/">Open the fisherlens explorer</a></p></main></body></html>"""
-
-
-def _token_exists(settings: Settings, token: str) -> bool:
-    from storage import repo
-
-    with services.sessions(settings)() as s:
-        return repo.get_job_by_token(session=s, token=token) is not None
-
-
 def create_app(settings: Settings | None = None) -> FastAPI:
     """FastAPI app for `settings` (default: from the environment). Migrates the database."""
     import gradio as gr
 
     from app.api import make_router
+    from app.share import make_share_router
     from app.ui import build_ui
 
     settings = settings or get_settings()
@@ -72,12 +54,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     app.include_router(make_router(settings))
 
-    @app.get("/r/{token}", include_in_schema=False)
-    def share_link(token: str) -> Any:
-        """A share link: the read-only result view for a known token, a clear 404 page otherwise."""
-        if not _token_exists(settings, token):
-            return HTMLResponse(not_found_page(token), status_code=404)
-        return RedirectResponse(f"/?view={token}", status_code=307)
+    # /r/<token>: the server-rendered share page (app/share.py), outside the Gradio queue
+    app.include_router(make_share_router(settings))
 
     app.mount("/fisherlens-static", StaticFiles(directory=str(ASSETS)), name="assets")
 

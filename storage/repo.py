@@ -152,6 +152,19 @@ def get_job_by_token(*, session: Session, token: str) -> Job | None:
     return session.scalar(select(Job).where(Job.share_token == token))
 
 
+def job_head_by_token(*, session: Session, token: str) -> dict[str, Any] | None:
+    """The few columns a share page reads on every view (no spec, no summary JSON), or None."""
+    row = session.execute(
+        select(Job.id, Job.kind, Job.status, Job.progress, Job.message, Job.finished_at,
+               Job.share_token).where(Job.share_token == token)
+    ).first()
+    if row is None:
+        return None
+    return {"id": row.id, "kind": row.kind, "status": row.status, "progress": row.progress,
+            "message": row.message, "finished_at": _iso(row.finished_at),
+            "share_token": row.share_token}
+
+
 def list_jobs(
     *,
     session: Session,

@@ -1,0 +1,151 @@
+"""Figures built once: a finished job's figures, tables and key numbers as one JSON file.
+
+Results are immutable once a job has finished, so what a result view shows is built the first
+time anyone asks for it (share page or UI) and kept as `<artifact root>/<job id>/share-figures.json`
+(written atomically: temp file, fsync, rename). Every later viewer, in any process, reads that
+file. The file records the job's `finished_at` and `FIGURES_KEY`, a hash of the code that draws
+(app/plots.py, this package, the plotly version): when that code changes, the next view rebuilds
+it, so figures added to `plots.result_figures` show up on old results too.
+
+Concurrent first viewers: one build per job per process (a lock per job id); two processes may
+both build, and the second atomic rename wins with identical content.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import plotly
+
+from app import plots
+from app.figures.keynumbers import key_numbers
+from app.figures.labels import name_layer_cells, name_layers
+
+FILENAME = "share-figures.json"
+# Job fields a result page may show: never `error` (an operator-only traceback) or `worker`.
+PUBLIC_JOB_FIELDS = ("id", "kind", "status", "spec", "share_token", "created_at", "started_at",
+                     "finished_at", "message", "model_revision", "parent_id")
+
+
+def _code_key(extra: str = "") -> str:
+    h = hashlib.sha256(f"plotly {plotly.__version__}\n{extra}".encode())
+    here = Path(__file__).resolve().parent
+    for path in [Path(plots.__file__).resolve(), *sorted(here.glob("*.py"))]:
+        h.update(path.name.encode() + b"\0" + path.read_bytes())
+    return h.hexdigest()[:16]
+
+
+FIGURES_KEY = _code_key()
+
+
+def figure_title(name: str, fig: dict[str, Any]) -> str:
+    """The figure's own title (never the internal builder tag such as 'heatmap:fisher/mean')."""
+    title = (fig.get("layout") or {}).get("title")
+    text = title.get("text") if isinstance(title, dict) else title
+    if text:
+        return str(text)
+    return name.split(":", 1)[-1].replace("_", " ").replace("/", ": ")
+
+
+def build_payload(result: dict[str, Any]) -> dict[str, Any]:
+    """Everything a result page shows, as plain JSON: key numbers, figures (Plotly JSON with
+    named layers), tables. `result` is the dict of `services.result_by_token`."""
+    job = result.get("job") or {}
+    figures = []
+    for name, fig in plots.result_figures(result):
+        data = name_layers(json.loads(fig.to_json()))
+        figures.append({"name": name, "title": figure_title(name, data), "figure": data})
+    tables = [{"title": title, "headers": list(headers), "rows": name_layer_cells(list(headers), rows)}
+              for title, (headers, rows) in plots.result_tables(result)]
+    return {
+        "figures_key": FIGURES_KEY,
+        "job": {k: job.get(k) for k in PUBLIC_JOB_FIELDS},
+        "artifacts": [{k: a.get(k) for k in ("kind", "bytes", "is_dir")}
+                      for a in result.get("artifacts") or []],
+        "numbers": key_numbers(result),
+        "figures": figures,
+        "tables": tables,
+    }
+
+
+def _finite(obj: Any) -> Any:
+    """NaN/inf -> None (JSON has no NaN; a blank cell is what Plotly draws for it anyway)."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+class FigureStore:
+    """Read-or-build of the payload file of finished jobs under one artifact root."""
+
+    def __init__(self, root: Path | str):
+        self.root = Path(root)
+        self._guard = threading.Lock()
+        self._locks: dict[int, threading.Lock] = {}
+
+    def path(self, job_id: int) -> Path:
+        return self.root / str(int(job_id)) / FILENAME
+
+    def read(self, job_id: int, finished_at: str | None) -> dict[str, Any] | None:
+        """The stored payload if it was built for this job, finish time and drawing code."""
+        try:
+            payload = json.loads(self.path(job_id).read_bytes())
+        except (OSError, ValueError):
+            return None
+        job = payload.get("job") or {}
+        if (payload.get("figures_key") != FIGURES_KEY or job.get("id") != job_id
+                or job.get("finished_at") != finished_at):
+            return None
+        return payload
+
+    def _lock(self, job_id: int) -> threading.Lock:
+        with self._guard:
+            return self._locks.setdefault(job_id, threading.Lock())
+
+    def get(self, job_id: int, finished_at: str | None,
+            load: Callable[[], dict[str, Any] | None]) -> dict[str, Any] | None:
+        """The payload of a finished job: read it, or build it once from `load()` (the full
+        result) and store it. None when `load()` finds no result (the job was deleted)."""
+        payload = self.read(job_id, finished_at)
+        if payload is not None:
+            return payload
+        with self._lock(job_id):
+            payload = self.read(job_id, finished_at)  # another thread built it meanwhile
+            if payload is not None:
+                return payload
+            result = load()
+            if result is None:
+                return None
+            payload = build_payload(result)
+            self.write(job_id, payload)
+            return payload
+
+    def write(self, job_id: int, payload: dict[str, Any]) -> None:
+        from storage.artifacts import ArtifactStore
+
+        data = json.dumps(_finite(payload), separators=(",", ":"), allow_nan=False).encode()
+        ArtifactStore(self.root).save_bytes(job_id, FILENAME, data)
+
+
+_stores: dict[str, FigureStore] = {}
+_stores_guard = threading.Lock()
+
+
+def store_for(settings: Any) -> FigureStore:
+    """One FigureStore per artifact root in this process (it holds the per-job build locks;
+    no user data)."""
+    root = str(settings.artifacts_dir)
+    with _stores_guard:
+        if root not in _stores:
+            _stores[root] = FigureStore(root)
+        return _stores[root]
