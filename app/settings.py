@@ -50,6 +50,19 @@ class Settings(BaseSettings):
         default=300,
         description="A running job whose worker heartbeat is older than this is considered lost.",
     )
+    reconcile_interval_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="Every worker reconciles jobs with the broker at start-up and then this often: "
+        "re-sends lost messages, finishes interrupted shard fan-outs, re-queues or fails the jobs "
+        "of dead workers.",
+    )
+    reconcile_queued_after_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="A job `queued` this long whose message is in no queue (nor held by a "
+        "consumer for less than this) is re-sent by the reconciler.",
+    )
 
     @property
     def home(self) -> Path:

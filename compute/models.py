@@ -89,6 +89,10 @@ def load_model(
     kwargs: dict[str, Any] = {"trust_remote_code": bool(trust_remote_code)}
     if not hub or _offline():
         kwargs["local_files_only"] = True
+    from compute.control import cancel_point, fault_point
+
+    cancel_point()
+    fault_point("loading", str(name_or_path))  # tests only (compute.control)
     try:
         tokenizer = AutoTokenizer.from_pretrained(resolved, **kwargs)
         model = AutoModelForCausalLM.from_pretrained(resolved, dtype=dt, **kwargs)
@@ -112,6 +116,7 @@ def load_model(
         model.config.pad_token_id = tokenizer.pad_token_id
     model.to(dev)
     model.eval()
+    cancel_point()  # a job cancelled while its model loaded stops here, before any sampling
     return model, tokenizer
 
 

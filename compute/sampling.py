@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from compute.control import cancel_point, fault_point
+
 _MASK63 = (1 << 63) - 1
 
 
@@ -165,7 +167,9 @@ def _generate_batch(
     u = _row_uniforms(keys, seed, max_new_tokens).to(device)  # (B, steps)
 
     cache_kw = _cache_kwarg(model)
+    cancel_point()  # a cancelled job stops between forward steps, not only between jobs' phases
     out = model(input_ids=ids, attention_mask=am, position_ids=pos, use_cache=True)
+    fault_point("sampling")  # tests only (compute.control)
     past = _out_cache(out)
     next_logits = out.logits[:, -1]  # (B, V)
     last_pos = pos[:, -1]  # (B,)
@@ -180,6 +184,7 @@ def _generate_batch(
             done = done | (tok == eos_id)
         if bool(done.all()) or step == max_new_tokens - 1:
             break
+        cancel_point()
         am = torch.cat([am, torch.ones_like(am[:, :1])], dim=1)  # finished rows: ignored
         last_pos = last_pos + 1
         out = model(
@@ -304,6 +309,7 @@ def token_logprobs(
     cs = chunk_size or N
     outs = []
     for s in range(0, N, max(1, cs)):
+        cancel_point()
         ids, am = input_ids[s : s + cs], attention_mask[s : s + cs]
         logits = model(
             input_ids=ids, attention_mask=am, position_ids=position_ids_from_mask(am)

@@ -375,6 +375,128 @@ def find_stale_running(
     return out
 
 
+# -- reconciliation (compute/worker.reconcile): every state change below is a compare-and-set ----
+def release_lost(
+    *,
+    session: Session,
+    job_id: int,
+    worker: str | None,
+    attempts: int,
+    requeue: bool,
+    message: str,
+    error: str | None = None,
+) -> bool:
+    """A job whose worker died: back to `queued` (requeue=True) or `failed`, but only if it is
+    still `running` under the same worker and attempt that were judged dead (so two reconcilers,
+    or a reconciler racing a new claim, never release a job that someone else has claimed since).
+    For a queued job heartbeat_at is the time its message was (re)sent."""
+    now = utcnow()
+    values: dict[str, Any] = {"message": message[:2000], "worker": None, "progress": 0.0}
+    if requeue:
+        values.update(status="queued", heartbeat_at=now, finished_at=None)
+    else:
+        values.update(status="failed", error=error or message, finished_at=now)
+    who = Job.worker.is_(None) if worker is None else Job.worker == worker
+    res = session.execute(
+        update(Job)
+        .where(Job.id == job_id, Job.status == "running", who, Job.attempts == attempts)
+        .values(**values)
+        .execution_options(synchronize_session=False)
+    )
+    session.commit()
+    return res.rowcount == 1  # type: ignore[attr-defined]
+
+
+def queued_since(job: Job) -> datetime:
+    """When a queued job's current message was sent: its last (re)send, else its creation."""
+    return max(t for t in (job.created_at, job.heartbeat_at, job.started_at) if t is not None)
+
+
+def find_queued(*, session: Session, older_than_s: float) -> list[Job]:
+    """Queued jobs (shards included) whose message went out more than older_than_s ago."""
+    cutoff = utcnow() - timedelta(seconds=older_than_s)
+    rows = session.scalars(
+        select(Job).where(Job.status == "queued", Job.created_at < cutoff).order_by(Job.id)
+    )
+    return [j for j in rows if queued_since(j) < cutoff]
+
+
+def mark_resent(*, session: Session, job_id: int, older_than_s: float) -> bool:
+    """Compare-and-set before re-sending a queued job's message: True for exactly one caller
+    (heartbeat_at, for a queued job, is when its message was last sent)."""
+    now = utcnow()
+    cutoff = now - timedelta(seconds=older_than_s)
+    res = session.execute(
+        update(Job)
+        .where(
+            Job.id == job_id,
+            Job.status == "queued",
+            Job.created_at < cutoff,
+            Job.heartbeat_at.is_(None) | (Job.heartbeat_at < cutoff),
+        )
+        .values(heartbeat_at=now)
+        .execution_options(synchronize_session=False)
+    )
+    session.commit()
+    return res.rowcount == 1  # type: ignore[attr-defined]
+
+
+def create_shards(
+    *, session: Session, parent_id: int, n: int, spec: dict[str, Any], spec_hash: str
+) -> list[Job]:
+    """The parent's shard children 0..n-1, creating the missing ones in one transaction (so a
+    crash leaves all of them or none), and the parent handed from its claimer to its shards
+    (worker = NULL). Returns all n children, ordered by shard index."""
+    have = {j.shard_index for j in shard_jobs(session=session, parent_id=parent_id)}
+    now = utcnow()
+    for i in range(n):
+        if i not in have:
+            session.add(
+                Job(
+                    kind="fisher",
+                    spec=_clean(spec),
+                    spec_hash=spec_hash,
+                    status="queued",
+                    progress=0.0,
+                    message="queued",
+                    share_token=new_share_token(),
+                    attempts=0,
+                    cancel_requested=False,
+                    parent_id=parent_id,
+                    shard_index=i,
+                    created_at=now,
+                )
+            )
+    session.execute(
+        update(Job)
+        .where(Job.id == parent_id, Job.status == "running")
+        .values(worker=None, heartbeat_at=now, message=f"0/{n} shards done")
+        .execution_options(synchronize_session=False)
+    )
+    session.commit()
+    return shard_jobs(session=session, parent_id=parent_id)
+
+
+def claim_finish(*, session: Session, job_id: int, worker: str, stale_after_s: float) -> bool:
+    """Atomically take the combining step of a sharded parent: it is `running`, and nobody holds
+    it (worker NULL after the fan-out) or its holder's heartbeat is older than stale_after_s.
+    A duplicate finish_shards delivery gets False and does nothing."""
+    now = utcnow()
+    cutoff = now - timedelta(seconds=stale_after_s)
+    res = session.execute(
+        update(Job)
+        .where(
+            Job.id == job_id,
+            Job.status == "running",
+            Job.worker.is_(None) | (Job.worker == worker) | (Job.heartbeat_at < cutoff),
+        )
+        .values(worker=worker[:255], heartbeat_at=now, message="combining shards")
+        .execution_options(synchronize_session=False)
+    )
+    session.commit()
+    return res.rowcount == 1  # type: ignore[attr-defined]
+
+
 def _must(session: Session, job_id: int) -> Job:
     job = get_job(session=session, job_id=job_id)
     if job is None:

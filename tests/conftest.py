@@ -1,5 +1,6 @@
 """Shared test set-up: deterministic seeds, CPU unless a GPU is asked for, a temp FISHERLENS_HOME,
-and one real zoo build per test session (cached in a temp folder)."""
+one real zoo build per test session (cached in a temp folder), and `require_service` (a missing
+Redis, PostgreSQL or Chromium is a skip on a laptop and a failure under CI)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,20 @@ import pytest
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+
+def services_required() -> bool:
+    """CI=true (or FISHERLENS_REQUIRE_SERVICES=1): every service the suite uses must be there."""
+    ci = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
+    return ci or os.environ.get("FISHERLENS_REQUIRE_SERVICES", "").strip() == "1"
+
+
+def require_service(reason: str) -> None:
+    """Call where a test finds a service (Redis, PostgreSQL, Chromium) missing: a skip with the
+    reason on a developer machine, a failure under CI, so CI cannot pass on skipped tests."""
+    if services_required():
+        pytest.fail(f"{reason} (required: CI=true or FISHERLENS_REQUIRE_SERVICES=1)", pytrace=False)
+    pytest.skip(reason)
 
 
 def pytest_configure(config: pytest.Config) -> None:

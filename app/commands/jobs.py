@@ -11,6 +11,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -183,8 +184,10 @@ def _safe_url(url: str) -> str:
 @click.option(
     "--name",
     default=None,
-    help="Celery node name, unique per worker, stable across restarts "
-    "(default worker@HOST, or gpuN@HOST with --gpu N).",
+    help="Celery node name; must be unique among running workers. Default worker-PID@HOST "
+    "(gpuN-PID@HOST with --gpu N): unique per process, and a worker on the same host can tell "
+    "when that process is gone. A fixed name lets a restarted worker re-queue the job its "
+    "previous process was running at once, at start-up.",
 )
 @click.option(
     "--gpu",
@@ -197,12 +200,12 @@ def worker_cmd(name: str | None, gpu: int | None, loglevel: str) -> None:
     """Run one job worker (solo pool: one job at a time, one worker per GPU)."""
     if gpu is not None:
         os.environ["CUDA_VISIBLE_DEVICES"] = str(gpu)
-    host = socket.gethostname()
-    name = name or (f"gpu{gpu}@{host}" if gpu is not None else f"worker@{host}")
     from storage.db import upgrade
 
     upgrade(get_settings().db_url)
-    from compute.worker import celery_app, worker_argv
+    from compute.worker import celery_app, default_worker_name, worker_argv
+
+    name = name or default_worker_name("worker" if gpu is None else f"gpu{gpu}")
 
     celery_app.worker_main(worker_argv(name=name, loglevel=loglevel))
 
@@ -240,25 +243,17 @@ def up_cmd(host: str | None, port: int | None, no_worker: bool) -> None:
                 click.echo(f"  zoo {fraction:4.0%} {message}")
 
         build_zoo(settings.zoo_dir, progress=show, force=False)
-    worker: subprocess.Popen[bytes] | None = None
-    if not no_worker:
-        worker = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "app.cli",
-                "worker",
-                "--name",
-                f"embedded@{socket.gethostname()}",
-            ]
-        )
-        click.echo(f"worker started (pid {worker.pid})")
+    supervisor = (
+        None if no_worker else WorkerSupervisor(f"embedded-{os.getpid()}@{socket.gethostname()}")
+    )
 
     def _term(signum: int, frame: Any) -> None:
         raise KeyboardInterrupt
 
     old = signal.signal(signal.SIGTERM, _term)
     try:
+        if supervisor is not None:
+            supervisor.start()
         try:
             from app.web import serve
         except ImportError as exc:
@@ -267,8 +262,8 @@ def up_cmd(host: str | None, port: int | None, no_worker: bool) -> None:
                 "Submit jobs with `fisherlens submit`. Ctrl-C stops.",
                 err=True,
             )
-            if worker is not None:
-                worker.wait()
+            if supervisor is not None:
+                supervisor.wait()
             return
         click.echo(f"fisherlens is up: {settings.public_url}  (Ctrl-C stops)")
         serve(host, port)
@@ -276,9 +271,65 @@ def up_cmd(host: str | None, port: int | None, no_worker: bool) -> None:
         pass
     finally:
         signal.signal(signal.SIGTERM, old)
-        if worker is not None:
-            _stop(worker)
+        if supervisor is not None:
+            supervisor.stop()
         click.echo("fisherlens stopped")
+
+
+class WorkerSupervisor:
+    """`fisherlens up`'s embedded worker, restarted whenever it exits (killed, out of memory,
+    crashed), with a growing pause (1 s .. 30 s) when it keeps dying at once. The name is fixed
+    for the life of `up` (embedded-<up pid>@host), so the restarted worker re-queues the job its
+    previous process was running as soon as it starts."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.restarts = 0
+        self._stopping = threading.Event()
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._watch, name="worker-supervisor", daemon=True)
+
+    def _spawn(self) -> None:
+        cmd = [sys.executable, "-m", "app.cli", "worker", "--name", self.name]
+        with self._lock:
+            if self._stopping.is_set():
+                return
+            self.proc = subprocess.Popen(cmd)
+        word = "started" if self.restarts == 0 else f"restarted (restart {self.restarts})"
+        click.echo(f"worker {word} (pid {self.proc.pid})")
+
+    def start(self) -> None:
+        self._spawn()
+        self._thread.start()
+
+    def _watch(self) -> None:
+        pause = 0.5
+        while not self._stopping.is_set():
+            proc = self.proc
+            assert proc is not None
+            started = time.monotonic()
+            code = proc.wait()
+            if self._stopping.is_set():
+                return
+            pause = 0.5 if time.monotonic() - started > 60 else pause
+            pause = min(30.0, pause * 2)
+            click.echo(f"worker (pid {proc.pid}) exited with code {code}; restarting", err=True)
+            if self._stopping.wait(pause):
+                return
+            self.restarts += 1
+            self._spawn()
+
+    def wait(self) -> None:
+        while not self._stopping.is_set():
+            time.sleep(1.0)
+
+    def stop(self) -> None:
+        with self._lock:
+            self._stopping.set()
+            proc = self.proc
+        if proc is not None:
+            _stop(proc)
 
 
 def _stop(proc: subprocess.Popen[bytes], grace_s: float = 15.0) -> None:

@@ -1,14 +1,23 @@
-"""Integration set-up: a real `fisherlens worker` process (Celery, solo pool) per worker name,
-against the embedded filesystem queue + SQLite, or real Redis + PostgreSQL (skipped with the
-reason when a service is not reachable). Each test gets its own home, queue name and DB schema."""
+"""Integration set-up: real `fisherlens worker` processes (Celery, solo pool) against the embedded
+filesystem queue + SQLite, or real Redis + PostgreSQL (a missing service is a skip with the reason
+on a laptop, a failure under CI: tests.conftest.require_service; there is no SQLite stand-in for
+PostgreSQL). Each test gets its own home, queue name and DB schema.
+
+Fault injection is deterministic: a worker started with `faults=[...]` stops at those named points
+(compute.control.fault_point: test-only, FISHERLENS_TESTING=1) and the test waits for the point's
+marker file (`stack.wait_reached`), then kills, cancels, restarts Redis or releases it
+(`stack.release`). No test depends on a job being slow enough to be interrupted."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import re
 import secrets
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -19,6 +28,8 @@ from typing import Any
 
 import pytest
 
+from tests.conftest import require_service
+
 ROOT = Path(__file__).resolve().parents[2]
 REDIS_URL = os.environ.get("FISHERLENS_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
 PG_URL = os.environ.get(
@@ -27,19 +38,20 @@ PG_URL = os.environ.get(
 FINAL = ("succeeded", "failed", "cancelled")
 
 
-def _redis_or_skip() -> None:
+def _redis_or_skip(url: str = REDIS_URL) -> None:
     try:
         import redis
 
-        redis.Redis.from_url(REDIS_URL, socket_connect_timeout=2).ping()
+        redis.Redis.from_url(url, socket_connect_timeout=2).ping()
     except Exception as exc:  # noqa: BLE001
-        pytest.skip(
-            f"Redis not reachable at {REDIS_URL} ({type(exc).__name__}); set FISHERLENS_TEST_REDIS_URL"
+        require_service(
+            f"Redis not reachable at {url} ({type(exc).__name__}); set FISHERLENS_TEST_REDIS_URL"
         )
 
 
-def _pg_schema() -> Iterator[str | None]:
-    """A fresh PostgreSQL schema URL, or None (then SQLite) when PostgreSQL is unreachable."""
+def _pg_schema() -> Iterator[str]:
+    """A fresh PostgreSQL schema URL (dropped afterwards); no PostgreSQL is a skip, or under CI
+    a failure. Never a silent SQLite stand-in."""
     from sqlalchemy import text
 
     from storage.db import make_engine
@@ -48,9 +60,11 @@ def _pg_schema() -> Iterator[str | None]:
         admin = make_engine(PG_URL, connect_args={"connect_timeout": 3})
         with admin.connect() as conn:
             conn.execute(text("SELECT 1"))
-    except Exception:  # noqa: BLE001
-        yield None
-        return
+    except Exception as exc:  # noqa: BLE001
+        require_service(
+            f"PostgreSQL not reachable at {PG_URL} ({type(exc).__name__}); "
+            "set FISHERLENS_TEST_PG_URL"
+        )
     schema = f"fl_it_{secrets.token_hex(6)}"
     with admin.begin() as conn:
         conn.execute(text(f'CREATE SCHEMA "{schema}"'))
@@ -65,15 +79,17 @@ def _pg_schema() -> Iterator[str | None]:
 
 @dataclass
 class Worker:
-    name: str
+    name: str | None  # None: the worker's default name, read from its log once ready
     proc: subprocess.Popen[bytes]
     log: Path
 
-    def wait_ready(self, timeout: float = 90.0) -> None:
+    def wait_ready(self, timeout: float = 180.0) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             text = self.log.read_text(errors="replace") if self.log.exists() else ""
-            if f"{self.name} ready." in text:
+            m = re.search(r"(\S+@\S+) ready\.", text)
+            if m and (self.name is None or m.group(1) == self.name):
+                self.name = m.group(1)
                 return
             if self.proc.poll() is not None:
                 raise AssertionError(f"worker {self.name} exited early:\n{text[-3000:]}")
@@ -115,16 +131,33 @@ class Stack:
             database_url=self.env.get("DATABASE_URL"),
             redis_url=self.env.get("REDIS_URL"),
             job_stale_after_s=int(self.env["JOB_STALE_AFTER_S"]),
+            reconcile_interval_s=float(self.env["RECONCILE_INTERVAL_S"]),
+            reconcile_queued_after_s=float(self.env["RECONCILE_QUEUED_AFTER_S"]),
         )
 
+    @property
+    def fault_dir(self) -> Path:
+        return Path(self.env["FISHERLENS_FAULT_DIR"])
+
     def start_worker(
-        self, name: str, extra_env: dict[str, str] | None = None, wait: bool = True
+        self,
+        name: str | None = None,
+        extra_env: dict[str, str] | None = None,
+        wait: bool = True,
+        faults: tuple[str, ...] | list[str] = (),
     ) -> Worker:
-        log = self.home / f"{name.replace('@', '_')}-{len(self.workers)}.log"
+        """A `fisherlens worker` process (default name worker-PID@HOST when name is None) that
+        stops at the named fault points (compute.control)."""
+        label = (name or "default").replace("@", "_")
+        log = self.home / f"{label}-{len(self.workers)}.log"
         env = {**os.environ, **self.env, **(extra_env or {})}
+        env["FISHERLENS_FAULT_POINTS"] = ",".join(faults)
         fh = open(log, "wb")  # noqa: SIM115 - the child owns it
+        cmd = [sys.executable, "-m", "app.cli", "worker", "--loglevel", "INFO"]
+        if name:
+            cmd += ["--name", name]
         proc = subprocess.Popen(
-            [sys.executable, "-m", "app.cli", "worker", "--name", name, "--loglevel", "INFO"],
+            cmd,
             cwd=ROOT,
             env=env,
             stdout=fh,
@@ -159,14 +192,44 @@ class Stack:
                 )
             time.sleep(0.25)
 
-    def wait_final(self, job_id: int, timeout: float = 90.0) -> dict[str, Any]:
+    def wait_final(self, job_id: int, timeout: float = 180.0) -> dict[str, Any]:
         return self.wait_for(job_id, lambda j: j["status"] in FINAL, timeout, "finished")
+
+    def logs(self) -> str:
+        return "\n".join(
+            f"--- {w.name} ---\n" + w.log.read_text(errors="replace")[-4000:] for w in self.workers
+        )
+
+    def wait_reached(self, point: str, timeout: float = 180.0) -> str:
+        """Wait until a worker stops at fault point `point` (its marker file appears); returns
+        the marker's text. The bound only guards against a hang: the point is reached whatever
+        the machine's speed."""
+        marker = self.fault_dir / f"{point}.reached"
+        deadline = time.monotonic() + timeout
+        while not marker.exists():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"fault point {point} never reached\n{self.logs()}")
+            if self.workers and all(w.proc.poll() is not None for w in self.workers):
+                raise AssertionError(f"every worker exited before {point}\n{self.logs()}")
+            time.sleep(0.05)
+        return marker.read_text()
+
+    def release(self, point: str) -> None:
+        (self.fault_dir / f"{point}.release").touch()
+
+    def wait_all_final(self, job_ids: list[int], timeout: float = 240.0) -> list[dict[str, Any]]:
+        return [self.wait_final(j, timeout=timeout) for j in job_ids]
 
 
 @contextlib.contextmanager
 def _stack(
-    kind: str, tmp_path: Path, zoo_home: Path, monkeypatch: pytest.MonkeyPatch
+    kind: str,
+    tmp_path: Path,
+    zoo_home: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    redis_url: str | None = None,
 ) -> Iterator[Stack]:
+    redis_url = redis_url or REDIS_URL
     home = tmp_path / "home"
     home.mkdir()
     (home / "zoo").symlink_to(Path(zoo_home) / "zoo", target_is_directory=True)
@@ -175,6 +238,12 @@ def _stack(
         "FISHERLENS_HOME": str(home),
         "FISHERLENS_QUEUE": queue,
         "JOB_STALE_AFTER_S": "300",
+        # The reconciler runs every second in tests; a queued job is re-sent 3 s after its
+        # message went missing (production defaults: 30 s and 60 s).
+        "RECONCILE_INTERVAL_S": "1",
+        "RECONCILE_QUEUED_AFTER_S": "3",
+        "FISHERLENS_TESTING": "1",
+        "FISHERLENS_FAULT_DIR": str(home / "faults"),
         "OMP_NUM_THREADS": "1",
         "MKL_NUM_THREADS": "1",
         "TOKENIZERS_PARALLELISM": "false",
@@ -185,16 +254,22 @@ def _stack(
     }
     pg = None
     if kind == "redis":
-        _redis_or_skip()
-        env["REDIS_URL"] = REDIS_URL
+        _redis_or_skip(redis_url)
+        env["REDIS_URL"] = redis_url
         pg = _pg_schema()
-        url = next(pg)
-        if url:
-            env["DATABASE_URL"] = url
+        env["DATABASE_URL"] = next(pg)
     # This process (services.submit) must see the same queue name and settings.
     for k in ("REDIS_URL", "DATABASE_URL"):
         monkeypatch.delenv(k, raising=False)
-    for k in ("FISHERLENS_HOME", "REDIS_URL", "DATABASE_URL", "FISHERLENS_DEVICE"):
+    for k in (
+        "FISHERLENS_HOME",
+        "REDIS_URL",
+        "DATABASE_URL",
+        "FISHERLENS_DEVICE",
+        "JOB_STALE_AFTER_S",
+        "RECONCILE_INTERVAL_S",
+        "RECONCILE_QUEUED_AFTER_S",
+    ):
         if k in env:
             monkeypatch.setenv(k, env[k])
     monkeypatch.setenv("FISHERLENS_QUEUE", queue)
@@ -209,24 +284,109 @@ def _stack(
         for w in s.workers:
             w.kill()  # tests are done with them; a warm shutdown only costs time
         ca._apps.clear()
-        if kind == "redis":
-            import redis
-
-            r = redis.Redis.from_url(REDIS_URL)
-            for key in r.scan_iter(f"*{queue}*"):
-                r.delete(key)
-            # Messages of killed workers wait in kombu's "unacked" hash for the visibility
-            # timeout; drop ours so they are not restored into a dead queue hours later.
-            for tag, raw in r.hgetall("unacked").items():
-                try:
-                    routing_key = json.loads(raw)[2]
-                except (ValueError, IndexError, TypeError):
-                    continue
-                if routing_key == queue:
-                    r.hdel("unacked", tag)
-                    r.zrem("unacked_index", tag)
+        if kind == "redis" and redis_url == REDIS_URL:  # a private server just goes away
+            _clean_shared_redis(queue)
         if pg is not None:
             next(pg, None)
+
+
+def _clean_shared_redis(queue: str) -> None:
+    import redis
+
+    r = redis.Redis.from_url(REDIS_URL)
+    for key in r.scan_iter(f"*{queue}*"):
+        r.delete(key)
+    # Messages of killed workers wait in kombu's "unacked" hash for the visibility timeout;
+    # drop ours so they are not restored into a dead queue hours later.
+    for tag, raw in r.hgetall("unacked").items():
+        try:
+            routing_key = json.loads(raw)[2]
+        except (ValueError, IndexError, TypeError):
+            continue
+        if routing_key == queue:
+            r.hdel("unacked", tag)
+            r.zrem("unacked_index", tag)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class PrivateRedis:
+    """A redis-server of this test alone (free port, no persistence), so it can be restarted
+    empty without touching the shared one."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.port = _free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        exe = shutil.which("redis-server")
+        if exe is None:
+            require_service("redis-server is not installed (needed for the Redis restart test)")
+        log = open(self.folder / f"redis-{self.port}.log", "ab")  # noqa: SIM115 - child owns it
+        self.proc = subprocess.Popen(
+            [
+                str(exe),
+                "--port",
+                str(self.port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--dir",
+                str(self.folder),
+            ],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+        log.close()
+        import redis
+
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                redis.Redis.from_url(self.url, socket_connect_timeout=1).ping()
+                return
+            except Exception:  # noqa: BLE001
+                if time.monotonic() > deadline or self.proc.poll() is not None:
+                    raise AssertionError(f"redis-server on {self.port} did not start") from None
+                time.sleep(0.1)
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(timeout=30)
+
+    def restart_empty(self) -> None:
+        """Kill it (nothing saved) and start it again on the same port: every queue is gone."""
+        self.stop()
+        self.start()
+
+
+@pytest.fixture
+def private_redis(tmp_path: Path) -> Iterator[PrivateRedis]:
+    r = PrivateRedis(tmp_path)
+    r.start()
+    try:
+        yield r
+    finally:
+        r.stop()
+
+
+@pytest.fixture
+def private_redis_stack(
+    private_redis: PrivateRedis, tmp_path: Path, zoo_home: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Stack]:
+    """Redis (a private server, see PrivateRedis) + PostgreSQL."""
+    with _stack("redis", tmp_path, zoo_home, monkeypatch, redis_url=private_redis.url) as s:
+        yield s
 
 
 @pytest.fixture(params=["filesystem", pytest.param("redis", marks=pytest.mark.redis)])
