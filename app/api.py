@@ -45,7 +45,10 @@ class RegisterModel(BaseModel):
 
 
 def spec_error_response(exc: SpecError) -> JSONResponse:
-    return JSONResponse(status_code=422, content={"detail": exc.errors})
+    from app.limits import QuotaExceeded  # a per-user queue limit: 429, like any rate limit
+
+    status = 429 if isinstance(exc, QuotaExceeded) else 422
+    return JSONResponse(status_code=status, content={"detail": exc.errors})
 
 
 def _not_found(what: str) -> HTTPException:
@@ -121,8 +124,19 @@ def register_local_model(settings: Any, path: str, name: str | None = None) -> d
         raise SpecError([{"field": "path", "message": msg.split(": ", 1)[1] if msg.startswith("model: ") else msg}]) from None
     info = _folder_info(Path(resolved))
     label = (name or "").strip() or Path(resolved).name
+    from app import auth
+
+    user = auth.current_user(settings)
+    if settings.auth_required and not user.is_admin:
+        raise auth.Forbidden("only admins register model names (they are shared by every user); "
+                             "use the folder's path as the model, or ask an admin")
     with services.sessions(settings)() as s:
+        old = repo.get_model(session=s, name=label)
+        if old is not None and old.source != resolved:  # a name is never silently re-pointed
+            raise SpecError([{"field": "name", "message": f"{label!r} is already registered for "
+                              "another folder; choose another name"}])
         row = repo.register_model(
+            owner_id=old.owner_id if old is not None else user.id,
             session=s, name=label, source=resolved, revision=revision,
             architecture=info.get("architecture"), n_params=info.get("n_params"),
             n_layers=info.get("n_layers"),
@@ -183,12 +197,15 @@ def make_router(settings: Any) -> APIRouter:
         kind: str | None = Query(None, description=f"one of {', '.join(SPECS)}"),
         status: str | None = Query(None, description=f"one of {', '.join(JOB_STATUSES)}"),
         limit: int = Query(100, ge=1, le=1000),
+        owner: str | None = Query(None, max_length=64,
+                                  description="admins: one user's jobs (a name, or 'me'); default: "
+                                  "everyone's. Others always get their own jobs"),
     ) -> Any:
         if kind is not None and kind not in SPECS:
             return spec_error_response(SpecError([{"field": "kind", "message": f"got {kind!r}; accepted: {', '.join(SPECS)}"}]))
         if status is not None and status not in JOB_STATUSES:
             return spec_error_response(SpecError([{"field": "status", "message": f"got {status!r}; accepted: {', '.join(JOB_STATUSES)}"}]))
-        return services.list_jobs(settings, limit=limit, kind=kind, status=status)
+        return services.list_jobs(settings, limit=limit, kind=kind, status=status, owner=owner)
 
     @r.get("/jobs/{job_id}", tags=["jobs"], summary="One job: status, progress, message, error")
     def get_job(job_id: int) -> Any:

@@ -27,6 +27,7 @@ from compute.modelref import (
 )
 from compute.specs import SpecError, parse_spec
 from storage import repo
+from storage import users as user_repo
 from storage.db import session_factory, upgrade
 from storage.models import FINAL_STATUSES, revision_digest
 
@@ -80,11 +81,15 @@ def check_spec(settings: Any, kind: str, spec: Any, *, local: bool = False) -> l
             if not ref:
                 continue
             try:
-                parts.append(f"{field}={_model_revision(settings, s, field, ref)}")
-                if field == "model" and getattr(spec, "layer", None) is not None:
-                    _check_layer(settings, s, ref, int(spec.layer))
+                parts.append(f"{field}={_model_revision(settings, s, field, ref, local)}")
             except ValueError as exc:
                 errors.append(_field_error(field, exc))
+                continue
+            if field == "model" and getattr(spec, "layer", None) is not None:
+                try:
+                    _check_layer(settings, s, ref, int(spec.layer))
+                except ValueError as exc:
+                    errors.append(_field_error("layer", exc))
         for field in ARTIFACT_FIELDS.get(kind, ()):
             ref = getattr(spec, field, None)
             if not ref:
@@ -113,12 +118,13 @@ def _field_error(field: str, exc: Exception) -> dict[str, str]:
     return {"field": field, "message": msg}
 
 
-def _model_revision(settings: Any, s: Any, field: str, ref: str) -> str:
-    """The revision part of a model reference; ValueError if it cannot be used."""
+def _model_revision(settings: Any, s: Any, field: str, ref: str, local: bool = False) -> str:
+    """The revision part of a model reference; ValueError if it cannot be used. `local` (a
+    direct CLI run, nothing stored) only resolves the reference: no hashing of the weights."""
     if job_ref_id(ref) is not None:
         art = resolve_job_ref(ref, field, settings, s)
         return f"job:{art.job_id}:{art.sha256}"
-    return model_revision(ref, settings)
+    return resolve_model(ref, settings) if local else model_revision(ref, settings)
 
 
 def _model_config(settings: Any, s: Any, ref: str) -> dict[str, Any] | None:
@@ -147,9 +153,7 @@ def _check_layer(settings: Any, s: Any, ref: str, layer: int) -> None:
         None,
     )
     if n is not None and not 0 <= layer < n:
-        raise ValueError(
-            f"layer: got {layer}; accepted range: >= 0, <= {n - 1} ({ref} has {n} blocks)"
-        )
+        raise ValueError(f"layer: got {layer}; accepted range: >= 0, <= {n - 1} (the model has {n} blocks)")
 
 
 def _safetensors_header(path: Path) -> None:
@@ -229,17 +233,26 @@ def submit(settings: Any, kind: str, data: dict[str, Any], *, reuse: bool = True
     Returns the job dict plus "share_url" and "reused" (True when an earlier result is returned
     instead of computing again). Raises compute.specs.SpecError (nothing queued) on bad input.
     """
+    from app import auth, limits
+
+    user = auth.current_user(settings)  # accounts: owner, quotas and cost ceiling (app/limits.py)
+    limits.check_spec_size(data, max_keys=settings.max_spec_keys, max_string=settings.max_spec_string)
+    auth.check_refs_owned(settings, user, kind, parse_spec(kind, data))
     spec, parts = validate(settings, kind, data)
+    limits.check_cost(limits.estimate(settings, kind, spec), user.max_job_cost)
     spec_hash = spec.spec_hash()
     revision = revision_digest(parts)
     with sessions(settings)() as s:
         if reuse:
             old = repo.find_reusable(
-                session=s, kind=kind, spec_hash=spec_hash, model_revision=revision
+                session=s, kind=kind, spec_hash=spec_hash, model_revision=revision,
+                owner_id=user.id if settings.auth_required else None,
             )
             if old is not None:
                 return _public(settings, repo.job_dict(old), reused=True)
+        limits.check_active(user_repo.active_jobs(session=s, owner_id=user.id), user.max_active_jobs)
         job = repo.create_job(
+            owner_id=user.id,
             session=s,
             kind=kind,
             spec=spec.model_dump(mode="json"),
@@ -263,24 +276,37 @@ def submit(settings: Any, kind: str, data: dict[str, Any], *, reuse: bool = True
 
 
 def get_job(settings: Any, job_id: int) -> dict[str, Any] | None:
+    """The job, or None when it does not exist or belongs to another user (non-admin)."""
+    from app import auth
+
+    user = auth.current_user(settings)
     with sessions(settings)() as s:
         job = repo.get_job(session=s, job_id=job_id)
-        return _public(settings, repo.job_dict(job)) if job else None
+        ok = job is not None and auth.can_see(user, job.owner_id)
+        return _public(settings, repo.job_dict(job)) if job is not None and ok else None
 
 
-def list_jobs(settings: Any, limit: int = 100, **filters: Any) -> list[dict[str, Any]]:
+def list_jobs(
+    settings: Any, limit: int = 100, owner: str | None = None, **filters: Any
+) -> list[dict[str, Any]]:
+    """Newest first: the caller's own jobs (admins: everyone's, or owner=NAME / 'me')."""
+    from app import auth
+
+    owner_id = auth.owner_filter(settings, auth.current_user(settings), owner)
     with sessions(settings)() as s:
         return [
             _public(settings, repo.job_dict(j))
-            for j in repo.list_jobs(session=s, limit=limit, **filters)
+            for j in repo.list_jobs(session=s, limit=limit, owner_id=owner_id, **filters)
         ]
 
 
 def result_by_token(settings: Any, token: str) -> dict[str, Any] | None:
     """GET /api/results/{token}: the job and all its stored rows, or None for unknown tokens."""
+    from app import auth
+
     with sessions(settings)() as s:
         job = repo.get_job_by_token(session=s, token=token)
-        if job is None:
+        if job is None or not auth.can_read_result(settings, job):
             return None
         out = repo.result_dict(session=s, job=job)
         out["job"]["share_url"] = share_url(settings, job.share_token)
@@ -288,9 +314,12 @@ def result_by_token(settings: Any, token: str) -> dict[str, Any] | None:
 
 
 def result_by_id(settings: Any, job_id: int) -> dict[str, Any] | None:
+    from app import auth
+
+    user = auth.current_user(settings)
     with sessions(settings)() as s:
         job = repo.get_job(session=s, job_id=job_id)
-        if job is None:
+        if job is None or not auth.can_see(user, job.owner_id):
             return None
         out = repo.result_dict(session=s, job=job)
         out["job"]["share_url"] = share_url(settings, job.share_token)
@@ -299,7 +328,13 @@ def result_by_id(settings: Any, job_id: int) -> dict[str, Any] | None:
 
 def cancel(settings: Any, job_id: int) -> dict[str, Any]:
     """Cancel a queued job now, or ask a running one to stop; LookupError if there is none."""
+    from app import auth
+
+    user = auth.current_user(settings)
     with sessions(settings)() as s:
+        found = repo.get_job(session=s, job_id=job_id)
+        if found is None or not auth.can_see(user, found.owner_id):
+            raise LookupError(f"job: no job with id {job_id}")
         job = repo.request_cancel(session=s, job_id=job_id)
         return _public(settings, repo.job_dict(job))
 
@@ -307,9 +342,12 @@ def cancel(settings: Any, job_id: int) -> dict[str, Any]:
 def rerun(settings: Any, job_id: int) -> dict[str, Any]:
     """A new job with the same kind and spec, computed again (no reuse). LookupError if the job
     does not exist; ValueError if it is still queued or running."""
+    from app import auth
+
+    user = auth.current_user(settings)
     with sessions(settings)() as s:
         job = repo.get_job(session=s, job_id=job_id)
-        if job is None:
+        if job is None or not auth.can_see(user, job.owner_id):
             raise LookupError(f"job: no job with id {job_id}")
         if job.status not in FINAL_STATUSES:
             raise ValueError(f"job: job {job_id} is still {job.status}; cancel it first")
@@ -325,13 +363,32 @@ def list_models(settings: Any) -> list[dict[str, Any]]:
 def artifact_path(settings: Any, token: str, kind: str) -> Path | None:
     """The verified file of a job's artifact (for downloads), or None when there is none.
     Raises storage.artifacts.ArtifactError if the file does not match its sha256."""
+    from app import auth
     from storage.artifacts import ArtifactStore
 
     with sessions(settings)() as s:
         job = repo.get_job_by_token(session=s, token=token)
-        if job is None:
+        if job is None or not auth.can_read_result(settings, job):
             return None
         art = repo.get_artifact(session=s, job_id=job.id, kind=kind)
         if art is None:
             return None
         return ArtifactStore(settings.artifacts_dir).verify(art.path, art.sha256)
+
+
+def set_sharing(settings: Any, job_id: int, action: str) -> dict[str, Any]:
+    """The owner's control of a result's share link: 'new' (a new token: the old link answers
+    404 from now on), 'off' (the link stops working; the owner still sees the result) or 'on'.
+    LookupError for another user's job (non-admin), ValueError for another action."""
+    from app import auth
+
+    if action not in ("new", "off", "on"):
+        raise ValueError(f"action: got {action!r}; accepted: new, off, on")
+    user = auth.current_user(settings)
+    with sessions(settings)() as s:
+        job = repo.get_job(session=s, job_id=job_id)
+        if job is None or not auth.can_see(user, job.owner_id):
+            raise LookupError(f"job: no job with id {job_id}")
+        job = repo.set_sharing(session=s, job_id=job_id, new_token=action == "new",
+                               shared=action != "off")
+        return _public(settings, repo.job_dict(job))

@@ -64,6 +64,44 @@ class Settings(BaseSettings):
         "consumer for less than this) is re-sent by the reconciler.",
     )
 
+    # -- accounts and limits (app/auth.py, app/limits.py) -------------------------------------
+    auth_required: bool = Field(
+        default=False,
+        description="Shared-server mode: every API call and UI page except share links and "
+        "health needs a signed-in user (bearer token or browser session). Off: single-user "
+        "embedded mode, everything runs as the user 'local'.",
+    )
+    allow_open_bind: bool = Field(
+        default=False,
+        description="Let the app listen on a non-loopback address without AUTH_REQUIRED "
+        "(anyone who can reach it can then run and cancel jobs). Off: it refuses to start.",
+    )
+    session_max_age_s: int = Field(
+        default=7 * 24 * 3600, ge=60, description="Browser sign-in lifetime (seconds)."
+    )
+    max_active_jobs: int | None = Field(
+        default=4, ge=1, description="Queued + running jobs per user (HTTP 429 past it)."
+    )
+    max_active_jobs_admin: int | None = Field(
+        default=None, ge=1, description="The same for admins and the local user (none: no limit)."
+    )
+    max_job_cost: float | None = Field(
+        default=1e16,
+        gt=0,
+        description="Per-job ceiling on the estimated cost (parameter-token-passes, see "
+        "app/limits.py) for users (HTTP 422 past it).",
+    )
+    max_job_cost_admin: float | None = Field(
+        default=None, gt=0, description="The same for admins and the local user (none: no limit)."
+    )
+    max_body_bytes: int = Field(
+        default=1_000_000, ge=1024, description="Largest request body accepted (HTTP 413 past it)."
+    )
+    max_spec_keys: int = Field(default=64, ge=1, description="Most keys in a job spec.")
+    max_spec_string: int = Field(
+        default=4096, ge=16, description="Longest string value in a job spec (characters)."
+    )
+
     @property
     def home(self) -> Path:
         return self.fisherlens_home.expanduser().resolve()

@@ -52,6 +52,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                   for e in exc.errors()]
         return JSONResponse(status_code=422, content={"detail": errors})
 
+    # accounts (app/auth.py): 401/403 from services, /login, /logout, /api/me, sharing, estimates
+    from app import auth
+
+    @app.exception_handler(PermissionError)
+    async def _denied(request: Request, exc: PermissionError) -> JSONResponse:
+        return auth.login_required_response(exc)
+
+    app.add_middleware(auth.AccessGuard, settings=settings)  # body limit, cross-site, sign-in
+    app.include_router(auth.make_auth_router(settings))
     app.include_router(make_router(settings))
 
     # /r/<token>: the server-rendered share page (app/share.py), outside the Gradio queue
@@ -60,6 +69,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.mount("/fisherlens-static", StaticFiles(directory=str(ASSETS)), name="assets")
 
     blocks = build_ui(settings)
+    auth.bind_gradio_users(blocks, settings)  # UI events run as the signed-in user
     blocks.queue(default_concurrency_limit=4)
     gr.mount_gradio_app(
         app,
@@ -73,6 +83,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         show_error=True,
         ssr_mode=False,
         mcp_server=False,
+        auth_dependency=auth.gradio_user(settings),
     )
     return app
 
@@ -82,6 +93,9 @@ def serve(host: str = "127.0.0.1", port: int = 7860, settings: Settings | None =
     import uvicorn
 
     settings = settings or get_settings()
+    from app.auth import check_bind
+
+    check_bind(host, settings)  # no open non-loopback server without AUTH_REQUIRED
     if "PUBLIC_URL" not in os.environ and "public_url" not in os.environ:
         shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
         settings = settings.model_copy(update={"public_url": f"http://{shown}:{port}"})

@@ -78,6 +78,9 @@ class Model(Base):
     n_layers: Mapped[int | None] = mapped_column(Integer, default=None)
     info: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    # Who registered it (migration 0003). Names stay unique: only admins register them when
+    # AUTH_REQUIRED, and an existing name is never re-pointed at another folder.
+    owner_id: Mapped[int | None] = mapped_column(ForeignKey("users.id"), default=None, index=True)
 
 
 class Job(Base):
@@ -96,6 +99,10 @@ class Job(Base):
     error: Mapped[str | None] = mapped_column(Text, default=None)
     summary: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
     share_token: Mapped[str] = mapped_column(String(64), unique=True, index=True)
+    # Owner (migration 0003; shard children copy their parent's). `shared`: whether the share
+    # link opens the result for anyone holding it; the owner can turn it off or rotate the token.
+    owner_id: Mapped[int | None] = mapped_column(ForeignKey("users.id"), default=None, index=True)
+    shared: Mapped[bool] = mapped_column(Boolean, default=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
     started_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), default=None)
     finished_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), default=None)
@@ -185,3 +192,37 @@ class ArtifactRow(Base):
     job: Mapped[Job] = relationship(back_populates="artifacts")
 
     __table_args__ = (UniqueConstraint("job_id", "kind", name="uq_artifacts_job_kind"),)
+
+
+class User(Base):
+    """An account (migration 0003). The embedded single-user mode runs as the user `local`."""
+
+    __tablename__ = "users"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(64), unique=True)
+    password_hash: Mapped[str | None] = mapped_column(String(255), default=None)  # argon2 (pwdlib)
+    is_admin: Mapped[bool] = mapped_column(Boolean, default=False)
+    disabled: Mapped[bool] = mapped_column(Boolean, default=False)
+    # Per-user limits; None = the settings' default for the user's role.
+    max_active_jobs: Mapped[int | None] = mapped_column(Integer, default=None)
+    max_job_cost: Mapped[float | None] = mapped_column(Float, default=None)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+
+
+class ApiToken(Base):
+    """A bearer token (kind 'api') or a browser session (kind 'session'), stored as the sha256
+    of the secret; `prefix` (the first characters of the secret) names it in listings."""
+
+    __tablename__ = "api_tokens"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    user_id: Mapped[int] = mapped_column(ForeignKey("users.id", ondelete="CASCADE"), index=True)
+    token_hash: Mapped[str] = mapped_column(String(64), unique=True)
+    prefix: Mapped[str] = mapped_column(String(16), index=True)
+    kind: Mapped[str] = mapped_column(String(16), default="api")
+    label: Mapped[str] = mapped_column(String(200), default="")
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
+    expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), default=None)
+    last_used_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), default=None)
+    revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), default=None)

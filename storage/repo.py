@@ -67,11 +67,12 @@ def register_model(
     n_params: int | None = None,
     n_layers: int | None = None,
     info: dict[str, Any] | None = None,
+    owner_id: int | None = None,
 ) -> Model:
-    """Insert or update the model called `name`."""
+    """Insert or update the model called `name` (owner_id: who registered it, set on insert)."""
     row = session.scalar(select(Model).where(Model.name == name))
     if row is None:
-        row = Model(name=name, source=source, info={})
+        row = Model(name=name, source=source, info={}, owner_id=owner_id)
         session.add(row)
     row.source = source
     row.revision = revision
@@ -116,12 +117,17 @@ def create_job(
     parent_id: int | None = None,
     shard_index: int | None = None,
     revisions: list[str] | None = None,
+    owner_id: int | None = None,
 ) -> Job:
     """A queued job. `revisions` (the parts, e.g. ['model=<sha256>', 'mask=job:3:<sha256>'])
     are stored as they are and their digest becomes model_revision (unless one is given)."""
     if model_revision is None and revisions:
         model_revision = revision_digest(revisions)
+    if owner_id is None and parent_id is not None:  # shards belong to their parent's owner
+        owner_id = session.scalar(select(Job.owner_id).where(Job.id == parent_id))
     job = Job(
+        owner_id=owner_id,
+        shared=True,
         kind=kind,
         spec=_clean(spec),
         spec_hash=spec_hash,
@@ -146,6 +152,16 @@ def get_job(*, session: Session, job_id: int) -> Job | None:
     return session.get(Job, int(job_id), populate_existing=True)
 
 
+def set_sharing(*, session: Session, job_id: int, new_token: bool, shared: bool) -> Job:
+    """Turn a job's share link on/off, or give it a new token (the old one stops working)."""
+    job = _must(session, job_id)
+    if new_token:
+        job.share_token = new_share_token()
+    job.shared = shared
+    session.commit()
+    return job
+
+
 def get_job_by_token(*, session: Session, token: str) -> Job | None:
     if not token or len(token) > 64:
         return None
@@ -156,7 +172,7 @@ def job_head_by_token(*, session: Session, token: str) -> dict[str, Any] | None:
     """The few columns a share page reads on every view (no spec, no summary JSON), or None."""
     row = session.execute(
         select(Job.id, Job.kind, Job.status, Job.progress, Job.message, Job.finished_at,
-               Job.share_token).where(Job.share_token == token)
+               Job.share_token).where(Job.share_token == token, Job.shared.is_(True))
     ).first()
     if row is None:
         return None
@@ -173,9 +189,13 @@ def list_jobs(
     kind: str | None = None,
     status: str | None = None,
     include_shards: bool = False,
+    owner_id: int | None = None,
 ) -> list[Job]:
-    """Newest first. Shard children (of a sharded job) are hidden unless include_shards."""
+    """Newest first. Shard children (of a sharded job) are hidden unless include_shards;
+    owner_id: only that user's jobs."""
     q = select(Job)
+    if owner_id is not None:
+        q = q.where(Job.owner_id == owner_id)
     if kind:
         q = q.where(Job.kind == kind)
     if status:
@@ -340,10 +360,17 @@ def _has_shards(session: Session, job: Job) -> bool:
 
 
 def find_reusable(
-    *, session: Session, kind: str, spec_hash: str, model_revision: str | None
+    *,
+    session: Session,
+    kind: str,
+    spec_hash: str,
+    model_revision: str | None,
+    owner_id: int | None = None,
 ) -> Job | None:
-    """The newest succeeded job with the same kind, spec hash and model revision."""
-    q = select(Job).where(
+    """The newest succeeded job with the same kind, spec hash and model revision (of `owner_id`
+    when given: a user never receives another user's job)."""
+    q = select(Job).where(Job.owner_id == owner_id) if owner_id is not None else select(Job)
+    q = q.where(
         Job.kind == kind,
         Job.spec_hash == spec_hash,
         Job.status == "succeeded",
@@ -615,6 +642,8 @@ def job_dict(job: Job) -> dict[str, Any]:
         "cancel_requested": job.cancel_requested,
         "parent_id": job.parent_id,
         "shard_index": job.shard_index,
+        "owner_id": job.owner_id,
+        "shared": job.shared,
     }
 
 

@@ -19,13 +19,48 @@ def fail(message: str, code: int = 2) -> NoReturn:
     raise SystemExit(code)
 
 
+def _flag_errors(exc: SpecError) -> NoReturn:
+    fail("; ".join(f"--{e['field'].replace('_', '-')}: {e['message']}" for e in exc.errors))
+
+
 def spec_from_options(kind: str, options: dict[str, Any]) -> Any:
-    """Validate CLI options (None = not given, use the spec default) into the job spec."""
+    """Validate CLI options (None = not given, use the spec default) into the job spec, through
+    the same checks as a submitted job (app.services.check_spec): model and job:N references,
+    layer ranges, artifact and jsonl files. Run as its user, a direct command may read any
+    file and any model folder named on its command line. Exit 2 naming the flag otherwise."""
     data = {k: v for k, v in options.items() if v is not None}
     try:
-        return parse_spec(kind, data)
+        spec = parse_spec(kind, data)
     except SpecError as exc:
-        fail("; ".join(f"--{e['field'].replace('_', '-')}: {e['message']}" for e in exc.errors))
+        _flag_errors(exc)
+    from app import services
+    from app.settings import get_settings
+    from compute.modelref import MODEL_FIELDS
+
+    _allow_local_dirs(*(getattr(spec, f, None) for f in MODEL_FIELDS))
+    try:
+        services.check_spec(get_settings(), kind, spec, local=True)
+    except SpecError as exc:
+        _flag_errors(exc)
+    return spec
+
+
+def _allow_local_dirs(*refs: str | None) -> None:
+    """Model folders named on the command line (e.g. a training output) are allowed for this
+    process (ALLOWED_MODEL_ROOTS); jobs from the web stay restricted to the operator's roots."""
+    import os
+
+    extra = []
+    for r in refs:
+        if r and not r.startswith("job:"):
+            try:
+                if Path(r).expanduser().is_dir():
+                    extra.append(str(Path(r).expanduser().resolve()))
+            except OSError:
+                continue
+    if extra:
+        current = os.environ.get("ALLOWED_MODEL_ROOTS", "")
+        os.environ["ALLOWED_MODEL_ROOTS"] = ":".join(p for p in [current, *extra] if p)
 
 
 def write_json(path: Path, data: Any) -> None:

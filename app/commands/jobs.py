@@ -53,7 +53,7 @@ def _load_spec(text: str) -> dict[str, Any]:
 @click.option("--timeout", default=3600.0, show_default=True, help="Seconds to --wait at most.")
 def submit_cmd(kind: str, spec_text: str, no_reuse: bool, wait: bool, timeout: float) -> None:
     """Queue a job of KIND (fisher, mask, train, retention, diff, tokens) for the workers."""
-    from app import services
+    from app import client as services  # HTTP with a token, or in-process (app/client.py)
     from compute.specs import SpecError
 
     settings = get_settings()
@@ -78,7 +78,7 @@ def submit_cmd(kind: str, spec_text: str, no_reuse: bool, wait: bool, timeout: f
 @click.option("--json", "as_json", is_flag=True, help="Print the whole job row as JSON.")
 def status_cmd(job_id: int, wait: bool, timeout: float, as_json: bool) -> None:
     """Print a job's status: queued, running, succeeded, failed or cancelled."""
-    from app import services
+    from app import client as services  # HTTP with a token, or in-process (app/client.py)
 
     settings = get_settings()
     if wait:
@@ -90,7 +90,7 @@ def status_cmd(job_id: int, wait: bool, timeout: float, as_json: bool) -> None:
 
 
 def _wait_and_exit(settings: Any, job_id: int, timeout: float, as_json: bool = False) -> None:
-    from app import services
+    from app import client as services  # HTTP with a token, or in-process (app/client.py)
 
     deadline = time.monotonic() + timeout
     last = None
@@ -119,7 +119,7 @@ def _wait_and_exit(settings: Any, job_id: int, timeout: float, as_json: bool = F
 @click.option("--kind", default=None, help="Only jobs of this kind.")
 def jobs_cmd(limit: int, status: str | None, kind: str | None) -> None:
     """List recent jobs, newest first."""
-    from app import services
+    from app import client as services  # HTTP with a token, or in-process (app/client.py)
 
     rows = services.list_jobs(get_settings(), limit=limit, status=status, kind=kind)
     click.echo(f"{'id':>5}  {'kind':<9} {'status':<10} {'progress':>8}  {'created':<19}  message")
@@ -135,7 +135,7 @@ def jobs_cmd(limit: int, status: str | None, kind: str | None) -> None:
 @click.argument("job_id", type=int)
 def cancel_cmd(job_id: int) -> None:
     """Cancel a queued job, or ask a running one to stop at its next progress report."""
-    from app import services
+    from app import client as services  # HTTP with a token, or in-process (app/client.py)
 
     try:
         job = services.cancel(get_settings(), job_id)
@@ -149,7 +149,7 @@ def cancel_cmd(job_id: int) -> None:
 @click.argument("job_id", type=int)
 def rerun_cmd(job_id: int) -> None:
     """Queue a new job with the same spec as JOB_ID (computed again, not reused)."""
-    from app import services
+    from app import client as services  # HTTP with a token, or in-process (app/client.py)
 
     try:
         job = services.rerun(get_settings(), job_id)

@@ -300,4 +300,4 @@ def test_cli_mask(model_dir) -> None:
     r = CliRunner().invoke(main, ["mask", "--select", "nope", "--out", str(out)])
     assert r.exit_code == 2 and "--select: got 'nope'" in r.output
     r = CliRunner().invoke(main, ["mask", "--select", "fisher", "--fisher", "job:3", "--out", str(out)])
-    assert r.exit_code == 2 and "error: fisher: 'job:..' references are resolved by the worker" in r.output
+    assert r.exit_code == 2 and "error: --fisher: job 3 does not exist" in r.output  # the CLI resolves job:N too

@@ -152,7 +152,7 @@ def test_trained_model_is_a_model_everywhere(settings, tmp_path: Path) -> None:
                    for f in ("model", "teacher", "tuned"))
     with pytest.raises(SpecError) as err:
         services.submit(settings, "tokens", {"model": ref, "context": "1+1=", "layer": 2})
-    assert err.value.errors == [{"field": "model", "message": f"layer: got 2; accepted range: >= 0, <= 1 ({ref} has 2 blocks)"}]
+    assert err.value.errors == [{"field": "layer", "message": "got 2; accepted range: >= 0, <= 1 (the model has 2 blocks)"}]
     fisher = services.submit(settings, "fisher", {"model": "arith-base", "prompts": 3})
     with pytest.raises(SpecError, match="tuned: job .* is a fisher job; a train job is needed"):
         services.submit(settings, "diff", {"base": "arith-base", "tuned": f"job:{fisher['id']}"})
@@ -179,7 +179,7 @@ def test_trained_model_is_a_model_everywhere(settings, tmp_path: Path) -> None:
         ("fisher", {"model": "arith-base", "task": "arithmetic?bogus=1"}, "task", "unknown option"),
         ("fisher", {"model": "arith-base", "task": "jsonl:/missing.jsonl"}, "task", "outside the allowed roots"),
         ("fisher", {"model": "arith-base", "task": "jsonl:data.jsonl"}, "task", "absolute path"),
-        ("tokens", {"model": "arith-base", "context": "1+", "layer": 7}, "model", "layer: got 7; accepted range: >= 0, <= 1"),
+        ("tokens", {"model": "arith-base", "context": "1+", "layer": 7}, "layer", "got 7; accepted range: >= 0, <= 1"),
         ("fisher", {"model": "arith-base", "prompts": 1.5}, "prompts", "whole number"),
         ("fisher", {"model": "arith-base", "device": "banana"}, "device", "cuda:N"),
         ("fisher", {"model": "arith-base", "prompts": 2, "shards": 3}, "shards", "<= prompts (2)"),

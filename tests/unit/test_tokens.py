@@ -192,7 +192,7 @@ def test_run_tokens_job_and_cli(model_dir, tmp_path) -> None:
     assert "scope: layer 0" in r.output and "mean off-diagonal cosine" in r.output
     assert json.loads(out.read_text())["kind"] == "tokens"
     r = CliRunner().invoke(main, ["tokens", "--model", str(path), "--context", "12", "--layer", "9"])
-    assert r.exit_code == 2 and "error: layer: 9 is not a block of this model; accepted: 0..1" in r.output
+    assert r.exit_code == 2 and "error: --layer: got 9; accepted range: >= 0, <= 1 (the model has 2 blocks)" in r.output
     r = CliRunner().invoke(main, ["tokens", "--model", str(path), "--context", "   "])
     assert r.exit_code == 2 and "--context" in r.output
 

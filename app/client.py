@@ -1,0 +1,193 @@
+"""What the CLI's queue commands (submit, status, jobs, cancel, rerun) call: the same functions
+as app.services, run either
+
+* over HTTP, against a server, when `FISHERLENS_URL` is set or `fisherlens login` saved one:
+  every request carries `Authorization: Bearer <token>` (`FISHERLENS_TOKEN`, else the saved
+  token), so the server applies the user's ownership, quotas and cost ceiling; or
+* in this process, against the database of the current settings (the embedded default and
+  machines with direct database access): as the user owning `FISHERLENS_TOKEN` when it is set,
+  else as the local admin user `local` (whoever can open the database can change it anyway).
+
+Errors are the ones services raise (SpecError, QuotaExceeded, LookupError, ValueError,
+RuntimeError); a refused credential exits 1 with the server's reason.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from compute.specs import SpecError
+
+
+def credentials_path() -> Path:
+    env = os.environ.get("FISHERLENS_CREDENTIALS")
+    if env:
+        return Path(env).expanduser()
+    base = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config")
+    return base / "fisherlens" / "credentials.json"
+
+
+def load_credentials() -> dict[str, Any]:
+    path = credentials_path()
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def save_credentials(url: str, token: str, name: str) -> Path:
+    """Write {url, token, name} readable by this user only (0600, from creation on)."""
+    path = credentials_path()
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as fh:
+        json.dump({"url": url, "token": token, "name": name}, fh)
+    os.chmod(path, 0o600)
+    return path
+
+
+def remote() -> tuple[str, str | None] | None:
+    """(server URL, token) when the CLI should talk HTTP, else None."""
+    saved = load_credentials()
+    url = os.environ.get("FISHERLENS_URL") or saved.get("url")
+    if not url:
+        return None
+    return str(url).rstrip("/"), os.environ.get("FISHERLENS_TOKEN") or saved.get("token")
+
+
+def request(method: str, url: str, token: str | None, path: str, body: Any = None) -> tuple[int, Any]:
+    data = json.dumps(body).encode() if body is not None else None
+    req = urllib.request.Request(f"{url}{path}", data=data, method=method)
+    req.add_header("Accept", "application/json")
+    if data is not None:
+        req.add_header("Content-Type", "application/json")
+    if token:
+        req.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(req, timeout=60) as resp:
+            return resp.status, json.loads(resp.read() or b"null")
+    except urllib.error.HTTPError as exc:
+        try:
+            payload = json.loads(exc.read() or b"null")
+        except json.JSONDecodeError:
+            payload = {"detail": exc.reason}
+        return exc.code, payload
+    except urllib.error.URLError as exc:
+        raise RuntimeError(f"cannot reach the fisherlens server at {url}: {exc.reason}") from None
+
+
+def _raise_for(status: int, payload: Any, job_id: int | None = None) -> None:
+    from app.commands.common import fail
+    from app.limits import QuotaExceeded
+
+    detail = payload.get("detail") if isinstance(payload, dict) else payload
+    if status < 400:
+        return
+    if status in (401, 403):
+        hint = " (set FISHERLENS_TOKEN or run `fisherlens login`)" if status == 401 else ""
+        fail(f"the server refused: {detail}{hint}", code=1)
+    if status == 404:
+        raise LookupError(detail if isinstance(detail, str) else f"job: no job with id {job_id}")
+    if status == 429 and isinstance(detail, list):
+        raise QuotaExceeded(detail)
+    if status == 422 and isinstance(detail, list):
+        raise SpecError(detail)
+    if status == 409:
+        raise ValueError(str(detail))
+    raise RuntimeError(f"server answered {status}: {detail}")
+
+
+@contextlib.contextmanager
+def _local_user() -> Iterator[Any]:
+    from app import auth
+    from app.commands.common import fail
+    from app.settings import get_settings
+
+    settings = get_settings()
+    token = os.environ.get("FISHERLENS_TOKEN")
+    if token:
+        p = auth.token_principal(settings, token)
+        if p is None:
+            fail("FISHERLENS_TOKEN is not a valid token for this database (revoked or mistyped)",
+                 code=1)
+    else:
+        p = auth.local_principal(settings)
+    with auth.acting_as(p):
+        yield settings
+
+
+def submit(settings: Any, kind: str, data: dict[str, Any], *, reuse: bool = True) -> dict[str, Any]:
+    r = remote()
+    if r is None:
+        from app import services
+
+        with _local_user() as s:
+            return services.submit(s, kind, data, reuse=reuse)
+    if not reuse:
+        from app.commands.common import fail
+
+        fail("--no-reuse: not available through the server's API; submit, then "
+             "`fisherlens rerun JOB_ID` to compute a stored result again")
+    status, payload = request("POST", r[0], r[1], "/api/jobs", {"kind": kind, "spec": data})
+    _raise_for(status, payload)
+    return dict(payload)
+
+
+def get_job(settings: Any, job_id: int) -> dict[str, Any] | None:
+    r = remote()
+    if r is None:
+        from app import services
+
+        with _local_user() as s:
+            return services.get_job(s, job_id)
+    status, payload = request("GET", r[0], r[1], f"/api/jobs/{int(job_id)}")
+    if status == 404:
+        return None
+    _raise_for(status, payload, job_id)
+    return dict(payload)
+
+
+def list_jobs(settings: Any, limit: int = 100, **filters: Any) -> list[dict[str, Any]]:
+    r = remote()
+    if r is None:
+        from app import services
+
+        with _local_user() as s:
+            return services.list_jobs(s, limit=limit, **filters)
+    query = urllib.parse.urlencode({"limit": limit, **{k: v for k, v in filters.items() if v}})
+    status, payload = request("GET", r[0], r[1], f"/api/jobs?{query}")
+    _raise_for(status, payload)
+    return list(payload)
+
+
+def cancel(settings: Any, job_id: int) -> dict[str, Any]:
+    r = remote()
+    if r is None:
+        from app import services
+
+        with _local_user() as s:
+            return services.cancel(s, job_id)
+    status, payload = request("POST", r[0], r[1], f"/api/jobs/{int(job_id)}/cancel")
+    _raise_for(status, payload, job_id)
+    return dict(payload)
+
+
+def rerun(settings: Any, job_id: int) -> dict[str, Any]:
+    r = remote()
+    if r is None:
+        from app import services
+
+        with _local_user() as s:
+            return services.rerun(s, job_id)
+    status, payload = request("POST", r[0], r[1], f"/api/jobs/{int(job_id)}/rerun")
+    _raise_for(status, payload, job_id)
+    return dict(payload)

@@ -1,0 +1,249 @@
+"""Per-job cost estimates, spec size caps and per-user quotas (no torch: the web process uses it).
+
+Cost unit: **parameter-token-passes** = token-passes x parameters, where a token-pass is one
+token through one forward pass and a backward pass counts as two forward passes (so a gradient
+step over a sequence of L tokens is 3 L token-passes). Two forward+backward FLOPs per parameter
+per token-pass makes `2 * cost` a rough FLOP count. What is assumed is said in the estimate:
+prompts are counted as `COST_PROMPT_TOKENS` tokens (the arithmetic tasks use fewer, GSM8K-style
+jsonl prompts about that many) and every completion as `max_new_tokens` (sampling may stop early),
+so the estimate is an upper bound for the given prompt length. The `token` estimator is charged
+one backward per completion token (its naive cost; the batched engine is faster).
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+from compute.specs import SpecError
+
+COST_PROMPT_TOKENS = 64
+MODEL_FIELDS = ("model", "teacher", "base", "tuned")
+
+
+class QuotaExceeded(SpecError):
+    """Over a per-user limit (HTTP 429): `errors[0]` has field, message, limit and value."""
+
+
+def _errors(*items: dict[str, Any]) -> Any:
+    """SpecError's errors, with the numbers (limit, value) next to the message."""
+    return list(items)
+
+
+# ---------------------------------------------------------------- parameter counts
+
+
+def safetensors_numel(path: Path) -> int:
+    """Number of elements stored in one .safetensors file, read from its JSON header only."""
+    with open(path, "rb") as fh:
+        (n,) = struct.unpack("<Q", fh.read(8))
+        if n > 100_000_000:
+            raise ValueError(f"{path.name}: safetensors header of {n} bytes is not plausible")
+        header = json.loads(fh.read(n))
+    total = 0
+    for name, entry in header.items():
+        if name == "__metadata__":
+            continue
+        numel = 1
+        for d in entry.get("shape", []):
+            numel *= int(d)
+        total += numel
+    return total
+
+
+def count_params(folder: Path) -> int | None:
+    """Parameters of a local HF model folder: fisherlens.json's count for zoo models, else the
+    sum over its safetensors headers; None when the folder has no safetensors weights."""
+    info = folder / "fisherlens.json"
+    if info.is_file():
+        try:
+            extra = json.loads(info.read_text())
+            n = extra.get("n_params") or extra.get("params")
+            if isinstance(n, int) and n > 0:
+                return n
+        except (OSError, json.JSONDecodeError):
+            pass
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        return None
+    try:
+        return sum(safetensors_numel(f) for f in files)
+    except (OSError, ValueError, struct.error, json.JSONDecodeError):
+        return None
+
+
+def model_params(settings: Any, ref: str) -> int | None:
+    """Parameter count of a spec's model reference (zoo name, local folder, job:N), or None
+    when it cannot be counted here (hub ids, folders without safetensors, bad references)."""
+    from compute.modelref import resolve_model
+
+    try:
+        resolved = resolve_model(ref, settings)
+    except ValueError:
+        return None
+    path = Path(resolved)
+    return count_params(path) if path.is_absolute() and path.is_dir() else None
+
+
+# ---------------------------------------------------------------- token-passes per kind
+
+
+def _fisher_passes(prompts: int, samples: int, max_new_tokens: int, estimator: str = "sequence",
+                   exact_output: bool = False) -> int:
+    seqs = prompts * samples
+    length = COST_PROMPT_TOKENS + max_new_tokens
+    sample = 0 if estimator == "empirical" else seqs * length  # generation (KV cache)
+    grads = seqs * length * 3 * (max_new_tokens if estimator == "token" else 1)
+    exact = seqs * length if exact_output else 0
+    return sample + grads + exact
+
+
+def _train_passes(algo: str, steps: int, batch: int, group: int, max_new_tokens: int,
+                  eval_prompts: int) -> int:
+    length = COST_PROMPT_TOKENS + max_new_tokens
+    seqs = batch * (1 if algo == "sft" else group)
+    per_seq = 3 + (0 if algo == "sft" else 1) + (1 if algo == "opd" else 0)  # grad, sample, teacher
+    evals = 2 * eval_prompts * length  # greedy accuracy before and after
+    return steps * seqs * length * per_seq + evals
+
+
+def token_passes(kind: str, spec: Any) -> int:
+    """Token-passes of a validated spec (compute.specs), as described at the top."""
+    s = spec
+    if kind == "fisher":
+        return _fisher_passes(s.prompts, s.samples, s.max_new_tokens, s.estimator, s.exact_output)
+    if kind == "mask":
+        return s.prompts * (COST_PROMPT_TOKENS + 16) * 3 if s.select == "gradient" else 0
+    if kind == "train":
+        n = _train_passes(s.algo, s.steps, s.batch, s.group, s.max_new_tokens, s.eval_prompts)
+        if s.mask_select:
+            n += _fisher_passes(s.fisher_prompts, s.fisher_samples, s.max_new_tokens)
+        return n
+    if kind == "retention":
+        runs = s.seeds * (len(s.densities) * len(s.selectors) + 1)
+        one = _train_passes(s.algo, s.steps, s.batch, s.group, s.max_new_tokens, s.eval_prompts)
+        fisher = _fisher_passes(s.fisher_prompts, s.fisher_samples, s.max_new_tokens)
+        return runs * one + s.seeds * fisher
+    if kind == "tokens":
+        length = len(s.context)  # characters: at least the number of tokens
+        grads = s.top_k + s.random_k + s.low_k + s.max_tokens
+        return length * (1 + 3 * grads)
+    return 0  # diff: reads two checkpoints, no forward passes
+
+
+def estimate(settings: Any, kind: str, spec: Any) -> dict[str, Any]:
+    """{"token_passes", "params", "cost", "prompt_tokens_assumed", "model"}. `params` is the
+    largest model the spec names (None if it cannot be counted); `cost` = token_passes x params
+    (at least one pass over the weights), None when params is None."""
+    params: int | None = None
+    unknown: list[str] = []
+    for field in MODEL_FIELDS:
+        ref = getattr(spec, field, None)
+        if not ref:
+            continue
+        n = model_params(settings, ref)
+        if n is None:
+            unknown.append(field)
+        else:
+            params = max(params or 0, n)
+    passes = token_passes(kind, spec)
+    if kind == "mask" and params is None and not getattr(spec, "model", None):
+        params = 0  # a mask from a stored Fisher: no model runs
+    cost = None if unknown or params is None else float(max(passes, 1) * params)
+    return {
+        "kind": kind,
+        "token_passes": passes,
+        "params": params,
+        "cost": cost,
+        "unknown_models": unknown,
+        "prompt_tokens_assumed": COST_PROMPT_TOKENS,
+    }
+
+
+def describe(est: dict[str, Any], ceiling: float | None = None) -> str:
+    """One line for the UI form and messages."""
+    if est["cost"] is None:
+        what = ", ".join(est["unknown_models"]) or "model"
+        return (f"estimated cost: unknown (cannot count the parameters of {what}); "
+                f"{est['token_passes']:.3g} token-passes")
+    line = (f"estimated cost: {est['cost']:.3g} parameter-token-passes "
+            f"({est['token_passes']:.3g} token-passes x {est['params']:,} parameters)")
+    if ceiling is not None:
+        line += f"; your per-job ceiling: {ceiling:.3g}"
+    return line
+
+
+def check_cost(est: dict[str, Any], ceiling: float | None) -> None:
+    """SpecError (422) when the estimate is over the ceiling, or unknown while one applies."""
+    if ceiling is None:
+        return
+    if est["cost"] is None:
+        fields = est["unknown_models"] or ["model"]
+        raise SpecError(_errors(*({
+            "field": f,
+            "message": "cannot estimate this job's cost: the parameter count of this model is "
+                       "unknown here (hub id, or no safetensors weights); a per-job cost ceiling "
+                       f"of {ceiling:.3g} applies to you, so ask an admin to run it",
+            "limit": ceiling, "value": None,
+        } for f in fields)))
+    if est["cost"] > ceiling:
+        raise SpecError(_errors({
+            "field": "spec",
+            "message": f"estimated cost {est['cost']:.3g} parameter-token-passes "
+                       f"({est['token_passes']:.3g} token-passes x {est['params']:,} parameters) "
+                       f"exceeds your per-job ceiling of {ceiling:.3g}; use fewer prompts, "
+                       "samples, steps or tokens",
+            "limit": ceiling, "value": est["cost"],
+        }))
+
+
+def check_active(active: int, limit: int | None) -> None:
+    """QuotaExceeded (429) when a user already has `limit` queued or running jobs."""
+    if limit is not None and active >= limit:
+        raise QuotaExceeded(_errors({
+            "field": "jobs",
+            "message": f"you have {active} queued or running jobs; the limit is {limit} per user. "
+                       "Wait for one to finish or cancel one",
+            "limit": limit, "value": active,
+        }))
+
+
+# ---------------------------------------------------------------- spec size
+
+
+def check_spec_size(data: Any, *, max_keys: int, max_string: int, max_list: int = 64,
+                    max_depth: int = 3) -> None:
+    """SpecError naming the field when a submitted spec is oversized (before validation, so an
+    abusive spec costs nothing to refuse)."""
+    if not isinstance(data, dict):
+        return
+    if len(data) > max_keys:
+        raise SpecError(_errors({"field": "spec", "message": f"has {len(data)} keys; at most {max_keys}",
+                          "limit": max_keys, "value": len(data)}))
+
+    def walk(v: Any, path: str, depth: int) -> None:
+        if depth > max_depth:
+            raise SpecError(_errors({"field": path, "message": f"nested deeper than {max_depth} levels"}))
+        if isinstance(v, str) and len(v) > max_string:
+            raise SpecError(_errors({"field": path, "message": f"is {len(v)} characters long; at most "
+                              f"{max_string}", "limit": max_string, "value": len(v)}))
+        if isinstance(v, list):
+            if len(v) > max_list:
+                raise SpecError(_errors({"field": path, "message": f"has {len(v)} items; at most {max_list}",
+                                  "limit": max_list, "value": len(v)}))
+            for i, x in enumerate(v):
+                walk(x, f"{path}.{i}", depth + 1)
+        if isinstance(v, dict):
+            if len(v) > max_keys:
+                raise SpecError(_errors({"field": path, "message": f"has {len(v)} keys; at most {max_keys}"}))
+            for k, x in v.items():
+                walk(k, path, depth + 1)
+                walk(x, f"{path}.{k}", depth + 1)
+
+    for key, value in data.items():
+        if isinstance(key, str) and len(key) > 100:
+            raise SpecError(_errors({"field": "spec", "message": f"a key is {len(key)} characters long; "
+                              "at most 100"}))
+        walk(value, str(key), 1)
