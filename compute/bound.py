@@ -4,12 +4,19 @@ For N completions y_n with advantages A_n and per-sample score vectors s_n = gra
 (gradient of the summed completion log-prob, the `sequence` Fisher estimator's sample):
 
     g_i = mean_n A_n s_{n,i}          (the policy gradient of the first GRPO step, sequence form)
-    F_i = mean_n s_{n,i}^2            (the sequence Fisher estimate on the same samples)
-    |g_i| <= sqrt(mean_n A_n^2) * sqrt(F_i)
+    |g_i| <= sqrt(E[A^2]) * sqrt(F_i)
 
-holds exactly for every coordinate (Cauchy-Schwarz on the empirical measure), so the measured
-fraction must be 1 up to float error: a coordinate counts as holding when
-lhs <= rhs * (1 + rtol) + atol. Sums are accumulated in float64.
+The headline check uses a Fisher F estimated from INDEPENDENT samples (other prompts, or other
+completions of the same prompts; `summarize(res, fisher=...)`), so it can fail: the result reports
+the violations, the distribution of the ratio |g_i| / (sqrt(mean A^2) sqrt(F_i)) and how tight the
+bound is. With F from the SAME samples (mean_n s_{n,i}^2, kept in BoundResult.fisher) the
+inequality is Cauchy-Schwarz on the empirical measure and holds by construction: that identity is
+reported only as a numerical self-check (`identity_*` keys), never as evidence.
+
+The reported g is the sequence form. GRPO's default token-mean loss divides by the number T of
+completion tokens of the batch instead of by N, so its gradient is g_train = (N/T) g_seq (up to
+the sign of a loss to minimise); `bound_n_over_t` is that constant. A coordinate counts as
+holding when lhs <= rhs * (1 + rtol) + atol. Sums are accumulated in float64.
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ class BoundResult:
     n_samples: int
     rms_advantage: float
     summary: dict[str, Any] = field(default_factory=dict)
+    n_tokens: int = 0  # completion tokens T of the N samples (token-mean loss: g_train = N/T g)
 
 
 def bound_terms(
@@ -99,7 +107,8 @@ def accumulate_sample_grads(
     lhs, rhs, fisher = {}, {}, {}
     for n in params:
         lhs[n], rhs[n], fisher[n] = bound_terms(sum_ag[n], sum_g2[n], sum_a2, N)
-    return BoundResult(lhs, rhs, fisher, N, math.sqrt(sum_a2 / max(1, N)))
+    n_tokens = int(sum(int((completion_mask[i, 1 : int(attention_mask[i].sum())]).sum()) for i in range(N)))
+    return BoundResult(lhs, rhs, fisher, N, math.sqrt(sum_a2 / max(1, N)), n_tokens=n_tokens)
 
 
 def _ranks(x: torch.Tensor) -> torch.Tensor:
@@ -126,54 +135,127 @@ def spearman(x: torch.Tensor, y: torch.Tensor) -> float:
     return pearson(_ranks(x.double().cpu()), _ranks(y.double().cpu()))
 
 
+RATIO_QUANTILES = (0.5, 0.9, 0.99, 0.999)
+
+
+def ratio_stats(lhs: torch.Tensor, rhs: torch.Tensor, rtol: float = 1e-5, atol: float = 1e-12
+                ) -> dict[str, Any]:
+    """Violations and the distribution of lhs / rhs over coordinates (flat float64 tensors).
+
+    Quantiles are the lower empirical quantiles: the ceil(q * n)-th smallest ratio.
+
+    A coordinate with rhs == 0 and lhs > atol is a violation with an infinite ratio (counted apart);
+    one with lhs == rhs == 0 is excluded from the ratio distribution.
+    """
+    ok = holds(lhs, rhs, rtol, atol)
+    live = rhs > 0
+    ratio = lhs[live] / rhs[live]
+    out: dict[str, Any] = {
+        "coordinates": int(len(lhs)),
+        "violations": int((~ok).sum()),
+        "violation_fraction": float((~ok).double().mean()) if len(lhs) else float("nan"),
+        "fraction_holds": float(ok.double().mean()) if len(lhs) else float("nan"),
+        "zero_rhs_violations": int(((~live) & (lhs > atol)).sum()),
+        "ratio_coordinates": int(live.sum()),
+    }
+    if len(ratio):
+        # exact quantiles by sorting (torch.quantile refuses inputs above 2^24 elements)
+        srt = torch.sort(ratio).values
+        qs = [srt[min(len(srt) - 1, int(math.ceil(q * len(srt))) - 1)] for q in RATIO_QUANTILES]
+        out["ratio_quantiles"] = {f"p{q * 100:g}": float(v) for q, v in zip(RATIO_QUANTILES, qs, strict=True)}
+        out["ratio_max"] = float(ratio.max())
+        out["ratio_mean"] = float(ratio.mean())
+        # tightness: how close the largest gradients come to the bound
+        out["ratio_above_0.5"] = float((ratio > 0.5).double().mean())
+        out["ratio_above_0.1"] = float((ratio > 0.1).double().mean())
+        edges = [0.0, 1e-3, 1e-2, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, math.inf]
+        counts = torch.bucketize(ratio, torch.tensor(edges[1:-1], dtype=ratio.dtype), right=True)
+        hist = torch.bincount(counts, minlength=len(edges) - 1)
+        out["ratio_histogram"] = {"edges": edges[:-1] + ["inf"], "counts": [int(c) for c in hist.tolist()]}
+    return out
+
+
 def summarize(
     res: BoundResult,
     rtol: float = 1e-5,
     fisher: Mapping[str, torch.Tensor] | None = None,
+    fisher_info: Mapping[str, Any] | None = None,
     max_points: int = 3000,
     max_corr: int = 2_000_000,
     seed: int = 0,
+    aggregation: str = "token",
 ) -> tuple[dict[str, Any], list[SeriesPoint], list[Heatmap]]:
     """Headline numbers, a downsampled scatter (|g| against sqrt(F)) and a log-binned 2-D histogram.
 
-    fisher: an independently estimated Fisher to correlate |g| with as well (optional).
+    fisher: a Fisher estimated from samples independent of the gradient's (the headline check;
+    fisher_info describes where it came from). Without it the summary says that no independent
+    check was made (`bound_independent` False) and reports only the same-sample identity, which
+    cannot fail. The scatter and histogram use the independent Fisher when given.
     """
     names = list(res.lhs)
     lhs = torch.cat([res.lhs[n].flatten().cpu() for n in names])
-    rhs = torch.cat([res.rhs[n].flatten().cpu() for n in names])
-    sqf = torch.cat([res.fisher[n].flatten().cpu() for n in names]).sqrt()
-    ok = holds(lhs, rhs, rtol)
-    live = rhs > 0
-    ratio = torch.where(live, lhs / rhs.clamp(min=1e-300), torch.zeros_like(lhs))
+    rhs_same = torch.cat([res.rhs[n].flatten().cpu() for n in names])
+    sqf_same = torch.cat([res.fisher[n].flatten().cpu() for n in names]).sqrt()
     gen = torch.Generator().manual_seed(seed)
     corr_idx = (torch.randperm(len(lhs), generator=gen)[:max_corr] if len(lhs) > max_corr
                 else torch.arange(len(lhs)))
+    ident = ratio_stats(lhs, rhs_same, rtol)
+    n_over_t = res.n_samples / res.n_tokens if res.n_tokens else float("nan")
     summary: dict[str, Any] = {
         "bound_samples": res.n_samples,
+        "bound_tokens": res.n_tokens,
         "bound_rms_advantage": res.rms_advantage,
+        "bound_constant": res.rms_advantage,
         "bound_coordinates": int(len(lhs)),
-        "bound_fraction_holds": float(ok.double().mean()),
-        "bound_violations": int((~ok).sum()),
         "bound_rtol": rtol,
-        "bound_max_ratio": float(ratio.max()) if len(ratio) else 0.0,
-        "bound_median_ratio": float(ratio[live].median()) if bool(live.any()) else 0.0,
-        "bound_zero_fisher_fraction": float((~live).double().mean()),
-        "grad_sqrt_fisher_pearson": pearson(lhs[corr_idx], sqf[corr_idx]),
-        "grad_sqrt_fisher_spearman": spearman(lhs[corr_idx], sqf[corr_idx]),
+        "bound_gradient": "sequence form g = mean_n A_n grad log p(y_n | x_n) on the first GRPO batch",
+        "bound_n_over_t": n_over_t,
+        "bound_n_over_t_note": (
+            "token-mean loss: training gradient = (N/T) x the reported g" if aggregation == "token"
+            else "sequence-mean loss: each sample is weighted by 1/T_n, not a constant multiple of g"),
+        "identity_fraction_holds": ident["fraction_holds"],
+        "identity_violations": ident["violations"],
+        "identity_max_ratio": ident.get("ratio_max", 0.0),
+        "identity_note": "Fisher from the same samples: holds by construction (a self-check only)",
+        "grad_sqrt_fisher_same_spearman": spearman(lhs[corr_idx], sqf_same[corr_idx]),
+        "bound_independent": fisher is not None,
     }
+    sqf = sqf_same
     if fisher is not None:
-        ext = torch.cat([fisher[n].flatten().cpu().double() for n in names]).clamp(min=0).sqrt()
-        summary["grad_sqrt_fisher_ext_pearson"] = pearson(lhs[corr_idx], ext[corr_idx])
-        summary["grad_sqrt_fisher_ext_spearman"] = spearman(lhs[corr_idx], ext[corr_idx])
+        missing = [n for n in names if n not in fisher]
+        if missing:
+            raise ValueError(f"fisher: parameter {missing[0]!r} of the gradient is not in the Fisher")
+        sqf = torch.cat([fisher[n].flatten().cpu().double().clamp(min=0) for n in names]).sqrt()
+        rhs = res.rms_advantage * sqf
+        st = ratio_stats(lhs, rhs, rtol)
+        summary.update({
+            "bound_fisher": dict(fisher_info or {}),
+            "bound_fraction_holds": st["fraction_holds"],
+            "bound_violations": st["violations"],
+            "bound_violation_fraction": st["violation_fraction"],
+            "bound_zero_fisher_violations": st["zero_rhs_violations"],
+            "bound_ratio_quantiles": st.get("ratio_quantiles", {}),
+            "bound_max_ratio": st.get("ratio_max", float("nan")),
+            "bound_median_ratio": st.get("ratio_quantiles", {}).get("p50", float("nan")),
+            "bound_mean_ratio": st.get("ratio_mean", float("nan")),
+            "bound_ratio_above_0.5": st.get("ratio_above_0.5", float("nan")),
+            "bound_ratio_histogram": st.get("ratio_histogram", {}),
+            "grad_sqrt_fisher_pearson": pearson(lhs[corr_idx], sqf[corr_idx]),
+            "grad_sqrt_fisher_spearman": spearman(lhs[corr_idx], sqf[corr_idx]),
+        })
+        rhs_plot = rhs
+    else:
+        rhs_plot = rhs_same
+    live = sqf > 0
     pick = torch.randperm(len(lhs), generator=gen)[:max_points]
     pick = pick[torch.argsort(sqf[pick])]
     series = [SeriesPoint("bound/|grad|", float(sqf[i]), float(lhs[i])) for i in pick.tolist()]
-    series += [SeriesPoint("bound/rhs", float(sqf[i]), float(rhs[i])) for i in pick.tolist()]
-    heatmaps = [_log_hist(lhs[live], sqf[live])] if bool(live.any()) else []
+    series += [SeriesPoint("bound/rhs", float(sqf[i]), float(rhs_plot[i])) for i in pick.tolist()]
+    heatmaps = [_log_hist(lhs[live], sqf[live], fisher is not None)] if bool(live.any()) else []
     return summary, series, heatmaps
 
 
-def _log_hist(lhs: torch.Tensor, sqf: torch.Tensor, bins: int = 24) -> Heatmap:
+def _log_hist(lhs: torch.Tensor, sqf: torch.Tensor, independent: bool = False, bins: int = 24) -> Heatmap:
     """Counts of coordinates on a log10 |g| (rows) x log10 sqrt(F) (columns) grid."""
     x = sqf.clamp(min=1e-30).log10()
     y = lhs.clamp(min=1e-30).log10()
@@ -191,7 +273,8 @@ def _log_hist(lhs: torch.Tensor, sqf: torch.Tensor, bins: int = 24) -> Heatmap:
         y_labels=labels,
         z=[[float(v) if v > 0 else None for v in row] for row in counts.tolist()],
         meta={"x": "log10 sqrt(F_i)", "y": "log10 |g_i|", "value": "coordinates",
-              "note": "all points lie on or below y = x + log10(rms A)"},
+              "fisher": "independent samples" if independent else "same samples (identity)",
+              "note": "the bound is the line y = x + log10(rms A); points above it are violations"},
     )
 
 

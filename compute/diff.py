@@ -5,6 +5,15 @@ layer x module and globally:
 - fraction unchanged by exact equality (in the stored dtype), by bf16 equality (both cast to
   bfloat16), by |delta| <= atol for each atol in ATOLS, and by |delta| <= r * rms(base tensor)
   for each r in REL_TOLS; delta = tuned - base computed in float32;
+- the same atol columns in the PUBLISHED convention (sparsity_in_rl, arXiv 2505.11711): both
+  checkpoints loaded in bfloat16 and delta_bf16 = tuned_bf16 - base_bf16 computed in bfloat16
+  (`unchanged_bf16delta_atol_<a>`). The two conventions give different numbers on the same pair
+  (SCIENCE.md section 6): a reader comparing with published sparsity wants the bf16 columns;
+- |w|-aware precision counts: `unchanged_below_half_ulp` = coordinates whose float32 |delta| is
+  below half a bf16 ULP of |w_base| (an update that bf16 storage would round away, up to where w
+  sits in its rounding interval), and `changed_below_half_ulp` = those among them with delta != 0.
+  Half a bf16 ULP of w with |w| = m 2^e (m in [0.5, 1)) is 2^(e - 9), i.e. between |w| 2^-9 and
+  |w| 2^-8; for w == 0 it is half the smallest bf16 subnormal, 2^-134;
 - delta RMS and max |delta|, and the share of the delta's energy (sum delta^2) in the top
   {0.1, 1, 5}% coordinates of the tensor;
 - for 2-D tensors: numerical rank of the delta (singular values > RANK_RTOL_DOC) and the energy
@@ -175,8 +184,20 @@ def check_same_architecture(base: Any, tuned: Any) -> None:
 
 
 def threshold_labels() -> list[str]:
-    """Column names of the unchanged-fraction counts, in order (exact, bf16, atol..., rel...)."""
-    return ["exact", "bf16", *[f"atol_{a:g}" for a in ATOLS], *[f"rel_{r:g}" for r in REL_TOLS]]
+    """Column names of the unchanged-fraction counts, in order: exact, bf16, float32-delta atols,
+    bf16-delta atols (published convention), relative tolerances, below half a bf16 ULP."""
+    return ["exact", "bf16", *[f"atol_{a:g}" for a in ATOLS],
+            *[f"bf16delta_atol_{a:g}" for a in ATOLS], *[f"rel_{r:g}" for r in REL_TOLS],
+            "below_half_ulp"]
+
+
+def half_ulp_bf16(w: torch.Tensor) -> torch.Tensor:
+    """Half a bfloat16 ULP at |w|, float32, same shape: 2^(e - 9) for |w| = m 2^e, m in [0.5, 1);
+    2^-134 (half the smallest bf16 subnormal) where w == 0."""
+    w = w.to(torch.float32)
+    _, e = torch.frexp(w)
+    half = torch.ldexp(torch.ones_like(w), (e - 9).to(torch.int32))
+    return torch.where(w == 0, torch.full_like(w, 2.0**-134), half)
 
 
 def tensor_diff_stats(base: torch.Tensor, tuned: torch.Tensor, svd_max_numel: int = SVD_MAX_NUMEL
@@ -194,12 +215,21 @@ def tensor_diff_stats(base: torch.Tensor, tuned: torch.Tensor, svd_max_numel: in
         s["unchanged_exact"] = float((base == tuned).sum())
     else:
         s["unchanged_exact"] = float((base.double() == tuned.double()).sum())
-    s["unchanged_bf16"] = float((base.to(torch.bfloat16) == tuned.to(torch.bfloat16)).sum())
+    bb, tb = base.to(torch.bfloat16), tuned.to(torch.bfloat16)
+    s["unchanged_bf16"] = float((bb == tb).sum())
+    ad16 = (tb - bb).abs()  # bf16 arithmetic, as after loading both checkpoints in bf16
+    for a in ATOLS:
+        s[f"unchanged_bf16delta_atol_{a:g}"] = float((ad16 <= a).sum())
+    del bb, tb, ad16
     b32 = base.to(torch.float32)
     delta = tuned.to(torch.float32) - b32  # same shape as base
     ad = delta.abs()
     for a in ATOLS:
         s[f"unchanged_atol_{a:g}"] = float((ad <= a).sum())
+    below = ad < half_ulp_bf16(b32)
+    s["unchanged_below_half_ulp"] = float(below.sum())
+    s["changed_below_half_ulp"] = float((below & (ad > 0)).sum())
+    del below
     rms = math.sqrt(float(torch.sum(b32.square(), dtype=torch.float64)) / n) if n else 0.0
     s["base_rms"] = rms
     for r in REL_TOLS:
@@ -243,6 +273,7 @@ def _fractions(counts: Mapping[str, float]) -> dict[str, float]:
     for lab in threshold_labels():
         out[f"unchanged_{lab}"] = counts[f"unchanged_{lab}"] / n if n else float("nan")
     out["changed_exact"] = 1.0 - out["unchanged_exact"] if n else float("nan")
+    out["changed_below_half_ulp"] = counts.get("changed_below_half_ulp", 0.0) / n if n else float("nan")
     out["delta_rms"] = math.sqrt(counts["sq_sum"] / n) if n else float("nan")
     out["max_abs_delta"] = counts["max_abs"]
     return out
@@ -289,6 +320,7 @@ def diff_checkpoints(
     raw: dict[str, dict[str, float]] = {}
     skipped: dict[str, str] = {}
     abs_delta: dict[str, torch.Tensor] = {}
+    base_w: dict[str, torch.Tensor] = {}
     deltas: dict[str, torch.Tensor] = {}
     for i, n in enumerate(names):
         if progress:
@@ -304,6 +336,7 @@ def diff_checkpoints(
         per_tensor[n]["base_rms"] = stats["base_rms"]
         if fisher is not None and n in fisher:
             abs_delta[n] = delta.abs()
+            base_w[n] = tb
         if keep_delta:
             deltas[n] = delta
     groups: dict[str, dict[str, dict[str, float]]] = {}
@@ -312,7 +345,7 @@ def diff_checkpoints(
         for n, st in raw.items():
             a = acc.setdefault(group_key(n, grouping), {})
             for k, v in st.items():
-                if k == "numel" or k == "sq_sum" or k.startswith("unchanged_"):
+                if k in ("numel", "sq_sum", "changed_below_half_ulp") or k.startswith("unchanged_"):
                     a[k] = a.get(k, 0.0) + v
                 elif k == "max_abs":
                     a[k] = max(a.get(k, 0.0), v)
@@ -322,11 +355,19 @@ def diff_checkpoints(
         if progress:
             progress(0.92, "Fisher vs |delta| overlap")
         fisher_res = fisher_vs_delta(fisher, abs_delta, topk_percent)
+        fisher_res["changed_by_weight_binade"] = fisher_auc_by_weight_binade(
+            fisher, {n: d > 0 for n, d in abs_delta.items()}, base_w)
     settings = {
         "atols": list(ATOLS),
         "rel_tols": list(REL_TOLS),
         "rel_tol_reference": "rms of the base tensor",
         "delta_dtype": "float32",
+        "atol_convention": "unchanged_atol_<a>: |tuned - base| <= a with the delta in float32",
+        "bf16delta_convention": "unchanged_bf16delta_atol_<a>: both checkpoints loaded in bfloat16, "
+                                "|tuned_bf16 - base_bf16| <= a computed in bfloat16 (the published "
+                                "convention of sparsity_in_rl, arXiv 2505.11711)",
+        "half_ulp": "unchanged_below_half_ulp: float32 |delta| < half a bf16 ULP of |w_base| "
+                    "(2^(e-9) for |w| = m 2^e, m in [0.5, 1))",
         "bf16_equality": "both tensors cast to bfloat16, then compared",
         "rank_tolerance": RANK_RTOL_DOC,
         "svd_topk": list(SVD_TOPK),
@@ -366,3 +407,51 @@ def iter_rows(result: DiffResult) -> Iterator[tuple[str, int | None, str, dict[s
     """(param, layer, module, values) per tensor."""
     for n, v in result.per_tensor.items():
         yield n, layer_index(n), module_type(n), v
+
+
+def fisher_auc_by_weight_binade(
+    fisher: Mapping[str, torch.Tensor],
+    changed: Mapping[str, torch.Tensor],
+    base: Mapping[str, torch.Tensor],
+    min_each: int = 10,
+) -> dict[str, Any]:
+    """ROC-AUC of the Fisher for "changed" within bins of |w| of equal bf16 ULP (binades
+    [2^(e-1), 2^e), i.e. the exponent e of |w| = m 2^e, m in [0.5, 1); w == 0 is its own bin).
+
+    Inside one binade every weight has the same bf16 ULP, so the bf16 rounding threshold cannot
+    explain which coordinates changed: the AUC there is Fisher's predictive power net of the
+    precision effect. Bins with fewer than `min_each` changed or unchanged coordinates get no AUC.
+    `pooled_auc` weights each bin's AUC by its n_changed * n_unchanged pairs (the AUC over pairs
+    that share a binade). fisher/changed/base: name -> tensors of equal shapes.
+    """
+    from compute.overlap import roc_auc
+
+    scores: dict[int, list[torch.Tensor]] = {}
+    labels: dict[int, list[torch.Tensor]] = {}
+    for n in fisher:
+        if n not in changed or n not in base:
+            continue
+        w = base[n].detach().to(torch.float32).flatten().cpu()
+        _, e = torch.frexp(w)
+        e = torch.where(w == 0, torch.full_like(e, -1000), e)
+        f = fisher[n].detach().to(torch.float32).flatten().cpu()
+        c = changed[n].detach().flatten().bool().cpu()
+        for v in torch.unique(e).tolist():
+            sel = e == v
+            scores.setdefault(int(v), []).append(f[sel])
+            labels.setdefault(int(v), []).append(c[sel])
+    bins = []
+    num = den = 0.0
+    for v in sorted(scores):
+        s, lab = torch.cat(scores[v]), torch.cat(labels[v])
+        n_pos = int(lab.sum())
+        n_neg = int(lab.numel()) - n_pos
+        auc = roc_auc(s, lab) if min(n_pos, n_neg) >= min_each else float("nan")
+        lo, hi = (0.0, 0.0) if v == -1000 else (2.0 ** (v - 1), 2.0**v)
+        bins.append({"exponent": v, "abs_w_lo": lo, "abs_w_hi": hi, "n": int(lab.numel()),
+                     "n_changed": n_pos, "auc": auc})
+        if math.isfinite(auc):
+            num += auc * n_pos * n_neg
+            den += n_pos * n_neg
+    return {"bins": bins, "pooled_auc": num / den if den else float("nan"),
+            "min_each": min_each, "binning": "binades of |w| (equal bf16 ULP)"}

@@ -212,3 +212,31 @@ def score_vs_target(
 def round_half_up_ratio(cap: int, numel: int, total: int) -> int:
     """Sample size of a tensor when `cap` coordinates are spread proportionally (at least 1)."""
     return max(1, int(math.floor(cap * numel / total + 0.5)))
+
+
+def concentration(
+    fisher: Mapping[str, torch.Tensor],
+    targets: Mapping[str, Mapping[str, torch.Tensor]],
+    fraction: float = 0.01,
+    by: Iterable[str] = ("global", "layer", "module", "layer_module"),
+    cap: int = DEFAULT_CAP,
+) -> dict[str, Any]:
+    """Does the initial Fisher pick out where the training gradients concentrate?
+
+    targets: label -> {name: per-coordinate tensor}, e.g. "grad_sq_sum" (sum over all updates of
+    g^2), "grad_abs_sum" (sum of |g|), "abs_delta" (|theta_end - theta_start|). For each target,
+    score_vs_target(Fisher, target) at the top `fraction`: precision@k, ROC-AUC for the target's
+    top-k set, Spearman, Jaccard lift, per grouping. Parameters absent from the Fisher (or from a
+    target) are left out of that comparison and listed under "missing".
+    """
+    out: dict[str, Any] = {"fraction": fraction}
+    for label, tgt in targets.items():
+        names = [n for n in fisher if n in tgt and tuple(tgt[n].shape) == tuple(fisher[n].shape)]
+        if not names:
+            raise ValueError(f"fisher: no parameter in common with {label}")
+        dev = fisher[names[0]].device
+        res = score_vs_target({n: fisher[n].float() for n in names},
+                              {n: tgt[n].float().to(dev) for n in names}, fraction, by=by, cap=cap)
+        res["missing"] = sorted(set(tgt) - set(names))
+        out[label] = res
+    return out

@@ -21,7 +21,14 @@ def _threshold_meta(label: str) -> dict[str, Any]:
     if label == "bf16":
         return {"threshold_label": "equal after casting both to bf16"}
     if label.startswith("atol_"):
-        return {"threshold": float(label[5:]), "threshold_label": f"|delta| <= {label[5:]}"}
+        return {"threshold": float(label[5:]), "threshold_label": f"|delta_fp32| <= {label[5:]}",
+                "convention": "float32 delta"}
+    if label.startswith("bf16delta_atol_"):
+        a = label[len("bf16delta_atol_"):]
+        return {"threshold": float(a), "threshold_label": f"|delta_bf16| <= {a} (published convention)",
+                "convention": "both checkpoints in bf16 (sparsity_in_rl)"}
+    if label == "below_half_ulp":
+        return {"threshold_label": "|delta_fp32| < half a bf16 ULP of |w|"}
     return {"relative": float(label[4:]), "threshold_label": f"|delta| <= {label[4:]} x rms(base)"}
 
 
@@ -60,6 +67,13 @@ def run(spec: DiffSpec, progress: Any = null_progress) -> JobResult:
         "update_sparsity": g["unchanged_exact"],
         "changed_fraction": g["changed_exact"],
         **{f"unchanged_{lab}": g[f"unchanged_{lab}"] for lab in threshold_labels()},
+        "changed_below_half_ulp": g["changed_below_half_ulp"],
+        "conventions": {
+            "unchanged_atol_<a>": "float32 delta |tuned - base| <= a",
+            "unchanged_bf16delta_atol_<a>": "published convention (sparsity_in_rl): both checkpoints "
+                                            "loaded in bf16, |tuned_bf16 - base_bf16| <= a",
+            "unchanged_below_half_ulp": "float32 |delta| < half a bf16 ULP of |w_base|",
+        },
         "delta_rms": g["delta_rms"],
         "max_abs_delta": g["max_abs_delta"],
         "by_module_unchanged_exact": {m: v["unchanged_exact"] for m, v in res.groups["module"].items()},
@@ -82,6 +96,8 @@ def run(spec: DiffSpec, progress: Any = null_progress) -> JobResult:
         summary["spearman"] = gl["spearman"]
         summary["changed_auc"] = fr["changed"]["auc"]
         summary["changed_precision"] = fr["changed"]["precision_at_n_changed"]
+        summary["changed_auc_within_weight_binades"] = fr["changed_by_weight_binade"]["pooled_auc"]
+        summary["changed_auc_by_weight_binade"] = fr["changed_by_weight_binade"]["bins"]
         summary["overlap_settings"] = fr["settings"]
         for metric in ("jaccard_lift", "auc", "precision_at_k"):
             cells = fr["layer_module"]
@@ -110,6 +126,7 @@ def run(spec: DiffSpec, progress: Any = null_progress) -> JobResult:
               "zmin": 0.0, "zmax": 1.0},
     ))
     series = [SeriesPoint("unchanged/atol", a, g[f"unchanged_atol_{a:g}"]) for a in ATOLS]
+    series += [SeriesPoint("unchanged/atol_bf16delta", a, g[f"unchanged_bf16delta_atol_{a:g}"]) for a in ATOLS]
     series += [SeriesPoint("unchanged/rel_rms", r, g[f"unchanged_rel_{r:g}"]) for r in REL_TOLS]
     rows = [LayerStat(param=n, module=module_type(n), layer=layer_index(n),
                       values={k: float(v) for k, v in vals.items()})

@@ -30,9 +30,11 @@ def config_from_spec(spec: Any, seed: int | None = None, **over: Any) -> Any:
         eval_prompts=spec.eval_prompts, seed=spec.seed if seed is None else seed,
     )
     for name in ("momentum", "grad_clip", "temperature", "distill_estimator", "kl_coef", "clip_eps",
-                 "sft_source"):
+                 "sft_source", "precision"):
         if hasattr(spec, name):
             kw[name] = getattr(spec, name)
+    if "precision" not in kw and getattr(spec, "dtype", "auto") == "bfloat16":
+        kw["precision"] = "bf16"  # a spec without a precision field: keep the weights as loaded
     kw.update(over)
     return TrainConfig(**kw)
 
@@ -80,13 +82,20 @@ def build_mask_in_memory(
 
 
 def update_sparsity(
-    base: Mapping[str, torch.Tensor], tuned: torch.nn.Module, fisher: Mapping[str, torch.Tensor] | None = None
+    base: Mapping[str, torch.Tensor], tuned: torch.nn.Module | Mapping[str, torch.Tensor],
+    fisher: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, Any]:
     """Global update-sparsity numbers of a run (compute.diff) and, with a Fisher, its precision@k
-    against the changed / top-|delta| coordinates."""
+    against the changed / top-|delta| coordinates and its AUC for "changed" within |w| binades.
+    tuned: the model or its stored state dict (compare like with like: both in the stored dtype)."""
     from compute.diff import diff_checkpoints
 
-    tuned_sd = {n: p.detach().cpu() for n, p in tuned.named_parameters()}
+    if isinstance(tuned, torch.nn.Module):
+        tuned_sd = {n: p.detach().cpu() for n, p in tuned.named_parameters()}
+    else:
+        tuned_sd = dict(tuned)
+    if fisher is not None:
+        fisher = {n: f for n, f in fisher.items() if n in tuned_sd}
     d = diff_checkpoints(dict(base), tuned_sd, fisher=fisher, svd_max_numel=0)
     glob = next(iter(d.groups["global"].values()))
     out = {k: v for k, v in glob.items() if k.startswith(("unchanged_", "changed_"))}
@@ -97,6 +106,8 @@ def update_sparsity(
         out["fisher_auc_top1pct_delta"] = allm.get("auc")
         out["fisher_precision_at_changed"] = d.fisher.get("changed", {}).get("precision_at_n_changed")
         out["fisher_auc_changed"] = d.fisher.get("changed", {}).get("auc")
+        out["fisher_auc_changed_within_binades"] = d.fisher.get("changed_by_weight_binade", {}).get("pooled_auc")
+        out["fisher_auc_changed_by_binade"] = d.fisher.get("changed_by_weight_binade", {}).get("bins")
     return out
 
 
@@ -106,14 +117,91 @@ def _load(ref: str, spec: Any) -> tuple[Any, Any]:
     return load_model(ref, device=resolve_device(spec.device), dtype=getattr(spec, "dtype", "auto"))
 
 
+PRECISION_DTYPES = {"fp32": ("auto", "float32"), "bf16-mixed": ("auto", "float32", "bfloat16"),
+                    "bf16": ("auto", "bfloat16")}
+INDEPENDENT_SEED_OFFSET = 777_767  # sampling seed offset of the independent Fisher's completions
+
+
+def independent_fisher(
+    model: torch.nn.Module, tokenizer: Any, task: Any, spec: Any,
+    progress: Any = null_progress,
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """The initial (sequence) Fisher from samples independent of the training batches.
+
+    'other-prompts': train-split prompts after the last one training uses (start = steps * batch);
+    'other-completions': the first training prompts, completions sampled with another seed.
+    Same completion length cap and temperature as training (the bound compares like with like).
+    """
+    from compute.fisher import FisherConfig, estimate_fisher
+
+    mode = spec.independent_fisher
+    start = spec.steps * spec.batch if mode == "other-prompts" else 0
+    seed = spec.seed * 1_000_003 + INDEPENDENT_SEED_OFFSET
+    examples = task.examples(spec.fisher_prompts, seed=spec.seed, split="train", start=start)
+    cfg = FisherConfig(prompts=spec.fisher_prompts, samples=spec.fisher_samples,
+                       max_new_tokens=spec.max_new_tokens, temperature=spec.temperature, seed=seed,
+                       prompt_start=start, device=spec.device)
+    fr = estimate_fisher(model, tokenizer, examples, cfg, progress)
+    info = {"source": mode, "estimator": "sequence", "prompts": spec.fisher_prompts,
+            "samples": spec.fisher_samples, "prompt_start": start, "sampling_seed": seed,
+            "n_samples": fr.n_samples, "note": "estimated from samples independent of the gradient"}
+    return {n: f.float().cpu() for n, f in fr.fisher.items()}, info
+
+
+def _concentration_heatmaps(conc: dict[str, Any]) -> list[Any]:
+    from compute.results import Heatmap
+    from compute.run_mask import _layer_sort
+
+    out = []
+    for label in ("grad_sq_sum", "grad_abs_sum", "abs_delta"):
+        cells = conc.get(label, {}).get("layer_module")
+        if not cells:
+            continue
+        layers = sorted({k.split("/")[0] for k in cells}, key=_layer_sort)
+        mods: list[str] = []
+        for k in cells:
+            if k.split("/")[1] not in mods:
+                mods.append(k.split("/")[1])
+        z = [[_finite(cells[f"{lay}/{m}"]["auc"]) if f"{lay}/{m}" in cells else None for m in mods]
+             for lay in layers]
+        out.append(Heatmap(name=f"concentration_auc_{label}", x_labels=mods, y_labels=layers, z=z,
+                           meta={"x_title": "module type", "y_title": "layer", "units": "ROC-AUC",
+                                 "target": label, "topk_fraction": conc["fraction"], "zmin": 0.0,
+                                 "zmax": 1.0}))
+    return out
+
+
+def _finite(x: Any) -> float | None:
+    return float(x) if isinstance(x, (int, float)) and math.isfinite(x) else None
+
+
+def concentration_summary(conc: dict[str, Any]) -> dict[str, Any]:
+    """Headline rows of compute.overlap.concentration: global, per layer, per module, per target."""
+    keys = ("precision_at_k", "auc", "spearman", "jaccard_lift")
+    out: dict[str, Any] = {"fraction": conc["fraction"]}
+    for label in ("grad_sq_sum", "grad_abs_sum", "abs_delta"):
+        if label not in conc:
+            continue
+        r = conc[label]
+        out[label] = {
+            "global": {k: r["global"]["all"][k] for k in keys},
+            "layer": {g: {k: m[k] for k in keys} for g, m in r["layer"].items()},
+            "module": {g: {k: m[k] for k in keys} for g, m in r["module"].items()},
+        }
+    return out
+
+
 def run(spec: TrainSpec, progress: Any = null_progress) -> JobResult:
+    import copy
+
     from compute.bound import first_step_bound, summarize
     from compute.distill import check_same_tokenizer
     from compute.fisher import FisherConfig
     from compute.masks import load_mask
-    from compute.run_mask import resolve_artifact
+    from compute.overlap import concentration
+    from compute.run_mask import load_scores, resolve_artifact
     from compute.tasks import get_task
-    from compute.train import save_output, train
+    from compute.train import prepare_precision, save_output, stored_state, train
 
     task = get_task(spec.task)
     if spec.mask and spec.mask_select:
@@ -122,15 +210,20 @@ def run(spec: TrainSpec, progress: Any = null_progress) -> JobResult:
         raise ValueError("mask_density: needed with mask_select (e.g. 0.05)")
     if spec.algo == "opd" and not spec.teacher:
         raise ValueError("teacher: algo 'opd' needs a teacher model (e.g. arith-teacher)")
+    if spec.dtype not in PRECISION_DTYPES[spec.precision]:
+        raise ValueError(f"dtype: {spec.dtype!r} conflicts with precision {spec.precision!r}; accepted: "
+                         f"{', '.join(PRECISION_DTYPES[spec.precision])} (precision sets the training dtype)")
     torch.manual_seed(spec.seed)
     progress(0.0, f"loading {spec.model}")
     model, tok = _load(spec.model, spec)
+    prepare_precision(model, spec.precision)
     teacher = None
     if spec.algo == "opd":
         teacher, ttok = _load(spec.teacher, spec)
         check_same_tokenizer(tok, ttok)
-    config = config_from_spec(spec)
-    summary: dict[str, Any] = {"model": spec.model, "task": spec.task, "algo": spec.algo}
+    config = config_from_spec(spec, track_gradients=spec.concentration)
+    summary: dict[str, Any] = {"model": spec.model, "task": spec.task, "algo": spec.algo,
+                               "precision": spec.precision}
     mask = None
     result = JobResult(kind="train", summary=summary)
     if spec.mask:
@@ -147,17 +240,34 @@ def run(spec: TrainSpec, progress: Any = null_progress) -> JobResult:
         )
         summary["mask"] = info
         result.tensors["mask"] = {n: m.cpu() for n, m in mask.items()}
-    base = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+    # float32 twin for the Fisher and the bound when the weights are bf16 (same values, exact)
+    probe = copy.deepcopy(model).float() if spec.precision == "bf16" else model
+    fisher: dict[str, torch.Tensor] | None = None
+    if spec.fisher:
+        fisher = load_scores(spec.fisher, "fisher")
+        fisher_info: dict[str, Any] = {"source": "given", "file": spec.fisher}
+    elif spec.concentration or (spec.algo == "grpo" and spec.bound):
+        progress(0.1, f"initial Fisher from independent samples ({spec.independent_fisher})")
+        fisher, fisher_info = independent_fisher(probe, tok, task, spec,
+                                                 lambda f, m="": progress(0.1 + 0.03 * f, m))
+        result.tensors["fisher"] = fisher
+    if fisher is not None:
+        summary["initial_fisher"] = fisher_info
+    stored_base = stored_state(model, spec.precision)
+    master_base = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
     if spec.algo == "grpo" and spec.bound:
-        progress(0.1, "bound check on the first GRPO batch")
-        b = first_step_bound(model, tok, task, prompts=spec.batch, group=spec.group,
+        progress(0.13, "bound check on the first GRPO batch")
+        b = first_step_bound(probe, tok, task, prompts=spec.batch, group=spec.group,
                              max_new_tokens=spec.max_new_tokens, seed=spec.seed,
                              temperature=spec.temperature)
-        bsum, bseries, bheat = summarize(b)
+        bsum, bseries, bheat = summarize(b, fisher=fisher, fisher_info=fisher_info if fisher else None,
+                                         aggregation=config.aggregation)
         summary["bound"] = {**bsum, "mean_reward": b.summary.get("bound_mean_reward")}
         result.series += bseries
         result.heatmaps += bheat
         del b
+    if probe is not model:
+        del probe
     res = train(model, tok, task, config, mask=mask, teacher=teacher,
                 progress=lambda f, m="": progress(0.15 + 0.75 * f, m))
     progress(0.92, "update sparsity")
@@ -167,7 +277,32 @@ def run(spec: TrainSpec, progress: Any = null_progress) -> JobResult:
         trainable_fraction=res.trainable_fraction, settings=res.settings,
         eval={"split": "test", "prompts": spec.eval_prompts, "decoding": "greedy"},
     )
-    summary["update_sparsity"] = update_sparsity(base, model)
+    rewards = [row["reward"] for row in res.curve if "reward" in row]
+    if rewards:
+        k = max(1, min(5, len(rewards) // 2))
+        summary["reward_first"] = sum(rewards[:k]) / k
+        summary["reward_last"] = sum(rewards[-k:]) / k
+        summary["reward_window"] = k
+    stored_tuned = stored_state(model, spec.precision)
+    summary["update_sparsity"] = update_sparsity(stored_base, stored_tuned, fisher)
+    summary["update_sparsity"]["stored_dtype"] = res.settings["stored_dtype"]
+    if spec.concentration and res.grad_sq_sum is not None and res.grad_abs_sum is not None:
+        progress(0.95, "gradient concentration")
+        result.tensors["grad_sq_sum"] = res.grad_sq_sum
+        result.tensors["grad_abs_sum"] = res.grad_abs_sum
+        summary["gradient_updates"] = res.updates
+        if fisher is not None:
+            abs_delta = {n: (p.detach().cpu().float() - master_base[n].float()).abs()
+                         for n, p in model.named_parameters()}
+            conc = concentration(fisher, {"grad_sq_sum": res.grad_sq_sum, "grad_abs_sum": res.grad_abs_sum,
+                                          "abs_delta": abs_delta}, spec.topk_percent / 100.0)
+            summary["concentration"] = {
+                **concentration_summary(conc),
+                "gradient": "masked, unclipped gradient of the training loss, summed over "
+                            f"{res.updates} updates",
+                "delta": "master weights (float32 for fp32/bf16-mixed, the bf16 weights for bf16)",
+            }
+            result.heatmaps += _concentration_heatmaps(conc)
     for row in res.curve:
         for k in ("reward", "loss", "accuracy", "reverse_kl", "kl", "grad_norm"):
             if k in row and not math.isnan(row[k]):
@@ -176,7 +311,7 @@ def run(spec: TrainSpec, progress: Any = null_progress) -> JobResult:
     result.series.append(SeriesPoint("eval/accuracy", spec.steps, res.accuracy_after))
     out = Path(tempfile.mkdtemp(prefix="fisherlens-train-")) / "model"
     metrics = {"curve": res.curve, **summary, "spec": spec.model_dump(mode="json")}
-    save_output(model, tok, out, metrics)
+    save_output(model, tok, out, metrics, precision=spec.precision)
     result.files["model"] = str(out)
     progress(1.0, f"accuracy {res.accuracy_before:.3f} -> {res.accuracy_after:.3f}")
     return result

@@ -28,6 +28,7 @@ Selector = Literal[
     "fisher", "fisher-tensor", "fisher-bottom", "random", "magnitude", "magnitude-bottom", "gradient"
 ]
 Algo = Literal["grpo", "opd", "sft"]
+Precision = Literal["fp32", "bf16-mixed", "bf16"]
 # Retention's OPD teacher when none is given (compute.run_retention uses this table).
 DEFAULT_TEACHERS = {"arith-base": "arith-teacher"}
 
@@ -181,7 +182,20 @@ class TrainSpec(_Spec):
     )
     fisher_prompts: int = Field(32, ge=1, le=4096, description="prompts of the Fisher for mask_select")
     fisher_samples: int = Field(4, ge=1, le=64, description="samples per prompt of that Fisher")
-    bound: bool = Field(True, description="GRPO: check the Cauchy-Schwarz bound on the first batch")
+    bound: bool = Field(True, description="GRPO: check the Cauchy-Schwarz bound on the first batch "
+                        "against a Fisher from independent samples")
+    precision: Precision = Field(
+        "fp32", description="fp32 | bf16-mixed (fp32 master weights, bf16 checkpoint) | bf16 (bf16 weights: "
+        "updates below half a bf16 ULP are lost)")
+    fisher: str | None = Field(
+        None, max_length=1000, description="initial Fisher (fisher.safetensors path or 'job:<id>') for the "
+        "gradient-concentration and bound checks; default: estimated from independent samples")
+    independent_fisher: Literal["other-prompts", "other-completions"] = Field(
+        "other-prompts", description="samples of the estimated initial Fisher: train prompts after the "
+        "ones training uses, or other completions of the first training prompts")
+    concentration: bool = Field(
+        True, description="accumulate sum g^2 and sum |g| over all steps and compare with the initial Fisher")
+    topk_percent: float = Field(1.0, gt=0.0, le=100.0, description="top-k% of the concentration overlap")
 
     @model_validator(mode="after")
     def _cross_field(self) -> TrainSpec:

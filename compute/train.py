@@ -36,6 +36,15 @@ from compute.sft import SOURCES, keep_rewarded, sft_loss
 
 ALGOS = ("grpo", "opd", "sft")
 OPTIMIZERS = ("adamw", "sgd")
+# Precision of training (SCIENCE.md section 6):
+# - fp32: float32 weights, float32 checkpoint;
+# - bf16-mixed: float32 master weights that start from the base rounded to bf16 (a published bf16
+#   checkpoint), float32 forward/backward, and a checkpoint saved in bf16 (as HF models are
+#   published): a stored weight changes only when the accumulated update crosses a bf16 rounding
+#   boundary;
+# - bf16: weights held in bf16 (forward/backward in bf16, optimizer state float32); each step
+#   writes round_bf16(w - update), so an update below half a bf16 ULP of |w| is lost.
+PRECISIONS = ("fp32", "bf16-mixed", "bf16")
 
 
 @dataclass
@@ -71,6 +80,15 @@ class TrainConfig:
     eval_prompts: int = field(default=200, metadata={"help": "held-out test prompts for greedy accuracy"})
     eval_every: int = field(default=0, metadata={"help": "greedy eval every k steps (0 = before/after)"})
     eval_max_new_tokens: int = field(default=8, metadata={"help": "greedy eval completion cap"})
+    precision: str = field(
+        default="fp32",
+        metadata={"help": "fp32 | bf16-mixed (fp32 master weights, bf16 checkpoint) | bf16 (bf16 weights)"},
+    )
+    track_gradients: bool = field(
+        default=False,
+        metadata={"help": "accumulate per-coordinate sum g^2 and sum |g| of the (masked, unclipped) "
+                  "training gradient over all updates"},
+    )
 
     def __post_init__(self) -> None:
         if self.algo not in ALGOS:
@@ -107,6 +125,45 @@ class TrainConfig:
             raise ValueError(f"eval_every: got {self.eval_every}; must be >= 0")
         if not self.temperature > 0:
             raise ValueError(f"temperature: got {self.temperature}; must be > 0")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision: got {self.precision!r}; accepted: {', '.join(PRECISIONS)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Precision
+# ---------------------------------------------------------------------------------------------
+
+
+def prepare_precision(model: torch.nn.Module, precision: str) -> torch.nn.Module:
+    """Cast `model` in place for training at `precision` (idempotent).
+
+    fp32: float32 weights. bf16-mixed: float32 weights holding bf16-representable values (the base
+    rounded to bf16 once, as if loaded from a bf16 checkpoint). bf16: bfloat16 weights.
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision: got {precision!r}; accepted: {', '.join(PRECISIONS)}")
+    if precision == "bf16":
+        return model.to(torch.bfloat16)
+    if precision == "bf16-mixed":
+        with torch.no_grad():
+            for p in model.parameters():
+                p.data = p.data.to(torch.bfloat16).to(torch.float32)
+            for b in model.buffers():
+                if b.is_floating_point():
+                    b.data = b.data.to(torch.float32)
+        return model
+    return model.to(torch.float32)
+
+
+def stored_dtype(precision: str) -> torch.dtype:
+    """dtype of the saved checkpoint at `precision` (what a published checkpoint holds)."""
+    return torch.float32 if precision == "fp32" else torch.bfloat16
+
+
+def stored_state(model: torch.nn.Module, precision: str) -> dict[str, torch.Tensor]:
+    """Parameters as the checkpoint stores them at `precision` (CPU copies)."""
+    dt = stored_dtype(precision)
+    return {n: p.detach().to(device="cpu", dtype=dt).clone() for n, p in model.named_parameters()}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -191,12 +248,26 @@ class MaskedOptimizer:
     def step(self) -> None:
         self.t += 1
         live = [(n, p, m) for n, p, m in self.params if p.grad is not None]
+        full = [(n, p, m) for n, p, m in live if p.dtype == torch.float32]
+        low = [(n, p, m) for n, p, m in live if p.dtype != torch.float32]
         if self.kind == "adamw":
-            self._adamw_foreach(live)
-            return
-        for name, p, m in live:
-            g = p.grad if m is None else p.grad * m  # re-mask: the invariant holds even if
-            self._sgd(name, p, g, m)  # the caller forgot mask_gradients
+            self._adamw_foreach(full)
+        else:
+            for name, p, m in full:
+                g = p.grad if m is None else p.grad * m  # re-mask: the invariant holds even if
+                self._sgd(name, p, g, m)  # the caller forgot mask_gradients
+        # Low-precision weights (precision 'bf16'): float32 optimizer state and update, then the
+        # weight is written back rounded, round(w - update): an update below half an ULP of w is
+        # lost. Off the mask the update is exactly 0, and bf16 -> float32 -> bf16 is exact.
+        for name, p, m in low:
+            p32 = p.detach().float()
+            m32 = None if m is None else m.float()
+            g = p.grad.float() if m32 is None else p.grad.float() * m32
+            if self.kind == "adamw":
+                self._adamw(name, p32, g, m32)
+            else:
+                self._sgd(name, p32, g, m32)
+            p.copy_(p32)
 
     def _adamw_foreach(self, live: list[tuple[str, torch.nn.Parameter, torch.Tensor | None]]) -> None:
         """AdamW over all tensors at once (torch._foreach_*), same maths as `_adamw`."""
@@ -312,6 +383,11 @@ class TrainResult:
     settings: dict[str, Any]
     seconds: float
     trainable_fraction: float
+    updates: int = 0  # optimizer updates taken (steps x inner steps, minus skipped steps)
+    # with config.track_gradients: per coordinate sum over updates of g^2 and of |g|, where g is
+    # the masked, unclipped gradient of the training loss (float32, CPU)
+    grad_sq_sum: dict[str, torch.Tensor] | None = None
+    grad_abs_sum: dict[str, torch.Tensor] | None = None
 
 
 def _rewards(task: Any, completions: list[str], answers: list[str]) -> torch.Tensor:
@@ -351,8 +427,16 @@ def train(
         teacher.eval()
         for p in teacher.parameters():
             p.requires_grad_(False)
+    prepare_precision(model, config.precision)
     flags = {n: p.requires_grad for n, p in model.named_parameters()}
     params = prepare_masked_params(model, mask)
+    grad_sq: dict[str, torch.Tensor] | None = None
+    grad_abs: dict[str, torch.Tensor] | None = None
+    if config.track_gradients:  # one float32 buffer each, for every parameter (frozen ones stay 0)
+        grad_sq = {n: torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+                   for n, p in model.named_parameters()}
+        grad_abs = {n: torch.zeros_like(t) for n, t in grad_sq.items()}
+    n_updates = 0
     n_total = sum(p.numel() for p in model.parameters())
     n_train = sum(int(m.sum()) if m is not None else p.numel() for _, p, m in params)
     ref = None
@@ -437,6 +521,14 @@ def train(
                 loss = sft_loss(lp, cmask, config.aggregation)
             loss.backward()
             mask_gradients(params)
+            if grad_sq is not None and grad_abs is not None:
+                with torch.no_grad():
+                    for n, p, _m in params:
+                        if p.grad is not None:
+                            g = p.grad.detach().float()
+                            grad_sq[n].addcmul_(g, g)
+                            grad_abs[n].add_(g.abs())
+            n_updates += 1
             if grad_hook is not None:
                 grad_hook(step, params)
             row["grad_norm"] = clip_grad_norm(params, config.grad_clip)
@@ -454,16 +546,32 @@ def train(
         p.requires_grad_(flags[n])
     settings = asdict(config)
     settings["masked"] = mask is not None
-    return TrainResult(curve, before, after, settings, time.perf_counter() - t0, n_train / max(1, n_total))
+    settings["compute_dtype"] = "bfloat16" if config.precision == "bf16" else "float32"
+    settings["stored_dtype"] = str(stored_dtype(config.precision)).replace("torch.", "")
+    settings["optimizer_state_dtype"] = "float32"
+    res = TrainResult(curve, before, after, settings, time.perf_counter() - t0, n_train / max(1, n_total))
+    res.updates = n_updates
+    if grad_sq is not None and grad_abs is not None:
+        res.grad_sq_sum = {n: t.cpu() for n, t in grad_sq.items()}
+        res.grad_abs_sum = {n: t.cpu() for n, t in grad_abs.items()}
+    return res
 
 
 def save_output(
-    model: torch.nn.Module, tokenizer: Any, out_dir: str | Path, metrics: Mapping[str, Any]
+    model: torch.nn.Module, tokenizer: Any, out_dir: str | Path, metrics: Mapping[str, Any],
+    precision: str = "fp32",
 ) -> Path:
-    """Write the trained model + tokenizer (HF format) and metrics.json into out_dir."""
+    """Write the trained model + tokenizer (HF format) and metrics.json into out_dir.
+
+    precision 'bf16-mixed' / 'bf16' save the weights in bfloat16 (as published checkpoints are)."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
+    if precision != "fp32":
+        stored = copy.deepcopy(model).to(stored_dtype(precision))
+        stored.save_pretrained(out)
+        del stored
+    else:
+        model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True, default=str))
     return out

@@ -63,7 +63,16 @@ def _fmt(x: Any) -> str:
 @click.option("--eval-prompts", type=int, help="held-out prompts for greedy accuracy  [default: 200]")
 @click.option("--fisher-prompts", type=int, help="Fisher prompts for --mask-select fisher*")
 @click.option("--fisher-samples", type=int, help="Fisher samples per prompt")
-@click.option("--bound/--no-bound", default=None, help="GRPO: check the Fisher bound on batch 1")
+@click.option("--bound/--no-bound", default=None, help="GRPO: check the Fisher bound on batch 1 "
+              "(Fisher from independent samples)")
+@click.option("--precision", help="fp32 | bf16-mixed (fp32 master weights, bf16 checkpoint) | bf16 "
+              "(bf16 weights)  [default: fp32]")
+@click.option("--fisher", help="initial Fisher (fisher.safetensors or job:<id>) for the concentration "
+              "and bound checks  [default: estimated from independent samples]")
+@click.option("--independent-fisher", help="other-prompts | other-completions  [default: other-prompts]")
+@click.option("--concentration/--no-concentration", default=None,
+              help="accumulate sum g^2, sum |g| over the run and compare with the initial Fisher")
+@click.option("--topk-percent", type=float, help="top-k%% of the concentration overlap  [default: 1]")
 @click.option("--seed", type=int, help="[default: 0]")
 @click.option("--device", help="auto | cpu | cuda | cuda:N")
 @click.option("--dtype", help="auto | float32 | bfloat16 | float16")
@@ -93,19 +102,45 @@ def train_cmd(out: str, **options: Any) -> None:
         from compute.masks import save_mask
 
         save_mask(result.tensors["mask"], out_dir / "mask.safetensors", metadata=result.summary.get("mask"))
+    from safetensors.torch import save_file
+
+    for kind in ("grad_sq_sum", "grad_abs_sum", "fisher"):
+        if kind in result.tensors:
+            save_file({n: t.contiguous() for n, t in result.tensors[kind].items()},
+                      str(out_dir / f"{kind}.safetensors"))
     s = result.summary
     click.echo(f"{spec.algo} on {spec.task}: held-out accuracy {_fmt(s['accuracy_before'])} -> "
                f"{_fmt(s['accuracy_after'])} ({s['settings']['steps']} steps, {s['seconds']:.1f} s, "
                f"trainable {s['trainable_fraction']:.2%})")
     us = s.get("update_sparsity", {})
     if us:
-        click.echo(f"unchanged parameters: exact {_fmt(us.get('unchanged_exact'))}, "
-                   f"|delta|<=1e-5 {_fmt(us.get('unchanged_atol_1e-05'))}")
+        click.echo(f"precision {s.get('precision', 'fp32')} (checkpoint stored in {us.get('stored_dtype')}): "
+                   f"unchanged exact {_fmt(us.get('unchanged_exact'))}, bf16-equal "
+                   f"{_fmt(us.get('unchanged_bf16'))}, |delta_bf16|<=1e-5 (published convention) "
+                   f"{_fmt(us.get('unchanged_bf16delta_atol_1e-05'))}, |delta_fp32|<=1e-5 "
+                   f"{_fmt(us.get('unchanged_atol_1e-05'))}")
+        if us.get("fisher_auc_changed") is not None:
+            click.echo(f"initial Fisher AUC for 'changed': {_fmt(us.get('fisher_auc_changed'))} (within |w| "
+                       f"binades {_fmt(us.get('fisher_auc_changed_within_binades'))})")
+    conc = s.get("concentration")
+    if conc:
+        for label, name in (("grad_sq_sum", "sum g^2"), ("grad_abs_sum", "sum |g|"), ("abs_delta", "|delta|")):
+            g = conc.get(label, {}).get("global")
+            if g:
+                click.echo(f"initial Fisher vs {name} over the run (top {100 * conc['fraction']:g}%): "
+                           f"precision@k {_fmt(g['precision_at_k'])}, AUC {_fmt(g['auc'])}, "
+                           f"Spearman {_fmt(g['spearman'])}")
     if "bound" in s:
         b = s["bound"]
-        click.echo(f"bound |g| <= sqrt(E A^2) sqrt(F) holds on {b['bound_fraction_holds']:.6f} of "
-                   f"{b['bound_coordinates']:,} coordinates; Spearman(|g|, sqrt F) "
-                   f"{_fmt(b['grad_sqrt_fisher_spearman'])}")
+        if b.get("bound_independent"):
+            q = b.get("bound_ratio_quantiles", {})
+            click.echo(f"bound |g| <= sqrt(E A^2) sqrt(F_indep): {b['bound_violations']:,} violations of "
+                       f"{b['bound_coordinates']:,} coordinates; ratio median {_fmt(q.get('p50'))}, p99 "
+                       f"{_fmt(q.get('p99'))}, max {_fmt(b.get('bound_max_ratio'))}; training gradient = "
+                       f"N/T x g with N/T {_fmt(b.get('bound_n_over_t'))}")
+        else:
+            click.echo("bound: no independent Fisher, so no check was made (the same-sample identity "
+                       "holds by construction)")
     click.echo(f"wrote {out_dir} (model, tokenizer, metrics.json)")
 
 

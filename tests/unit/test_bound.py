@@ -67,9 +67,12 @@ def test_per_sample_grads_match_brute_force_and_bound_holds_on_tiny_model() -> N
     assert_close(torch.cat([res.lhs[n].flatten() for n in names]), lhs, rtol=1e-4, atol=1e-7)
     assert_close(torch.cat([res.fisher[n].flatten() for n in names]), fisher, rtol=1e-4, atol=1e-9)
     summary, series, heatmaps = summarize(res)
-    assert summary["bound_fraction_holds"] == 1.0 and summary["bound_violations"] == 0
-    assert summary["bound_max_ratio"] <= 1 + 1e-5
-    assert summary["grad_sqrt_fisher_spearman"] > 0.3  # small Fisher means small gradient
+    # same samples: the identity, a self-check that cannot fail, and no independent check made
+    assert summary["identity_fraction_holds"] == 1.0 and summary["identity_violations"] == 0
+    assert summary["identity_max_ratio"] <= 1 + 1e-5
+    assert summary["bound_independent"] is False and "bound_fraction_holds" not in summary
+    assert summary["grad_sqrt_fisher_same_spearman"] > 0.3  # small Fisher means small gradient
+    assert summary["bound_tokens"] == int(cm[:, 1:].sum()) and summary["bound_samples"] == 5
     assert len(series) == 2 * min(3000, summary["bound_coordinates"])
     assert heatmaps and heatmaps[0].meta["x"] == "log10 sqrt(F_i)"
 
@@ -81,3 +84,65 @@ def test_rank_correlations() -> None:
     assert pearson(x, 2 * x + 1) == pytest.approx(1.0)
     # ties share their mean rank: ranks of (1, 1, 2) are (0.5, 0.5, 2)
     assert spearman(torch.tensor([1.0, 1.0, 2.0]), torch.tensor([0.0, 0.0, 5.0])) == pytest.approx(1.0)
+
+
+def test_independent_fisher_check_reports_a_constructed_violation() -> None:
+    """With a Fisher from other samples the check can fail: coordinates whose independent Fisher is
+    too small for their gradient are counted, with the ratio distribution."""
+    from compute.bound import BoundResult, ratio_stats
+
+    lhs = {"w": torch.tensor([0.5, 0.2, 0.0, 0.3], dtype=torch.float64)}
+    same_f = {"w": torch.tensor([1.0, 1.0, 1.0, 1.0], dtype=torch.float64)}
+    rms_a = 1.0
+    res = BoundResult(lhs=lhs, rhs={"w": rms_a * same_f["w"].sqrt()}, fisher=same_f, n_samples=4,
+                      rms_advantage=rms_a, n_tokens=16)
+    # independent Fisher: coordinate 0 far too small (violation: 0.5 > sqrt(0.01) = 0.1), coordinate 3
+    # zero with a non-zero gradient (violation with an infinite ratio), 1 and 2 hold
+    indep = {"w": torch.tensor([0.01, 1.0, 4.0, 0.0])}
+    summary, series, heat = summarize(res, fisher=indep, fisher_info={"source": "test"})
+    assert summary["bound_independent"] and summary["bound_fisher"] == {"source": "test"}
+    assert summary["bound_violations"] == 2 and summary["bound_zero_fisher_violations"] == 1
+    assert summary["bound_violation_fraction"] == pytest.approx(0.5)
+    assert summary["bound_fraction_holds"] == pytest.approx(0.5)
+    # ratios over coordinates with F > 0: 0.5/0.1 = 5, 0.2/1 = 0.2, 0/2 = 0
+    assert summary["bound_max_ratio"] == pytest.approx(5.0)
+    assert summary["bound_median_ratio"] == pytest.approx(0.2)  # lower median of {0, 0.2, 5}
+    assert summary["bound_n_over_t"] == pytest.approx(4 / 16)
+    assert sum(summary["bound_ratio_histogram"]["counts"]) == 3
+    assert summary["identity_fraction_holds"] == 1.0  # the identity still holds on the same samples
+    # the scatter is against the independent sqrt(F)
+    xs = sorted(p.step for p in series if p.name == "bound/|grad|")
+    assert xs == pytest.approx([0.0, 0.1, 1.0, 2.0])
+    st = ratio_stats(torch.tensor([1.0, 1.0]), torch.tensor([1.0, 1.0 - 1e-9]))
+    assert st["violations"] == 0  # within the float allowance
+
+
+def test_independent_fisher_from_many_samples_nearly_always_bounds() -> None:
+    """The bound is about expectations: with the gradient's samples and the Fisher's drawn from the
+    same distribution and many of each, violations are rare, and the ratio median is well below 1."""
+    from compute.bound import BoundResult
+
+    g = torch.Generator().manual_seed(3)
+    scale = torch.rand(400, generator=g) + 0.1
+    s_grad = torch.randn(64, 400, generator=g) * scale
+    adv = torch.randn(64, generator=g)
+    lhs, rhs, f_same = bound_from_sample_grads(s_grad, adv)
+    s_ind = torch.randn(4096, 400, generator=g) * scale
+    f_ind = {"w": (s_ind.double() ** 2).mean(0)}
+    res = BoundResult({"w": lhs}, {"w": rhs}, {"w": f_same}, 64, float(adv.double().pow(2).mean().sqrt()),
+                      n_tokens=640)
+    summary, _, _ = summarize(res, fisher=f_ind)
+    assert summary["bound_violations"] <= 4
+    assert summary["bound_median_ratio"] < 0.5
+    # a Fisher estimated on much smaller scores violates on most coordinates
+    summary, _, _ = summarize(res, fisher={"w": f_ind["w"] * 1e-4})
+    assert summary["bound_violation_fraction"] > 0.5
+
+
+def test_summarize_refuses_a_fisher_missing_a_parameter() -> None:
+    from compute.bound import BoundResult
+
+    t = torch.ones(3, dtype=torch.float64)
+    res = BoundResult({"a": t, "b": t}, {"a": t, "b": t}, {"a": t, "b": t}, 2, 1.0, n_tokens=4)
+    with pytest.raises(ValueError, match="^fisher:"):
+        summarize(res, fisher={"a": torch.ones(3)})

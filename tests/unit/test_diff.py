@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -234,3 +236,58 @@ def test_zoo_diff_and_mask_commands(zoo_home, monkeypatch, tmp_path) -> None:
 
     mask = load_mask(tmp_path / "m.safetensors")
     assert sum(int(m.sum()) for m in mask.values()) == round(0.01 * n)
+
+
+def test_both_delta_conventions_and_half_ulp_counts_on_hand_made_tensors() -> None:
+    """Float32-delta atol columns vs the published bf16-delta columns, and |w|-aware half-ULP counts,
+    each element worked out by hand (see the comments)."""
+    from compute.diff import tensor_diff_stats
+
+    base = torch.tensor([1.0, 1.0, 0.01, 0.0, 1.0])
+    tuned = torch.tensor([1.001, 1.005, 0.010002, 1e-9, 1.0])
+    # e0: bf16(1.001) == 1.0 -> bf16-equal, bf16 delta 0; fp32 delta 1e-3; below half ULP (2^-8)
+    # e1: bf16(1.005) == 1.0078125 -> bf16 delta 2^-7, above every atol; above half ULP
+    # e2: fp32 delta 2e-6 (<= 1e-5, > 1e-6); bf16-equal; below half ULP of 0.01 (2^-15)
+    # e3: w = 0 -> half ULP 2^-134: a change of 1e-9 is not below; bf16 values differ but the bf16
+    #     delta (~1e-9) is <= every atol; fp32 delta <= every atol
+    # e4: unchanged
+    s, _ = tensor_diff_stats(base, tuned)
+    assert s["unchanged_exact"] == 1 and s["unchanged_bf16"] == 3
+    assert s["unchanged_atol_1e-08"] == 2 and s["unchanged_atol_1e-06"] == 2
+    assert s["unchanged_atol_1e-05"] == 3 and s["unchanged_atol_0.0001"] == 3
+    for a in ("1e-08", "1e-06", "1e-05", "0.0001"):
+        assert s[f"unchanged_bf16delta_atol_{a}"] == 4, a
+    assert s["unchanged_below_half_ulp"] == 3 and s["changed_below_half_ulp"] == 2
+
+
+def test_half_ulp_is_the_bf16_rounding_threshold() -> None:
+    """Brute force: a bf16 weight moved away from zero by just under half an ULP rounds back to
+    itself; by just over, it does not."""
+    from compute.diff import half_ulp_bf16
+
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(20_000, generator=g) * torch.logspace(-6, 1, 20_000)).to(torch.bfloat16).float()
+    w = w[w != 0]
+    h = half_ulp_bf16(w)
+    assert torch.equal((w + torch.sign(w) * 0.99 * h).to(torch.bfloat16).float(), w)
+    assert not bool(((w + torch.sign(w) * 1.01 * h).to(torch.bfloat16).float() == w).any())
+    assert float(half_ulp_bf16(torch.tensor([0.0]))) == 2.0**-134
+    r = (h / w.abs())
+    assert float(r.min()) >= 2.0**-9 and float(r.max()) <= 2.0**-8
+
+
+def test_fisher_auc_within_weight_binades() -> None:
+    from compute.diff import fisher_auc_by_weight_binade
+
+    # bin [0.5, 1): never changes, high Fisher; bin [2^-7, 2^-6): Fisher ranks the changed ones first
+    base = {"w": torch.tensor([0.75] * 4 + [0.01] * 4)}
+    fisher = {"w": torch.tensor([10.0, 11.0, 12.0, 13.0, 1.0, 2.0, 3.0, 4.0])}
+    changed = {"w": torch.tensor([False] * 4 + [False, False, True, True])}
+    res = fisher_auc_by_weight_binade(fisher, changed, base, min_each=1)
+    from compute.overlap import roc_auc
+
+    assert roc_auc(fisher["w"], changed["w"]) == pytest.approx(4 / 12)  # globally worse than chance
+    assert res["pooled_auc"] == pytest.approx(1.0)  # within equal-ULP bins, perfect
+    by_e = {b["exponent"]: b for b in res["bins"]}
+    assert by_e[0]["n_changed"] == 0 and math.isnan(by_e[0]["auc"])
+    assert by_e[-6]["auc"] == pytest.approx(1.0) and by_e[-6]["abs_w_lo"] == 2.0**-7

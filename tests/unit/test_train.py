@@ -227,7 +227,8 @@ def test_train_cli_on_zoo_masked_run(algo: str, zoo_home, tmp_path, monkeypatch)
     out = tmp_path / "run"
     args = ["--model", "arith-base", "--algo", algo, "--steps", "2", "--batch", "2", "--group", "2",
             "--eval-prompts", "10", "--max-new-tokens", "4", "--mask-select", "magnitude",
-            "--mask-density", "0.1", "--weight-decay", "0.1", "--device", "cpu", "--out", str(out)]
+            "--mask-density", "0.1", "--weight-decay", "0.1", "--device", "cpu",
+            "--fisher-prompts", "4", "--fisher-samples", "2", "--out", str(out)]
     if algo == "opd":
         args += ["--teacher", "arith-teacher"]
     res = CliRunner().invoke(train_cmd, args)
@@ -236,7 +237,13 @@ def test_train_cli_on_zoo_masked_run(algo: str, zoo_home, tmp_path, monkeypatch)
     assert len(metrics["curve"]) == 2 and metrics["settings"]["lr"] == metrics["spec"]["lr"] == 2e-4
     assert 0 <= metrics["accuracy_before"] <= 1 and 0 <= metrics["accuracy_after"] <= 1
     if algo == "grpo":
-        assert metrics["bound"]["bound_fraction_holds"] == 1.0
+        b = metrics["bound"]
+        assert b["identity_fraction_holds"] == 1.0  # same-sample identity: a self-check only
+        assert b["bound_independent"] and b["bound_fisher"]["source"] == "other-prompts"
+        assert 0 <= b["bound_violations"] <= b["bound_coordinates"] and b["bound_n_over_t"] > 0
+    assert metrics["precision"] == "fp32"
+    assert set(metrics["concentration"]) >= {"grad_sq_sum", "grad_abs_sum", "abs_delta"}
+    assert (out / "grad_sq_sum.safetensors").is_file() and (out / "fisher.safetensors").is_file()
     base = load_file(str(zoo_home / "zoo" / "arith-base" / "model.safetensors"))
     tuned = load_file(str(out / "model.safetensors"))
     mask = load_file(str(out / "mask.safetensors"))
@@ -264,3 +271,132 @@ def test_objective_gradient_and_in_memory_masks_leave_the_model_unchanged() -> N
         assert info["actual_density"] == pytest.approx(0.1, abs=1e-3)
     for n, p in model.named_parameters():
         assert torch.equal(p.detach(), start[n])
+
+
+# ---------------------------------------------------------------------------------------------
+# Precision, gradient accumulation, the N/T constant
+# ---------------------------------------------------------------------------------------------
+
+
+def _sft_run(precision: str, lr: float, mask=None, steps: int = 3, optimizer: str = "adamw"):
+    from compute.train import prepare_precision, stored_state
+
+    tok, task = char_tokenizer(), get_task("arithmetic-add?digits=1")
+    model = prepare_precision(tiny_model("qwen3"), precision)
+    start_stored = stored_state(model, precision)
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    cfg = _cfg("sft", steps=steps, lr=lr, weight_decay=0.0, precision=precision, optimizer=optimizer)
+    train(model, tok, task, cfg, mask=mask, evaluate=False)
+    return model, start, start_stored, stored_state(model, precision)
+
+
+def _frac_identical(a: dict, b: dict) -> float:
+    same = sum(int((a[n] == b[n]).sum()) for n in a)
+    return same / sum(t.numel() for t in a.values())
+
+
+def test_bf16_weights_lose_tiny_updates_fp32_keeps_them() -> None:
+    # Adam moves each coordinate by ~lr per step; at lr 1e-6 that is far below half a bf16 ULP
+    # of weights of size ~0.02 (~4e-5), so pure-bf16 weights stay bit-identical
+    model, start, _, _ = _sft_run("bf16", 1e-6)
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    now = {n: p.detach() for n, p in model.named_parameters()}
+    assert _frac_identical(start, now) > 0.95
+    model, start, _, _ = _sft_run("fp32", 1e-6)
+    now = {n: p.detach() for n, p in model.named_parameters()}
+    assert _frac_identical(start, now) < 0.5  # every coordinate with a gradient moved
+
+
+def test_bf16_mixed_master_moves_but_stored_checkpoint_stays() -> None:
+    model, start, start_stored, end_stored = _sft_run("bf16-mixed", 1e-6)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert all(t.dtype == torch.bfloat16 for t in end_stored.values())
+    # the master weights start from the base rounded to bf16 (a published bf16 checkpoint)
+    assert all(torch.equal(start[n].to(torch.bfloat16).float(), start[n]) for n in start)
+    now = {n: p.detach() for n, p in model.named_parameters()}
+    assert _frac_identical(start, now) < 0.5  # float32 master weights moved
+    assert _frac_identical(start_stored, end_stored) > 0.95  # the bf16 checkpoint did not
+    # a large learning rate changes the stored checkpoint too
+    _, _, start_stored, end_stored = _sft_run("bf16-mixed", 1e-2)
+    assert _frac_identical(start_stored, end_stored) < 0.5
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed", "bf16"])
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+def test_masked_coordinates_bit_identical_in_every_precision(precision: str, optimizer: str) -> None:
+    from compute.train import prepare_precision
+
+    mask = _random_mask(prepare_precision(tiny_model("qwen3"), precision), 0.3)
+    model, start, _, _ = _sft_run(precision, 5e-2 if optimizer == "adamw" else 5.0, mask=mask,
+                                  optimizer=optimizer)
+    moved = 0
+    for n, p in model.named_parameters():
+        assert torch.equal(p.detach()[~mask[n]], start[n][~mask[n]]), n
+        moved += int((p.detach()[mask[n]] != start[n][mask[n]]).sum())
+    assert moved > 0.5 * sum(int(m.sum()) for m in mask.values())
+
+
+def test_precision_validation() -> None:
+    from compute.train import prepare_precision
+
+    with pytest.raises(ValueError, match="^precision:"):
+        TrainConfig(precision="fp8")
+    with pytest.raises(ValueError, match="^precision:"):
+        prepare_precision(tiny_model("qwen3"), "half")
+
+
+def test_gradient_sums_over_the_run_match_the_per_step_gradients() -> None:
+    tok, task = char_tokenizer(), get_task("arithmetic-add?digits=1")
+    model = tiny_model("qwen3")
+    mask = _random_mask(model, 0.5)
+    seen: list[dict[str, torch.Tensor]] = []
+
+    def hook(step, params):
+        seen.append({n: p.grad.detach().clone() for n, p, _m in params if p.grad is not None})
+
+    res = train(model, tok, task, _cfg("sft", steps=3, track_gradients=True),
+                mask=mask, evaluate=False, grad_hook=hook)
+    assert res.updates == len(seen) == 3 and res.grad_sq_sum is not None and res.grad_abs_sum is not None
+    assert set(res.grad_sq_sum) == {n for n, _ in model.named_parameters()}
+    for n in res.grad_sq_sum:
+        sq = sum((g[n].double() ** 2 for g in seen if n in g), torch.zeros(res.grad_sq_sum[n].shape).double())
+        ab = sum((g[n].double().abs() for g in seen if n in g), torch.zeros(res.grad_abs_sum[n].shape).double())
+        assert_close(res.grad_sq_sum[n].double(), sq, rtol=1e-5, atol=1e-12)
+        assert_close(res.grad_abs_sum[n].double(), ab, rtol=1e-5, atol=1e-12)
+        # off the mask the accumulated gradient is exactly zero
+        assert float(res.grad_sq_sum[n][~mask[n]].abs().sum()) == 0.0
+    assert sum(float(t.sum()) for t in res.grad_sq_sum.values()) > 0
+
+
+def test_training_gradient_is_n_over_t_times_the_bound_gradient() -> None:
+    """The bound reports the sequence-form g = mean_n A_n s_n; the token-mean GRPO loss's gradient
+    on the same first batch is -(N/T) g. Checked against the training loop's own gradient."""
+    from compute.bound import first_step_bound, summarize
+
+    class ParityTask:  # a reward a random model earns half the time: non-zero advantages
+        def __init__(self, base):
+            self.base = base
+
+        def examples(self, *a, **k):
+            return self.base.examples(*a, **k)
+
+        def reward(self, completion, answer):
+            return float(len(completion) % 2)
+
+    tok, task = char_tokenizer(), ParityTask(get_task("arithmetic-add?digits=1"))
+    model = tiny_model("qwen3")
+    cfg = _cfg("grpo", steps=1, batch=3, group=4, max_new_tokens=5, scale_std=True)
+    b = first_step_bound(model, tok, task, prompts=3, group=4, max_new_tokens=5, seed=cfg.seed)
+    summary, _, _ = summarize(b)
+    assert summary["bound_independent"] is False and summary["identity_fraction_holds"] == 1.0
+    n_over_t = summary["bound_n_over_t"]
+    assert n_over_t == pytest.approx(b.n_samples / b.n_tokens) and 0 < n_over_t <= 1
+    seen: dict[str, torch.Tensor] = {}
+
+    def hook(step, params):
+        seen.update({n: p.grad.detach().double().abs() for n, p, _m in params if p.grad is not None})
+
+    train(copy.deepcopy(model), tok, task, cfg, evaluate=False, grad_hook=hook)
+    assert b.rms_advantage > 0 and any(float(b.lhs[n].max()) > 0 for n in b.lhs)
+    for n in b.lhs:
+        assert_close(seen[n], n_over_t * b.lhs[n], rtol=1e-3, atol=1e-4 * float(seen[n].max()) + 1e-12)
