@@ -616,49 +616,94 @@ def overlap_table(result: dict[str, Any]) -> Table:
                               "jaccard_random", "spearman", "value"))
 
 
+def _ci_bars(rows: list[dict[str, Any]], center: str, ci: str) -> dict[str, Any]:
+    """Asymmetric Plotly error bars from [lo, hi] intervals (missing ends drawn as 0 length)."""
+    up, down = [], []
+    for r in rows:
+        c, iv = _finite(r.get(center)), r.get(ci)
+        lo = _finite(iv[0]) if isinstance(iv, list | tuple) and len(iv) == 2 else None
+        hi = _finite(iv[1]) if isinstance(iv, list | tuple) and len(iv) == 2 else None
+        up.append(hi - c if c is not None and hi is not None else 0.0)
+        down.append(c - lo if c is not None and lo is not None else 0.0)
+    return {"type": "data", "symmetric": False, "array": up, "arrayminus": down, "visible": True}
+
+
 def retention_figure(result: dict[str, Any]) -> go.Figure:
-    """Retention (mean over seeds, error bars = spread over seeds) against density, one line per
-    selector; full training = 1, base = 0 by definition."""
-    rows = [r for r in (result.get("summary") or {}).get("rows") or [] if isinstance(r, dict)]
-    rows = [r for r in rows if _finite(r.get("density")) is not None and "retention_mean" in r]
+    """Retention (ratio of means) against density, one line per selector, with bootstrap intervals
+    over seeds and prompts. When full training did not beat the base beyond its error there is no
+    ratio to show: the figure shows held-out rewards with their intervals and says why."""
+    summ = result.get("summary") or {}
+    rows = [r for r in summ.get("rows") or [] if isinstance(r, dict) and _finite(r.get("density")) is not None]
     if not rows:
         return curves_figure({m: g for m, g in curve_groups(result).items() if m in ("retention", "heldout")},
-                             "Retention by mask density (mean over seeds)", x_title="density",
+                             "Retention by mask density", x_title="density",
                              metric="retention", log_x=True, labels={"heldout": "held-out reward"})
+    conf = f"{float(summ.get('confidence') or 0.95):.0%}"
+    legacy = "retention" not in rows[0]  # results stored before intervals existed: mean +- std
+    valid = summ.get("retention_valid", True) is not False
+    metric = "retention" if valid else "reward_mean"
+    if legacy:
+        metric = "retention_mean"
     fig = go.Figure()
     by_sel: dict[str, list[dict[str, Any]]] = defaultdict(list)
     for r in rows:
         by_sel[str(r.get("selector"))].append(r)
     for sel, rs in by_sel.items():
         rs.sort(key=lambda r: float(r["density"]))
+        if legacy:
+            bars: dict[str, Any] = {"type": "data", "visible": True,
+                                    "array": [_finite(r.get("retention_std")) or 0.0 for r in rs]}
+        else:
+            bars = _ci_bars(rs, metric, "retention_ci" if valid else "reward_ci")
         fig.add_scatter(
-            x=[float(r["density"]) for r in rs], y=[_finite(r["retention_mean"]) for r in rs],
-            error_y={"type": "data", "array": [_finite(r.get("retention_std")) or 0.0 for r in rs],
-                     "visible": True},
-            mode="lines+markers", name=sel,
-            customdata=[[fmt(r.get("reward_mean")), fmt(r.get("retention_std")), len(r.get("retentions") or [])]
+            x=[float(r["density"]) for r in rs], y=[_finite(r.get(metric)) for r in rs],
+            error_y=bars, mode="lines+markers", name=sel,
+            customdata=[[fmt(r.get("reward_mean")), str(r.get("retention_ci")), str(r.get("retentions"))]
                         for r in rs],
-            hovertemplate=f"{sel} @ density %{{x}}<br>retention %{{y:.4g}} +- %{{customdata[1]}}"
-                          "<br>held-out reward %{customdata[0]} (%{customdata[2]} seeds)<extra></extra>",
+            hovertemplate=f"{sel} @ density %{{x}}<br>%{{y:.4g}} ({conf} CI %{{customdata[1]}})"
+                          "<br>held-out reward %{customdata[0]}<br>per seed %{customdata[2]}<extra></extra>",
         )
-    fig.add_hline(y=1.0, line_dash="dot", line_color="grey", annotation_text="full training")
-    fig.add_hline(y=0.0, line_dash="dot", line_color="grey", annotation_text="base")
     fig.update_xaxes(title_text="mask density (fraction of coordinates trained)", type="log")
-    fig.update_yaxes(title_text="retention = (masked - base) / (full - base)")
-    return _layout(fig, "Retention by mask density (mean +- spread over seeds)")
+    if valid:
+        fig.add_hline(y=1.0, line_dash="dot", line_color="grey", annotation_text="full training")
+        fig.add_hline(y=0.0, line_dash="dot", line_color="grey", annotation_text="base")
+        fig.update_yaxes(title_text="retention = (masked - base) / (full - base)")
+        title = (f"Retention by mask density (ratio of means; {conf} bootstrap CI over seeds and prompts)"
+                 if not legacy else "Retention by mask density (mean +- spread over seeds)")
+        return _layout(fig, title)
+    for name, raw in (("base", summ.get("base_reward")), ("full training", summ.get("full_reward_mean"))):
+        if (y := _finite(raw)) is not None:
+            fig.add_hline(y=y, line_dash="dot", line_color="grey", annotation_text=f"{name} {fmt(y)}")
+    fig.update_yaxes(title_text=f"held-out reward ({conf} CI)")
+    fig.add_annotation(text="No retention: " + str(summ.get("warning") or "full training did not beat the base"),
+                       xref="paper", yref="paper", x=0.0, y=1.0, xanchor="left", yanchor="bottom",
+                       showarrow=False, font={"color": "#b00020"}, align="left")
+    return _layout(fig, "No retention shown: full training did not beat the base beyond its error", height=460)
 
 
 def retention_table(result: dict[str, Any]) -> Table:
-    """One row per (selector, density): masked reward, retention mean and spread over seeds."""
+    """One row per (selector, density): held-out reward with its interval, retention (ratio of
+    means) with bootstrap intervals over seeds and prompts, and per-seed (paired) retentions."""
     summ = result.get("summary") or {}
     rows = summ.get("retention") or summ.get("rows") or []
-    rows = [{k: v for k, v in r.items() if not isinstance(v, list | dict)} for r in rows if isinstance(r, dict)]
+
+    def cell(v: Any) -> Any:
+        if isinstance(v, list | tuple) and len(v) <= 16 and all(x is None or isinstance(x, int | float) for x in v):
+            return "[" + ", ".join(fmt(x) for x in v) + "]"
+        return v
+
+    # intervals and the paired per-seed retentions are shown; per-seed rewards are left out
+    rows = [{k: cell(v) for k, v in r.items() if not isinstance(v, dict) and k != "rewards"}
+            for r in rows if isinstance(r, dict)]
     if rows and summ.get("base_reward") is not None:
-        rows = [{"selector": "(base, no training)", "reward_mean": summ["base_reward"]},
+        rows = [{"selector": "(base, no training)", "reward_mean": summ["base_reward"],
+                 "reward_se": summ.get("base_se")},
                 {"selector": "(full training)", "density": 1.0, "reward_mean": summ.get("full_reward_mean"),
-                 "reward_std": summ.get("full_reward_std"), "retention_mean": 1.0}, *rows]
-    return _rows_table(rows, ("selector", "density", "actual_density", "reward", "reward_mean",
-                              "reward_std", "retention", "retention_mean", "retention_std", "seeds"))
+                 "reward_std": summ.get("full_reward_std"), "reward_se": summ.get("full_se"),
+                 "retention": 1.0 if summ.get("retention_valid", True) is not False else None}, *rows]
+    return _rows_table(rows, ("selector", "density", "actual_density", "reward_mean", "reward_ci", "reward_se",
+                              "reward_std", "retention", "retention_ci", "retention_ci_seeds",
+                              "retention_ci_prompts", "retentions", "retention_mean", "retention_std"))
 
 
 def summary_table(result: dict[str, Any]) -> Table:

@@ -2,13 +2,28 @@
 of full post-training?
 
     initial Fisher -> one mask per (selector, density) -> for each seed: a full run and one
-    masked run per mask, identical settings (prompts, sampling seeds, optimizer) -> held-out greedy
-    accuracy -> retention = (masked - base) / (full - base), mean and spread over seeds.
+    masked run per mask, with the SAME seed (same training prompts, same sampling seeds, same
+    optimizer: paired seeds) -> per-prompt greedy reward of every model on the SAME held-out
+    prompts (paired prompts) -> retention = (masked - base) / (full - base).
+
+Statistics (what a reader needs to trust a ratio of two small differences):
+
+- The evaluation size is chosen for a stated standard error: a reward in [0, 1] has variance at
+  most 1/4, so n = ceil(0.25 / se^2) held-out prompts give every model's mean reward a standard
+  error <= se. The measured SE of the base and of the full runs is reported beside it.
+- The headline retention is the ratio of means, (mean masked - base) / (mean full - base), over
+  seeds and prompts (a mean of per-seed ratios explodes when one seed barely moves).
+- Confidence intervals by a paired, two-level percentile bootstrap: each replicate redraws the
+  seeds (with replacement) and the held-out prompts (with replacement), the same draws for base,
+  full and masked, so the pairing is kept. Reported: both levels together (the headline
+  interval), seeds only (prompts fixed) and prompts only (seeds fixed).
+- Full training must beat the base beyond its error: when the lower end of the gain's interval is
+  not above 0, no retention is reported at all (None) and the result carries a warning; a ratio
+  whose denominator is noise is not a finding.
 
 Also reported: update sparsity of each full run (compute.diff) and how well the initial Fisher
-predicts that update (precision@k against the changed coordinates and the top-1% |delta|).
-Masks that do not depend on the seed (fisher*, magnitude*) are built once; random and gradient
-masks are rebuilt per seed.
+predicts that update. Masks that do not depend on the seed (fisher*, magnitude*) are built once;
+random and gradient masks are rebuilt per seed.
 """
 
 from __future__ import annotations
@@ -17,7 +32,8 @@ import copy
 import math
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
@@ -31,95 +47,314 @@ def retention(masked: float, full: float, base: float) -> float:
     return (masked - base) / gain if abs(gain) > 1e-12 else float("nan")
 
 
-def mean_std(xs: list[float]) -> tuple[float, float]:
+def mean_std(xs: Sequence[float]) -> tuple[float, float]:
     """Mean and sample std (0 for one value) of the finite values; (nan, nan) if none."""
-    v = [x for x in xs if not math.isnan(x)]
+    v = [x for x in xs if x is not None and not math.isnan(x)]
     if not v:
         return float("nan"), float("nan")
     return statistics.fmean(v), (statistics.stdev(v) if len(v) > 1 else 0.0)
 
 
+def eval_size_for_se(se: float, cap: int | None = None) -> int:
+    """Held-out prompts so that the mean of any reward in [0, 1] has standard error <= se
+    (variance <= 1/4): ceil(0.25 / se^2), at most `cap`."""
+    if not 0.0 < se <= 0.5:
+        raise ValueError(f"eval_se: got {se}; accepted range: > 0, <= 0.5")
+    n = math.ceil(0.25 / se**2 - 1e-9)
+    return min(n, cap) if cap else n
+
+
+# ---------------------------------------------------------------------------------------------
+# statistics over paired seeds x paired prompts
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BootstrapConfig:
+    replicates: int = field(default=2000, metadata={"help": "bootstrap replicates"})
+    confidence: float = field(default=0.95, metadata={"help": "two-sided confidence level"})
+    seed: int = field(default=0, metadata={"help": "seed of the bootstrap draws"})
+
+    def __post_init__(self) -> None:
+        if not 100 <= self.replicates <= 1_000_000:
+            raise ValueError(f"bootstrap: got {self.replicates}; accepted range: >= 100, <= 1000000")
+        if not 0.5 <= self.confidence < 1.0:
+            raise ValueError(f"confidence: got {self.confidence}; accepted range: >= 0.5, < 1")
+
+
+def _resample_weights(n: int, reps: int, gen: torch.Generator, fixed: bool) -> torch.Tensor:
+    """(reps, n) float64 weights summing to 1 per row: multinomial counts / n of a bootstrap draw
+    (or the plain mean, 1/n each, when `fixed`)."""
+    if fixed:
+        return torch.full((reps, n), 1.0 / n, dtype=torch.float64)
+    idx = torch.randint(n, (reps, n), generator=gen)
+    counts = torch.zeros(reps, n, dtype=torch.float64)
+    counts.scatter_add_(1, idx, torch.ones(reps, n, dtype=torch.float64))
+    return counts / n
+
+
+@dataclass
+class _Draws:
+    """Bootstrap weights of one resampling scheme: prompts (R, n) and seeds (R, S)."""
+
+    prompts: torch.Tensor
+    seeds: torch.Tensor
+
+    def base(self, b: torch.Tensor) -> torch.Tensor:  # b: (n,) -> (R,)
+        return self.prompts @ b
+
+    def runs(self, x: torch.Tensor) -> torch.Tensor:  # x: (S, n) -> (R,)
+        per_seed = self.prompts @ x.T  # (R, S)
+        return (self.seeds * per_seed).sum(1)
+
+
+def _draws(S: int, n: int, cfg: BootstrapConfig) -> dict[str, _Draws]:
+    gen = torch.Generator().manual_seed(int(cfg.seed))
+    R = cfg.replicates
+    out = {}
+    for name, fix_seeds, fix_prompts in (("both", False, False), ("seeds", False, True), ("prompts", True, False)):
+        out[name] = _Draws(_resample_weights(n, R, gen, fix_prompts), _resample_weights(S, R, gen, fix_seeds))
+    return out
+
+
+def _quantiles(x: torch.Tensor, conf: float) -> list[float]:
+    """Percentile interval; +-inf entries (ratios with a non-positive denominator) stay in the
+    ordering, so an interval reaching them is reported as unbounded (None)."""
+    a = (1.0 - conf) / 2.0
+    xs = torch.sort(x.double()).values
+    lo = float(torch.quantile(xs, a, interpolation="lower"))
+    hi = float(torch.quantile(xs, 1.0 - a, interpolation="higher"))
+    return [lo, hi]
+
+
+def _finite_or_none(x: float) -> float | None:
+    return x if math.isfinite(x) else None
+
+
+def _ratio(num: torch.Tensor, den: torch.Tensor) -> torch.Tensor:
+    """num / den where den > 0; where den <= 0 the ratio is undefined and stands at +-inf (the sign
+    of num; +inf for 0/0), so it lands in the tails of a percentile interval."""
+    inf = torch.where(num < 0, -math.inf, math.inf).to(torch.float64)
+    return torch.where(den > 0, num / torch.where(den > 0, den, torch.ones_like(den)), inf)
+
+
+def mean_se(x: torch.Tensor) -> tuple[float, float]:
+    """Mean and standard error (sample std / sqrt(n)) of a 1-D reward vector."""
+    x = x.double()
+    n = x.numel()
+    return float(x.mean()), (float(x.std(unbiased=True)) / math.sqrt(n) if n > 1 else float("nan"))
+
+
+def gain_stats(base: torch.Tensor, full: torch.Tensor, cfg: BootstrapConfig) -> dict[str, Any]:
+    """Base and full held-out rewards, their standard errors, and the gain with its bootstrap
+    interval. base: (n,) per-prompt rewards; full: (S, n) per seed and prompt (same prompts)."""
+    base, full = base.double(), full.double()
+    S, n = full.shape
+    if base.shape != (n,):
+        raise ValueError(f"base: expected {n} per-prompt rewards, got {tuple(base.shape)}")
+    d = _draws(S, n, cfg)["both"]
+    bm, bse = mean_se(base)
+    per_seed = full.mean(1)
+    fm = float(per_seed.mean())
+    # SE of the full mean: prompt noise of each seed's mean plus the spread between seeds.
+    fse_prompts = math.sqrt(float(full.var(1, unbiased=True).mean()) / (n * S)) if n > 1 else float("nan")
+    fb = d.runs(full)
+    gb = fb - d.base(base)
+    lo, hi = _quantiles(gb, cfg.confidence)
+    return {
+        "eval_prompts": n, "seeds": S,
+        "base_reward": bm, "base_se": bse,
+        "full_reward_mean": fm,
+        "full_reward_std": float(per_seed.std(unbiased=True)) if S > 1 else 0.0,
+        "full_rewards": per_seed.tolist(),
+        "full_se": float(fb.std(unbiased=True)),
+        "full_se_prompts": fse_prompts,
+        "gain": fm - bm, "gain_se": float(gb.std(unbiased=True)), "gain_ci": [lo, hi],
+        "gain_significant": lo > 0.0,
+        "confidence": cfg.confidence, "bootstrap": cfg.replicates,
+    }
+
+
+def retention_row(
+    base: torch.Tensor, full: torch.Tensor, masked: torch.Tensor, cfg: BootstrapConfig, valid: bool,
+) -> dict[str, Any]:
+    """Retention of one mask: masked (S, n) rewards paired with full (S, n) by seed and with base
+    (n,) by prompt. Retention numbers are None unless `valid` (full training beat the base)."""
+    base, full, masked = base.double(), full.double(), masked.double()
+    if masked.shape != full.shape:
+        raise ValueError(f"masked: expected shape {tuple(full.shape)} (seeds x prompts), got {tuple(masked.shape)}")
+    S, _n = full.shape
+    bm = float(base.mean())
+    per_seed_m = masked.mean(1)
+    per_seed_f = full.mean(1)
+    mm = float(per_seed_m.mean())
+    draws = _draws(S, base.numel(), cfg)
+    both = draws["both"]
+    m_b = both.runs(masked)
+    row: dict[str, Any] = {
+        "reward_mean": mm, "reward_std": float(per_seed_m.std(unbiased=True)) if S > 1 else 0.0,
+        "rewards": per_seed_m.tolist(),
+        "reward_ci": _quantiles(m_b, cfg.confidence),
+        "reward_se": float(m_b.std(unbiased=True)),
+        "retention": None, "retention_ci": None, "retention_ci_seeds": None, "retention_ci_prompts": None,
+        "retentions": None, "retention_mean": None, "retention_std": None,
+    }
+    if not valid:
+        return row
+    row["retention"] = (mm - bm) / (float(per_seed_f.mean()) - bm)
+    for name, key in (("both", "retention_ci"), ("seeds", "retention_ci_seeds"), ("prompts", "retention_ci_prompts")):
+        d = draws[name]
+        b_b = d.base(base)
+        ci = _quantiles(_ratio(d.runs(masked) - b_b, d.runs(full) - b_b), cfg.confidence)
+        row[key] = [_finite_or_none(ci[0]), _finite_or_none(ci[1])]
+    # Paired per-seed retentions (same seed for full and masked), for the seed spread.
+    rets = [retention(float(m), float(f), bm) for m, f in zip(per_seed_m, per_seed_f, strict=True)]
+    row["retentions"] = [_finite_or_none(r) for r in rets]
+    row["retention_mean"], row["retention_std"] = (_finite_or_none(x) for x in mean_std(rets))
+    return row
+
+
 def build_table(
-    base: float,
-    full: list[float],
-    masked: dict[tuple[str, float], list[float]],
+    base: torch.Tensor,
+    full: torch.Tensor,
+    masked: dict[tuple[str, float], torch.Tensor],
+    boot: BootstrapConfig | None = None,
     densities_actual: dict[tuple[str, float], float] | None = None,
 ) -> dict[str, Any]:
-    """Rows per (selector, density) from per-seed held-out rewards (lists aligned by seed)."""
-    fm, fs = mean_std(full)
+    """The retention table from per-prompt rewards: base (n,), full (S, n), masked[(sel, d)] (S, n)."""
+    boot = boot or BootstrapConfig()
+    table = gain_stats(base, full, boot)
+    valid = table["gain_significant"]
+    if not valid:
+        lo, hi = table["gain_ci"]
+        table["warning"] = (
+            f"full training did not beat the base beyond its error: gain {table['gain']:+.4f} "
+            f"({boot.confidence:.0%} CI {lo:+.4f} .. {hi:+.4f}; SE of base {table['base_se']:.4f}, "
+            f"of full {table['full_se']:.4f}); no retention is reported. Train longer, evaluate "
+            f"on more prompts (smaller eval_se) or use more seeds."
+        )
     rows = []
-    for (sel, dens), rewards in masked.items():
-        rets = [retention(m, f, base) for m, f in zip(rewards, full, strict=True)]
-        rm, rs = mean_std(rewards)
-        tm, ts = mean_std(rets)
-        rows.append({
-            "selector": sel, "density": dens,
-            "actual_density": (densities_actual or {}).get((sel, dens), dens),
-            "reward_mean": rm, "reward_std": rs, "rewards": rewards,
-            "retention_mean": tm, "retention_std": ts, "retentions": rets,
-            "retention_of_means": retention(rm, fm, base),
-        })
-    return {"base_reward": base, "full_reward_mean": fm, "full_reward_std": fs, "full_rewards": full,
-            "rows": rows}
+    for (sel, dens), m in masked.items():
+        rows.append({"selector": sel, "density": dens,
+                     "actual_density": (densities_actual or {}).get((sel, dens), dens),
+                     **retention_row(base, full, m, boot, valid)})
+    table["retention_valid"] = valid
+    table["rows"] = rows
+    return table
 
 
-def _fmt(x: float, nd: int = 3) -> str:
+def _fmt(x: Any, nd: int = 3) -> str:
     return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{nd}f}"
 
 
+def _ci(ci: Any, nd: int = 2) -> str:
+    if ci is None:
+        return "n/a"
+    return f"[{_fmt(ci[0], nd) if ci[0] is not None else '-inf'}, {_fmt(ci[1], nd) if ci[1] is not None else '+inf'}]"
+
+
 def markdown_table(table: dict[str, Any]) -> str:
-    """The retention table as GitHub markdown (mean ± std over seeds)."""
-    n = len(table["full_rewards"])
+    """The retention table as GitHub markdown: rewards with their bootstrap intervals, retention
+    (ratio of means) with intervals over seeds and prompts together and apart."""
+    conf = f"{table.get('confidence', 0.95):.0%}"
+    lo, hi = table["gain_ci"]
     lines = [
-        f"base held-out reward: {_fmt(table['base_reward'])}; full training: "
-        f"{_fmt(table['full_reward_mean'])} ± {_fmt(table['full_reward_std'])} (seeds: {n})",
+        f"base held-out reward {_fmt(table['base_reward'])} (SE {_fmt(table['base_se'])}, "
+        f"{table['eval_prompts']} prompts); full training {_fmt(table['full_reward_mean'])} "
+        f"(SE {_fmt(table['full_se'])}, {table['seeds']} seeds); gain {table['gain']:+.3f} "
+        f"({conf} CI {lo:+.3f} .. {hi:+.3f})",
         "",
-        "| selector | density | held-out reward | retention | retention of means |",
-        "|---|---:|---:|---:|---:|",
+    ]
+    if not table.get("retention_valid"):
+        lines += [f"**WARNING: {table['warning']}**", ""]
+    lines += [
+        f"| selector | density | held-out reward [{conf} CI] | retention | {conf} CI (seeds+prompts) "
+        "| CI seeds only | CI prompts only | per seed |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in table["rows"]:
+        per_seed = ", ".join(_fmt(x, 2) for x in r["retentions"]) if r.get("retentions") else "n/a"
         lines.append(
-            f"| {r['selector']} | {r['density']:g} | {_fmt(r['reward_mean'])} ± {_fmt(r['reward_std'])} "
-            f"| {_fmt(r['retention_mean'], 2)} ± {_fmt(r['retention_std'], 2)} "
-            f"| {_fmt(r['retention_of_means'], 2)} |"
+            f"| {r['selector']} | {r['density']:g} | {_fmt(r['reward_mean'])} {_ci(r['reward_ci'], 3)} "
+            f"| {_fmt(r['retention'], 2)} | {_ci(r['retention_ci'])} | {_ci(r['retention_ci_seeds'])} "
+            f"| {_ci(r['retention_ci_prompts'])} | {per_seed} |"
         )
     return "\n".join(lines) + "\n"
+
+
+# ---------------------------------------------------------------------------------------------
+# the grid
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RetentionConfig:
+    train: Any = field(metadata={"help": "compute.train.TrainConfig shared by every run (seed replaced)"})
+    fisher: Any = field(metadata={"help": "compute.fisher.FisherConfig of the initial Fisher"})
+    selectors: tuple[str, ...] = field(default=("fisher", "random"), metadata={"help": "mask selectors"})
+    densities: tuple[float, ...] = field(default=(0.01, 0.05), metadata={"help": "mask densities"})
+    seeds: int = field(default=3, metadata={"help": "paired seeds (each: one full + one run per mask)"})
+    first_seed: int = field(default=0, metadata={"help": "seeds are first_seed .. first_seed + seeds - 1"})
+    eval_prompts: int = field(default=2500, metadata={"help": "held-out prompts (same for every model)"})
+    eval_max_new_tokens: int = field(default=8, metadata={"help": "greedy evaluation completion cap"})
+    bootstrap: BootstrapConfig = field(default_factory=BootstrapConfig, metadata={"help": "intervals"})
+
+    def __post_init__(self) -> None:
+        if not self.selectors:
+            raise ValueError("selectors: need at least one mask selector")
+        if not self.densities or not all(0.0 < d <= 1.0 for d in self.densities):
+            raise ValueError(f"densities: got {list(self.densities)}; accepted range: > 0, <= 1")
+        if self.seeds < 1:
+            raise ValueError(f"seeds: got {self.seeds}; accepted range: >= 1")
+        if self.eval_prompts < 2:
+            raise ValueError(f"eval_prompts: got {self.eval_prompts}; accepted range: >= 2")
+
+    @property
+    def seed_list(self) -> list[int]:
+        return list(range(self.first_seed, self.first_seed + self.seeds))
+
+    def plan(self) -> list[tuple[int, tuple[str, float] | None]]:
+        """Every training run in order: (seed, None) for the full run, (seed, (selector, density))."""
+        return [(s, key) for s in self.seed_list
+                for key in [None, *((sel, d) for sel in self.selectors for d in self.densities)]]
+
+
+def heldout_rewards(model: torch.nn.Module, tokenizer: Any, task: Any, n: int, max_new_tokens: int) -> torch.Tensor:
+    """(n,) float64 per-prompt task reward of greedy completions on held-out prompts 0..n-1 of the
+    test split (seed 0): the same prompts for every model, so comparisons are paired."""
+    from compute.models import greedy_generate
+
+    examples = task.examples(n, seed=0, split="test")
+    completions = greedy_generate(model, tokenizer, [e.prompt for e in examples], max_new_tokens)
+    return torch.tensor([task.reward(c, e.answer) for c, e in zip(completions, examples, strict=True)],
+                        dtype=torch.float64)
 
 
 def run_retention(
     model: torch.nn.Module,
     tokenizer: Any,
     task: Any,
-    config: Any,
-    selectors: list[str],
-    densities: list[float],
-    seeds: int,
-    fisher_config: Any,
+    config: RetentionConfig,
     teacher: torch.nn.Module | None = None,
     progress: Callable[[float, str], None] | None = None,
-    first_seed: int = 0,
 ) -> dict[str, Any]:
-    """Run the whole grid; `config` is the TrainConfig shared by every run (its seed is replaced
-    by first_seed .. first_seed+seeds-1). The model is not modified (each run trains a copy).
-    Seeds are independent: grids over disjoint seed ranges can be merged row by row."""
+    """Run the whole grid. The model is not modified (each run trains a copy). Seeds are
+    independent: grids over disjoint seed ranges can be merged row by row."""
     from compute.fisher import estimate_fisher
-    from compute.models import greedy_accuracy
     from compute.run_train import build_mask_in_memory, update_sparsity
-    from compute.train import TrainConfig, train
+    from compute.train import train
 
     prog = progress or (lambda f, m="": None)
     t0 = time.perf_counter()
-    n_runs = seeds * (1 + len(selectors) * len(densities))
-    done = 0
+    plan = config.plan()
 
-    def acc(m: torch.nn.Module) -> float:
-        return greedy_accuracy(m, tokenizer, task, n=config.eval_prompts, split="test", seed=0,
-                               max_new_tokens=config.eval_max_new_tokens)
+    def evaluate(m: torch.nn.Module) -> torch.Tensor:
+        return heldout_rewards(m, tokenizer, task, config.eval_prompts, config.eval_max_new_tokens)
 
     prog(0.0, "base accuracy")
-    base = acc(model)
+    base = evaluate(model)
     prog(0.01, "initial Fisher")
-    fres = estimate_fisher(model, tokenizer, task, fisher_config)
+    fres = estimate_fisher(model, tokenizer, task, config.fisher)
     fisher = fres.fisher
     base_sd = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
     masks: dict[tuple[str, float, int], dict[str, torch.Tensor]] = {}
@@ -128,50 +363,54 @@ def run_retention(
     def get_mask(sel: str, dens: float, seed: int) -> dict[str, torch.Tensor]:
         key = (sel, dens, seed if sel in SEED_DEPENDENT else -1)
         if key not in masks:
-            cfg = TrainConfig(**{**config.__dict__, "seed": seed})
             masks[key], info = build_mask_in_memory(
-                model, tokenizer, task, sel, dens, seed, fisher=fisher, gradient_config=cfg,
-                teacher=teacher,
+                model, tokenizer, task, sel, dens, seed, fisher=fisher,
+                gradient_config=_with_seed(config.train, seed), teacher=teacher,
             )
             actual[(sel, dens)] = info["actual_density"]
         return masks[key]
 
-    def one_run(seed: int, mask: dict[str, torch.Tensor] | None, label: str) -> tuple[float, Any, Any]:
-        nonlocal done
-        m = copy.deepcopy(model)
-        cfg = TrainConfig(**{**config.__dict__, "seed": seed})
-        res = train(m, tokenizer, task, cfg, mask=mask, teacher=teacher, evaluate=False,
-                    progress=lambda f, msg="": prog((done + f) / n_runs * 0.98 + 0.02, f"{label}: {msg}"))
-        a = acc(m)
-        done += 1
-        return a, res, m
-
-    full: list[float] = []
+    full: dict[int, torch.Tensor] = {}
+    masked: dict[tuple[str, float], dict[int, torch.Tensor]] = {}
     full_sparsity: list[dict[str, Any]] = []
     curves: dict[str, list[list[dict[str, float]]]] = {}
-    masked: dict[tuple[str, float], list[float]] = {(s, d): [] for s in selectors for d in densities}
-    for seed in range(first_seed, first_seed + seeds):
-        a, res, m = one_run(seed, None, f"seed {seed} full")
-        full.append(a)
-        curves.setdefault("full", []).append(res.curve)
-        full_sparsity.append(update_sparsity(base_sd, m, fisher))
+    for i, (seed, key) in enumerate(plan):
+        label = f"seed {seed} " + ("full" if key is None else f"{key[0]}@{key[1]:g}")
+        mask = None if key is None else get_mask(key[0], key[1], seed)
+        m = copy.deepcopy(model)
+        res = train(m, tokenizer, task, _with_seed(config.train, seed), mask=mask, teacher=teacher,
+                    evaluate=False,
+                    progress=lambda f, msg="", i=i, label=label: prog(0.02 + 0.98 * (i + f) / len(plan), f"{label}: {msg}"))
+        rewards = evaluate(m)
+        curves.setdefault("full" if key is None else f"{key[0]}@{key[1]:g}", []).append(res.curve)
+        if key is None:
+            full[seed] = rewards
+            full_sparsity.append(update_sparsity(base_sd, m, fisher))
+        else:
+            masked.setdefault(key, {})[seed] = rewards
         del m
-        for sel in selectors:
-            for dens in densities:
-                a, res, m = one_run(seed, get_mask(sel, dens, seed), f"seed {seed} {sel}@{dens:g}")
-                masked[(sel, dens)].append(a)
-                curves.setdefault(f"{sel}@{dens:g}", []).append(res.curve)
-                del m
-    table = build_table(base, full, masked, actual)
+    seeds = config.seed_list
+    full_t = torch.stack([full[s] for s in seeds])  # (S, n)
+    masked_t = {k: torch.stack([v[s] for s in seeds]) for k, v in masked.items()}
+    table = build_table(base, full_t, masked_t, config.bootstrap, actual)
     keys = sorted({k for s in full_sparsity for k, v in s.items() if isinstance(v, (int, float))})
     table["full_update_sparsity"] = {k: mean_std([float(s[k]) for s in full_sparsity
                                                   if s.get(k) is not None])[0] for k in keys}
     table["full_update_sparsity_per_seed"] = full_sparsity
     table["fisher"] = {"estimator": fres.estimator, "rows": fres.n_rows, "tokens": fres.n_tokens,
-                       "prompts": fisher_config.prompts, "samples": fisher_config.samples}
+                       "prompts": config.fisher.prompts, "samples": config.fisher.samples}
+    table["per_prompt_rewards"] = {
+        "base": base.tolist(), "full": full_t.tolist(),
+        **{f"{sel}@{d:g}": t.tolist() for (sel, d), t in masked_t.items()},
+    }
     table["curves"] = curves
     table["seconds"] = round(time.perf_counter() - t0, 1)
-    table["runs"] = n_runs
-    table["seeds"] = list(range(first_seed, first_seed + seeds))
+    table["runs"] = len(plan)
+    table["seeds_used"] = seeds
+    table["bootstrap_settings"] = asdict(config.bootstrap)
     prog(1.0, "done")
     return table
+
+
+def _with_seed(train_config: Any, seed: int) -> Any:
+    return type(train_config)(**{**train_config.__dict__, "seed": seed})

@@ -200,8 +200,129 @@ def tokens_cmd(out: str | None, **options: Any) -> None:
         click.echo(f"wrote {out}")
 
 
-commands: list[click.Command] = [mask_cmd, diff_cmd, tokens_cmd]
+# ---------------------------------------------------------------------------------------------
+# retention
+# ---------------------------------------------------------------------------------------------
+
+
+def provenance(spec: Any, seconds_wall: float, cpu_seconds: float) -> dict[str, Any]:
+    """Where a result came from: the exact command, the code (git commit), the models (sha256 of
+    every weight file, so a table says which zoo made it), the machine and the time it took."""
+    import platform
+    import shlex
+    import subprocess
+    import sys
+
+    from compute.modelref import file_sha256, is_hub_id, model_revision, resolve_model
+
+    models: dict[str, Any] = {}
+    for ref in (getattr(spec, "model", None), getattr(spec, "teacher", None)):
+        if not ref:
+            continue
+        try:
+            path = resolve_model(ref)
+            entry: dict[str, Any] = {"revision": model_revision(ref)}
+            if not is_hub_id(path):
+                entry["sha256"] = {f.name: file_sha256(f) for f in sorted(Path(path).iterdir())
+                                   if f.is_file() and f.suffix in (".safetensors", ".bin")}
+            models[ref] = entry
+        except (ValueError, OSError) as exc:
+            models[ref] = {"error": str(exc)}
+    git: dict[str, Any] = {}
+    try:
+        root = Path(__file__).resolve().parents[2]
+        git["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True,
+                                       text=True, timeout=10).stdout.strip() or None
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "compute", "app"],
+                               cwd=root, capture_output=True, text=True, timeout=10).stdout
+        git["dirty"] = bool(dirty.strip())
+    except (OSError, subprocess.SubprocessError):
+        pass
+    import torch
+
+    return {
+        "command": "fisherlens " + shlex.join(sys.argv[1:]),
+        "git": git, "models": models,
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
+                    "torch": torch.__version__},
+        "wall_seconds": round(seconds_wall, 1), "cpu_seconds": round(cpu_seconds, 1),
+    }
+
+
+@click.command("retention")
+@click.option("--model", help="zoo name, local HF directory, or hub id  [default: arith-base]")
+@click.option("--task", help="[default: arithmetic]")
+@click.option("--algo", help="grpo | opd | sft  [default: grpo]")
+@click.option("--teacher", help="teacher for opd  [default: arith-teacher for arith-base]")
+@click.option("--densities", help="comma-separated mask densities  [default: 0.01,0.05,0.1]")
+@click.option("--selectors", help="comma-separated selectors  [default: fisher,random,magnitude]")
+@click.option("--seeds", type=int, help="paired seeds: each runs full training and every mask  [default: 3]")
+@click.option("--steps", type=int, help="optimizer steps per run  [default: 100]")
+@click.option("--lr", type=float, help="learning rate  [default: 2e-4]")
+@click.option("--optimizer", help="adamw | sgd")
+@click.option("--batch", type=int, help="prompts per step")
+@click.option("--group", type=int, help="completions per prompt")
+@click.option("--max-new-tokens", type=int, help="sampled completion length")
+@click.option("--weight-decay", type=float)
+@click.option("--momentum", type=float, help="SGD momentum")
+@click.option("--temperature", type=float)
+@click.option("--kl-coef", type=float)
+@click.option("--distill-estimator", help="full | sampled")
+@click.option("--fisher-prompts", type=int, help="prompts of the initial Fisher")
+@click.option("--fisher-samples", type=int, help="samples per prompt of the initial Fisher")
+@click.option("--eval-se", type=float, help="target standard error of each model's held-out reward; "
+              "sets --eval-prompts to ceil(0.25/se^2)  [default: 0.01 -> 2500 prompts]")
+@click.option("--eval-prompts", type=int, help="held-out prompts (overrides --eval-se)")
+@click.option("--bootstrap", type=int, help="bootstrap replicates  [default: 2000]")
+@click.option("--confidence", type=float, help="confidence level of the intervals  [default: 0.95]")
+@click.option("--device", help="auto | cpu | cuda | cuda:N")
+@click.option("--dtype", help="auto | float32 | bfloat16 | float16")
+@click.option("--out", "out", default="retention", show_default=True, type=click.Path(file_okay=False),
+              help="writes OUT/retention.json, OUT/retention.md, OUT/rewards.safetensors")
+def retention_cmd(out: str, densities: str | None, selectors: str | None, **options: Any) -> None:
+    """Full vs fixed-mask training from the initial Fisher: retention with confidence intervals.
+
+    Every seed runs full training and each mask with the same seed; every model is evaluated on
+    the same held-out prompts. No retention is reported when full training does not beat the
+    base beyond its error."""
+    import resource
+    import time
+
+    try:
+        options["densities"] = None if densities is None else [float(x) for x in densities.split(",") if x.strip()]
+    except ValueError:
+        fail(f"--densities: got {densities!r}; expected comma-separated numbers in (0, 1]")
+    options["selectors"] = None if selectors is None else [x.strip() for x in selectors.split(",") if x.strip()]
+    spec = spec_from_options("retention", options)
+    t0 = time.perf_counter()
+    res = _run("retention", spec, "retention")
+    ru = [resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
+    cpu = sum(r.ru_utime + r.ru_stime for r in ru)
+    s = res.summary
+    out_dir = Path(out)
+    result = json_safe({**res.to_dict(), "spec": spec.model_dump(mode="json"),
+                        "provenance": provenance(spec, time.perf_counter() - t0, cpu)})
+    write_json(out_dir / "retention.json", result)
+    (out_dir / "retention.md").write_text(s["markdown"])
+    if res.tensors.get("rewards"):
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in res.tensors["rewards"].items()}, str(out_dir / "rewards.safetensors"))
+    click.echo(s["markdown"])
+    if not s["retention_valid"]:
+        click.secho(f"WARNING: {s['warning']}", fg="red", bold=True, err=True)
+    us = s.get("full_update_sparsity", {})
+    click.echo(f"full runs: unchanged exact {_num(us.get('unchanged_exact'))}, |delta|<=1e-5 "
+               f"{_num(us.get('unchanged_atol_1e-05'))}; initial Fisher precision@changed "
+               f"{_num(us.get('fisher_precision_at_changed'))}, precision@top1%|delta| "
+               f"{_num(us.get('fisher_precision_at_top1pct_delta'))}")
+    click.echo(f"{s['runs']} runs in {s['seconds']:.0f} s ({cpu:.0f} CPU-seconds); wrote "
+               f"{out_dir / 'retention.json'} and {out_dir / 'retention.md'}")
+
+
+commands: list[click.Command] = [mask_cmd, diff_cmd, tokens_cmd, retention_cmd]
 # Training area: append below, e.g. `commands += [train_cmd, retention_cmd]`.
 from app.commands.training import commands as _training_commands  # noqa: E402
 
-commands += _training_commands
+# `retention` now lives here (statistics, provenance); the training area keeps `train`.
+commands += [c for c in _training_commands if c.name != "retention"]

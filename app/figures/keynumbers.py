@@ -174,7 +174,9 @@ def _retention(result: dict[str, Any], out: dict[str, Any]) -> None:
         out["items"].append(_item("Full training held-out reward",
                                   fmt(full) + (f" +- {fmt(spread)}" if spread is not None else ""),
                                   f"{len(s.get('full_rewards') or [])} seeds"))
-    if base is not None and full is not None:
+    if s.get("retention_valid") is False and s.get("warning"):  # compute.retention's own test
+        out["warnings"].append(f"No retention reported: {s['warning']}")
+    elif base is not None and full is not None:
         if full <= base:
             out["warnings"].append(
                 f"Full training did not beat the base model (full {fmt(full)} <= base {fmt(base)}): "
@@ -184,6 +186,19 @@ def _retention(result: dict[str, Any], out: dict[str, Any]) -> None:
                 f"Full training beat the base by {fmt(full - base)}, within one seed spread "
                 f"({fmt(spread)}): retention ratios are noisy.")
     rows = [r for r in s.get("rows") or [] if isinstance(r, dict)]
+    if rows and "retention_ci" in rows[0]:  # ratio of means with bootstrap intervals
+        conf = f"{float(s.get('confidence') or 0.95):.0%}"
+
+        def ci(v: Any) -> str:
+            return f"[{fmt(v[0])}, {fmt(v[1])}]" if isinstance(v, list) and len(v) == 2 else "n/a"
+
+        out["table"] = {
+            "headers": ["selector", "density", f"held-out reward [{conf} CI]", "retention",
+                        f"{conf} CI (seeds + prompts)"],
+            "rows": [[str(r.get("selector")), fmt(r.get("density")), f"{fmt(r.get('reward_mean'))} {ci(r.get('reward_ci'))}",
+                      fmt(r.get("retention")), ci(r.get("retention_ci"))] for r in rows],
+        }
+        return
     out["table"] = {
         "headers": ["selector", "density", "held-out reward", "retention", "retention of means"],
         "rows": [[str(r.get("selector")), fmt(r.get("density")),
