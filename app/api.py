@@ -12,7 +12,7 @@ import json
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter, HTTPException, Query, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
@@ -24,6 +24,11 @@ from compute.specs import SPECS, SpecError
 from storage.models import JOB_STATUSES
 
 ZOO_INFO_FILE = "fisherlens.json"  # written by compute.zoo next to each zoo model (no torch here)
+
+
+# Enumerated in the OpenAPI schema, so every schema-valid filter is accepted.
+JobKind: Any = Literal[tuple(SPECS)]  # type: ignore[valid-type]
+JobStatus: Any = Literal[tuple(JOB_STATUSES)]  # type: ignore[valid-type]
 
 
 class JobRequest(BaseModel):
@@ -42,6 +47,44 @@ class RegisterModel(BaseModel):
     path: str = Field(..., min_length=1, max_length=1000,
                       description="local Hugging Face model folder inside the allowed model roots")
     name: str | None = Field(None, max_length=200, description="display name (default: folder name)")
+
+
+class FieldError(BaseModel):
+    field: str = Field(..., description="the spec key (or request part) that is wrong")
+    message: str = Field(..., description="what is wrong and the accepted range or values")
+
+
+class FieldErrors(BaseModel):
+    """422 (and 429): every bad field at once; nothing was queued."""
+
+    detail: list[FieldError]
+
+
+class Message(BaseModel):
+    """Every other error: one sentence for a person (no traceback, no server path)."""
+
+    detail: str
+
+
+ERRORS: dict[int, tuple[type[BaseModel], str]] = {
+    400: (Message, "the request body could not be parsed (not UTF-8 JSON)"),
+    401: (Message, "sign-in required (AUTH_REQUIRED servers)"),
+    403: (Message, "not allowed, or a cross-site request"),
+    404: (Message, "no such job, share token or artifact (ids out of range are simply not found)"),
+    409: (Message, "conflict: the job is still queued or running, or the stored artifact does not "
+                   "match its recorded sha256 (corrupt); re-run the job"),
+    410: (Message, "the artifact is no longer in the artifact store; re-run the job"),
+    413: (Message, "request body over the limit"),
+    422: (FieldErrors, "bad input: each field and its accepted range; nothing was queued"),
+    429: (FieldErrors, "your queue is full (queued + running jobs limit)"),
+    500: (Message, "internal error (the server log has the details)"),
+    503: (Message, "the job queue (broker) cannot be reached; nothing was queued"),
+}
+
+
+def responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    """OpenAPI `responses` for these status codes, with their error bodies."""
+    return {c: {"model": ERRORS[c][0], "description": ERRORS[c][1]} for c in codes}
 
 
 def spec_error_response(exc: SpecError) -> JSONResponse:
@@ -172,7 +215,7 @@ def _download_name(result: dict[str, Any], suffix: str) -> str:
 
 def make_router(settings: Any) -> APIRouter:
     """All /api routes for `settings` (no module-level state: each app has its own router)."""
-    r = APIRouter(prefix="/api")
+    r = APIRouter(prefix="/api", responses=responses(401, 403, 422, 500))
 
     def result_or_404(token: str) -> dict[str, Any]:
         res = services.result_by_token(settings, token)
@@ -180,7 +223,8 @@ def make_router(settings: Any) -> APIRouter:
             raise _not_found(f"token: no result with share token {token!r}")
         return res
 
-    @r.post("/jobs", status_code=201, tags=["jobs"], summary="Submit a job")
+    @r.post("/jobs", status_code=201, tags=["jobs"], summary="Submit a job",
+            responses=responses(413, 429, 503))
     def submit_job(req: JobRequest) -> Any:
         """Validate and queue a job (or return the stored result of an identical one:
         `reused: true`). 422 names each bad field and its accepted range; nothing is queued."""
@@ -194,8 +238,8 @@ def make_router(settings: Any) -> APIRouter:
 
     @r.get("/jobs", tags=["jobs"], summary="List jobs, newest first")
     def list_jobs(
-        kind: str | None = Query(None, description=f"one of {', '.join(SPECS)}"),
-        status: str | None = Query(None, description=f"one of {', '.join(JOB_STATUSES)}"),
+        kind: JobKind | None = Query(None, description="only jobs of this kind"),
+        status: JobStatus | None = Query(None, description="only jobs in this state"),
         limit: int = Query(100, ge=1, le=1000),
         owner: str | None = Query(None, max_length=64,
                                   description="admins: one user's jobs (a name, or 'me'); default: "
@@ -207,14 +251,16 @@ def make_router(settings: Any) -> APIRouter:
             return spec_error_response(SpecError([{"field": "status", "message": f"got {status!r}; accepted: {', '.join(JOB_STATUSES)}"}]))
         return services.list_jobs(settings, limit=limit, kind=kind, status=status, owner=owner)
 
-    @r.get("/jobs/{job_id}", tags=["jobs"], summary="One job: status, progress, message, error")
+    @r.get("/jobs/{job_id}", tags=["jobs"], summary="One job: status, progress, message",
+           responses=responses(404))
     def get_job(job_id: int) -> Any:
         job = services.get_job(settings, job_id)
         if job is None:
             raise _not_found(f"job: no job with id {job_id}")
         return job
 
-    @r.post("/jobs/{job_id}/cancel", tags=["jobs"], summary="Cancel a queued or running job")
+    @r.post("/jobs/{job_id}/cancel", tags=["jobs"], summary="Cancel a queued or running job",
+            responses=responses(404))
     def cancel_job(job_id: int) -> Any:
         try:
             return services.cancel(settings, job_id)
@@ -222,7 +268,8 @@ def make_router(settings: Any) -> APIRouter:
             raise _not_found(f"job: no job with id {job_id}") from None
 
     @r.post("/jobs/{job_id}/rerun", status_code=201, tags=["jobs"],
-            summary="Run a finished job's spec again (a new job, computed again)")
+            summary="Run a finished job's spec again (a new job, computed again)",
+            responses=responses(404, 409, 429, 503))
     def rerun_job(job_id: int) -> Any:
         try:
             return services.rerun(settings, job_id)
@@ -235,17 +282,20 @@ def make_router(settings: Any) -> APIRouter:
         except RuntimeError as exc:
             raise HTTPException(status_code=503, detail=str(exc)) from None
 
-    @r.get("/results/{token}", tags=["results"], summary="A stored result (JSON) by share token")
+    @r.get("/results/{token}", tags=["results"], summary="A stored result (JSON) by share token",
+           responses=responses(404))
     def get_result(token: str) -> Any:
         return result_or_404(token)
 
-    @r.get("/results/{token}/stats.csv", tags=["results"], summary="Per-parameter statistics as CSV")
+    @r.get("/results/{token}/stats.csv", tags=["results"], summary="Per-parameter statistics as CSV",
+           responses={**responses(404), 200: {"content": {"text/csv": {}}}})
     def get_stats_csv(token: str) -> Response:
         res = result_or_404(token)
         return Response(stats_csv(res), media_type="text/csv", headers={
             "Content-Disposition": f'attachment; filename="{_download_name(res, "stats.csv")}"'})
 
-    @r.get("/results/{token}/stats.json", tags=["results"], summary="All statistics as JSON")
+    @r.get("/results/{token}/stats.json", tags=["results"], summary="All statistics as JSON",
+           responses=responses(404))
     def get_stats_json(token: str) -> Response:
         res = result_or_404(token)
         return Response(json.dumps(stats_json(res), indent=1, default=str), media_type="application/json",
@@ -253,15 +303,21 @@ def make_router(settings: Any) -> APIRouter:
                                  f'attachment; filename="{_download_name(res, "stats.json")}"'})
 
     @r.get("/results/{token}/artifacts/{kind}", tags=["results"],
-           summary="Download an artifact (safetensors; folders as .zip)")
+           summary="Download an artifact (safetensors; folders as .zip)",
+           responses={**responses(404, 409, 410),
+                      200: {"content": {"application/octet-stream": {}, "application/zip": {}}}})
     def get_artifact(token: str, kind: str) -> Any:
         res = result_or_404(token)
         from storage.artifacts import ArtifactError
 
         try:
             path = services.artifact_path(settings, token, kind)
-        except ArtifactError as exc:
-            raise HTTPException(status_code=500, detail=f"artifact {kind}: {exc}") from None
+        except FileNotFoundError:
+            raise HTTPException(status_code=410, detail=f"artifact {kind}: no longer in the artifact "
+                                "store (deleted); re-run the job to make it again") from None
+        except ArtifactError:
+            raise HTTPException(status_code=409, detail=f"artifact {kind}: the stored file does not "
+                                "match its recorded sha256 (corrupt); re-run the job") from None
         if path is None:
             kinds = ", ".join(a["kind"] for a in res.get("artifacts") or []) or "none"
             raise _not_found(f"artifact: this result has no {kind!r} artifact; it has: {kinds}")
@@ -274,12 +330,13 @@ def make_router(settings: Any) -> APIRouter:
         return FileResponse(path, media_type="application/octet-stream",
                             filename=_download_name(res, path.name))
 
-    @r.get("/models", tags=["models"], summary="Zoo and registered local models")
+    @r.get("/models", tags=["models"], summary="Zoo, registered and trained (job:N) models")
     def list_models() -> Any:
         return all_models(settings)
 
     @r.post("/models", status_code=201, tags=["models"],
-            summary="Register a local HF model folder (inside the allowed roots only)")
+            summary="Register a local HF model folder (inside the allowed roots only)",
+            responses=responses(413))
     def register_model(req: RegisterModel) -> Any:
         try:
             return register_local_model(settings, req.path, req.name)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import threading
 from pathlib import Path
 from typing import Any
@@ -50,10 +51,28 @@ def share_url(settings: Any, token: str) -> str:
 
 
 def _public(settings: Any, job_dict: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    """A job as users see it (API, UI, share page): `message` is one line with no server path;
+    `error` (the traceback) is operator-only: it stays in the worker log and jobs.error."""
     out = dict(job_dict)
+    out.pop("error", None)
+    out["message"] = public_message(out.get("message"))
     out["share_url"] = share_url(settings, job_dict["share_token"])
     out.update(extra)
     return out
+
+
+_SERVER_PATH = re.compile(r"(?:[A-Za-z]:)?(?:/[\w.\-+@~]+){2,}/?")
+
+
+def public_message(message: Any, limit: int = 500) -> str:
+    """One line a user can act on: the last line of a traceback, server paths as <path>."""
+    text = str(message or "").strip()
+    if "Traceback (most recent call last)" in text:
+        lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+        text = lines[-1] if lines else ""
+    text = text.splitlines()[0] if text else ""
+    text = _SERVER_PATH.sub("<path>", text)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def validate(settings: Any, kind: str, data: dict[str, Any]) -> tuple[Any, list[str]]:
@@ -309,7 +328,7 @@ def result_by_token(settings: Any, token: str) -> dict[str, Any] | None:
         if job is None or not auth.can_read_result(settings, job):
             return None
         out = repo.result_dict(session=s, job=job)
-        out["job"]["share_url"] = share_url(settings, job.share_token)
+        out["job"] = _public(settings, out["job"])
         return out
 
 
@@ -322,7 +341,7 @@ def result_by_id(settings: Any, job_id: int) -> dict[str, Any] | None:
         if job is None or not auth.can_see(user, job.owner_id):
             return None
         out = repo.result_dict(session=s, job=job)
-        out["job"]["share_url"] = share_url(settings, job.share_token)
+        out["job"] = _public(settings, out["job"])
         return out
 
 
@@ -362,7 +381,8 @@ def list_models(settings: Any) -> list[dict[str, Any]]:
 
 def artifact_path(settings: Any, token: str, kind: str) -> Path | None:
     """The verified file of a job's artifact (for downloads), or None when there is none.
-    Raises storage.artifacts.ArtifactError if the file does not match its sha256."""
+    Raises FileNotFoundError when the file is gone (HTTP 410) and
+    storage.artifacts.ArtifactError when it does not match its sha256 (HTTP 409)."""
     from app import auth
     from storage.artifacts import ArtifactStore
 
@@ -373,7 +393,10 @@ def artifact_path(settings: Any, token: str, kind: str) -> Path | None:
         art = repo.get_artifact(session=s, job_id=job.id, kind=kind)
         if art is None:
             return None
-        return ArtifactStore(settings.artifacts_dir).verify(art.path, art.sha256)
+        store = ArtifactStore(settings.artifacts_dir)
+        if not store.resolve(art.path).exists():
+            raise FileNotFoundError(f"artifact {kind} of job {job.id} is no longer stored")
+        return store.verify(art.path, art.sha256)
 
 
 def set_sharing(settings: Any, job_id: int, action: str) -> dict[str, Any]:

@@ -6,6 +6,8 @@ The web process never imports torch: it reads the database and sends Celery task
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
@@ -19,6 +21,7 @@ from app import services
 from app.settings import Settings, get_settings
 
 ASSETS = Path(__file__).resolve().parent.parent / "frontend_assets"
+log = logging.getLogger("fisherlens.web")
 
 
 def _field(loc: tuple[Any, ...] | list[Any]) -> str:
@@ -41,7 +44,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         description="Submit Fisher / mask / training / retention / diff / token-explorer jobs, "
         "follow their progress, and read stored results by share token.",
         version="0.1.0",
-        docs_url="/api/docs",
+        docs_url=None,  # served below from local assets (no CDN: works offline)
         redoc_url=None,
         openapi_url="/api/openapi.json",
     )
@@ -67,6 +70,17 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(make_share_router(settings))
 
     app.mount("/fisherlens-static", StaticFiles(directory=str(ASSETS)), name="assets")
+    _offline_docs(app)
+    _document_errors(app)
+
+    @app.exception_handler(Exception)
+    async def _server_error(request: Request, exc: Exception) -> JSONResponse:
+        # The traceback goes to the server log; the response names no server path.
+        log.error("unhandled error on %s %s", request.method, request.url.path, exc_info=exc)
+        return JSONResponse(
+            status_code=500,
+            content={"detail": "internal error; the server log has the details"},
+        )
 
     blocks = build_ui(settings)
     auth.bind_gradio_users(blocks, settings)  # UI events run as the signed-in user
@@ -86,6 +100,65 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         auth_dependency=auth.gradio_user(settings),
     )
     return app
+
+
+def _document_errors(app: FastAPI) -> None:
+    """Every /api operation in the OpenAPI schema lists the error statuses any route can answer
+    (401/403 from sign-in, 413 from the body limit, 422 in our {detail: [{field, message}]} shape,
+    500), each with its body schema; FastAPI's own 422 shape (never sent) is replaced."""
+    from fastapi.openapi.utils import get_openapi
+
+    from app.api import ERRORS
+
+    def build() -> dict[str, Any]:
+        if app.openapi_schema:
+            return app.openapi_schema
+        schema = get_openapi(title=app.title, version=app.version, description=app.description,
+                             routes=app.routes)
+        comps = schema.setdefault("components", {}).setdefault("schemas", {})
+        for model, _ in ERRORS.values():
+            body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+            comps.update(body.pop("$defs", {}))
+            comps[model.__name__] = body
+        for path, ops in schema.get("paths", {}).items():
+            if not path.startswith("/api/"):
+                continue
+            for op in ops.values():
+                codes = [401, 403, 422, 500] + ([400, 413] if "requestBody" in op else [])
+                codes += [404] if "{" in path else []  # an unknown id or token
+                resp = op.setdefault("responses", {})
+                for code in codes:
+                    model, desc = ERRORS[code]
+                    doc = {"description": desc, "content": {"application/json": {
+                        "schema": {"$ref": f"#/components/schemas/{model.__name__}"}}}}
+                    if code == 422 or str(code) not in resp:
+                        resp[str(code)] = doc
+        for name in ("HTTPValidationError", "ValidationError"):
+            if f'"#/components/schemas/{name}"' not in json.dumps(schema):
+                comps.pop(name, None)
+        app.openapi_schema = schema
+        return schema
+
+    app.openapi = build  # type: ignore[method-assign]
+
+
+def _offline_docs(app: FastAPI) -> None:
+    """/api/docs: Swagger UI from the assets the fastapi-offline package ships (no CDN)."""
+    import fastapi_offline
+    from fastapi.openapi.docs import get_swagger_ui_html
+
+    static = Path(fastapi_offline.__file__).resolve().parent / "static"
+    app.mount("/api/docs-assets", StaticFiles(directory=str(static)), name="docs-assets")
+
+    @app.get("/api/docs", include_in_schema=False)
+    def swagger_ui() -> Any:
+        return get_swagger_ui_html(
+            openapi_url="/api/openapi.json",
+            title="fisherlens API",
+            swagger_js_url="/api/docs-assets/swagger-ui-bundle.js",
+            swagger_css_url="/api/docs-assets/swagger-ui.css",
+            swagger_favicon_url="/fisherlens-static/favicon.svg",
+        )
 
 
 def serve(host: str = "127.0.0.1", port: int = 7860, settings: Settings | None = None) -> None:

@@ -148,7 +148,14 @@ def create_job(
     return job
 
 
+MAX_ID = 2**31 - 1  # jobs.id is a 32-bit INTEGER on PostgreSQL (and what SQLite binds safely)
+
+
 def get_job(*, session: Session, job_id: int) -> Job | None:
+    """The job, or None (also for ids no row can have: < 1 or > MAX_ID, which PostgreSQL would
+    refuse with NumericValueOutOfRange and SQLite with OverflowError)."""
+    if not 1 <= int(job_id) <= MAX_ID:
+        return None
     return session.get(Job, int(job_id), populate_existing=True)
 
 
