@@ -135,8 +135,10 @@ def _folder_info(folder: Path) -> dict[str, Any]:
 
 
 def all_models(settings: Any) -> list[dict[str, Any]]:
-    """Zoo models first, then registered local models (name, source, architecture, sizes)."""
-    rows = zoo_models(settings)
+    """Zoo models first, then registered local models, then trained models (succeeded train
+    jobs): name, source, architecture, sizes, and `ref`, the value a job's model, teacher, base
+    or tuned field takes (zoo: the name; registered: its folder; trained: job:N)."""
+    rows = [{**r, "ref": r["name"]} for r in zoo_models(settings)]
     names = {r["name"] for r in rows}
     for m in services.list_models(settings):
         if m["name"] in names:
@@ -146,8 +148,12 @@ def all_models(settings: Any) -> list[dict[str, Any]]:
             "n_layers": m["n_layers"], "n_params": m["n_params"],
             "hidden_size": (m.get("info") or {}).get("hidden_size"),
             "vocab_size": (m.get("info") or {}).get("vocab_size"),
-            "path": m["source"],
+            "path": m["source"], "ref": m["source"],
         })
+    for t in services.trained_models(settings):
+        rows.append({"name": t["label"], "source": "job", "architecture": None, "n_layers": None,
+                     "n_params": None, "hidden_size": None, "vocab_size": None, "path": None,
+                     "ref": t["ref"]})
     return rows
 
 

@@ -319,6 +319,23 @@ def list_jobs(
         ]
 
 
+def trained_models(settings: Any, limit: int = 100) -> list[dict[str, Any]]:
+    """Succeeded train jobs whose saved model is in the artifact store, newest first, as model
+    choices: {"ref": "job:6", "label": "#6 train arith-base grpo masked", "job_id": 6, "spec"}.
+    Any model field (model, teacher, base, tuned) accepts the ref."""
+    from compute.modelref import trained_model_label
+
+    jobs = list_jobs(settings, limit=limit, kind="train", status="succeeded")
+    out = []
+    with sessions(settings)() as s:
+        for j in jobs:
+            if repo.get_artifact(session=s, job_id=j["id"], kind="model") is None:
+                continue
+            out.append({"ref": f"job:{j['id']}", "label": trained_model_label(j["id"], j["spec"]),
+                        "job_id": j["id"], "spec": j["spec"]})
+    return out
+
+
 def result_by_token(settings: Any, token: str) -> dict[str, Any] | None:
     """GET /api/results/{token}: the job and all its stored rows, or None for unknown tokens."""
     from app import auth

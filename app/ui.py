@@ -25,6 +25,7 @@ from storage.models import FINAL_STATUSES, JOB_STATUSES
 
 log = logging.getLogger(__name__)
 
+N_OPTIONAL_MODELS = 3  # model dropdowns that may stay empty: teacher (train, retention), tuned
 MAX_FIGS = 8  # figure slots in the result view
 MAX_TABLES = 4
 COMPARE_FIGS = 4
@@ -79,8 +80,7 @@ def progress_html(job: dict[str, Any] | None) -> str:
     if status == "succeeded":
         frac = 1.0
     pct = max(0.0, min(100.0, 100.0 * frac))
-    msg = job.get("message") or ""
-    err = job.get("error") if status == "failed" else None
+    msg = services.public_message(job.get("message"))  # one line; the traceback is operator-only
     out = (
         f"<div class='fl-progress' data-status='{esc(status)}' data-progress='{frac:.4f}' "
         f"data-job='{esc(job.get('id'))}'>"
@@ -88,8 +88,6 @@ def progress_html(job: dict[str, Any] | None) -> str:
         f"<div class='fl-label'><b>#{esc(job.get('id'))} {esc(job.get('kind'))}</b> "
         f"<span class='fl-status fl-{esc(status)}'>{esc(status)}</span> {pct:.0f}% &middot; {esc(msg)}</div>"
     )
-    if err:
-        out += f"<pre class='fl-error'>{esc(err)[-4000:]}</pre>"
     return out + "</div>"
 
 
@@ -207,11 +205,24 @@ def build_ui(settings: Any) -> gr.Blocks:  # noqa: C901 - layout + wiring read t
 
     # ------------------------------------------------------------ handlers (no shared state)
 
-    def model_names() -> list[str]:
+    def model_names() -> list[tuple[str, str]]:
+        """(label, ref) for every model dropdown: zoo names, registered folders and trained
+        models ('#6 train arith-base grpo masked' -> job:6), as any model field accepts them."""
         try:
-            return [m["name"] for m in api.all_models(settings)]
+            return [(m["name"], m["ref"]) for m in api.all_models(settings)]
         except Exception:  # noqa: BLE001 - a broken zoo folder must not break the page
+            log.warning("listing models failed", exc_info=True)
             return []
+
+    def model_dropdowns(*current: Any) -> list[Any]:
+        """Fresh choices for the model dropdowns (a model trained meanwhile appears), keeping
+        what is selected; the optional ones (teacher, tuned) start with '(none)'."""
+        models = model_names()
+        n_opt = N_OPTIONAL_MODELS
+        out = [gr.Dropdown(choices=models, value=v or (models[0][1] if models else None))
+               for v in current[: len(current) - n_opt]]
+        out += [gr.Dropdown(choices=[("(none)", ""), *models], value=v or "") for v in current[-n_opt:]]
+        return out
 
     def job_choices(kind: str | None = None, succeeded_only: bool = False) -> list[tuple[str, str]]:
         jobs = services.list_jobs(settings, limit=100, kind=kind or None,
@@ -357,7 +368,7 @@ def build_ui(settings: Any) -> gr.Blocks:  # noqa: C901 - layout + wiring read t
         readonly = bool(view)
         vis = [gr.Tab(visible=not readonly) for _ in TABS if _ != "result"]
         models = model_names()
-        mdl = gr.Dropdown(choices=models, value=models[0] if models else None)
+        mdl = gr.Dropdown(choices=models, value=models[0][1] if models else None)
         return [
             gr.Tabs(selected=tab), token, readonly, gr.HTML(visible=readonly),
             gr.Row(visible=not readonly), *vis,
@@ -407,6 +418,8 @@ def build_ui(settings: Any) -> gr.Blocks:  # noqa: C901 - layout + wiring read t
     def job_action(action: str, job_id):
         if job_id is None:
             return note_html("Give a job id.", "error"), gr.skip(), gr.skip()
+        if not float(job_id).is_integer():  # no rounding: 1.5 is not job 2
+            return note_html(f"job id: got {job_id}; give a whole number", "error"), gr.skip(), gr.skip()
         job_id = int(job_id)
         try:
             if action == "cancel":
@@ -535,13 +548,13 @@ def build_ui(settings: Any) -> gr.Blocks:  # noqa: C901 - layout + wiring read t
                             f_est = gr.Dropdown(["sequence", "token", "empirical", "batch"], value="sequence",
                                                 label="estimator")
                         with gr.Row():
-                            f_prompts = gr.Number(8, label="prompts", precision=0, elem_id="fisher-prompts",
+                            f_prompts = gr.Number(8, label="prompts", step=1, elem_id="fisher-prompts",
                                                   info=_range_info("fisher", "prompts"))
-                            f_samples = gr.Number(2, label="samples per prompt", precision=0,
+                            f_samples = gr.Number(2, label="samples per prompt", step=1,
                                                   elem_id="fisher-samples", info=_range_info("fisher", "samples"))
-                            f_seed = gr.Number(0, label="seed", precision=0)
+                            f_seed = gr.Number(0, label="seed", step=1)
                             f_mnt = gr.Number(fisher_defaults["max_new_tokens"].default, label="max new tokens",
-                                              precision=0, info=_range_info("fisher", "max_new_tokens"))
+                                              step=1, info=_range_info("fisher", "max_new_tokens"))
                             f_temp = gr.Number(1.0, label="temperature", info=_range_info("fisher", "temperature"))
                             f_exact = gr.Checkbox(True, label="exact output-layer Fisher")
                         f_btn = gr.Button("Compute Fisher", variant="primary", elem_id="fisher-submit")
@@ -554,7 +567,7 @@ def build_ui(settings: Any) -> gr.Blocks:  # noqa: C901 - layout + wiring read t
                             m_density = gr.Number(0.05, label="density", info=_range_info("mask", "density"))
                             m_model = gr.Dropdown(label="model (magnitude/gradient selectors)",
                                                   allow_custom_value=True)
-                            m_seed = gr.Number(0, label="seed", precision=0)
+                            m_seed = gr.Number(0, label="seed", step=1)
                         m_btn = gr.Button("Build mask", variant="primary")
                         m_msg = gr.HTML()
                     with gr.Tab("Train", id="f-train"):
@@ -572,11 +585,11 @@ def build_ui(settings: Any) -> gr.Blocks:  # noqa: C901 - layout + wiring read t
                         with gr.Row():
                             t_opt = gr.Dropdown(["adamw", "sgd"], value="adamw", label="optimizer")
                             t_lr = gr.Number(_default("train", "lr"), label="learning rate", info=_range_info("train", "lr"))
-                            t_steps = gr.Number(_default("train", "steps"), label="steps", precision=0, info=_range_info("train", "steps"))
-                            t_batch = gr.Number(_default("train", "batch"), label="prompts per step", precision=0,
+                            t_steps = gr.Number(_default("train", "steps"), label="steps", step=1, info=_range_info("train", "steps"))
+                            t_batch = gr.Number(_default("train", "batch"), label="prompts per step", step=1,
                                                 info=_range_info("train", "batch"))
-                            t_group = gr.Number(_default("train", "group"), label="GRPO group", precision=0, info=_range_info("train", "group"))
-                            t_seed = gr.Number(0, label="seed", precision=0)
+                            t_group = gr.Number(_default("train", "group"), label="GRPO group", step=1, info=_range_info("train", "group"))
+                            t_seed = gr.Number(0, label="seed", step=1)
                         t_btn = gr.Button("Train", variant="primary")
                         t_msg = gr.HTML()
                     with gr.Tab("Retention sweep", id="f-retention"):
@@ -588,8 +601,8 @@ def build_ui(settings: Any) -> gr.Blocks:  # noqa: C901 - layout + wiring read t
                             r_dens = gr.Textbox("0.01,0.05,0.1", label="densities (comma separated)")
                             r_sel = gr.CheckboxGroup(SELECTORS, value=["fisher", "random", "magnitude"],
                                                      label="selectors")
-                            r_seeds = gr.Number(_default("retention", "seeds"), label="seeds", precision=0, info=_range_info("retention", "seeds"))
-                            r_steps = gr.Number(_default("retention", "steps"), label="steps", precision=0, info=_range_info("retention", "steps"))
+                            r_seeds = gr.Number(_default("retention", "seeds"), label="seeds", step=1, info=_range_info("retention", "seeds"))
+                            r_steps = gr.Number(_default("retention", "steps"), label="steps", step=1, info=_range_info("retention", "steps"))
                             r_lr = gr.Number(_default("retention", "lr"), label="learning rate", info=_range_info("retention", "lr"))
                         r_btn = gr.Button("Run retention sweep", variant="primary")
                         r_msg = gr.HTML()
@@ -608,7 +621,7 @@ def build_ui(settings: Any) -> gr.Blocks:  # noqa: C901 - layout + wiring read t
                     j_kind = gr.Dropdown([("all kinds", ""), *[(k, k) for k in SPECS]], value="", label="kind")
                     j_status = gr.Dropdown([("any status", ""), *[(s, s) for s in JOB_STATUSES]], value="",
                                            label="status")
-                    j_id = gr.Number(None, label="job id", precision=0)
+                    j_id = gr.Number(None, label="job id", step=1)
                     with gr.Column(min_width=120):
                         j_open = gr.Button("Open", size="sm")
                         j_cancel = gr.Button("Cancel", size="sm", variant="stop")
@@ -645,9 +658,9 @@ def build_ui(settings: Any) -> gr.Blocks:  # noqa: C901 - layout + wiring read t
                     k_model = gr.Dropdown(label="model", allow_custom_value=True, scale=2)
                     k_context = gr.Textbox("12+34=", label="context", scale=4, elem_id="tokens-context",
                                            info="accepted: 1 to 2000 characters")
-                    k_topk = gr.Number(8, label="top k", precision=0, info=_range_info("tokens", "top_k"))
+                    k_topk = gr.Number(8, label="top k", step=1, info=_range_info("tokens", "top_k"))
                     k_layer = gr.Textbox("", label="layer (blank = whole model)", elem_id="tokens-layer")
-                    k_random = gr.Number(8, label="random tokens", precision=0, info=_range_info("tokens", "random_k"))
+                    k_random = gr.Number(8, label="random tokens", step=1, info=_range_info("tokens", "random_k"))
                 k_btn = gr.Button("Explore", variant="primary", elem_id="tokens-submit")
                 k_msg = gr.HTML()
                 k_progress = gr.HTML(elem_id="tokens-progress", elem_classes=["fl-quiet"])
@@ -679,8 +692,9 @@ def build_ui(settings: Any) -> gr.Blocks:  # noqa: C901 - layout + wiring read t
                     reg_name = gr.Textbox(label="name (optional)", scale=2)
                     reg_btn = gr.Button("Register", scale=1)
                 reg_msg = gr.HTML()
-                gr.Markdown(f"Allowed roots: {', '.join(f'`{r}`' for r in settings.model_roots)} "
-                            "(operators add folders with `ALLOWED_MODEL_ROOTS=/a:/b`).")
+                gr.Markdown("Local folders must be inside the zoo or the allowed model roots, which the "
+                            "operator sets with `ALLOWED_MODEL_ROOTS=/a:/b`. Trained models need no "
+                            "registering: every model field accepts `job:N` of a succeeded train job.")
 
         timer = gr.Timer(POLL_S)
 
@@ -725,6 +739,11 @@ def build_ui(settings: Any) -> gr.Blocks:  # noqa: C901 - layout + wiring read t
                     gr.Dropdown(choices=ref_choices("fisher")))
 
         tab_new.select(refresh_refs, outputs=[m_fisher, t_mask, d_fisher], **fast)
+        model_boxes = [f_model, t_model, r_model, d_base, k_model, m_model, t_teacher, r_teacher, d_tuned]
+        # the N_OPTIONAL_MODELS optional ones (t_teacher, r_teacher, d_tuned) come last
+        tab_new.select(model_dropdowns, inputs=model_boxes, outputs=model_boxes, **fast)
+        tab_tokens.select(model_dropdowns, inputs=model_boxes, outputs=model_boxes, **fast)
+        demo.load(model_dropdowns, inputs=model_boxes, outputs=model_boxes, **fast)
 
         for comp in (j_kind, j_status):
             comp.change(lambda k, s: jobs_view(k, s, ""), inputs=[j_kind, j_status],

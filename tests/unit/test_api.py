@@ -421,3 +421,44 @@ def test_schemathesis_finds_no_server_error_and_no_undocumented_response(env):
                 failures.append(f"{op.label} ({mode.value}): {str(exc)[:600]}")
     assert len(calls) > 300 and not [c for c in calls if c >= 500]
     assert failures == []
+
+
+def test_ui_refuses_fractions_for_integers_like_the_api(env):
+    """gr.Number(precision=0) rounded 1.5 to 2 and queued it; now no number box rounds, and the
+    value reaches the same spec validation as the API."""
+    import gradio as gr
+
+    from app import services, ui
+    from compute.specs import SpecError
+
+    settings, _, _ = env
+    demo = ui.build_ui(settings)
+    numbers = [b for b in demo.blocks.values() if isinstance(b, gr.Number)]
+    assert numbers and all(b.precision is None for b in numbers)
+    with pytest.raises(SpecError) as err:
+        services.submit(settings, "fisher", ui.clean_spec({"model": "arith-base", "prompts": 1.5}))
+    assert err.value.errors == [{"field": "prompts", "message": "got 1.5; give a whole number"}]
+
+
+def test_model_lists_offer_trained_models_as_job_refs(env, tmp_path):
+    settings, client, _ = env
+    from app import services
+    from compute.results import JobResult
+    from storage import repo
+    from storage.artifacts import ArtifactStore
+
+    job = client.post("/api/jobs", json={"kind": "train", "spec": {
+        "model": "arith-base", "mask_select": "fisher", "mask_density": 0.1, "seed": 77}}).json()
+    out = _hf_folder(tmp_path / "trained")
+    with services.sessions(settings)() as s:
+        repo.mark_running(session=s, job_id=job["id"], worker="w")
+        repo.save_result(session=s, job_id=job["id"], result=JobResult(kind="train", summary={},
+                         files={"model": str(out)}), store=ArtifactStore(settings.artifacts_dir))
+        repo.mark_succeeded(session=s, job_id=job["id"])
+    models = client.get("/api/models").json()
+    trained = [m for m in models if m["ref"] == f"job:{job['id']}"]
+    assert trained and trained[0]["name"] == f"#{job['id']} train arith-base grpo masked"
+    assert models[0]["ref"] == "arith-base"
+    r = client.post("/api/jobs", json={"kind": "diff", "spec": {"base": "arith-base",
+                                                                "tuned": f"job:{job['id']}"}})
+    assert r.status_code == 201, r.text
