@@ -56,10 +56,10 @@ h1{margin:.75rem 0 .25rem}h2{margin:1.5rem 0 .5rem;font-size:1.2rem}
 .fl-good{background:#ebfbee;border:1px solid #8ce99a}.fl-fair{background:#fff9db;border:1px solid #ffe066}
 .fl-poor,.fl-warn{background:#fff5f5;border:1px solid #ffa8a8}.fl-none{background:#f1f3f5}
 .fl-warn{padding:.4rem .6rem;border-radius:6px;margin:.25rem 0}
-figure.fl-fig{background:#fff;margin:0 0 1rem;padding:.5rem;border-radius:8px;box-shadow:0 1px 6px rgba(0,0,0,.06)}
-figure.fl-fig figcaption{font-weight:600;margin:.25rem .5rem}
+figure.fl-fig{position:relative;background:#fff;margin:0 0 1rem;padding:.5rem;border-radius:8px;box-shadow:0 1px 6px rgba(0,0,0,.06)}
+figure.fl-fig figcaption{position:absolute;width:1px;height:1px;overflow:hidden;clip:rect(0 0 0 0)}
 table{border-collapse:collapse;background:#fff;font-size:.85rem;margin:.25rem 0 1rem}
-th,td{border:1px solid #dee2e6;padding:.2rem .45rem;text-align:left}td.n{text-align:right}
+caption{text-align:left;font-weight:600;padding:.25rem 0}th,td{border:1px solid #dee2e6;padding:.2rem .45rem;text-align:left}td.n{text-align:right}
 .fl-scroll{overflow-x:auto}
 .fl-bar{height:14px;background:#e9ecef;border-radius:7px;overflow:hidden;max-width:30rem}
 .fl-fill{height:100%;background:#4dabf7}
@@ -176,7 +176,7 @@ def _key_section(numbers: dict[str, Any]) -> str:
             for i in items) + "</dl>")
     t = numbers.get("table")
     if t and t.get("rows"):
-        parts.append(_table(t["headers"], t["rows"]))
+        parts.append(_table(t["headers"], t["rows"], t.get("title", "")))
     if not items and not v and not (t and t.get("rows")):
         parts.append("<p class='fl-meta'>This kind of result has no headline numbers; see the "
                      "figures and tables below.</p>")

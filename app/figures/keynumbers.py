@@ -1,7 +1,8 @@
 """The few numbers a researcher opens a result for, per job kind, read from its stored summary.
 
 `key_numbers(result)` -> {"items": [{"label", "value", "note"}], "warnings": [str],
-"verdict": {"level": "good" | "fair" | "poor" | "none", "text"} | None}. Values are formatted
+"verdict": {"level": "good" | "fair" | "poor" | "none", "text"} | None,
+"table": {"title", "headers", "rows"} | None}. Values are formatted
 strings (4 significant digits); a number the result does not hold is left out, never guessed.
 Pure: the same result dict as `GET /api/results/{token}` (or `JobResult.to_dict()`).
 """
@@ -132,28 +133,53 @@ def _train(result: dict[str, Any], out: dict[str, Any]) -> None:
         items.append(_item("Weights exactly unchanged", pct(us["unchanged_exact"])))
 
 
-def _threshold_label(key: str) -> str:
-    lab = key[len("unchanged_"):]
-    if lab == "exact":
-        return "exactly equal"
-    if lab == "bf16":
-        return "equal after casting both to bf16"
-    if lab.startswith("atol_"):
-        return f"|delta| <= {lab[5:]}"
-    if lab.startswith("rel_"):
-        return f"|delta| <= {lab[4:]} x rms(base tensor)"
-    return lab
+def _unchanged_table(s: dict[str, Any]) -> dict[str, Any] | None:
+    """Unchanged fraction at each threshold: one row per threshold; a second column when the
+    summary also has the bf16-checkpoint convention (|bf16(tuned) - bf16(base)| <= a)."""
+    keys = [k for k, v in s.items() if k.startswith("unchanged_") and _num(v) is not None]
+    bf16 = {k[len("unchanged_bf16delta_atol_"):]: s[k] for k in keys if k.startswith("unchanged_bf16delta_atol_")}
+    rows: list[list[str]] = []
+    for k in keys:
+        lab = k[len("unchanged_"):]
+        if lab.startswith("bf16delta_atol_"):
+            continue  # shown next to the float32 row of the same atol
+        if lab == "exact":
+            label = "exactly equal"
+        elif lab == "bf16":
+            label = "equal after casting both to bf16"
+        elif lab.startswith("atol_"):
+            label = f"|delta| <= {lab[5:]}"
+        elif lab.startswith("rel_"):
+            label = f"|delta| <= {lab[4:]} x rms(base tensor)"
+        elif lab == "below_half_ulp":
+            label = "|delta| < half a bf16 ULP of |base weight|"
+        else:
+            label = lab.replace("_", " ")
+        row = [label, pct(s[k])]
+        if bf16:
+            row.append(pct(bf16[lab[5:]]) if lab.startswith("atol_") and lab[5:] in bf16 else "")
+        rows.append(row)
+    if not rows:
+        return None
+    headers = ["threshold", "unchanged"]
+    if bf16:
+        headers = ["threshold", "unchanged (float32 delta)", "unchanged (both loaded in bf16)"]
+    return {"title": "Unchanged fraction by threshold", "headers": headers, "rows": rows}
 
 
 def _diff(result: dict[str, Any], out: dict[str, Any]) -> None:
     s = result.get("summary") or {}
     items = out["items"]
-    for key, v in s.items():
-        if key.startswith("unchanged_") and _num(v) is not None:
-            items.append(_item(f"Unchanged: {_threshold_label(key)}", pct(v)))
+    if _num(s.get("unchanged_exact")) is not None:
+        items.append(_item("Weights exactly unchanged", pct(s["unchanged_exact"]),
+                           "every threshold in the table below"))
     if _num(s.get("auc")) is not None:
-        k = (s.get("overlap_settings") or {}).get("topk_percent") if isinstance(
-            s.get("overlap_settings"), dict) else None
+        settings: dict[str, Any] = s.get("overlap_settings") or {}
+        rows: list[Any] = s.get("overlap") or []
+        if not isinstance(settings, dict) or not isinstance(rows, list):
+            settings, rows = {}, []
+        k = settings.get("topk_percent") or next(
+            (r.get("k_percent") for r in rows if isinstance(r, dict) and r.get("k_percent")), None)
         top = f"top-{fmt(k)}%" if k is not None else "top-k"
         items.append(_item(f"Fisher AUC for the {top} |delta| coordinates", fmt(s["auc"]),
                            "0.5 = chance, 1 = the Fisher ranks them all first"))
@@ -162,6 +188,7 @@ def _diff(result: dict[str, Any], out: dict[str, Any]) -> None:
                            "0.5 = chance"))
     if "auc" not in s:
         items.append(_item("Fisher AUC", "not computed", "the diff was run without a Fisher"))
+    out["table"] = _unchanged_table(s)
 
 
 def _retention(result: dict[str, Any], out: dict[str, Any]) -> None:
@@ -200,6 +227,7 @@ def _retention(result: dict[str, Any], out: dict[str, Any]) -> None:
         }
         return
     out["table"] = {
+        "title": "Retention by selector and density (mean +- spread over seeds)",
         "headers": ["selector", "density", "held-out reward", "retention", "retention of means"],
         "rows": [[str(r.get("selector")), fmt(r.get("density")),
                   f"{fmt(r.get('reward_mean'))} +- {fmt(r.get('reward_std'))}",

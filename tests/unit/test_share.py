@@ -290,9 +290,16 @@ def test_key_numbers_train_diff_retention():
         "unchanged_rel_0.001": 0.9, "auc": 0.28, "changed_auc": 0.55,
         "overlap_settings": {"topk_percent": 1.0}}})
     got = [(i["label"], i["value"]) for i in diff["items"]]
-    assert got[:4] == [("Unchanged: exactly equal", "50%"), ("Unchanged: equal after casting both to bf16", "75%"),
-                       ("Unchanged: |delta| <= 1e-08", "60%"), ("Unchanged: |delta| <= 0.001 x rms(base tensor)", "90%")]
-    assert ("Fisher AUC for the top-1% |delta| coordinates", "0.28") in got
+    assert got == [("Weights exactly unchanged", "50%"), ("Fisher AUC for the top-1% |delta| coordinates", "0.28"),
+                   ("Fisher AUC for changed-at-all coordinates", "0.55")]
+    assert diff["table"]["headers"] == ["threshold", "unchanged"]
+    assert diff["table"]["rows"] == [["exactly equal", "50%"], ["equal after casting both to bf16", "75%"],
+                                     ["|delta| <= 1e-08", "60%"], ["|delta| <= 0.001 x rms(base tensor)", "90%"]]
+    # the bf16-checkpoint convention sits next to the float32 row of the same atol
+    both = keynumbers.key_numbers({"kind": "diff", "summary": {
+        "unchanged_atol_1e-08": 0.6, "unchanged_bf16delta_atol_1e-08": 0.7, "unchanged_below_half_ulp": 0.25}})
+    assert both["table"]["rows"] == [["|delta| <= 1e-08", "60%", "70%"],
+                                     ["|delta| < half a bf16 ULP of |base weight|", "25%", ""]]
     nofisher = keynumbers.key_numbers({"kind": "diff", "summary": {"unchanged_exact": 0.5}})
     assert nofisher["items"][-1]["value"] == "not computed"
 
