@@ -599,7 +599,8 @@ def reconcile(
     Every re-send is harmless: a delivery runs a job only after the atomic claim."""
     view = view or BrokerView(settings).load()  # broker away: raise, nothing changed
     actions: list[tuple[int, str]] = []
-    sends: list[tuple[str, int]] = []
+    sends: list[tuple[str, int]] = []  # steps 1 and 2
+    lost: list[tuple[str, int]] = []  # step 3
     after = float(settings.reconcile_queued_after_s)
     with _sessions(settings)() as s:
         running = repo.list_jobs(session=s, status="running", include_shards=True, limit=1000)
@@ -645,10 +646,12 @@ def reconcile(
             if key in sends or _pending(view, key, after):
                 continue
             if repo.mark_resent(session=s, job_id=job.id, older_than_s=after):
-                sends.append(key)
-                actions.append((job.id, "re-sent"))
+                lost.append(key)
     for task, job_id in sends:
-        _resend(settings, view, task, job_id)
+        how = _resend(settings, view, task, job_id)
+        log.info("job %s: message %s (%s)", job_id, how, task)
+    for task, job_id in lost:
+        actions.append((job_id, _resend(settings, view, task, job_id)))
     for job_id, action in actions:
         log.warning("reconciled job %s: %s", job_id, action)
     return actions

@@ -99,3 +99,64 @@ def test_up_starts_worker_and_app_and_stops_both(tmp_path: Path, zoo_home: Path,
         for pid in (proc.pid, worker_pid):
             if pid and _alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+def test_up_restarts_its_worker_when_it_dies(tmp_path: Path, zoo_home: Path) -> None:
+    """kill -9 the embedded worker: `up` starts a new one (same name, so it re-queues the dead
+    one's job at start-up), and still stops it on SIGTERM."""
+    home = tmp_path / "home"
+    home.mkdir()
+    (home / "zoo").symlink_to(Path(zoo_home) / "zoo", target_is_directory=True)
+    port = _free_port()
+    env = {
+        **os.environ,
+        "FISHERLENS_HOME": str(home),
+        "FISHERLENS_QUEUE": f"fl-up-{port}",
+        "OMP_NUM_THREADS": "1",
+        "FISHERLENS_DEVICE": "cpu",
+        "PYTHONPATH": str(ROOT),
+    }
+    for k in ("DATABASE_URL", "REDIS_URL", "PUBLIC_URL"):
+        env.pop(k, None)
+    log = tmp_path / "up.log"
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "app.cli", "up", "--port", str(port)],
+            cwd=ROOT,
+            env=env,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+        )
+    pids: list[int] = []
+
+    def wait_log(pattern: str, count: int = 1) -> list[str]:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:
+            text = log.read_text(errors="replace")
+            found = re.findall(pattern, text)
+            if len(found) >= count:
+                return found
+            assert proc.poll() is None, text[-3000:]
+            time.sleep(0.2)
+        raise AssertionError(f"{pattern!r} x{count} not in the log:\n{text[-3000:]}")
+
+    try:
+        first = int(wait_log(r"worker started \(pid (\d+)\)")[0])
+        pids.append(first)
+        wait_log(r"(embedded-\d+@\S+) ready\.")
+        os.kill(first, signal.SIGKILL)
+        second = int(wait_log(r"worker restarted \(restart 1\) \(pid (\d+)\)")[0])
+        pids.append(second)
+        names = wait_log(r"(embedded-\d+@\S+) ready\.", count=2)
+        assert second != first and _alive(second) and not _alive(first)
+        assert names[0] == names[1] == f"embedded-{proc.pid}@{socket.gethostname()}"
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        deadline = time.monotonic() + 30
+        while _alive(second) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _alive(second), "restarted worker left running after `up` stopped"
+    finally:
+        for pid in (proc.pid, *pids):
+            if pid and _alive(pid):
+                os.kill(pid, signal.SIGKILL)
