@@ -120,7 +120,17 @@ def token_passes(kind: str, spec: Any) -> int:
         n = _train_passes(s.algo, s.steps, s.batch, s.group, s.max_new_tokens, s.eval_prompts)
         if s.mask_select:
             n += _fisher_passes(s.fisher_prompts, s.fisher_samples, s.max_new_tokens)
+        bound = s.algo == "grpo" and getattr(s, "bound", False)
+        if not getattr(s, "fisher", None) and (getattr(s, "concentration", False) or bound):
+            n += _fisher_passes(s.fisher_prompts, s.fisher_samples, s.max_new_tokens)  # independent Fisher
+        if bound:  # one backward per sample of the first batch
+            n += s.batch * s.group * (COST_PROMPT_TOKENS + s.max_new_tokens) * 3
         return n
+    if kind == "sweep":
+        points = len(s.lrs) * len(s.optimizers) * len(s.precision)
+        one = _train_passes(s.algo, s.steps, s.batch, s.group, s.max_new_tokens, s.eval_prompts)
+        fisher = 0 if s.fisher else _fisher_passes(s.fisher_prompts, s.fisher_samples, s.max_new_tokens)
+        return points * one + fisher
     if kind == "retention":
         runs = s.seeds * (len(s.densities) * len(s.selectors) + 1)
         one = _train_passes(s.algo, s.steps, s.batch, s.group, s.max_new_tokens, s.eval_prompts)

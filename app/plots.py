@@ -819,6 +819,84 @@ def share_colour_range(a: go.Figure, b: go.Figure) -> None:
 # ---------------------------------------------------------------- what a result view shows
 
 
+# ---------------------------------------------------------------- sweeps (lr x optimizer x precision)
+
+
+def _sweep_points(result: dict[str, Any]) -> list[dict[str, Any]]:
+    summ = result.get("summary") or {}
+    return list(summ.get("points") or result.get("points") or [])
+
+
+def _sweep_lines(points: list[dict[str, Any]], key: str) -> dict[str, tuple[list[float], list[float | None]]]:
+    lines: dict[str, tuple[list[float], list[float | None]]] = {}
+    for p in sorted(points, key=lambda p: float(p.get("lr") or 0)):
+        name = f"{p.get('optimizer')} {p.get('precision')}"
+        xs, ys = lines.setdefault(name, ([], []))
+        xs.append(float(p.get("lr") or 0))
+        ys.append(_finite(p.get(key)))
+    return lines
+
+
+def sweep_sparsity_figure(result: dict[str, Any]) -> go.Figure:
+    """Update sparsity (fraction of coordinates unchanged in bf16) against learning rate, one line
+    per optimizer x precision; dotted: the published |delta_bf16| <= 1e-5 convention."""
+    points = _sweep_points(result)
+    if not points:
+        return empty_figure("no sweep points in this result")
+    fig = go.Figure()
+    for key, dash, suffix in (("unchanged_bf16", "solid", "bf16-equal"),
+                              ("unchanged_bf16delta_atol_1e-05", "dot", "|Δbf16| ≤ 1e-5")):
+        for name, (xs, ys) in _sweep_lines(points, key).items():
+            fig.add_scatter(x=xs, y=ys, mode="lines+markers", name=f"{name}: {suffix}", line={"dash": dash},
+                            hovertemplate="lr %{x:.3g}<br>unchanged %{y:.4f}<extra>" + name + "</extra>")
+    fig.update_xaxes(title_text="learning rate", type="log")
+    fig.update_yaxes(title_text="fraction of coordinates unchanged", range=[0, 1.02])
+    return _layout(fig, "Update sparsity vs learning rate x optimizer")
+
+
+def sweep_auc_figure(result: dict[str, Any]) -> go.Figure:
+    """Initial Fisher's ROC-AUC against learning rate: for 'changed' (solid), for 'changed' within
+    |w| binades (dash: net of the bf16-ULP effect) and for the top-k of sum g^2 (dot)."""
+    points = _sweep_points(result)
+    if not points:
+        return empty_figure("no sweep points in this result")
+    fig = go.Figure()
+    for key, dash, suffix in (("fisher_auc_changed", "solid", "AUC changed"),
+                              ("fisher_auc_changed_within_binades", "dash", "AUC changed within |w| binades"),
+                              ("fisher_auc_gradient", "dot", "AUC top-k Σg²")):
+        for name, (xs, ys) in _sweep_lines(points, key).items():
+            if all(y is None for y in ys):
+                continue
+            fig.add_scatter(x=xs, y=ys, mode="lines+markers", name=f"{name}: {suffix}", line={"dash": dash},
+                            hovertemplate="lr %{x:.3g}<br>AUC %{y:.4f}<extra>" + name + "</extra>")
+    fig.add_hline(y=0.5, line={"dash": "dot", "color": "grey"}, annotation_text="chance")
+    fig.update_xaxes(title_text="learning rate", type="log")
+    fig.update_yaxes(title_text="ROC-AUC of the initial Fisher", range=[0, 1.02])
+    return _layout(fig, "Fisher AUC vs learning rate x optimizer")
+
+
+def sweep_binade_figure(result: dict[str, Any]) -> go.Figure:
+    """Fisher's AUC for 'changed' within each |w| binade (equal bf16 ULP), one line per point."""
+    points = _sweep_points(result)
+    fig = go.Figure()
+    for p in points:
+        bins = [b for b in p.get("fisher_auc_changed_by_binade") or [] if _finite(b.get("auc")) is not None
+                and (_finite(b.get("abs_w_lo")) or 0) > 0]
+        if not bins:
+            continue
+        name = f"{p.get('optimizer')} lr {float(p.get('lr') or 0):g} {p.get('precision')}"
+        fig.add_scatter(x=[b["abs_w_lo"] for b in bins], y=[b["auc"] for b in bins], mode="lines+markers",
+                        name=name, customdata=[[b.get("n"), b.get("n_changed")] for b in bins],
+                        hovertemplate="|w| in [%{x:.3g}, 2x)<br>AUC %{y:.4f}<br>n %{customdata[0]}, "
+                                      "changed %{customdata[1]}<extra>" + name + "</extra>")
+    if not fig.data:
+        return empty_figure("no binade with both changed and unchanged coordinates")
+    fig.add_hline(y=0.5, line={"dash": "dot", "color": "grey"}, annotation_text="chance")
+    fig.update_xaxes(title_text="|w| (binade lower edge; equal bf16 ULP inside)", type="log")
+    fig.update_yaxes(title_text="ROC-AUC of the initial Fisher for 'changed'", range=[0, 1.02])
+    return _layout(fig, "Fisher AUC within |w| bins (net of the bf16-ULP effect)")
+
+
 def result_figures(result: dict[str, Any]) -> list[tuple[str, go.Figure]]:
     """(title, figure) pairs for everything this result can show, most informative first.
 
@@ -831,6 +909,11 @@ def result_figures(result: dict[str, Any]) -> list[tuple[str, go.Figure]]:
     cells = layer_module_cells(result) if has_stats else {}
     has = {k for c in cells.values() for k in c}
     shown: set[str] = set()  # stored heatmaps already drawn by a specific builder
+    if kind == "sweep":
+        figs += [("sweep_sparsity", sweep_sparsity_figure(result)), ("sweep_auc", sweep_auc_figure(result)),
+                 ("sweep_binades", sweep_binade_figure(result))]
+        figs += [(f"heatmap:{h.get('name', '')}", heatmap_figure(h)) for h in heatmaps]
+        return figs
     if kind == "tokens":
         figs.append(("tokens", token_bars(result)))
         for which in ("top", "random", "low"):
@@ -868,7 +951,9 @@ def result_figures(result: dict[str, Any]) -> list[tuple[str, go.Figure]]:
             by_kind = {run: {run: xy} for run, xy in unchanged["unchanged"].items()}
             figs.append(("unchanged_curve", curves_figure(
                 by_kind, "Unchanged fraction by threshold", x_title="threshold", log_x=True,
-                labels={"atol": "unchanged (|delta| <= atol)", "rel_rms": "unchanged (|delta| <= t x rms)"})))
+                labels={"atol": "unchanged (|delta_fp32| <= atol)",
+                        "atol_bf16delta": "unchanged (|delta_bf16| <= atol, published convention)",
+                        "rel_rms": "unchanged (|delta| <= t x rms)"})))
     elif any(m not in ("retention", "heldout", "unchanged") for m in groups):
         figs.append(("training", training_curves(result)))
     for h in heatmaps:  # anything else stored: a generic heatmap

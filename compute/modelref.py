@@ -43,6 +43,7 @@ JOB_REF_TARGETS: dict[str, tuple[tuple[str, ...], str]] = {
 ARTIFACT_FIELDS: dict[str, tuple[str, ...]] = {
     "mask": ("fisher", "gradient"),
     "train": ("mask", "fisher"),
+    "sweep": ("fisher",),
     "diff": ("fisher",),
 }
 

@@ -192,6 +192,15 @@ def concentration_summary(conc: dict[str, Any]) -> dict[str, Any]:
 
 
 def run(spec: TrainSpec, progress: Any = null_progress) -> JobResult:
+    return train_job(spec, progress)
+
+
+def train_job(
+    spec: TrainSpec, progress: Any = null_progress,
+    fisher: Mapping[str, torch.Tensor] | None = None, fisher_info: Mapping[str, Any] | None = None,
+) -> JobResult:
+    """One training run (the `train` job). fisher/fisher_info: an initial Fisher already estimated
+    (e.g. once for a whole sweep) instead of spec.fisher or a fresh independent estimate."""
     import copy
 
     from compute.bound import first_step_bound, summarize
@@ -242,10 +251,11 @@ def run(spec: TrainSpec, progress: Any = null_progress) -> JobResult:
         result.tensors["mask"] = {n: m.cpu() for n, m in mask.items()}
     # float32 twin for the Fisher and the bound when the weights are bf16 (same values, exact)
     probe = copy.deepcopy(model).float() if spec.precision == "bf16" else model
-    fisher: dict[str, torch.Tensor] | None = None
-    if spec.fisher:
+    if fisher is not None:
+        fisher_info = dict(fisher_info or {"source": "given by the caller"})
+    elif spec.fisher:
         fisher = load_scores(spec.fisher, "fisher")
-        fisher_info: dict[str, Any] = {"source": "given", "file": spec.fisher}
+        fisher_info = {"source": "given", "file": spec.fisher}
     elif spec.concentration or (spec.algo == "grpo" and spec.bound):
         progress(0.1, f"initial Fisher from independent samples ({spec.independent_fisher})")
         fisher, fisher_info = independent_fisher(probe, tok, task, spec,

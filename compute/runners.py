@@ -15,6 +15,7 @@ RUNNERS: dict[str, str] = {
     "fisher": "compute.run_fisher:run",
     "mask": "compute.run_mask:run",
     "train": "compute.run_train:run",
+    "sweep": "compute.run_sweep:run",
     "retention": "compute.run_retention:run",
     "diff": "compute.run_diff:run",
     "tokens": "compute.run_tokens:run",

@@ -208,6 +208,67 @@ class TrainSpec(_Spec):
             raise ValueError("mask_density: needed with mask_select; accepted range: > 0, <= 1")
         if self.mask_density is not None and not self.mask_select:
             raise ValueError("mask_select: mask_density needs a selector (e.g. fisher)")
+        if self.dtype not in PRECISION_DTYPES[self.precision]:
+            raise ValueError(f"dtype: {self.dtype!r} conflicts with precision {self.precision!r}; accepted: "
+                             f"{', '.join(PRECISION_DTYPES[self.precision])}")
+        return self
+
+
+# dtypes a model may be loaded in for each training precision (precision sets the training dtype)
+PRECISION_DTYPES = {"fp32": ("auto", "float32"), "bf16-mixed": ("auto", "float32", "bfloat16"),
+                    "bf16": ("auto", "bfloat16")}
+
+
+class SweepSpec(_Spec):
+    """A grid of training runs, lr x optimizer x precision, each followed by a diff of its stored
+    checkpoint against the base's (compute.run_sweep). Defaults: minutes on arith-base, 2 cores."""
+
+    model: ModelRef
+    task: TaskRef = "arithmetic"
+    algo: Algo = "grpo"
+    teacher: ModelRef | None = None
+    lrs: list[Annotated[float, Field(gt=0.0, le=10.0)]] = Field(
+        default_factory=lambda: [1e-6, 1e-5, 1e-4, 1e-3], min_length=1, max_length=16,
+        description="learning rates of the grid")
+    optimizers: list[Literal["adamw", "sgd"]] = Field(
+        default_factory=lambda: ["adamw", "sgd"], min_length=1, max_length=2)
+    precision: list[Precision] = Field(
+        default_factory=lambda: ["bf16-mixed"], min_length=1, max_length=3,
+        description="training precisions of the grid (fp32, bf16-mixed, bf16)")
+    steps: int = Field(20, ge=1, le=100_000)
+    batch: int = Field(8, ge=1, le=1024, description="prompts per step")
+    group: int = Field(8, ge=2, le=64, description="completions per prompt")
+    max_new_tokens: int = Field(16, ge=1, le=1024)
+    eval_prompts: int = Field(200, ge=1, le=100_000)
+    seed: int = Field(0, ge=0, le=2**31 - 1)
+    weight_decay: float = Field(0.0, ge=0.0, le=10.0)
+    momentum: float = Field(0.0, ge=0.0, lt=1.0, description="SGD momentum")
+    grad_clip: float | None = Field(1.0, gt=0.0, le=1e6, description="max grad norm; None = off")
+    temperature: float = Field(1.0, gt=0.0, le=5.0)
+    kl_coef: float = Field(0.0, ge=0.0, le=100.0)
+    clip_eps: float = Field(0.2, gt=0.0, le=10.0)
+    sft_source: Literal["gold", "self"] = "gold"
+    distill_estimator: Literal["full", "sampled"] = "full"
+    fisher: str | None = Field(
+        None, max_length=1000, description="initial Fisher (path or 'job:<id>'); default: estimated once "
+        "from independent samples")
+    independent_fisher: Literal["other-prompts", "other-completions"] = "other-prompts"
+    fisher_prompts: int = Field(32, ge=1, le=4096, description="prompts of the initial Fisher")
+    fisher_samples: int = Field(4, ge=1, le=64, description="samples per prompt of the initial Fisher")
+    topk_percent: float = Field(1.0, gt=0.0, le=100.0, description="top-k% of the Fisher/gradient overlap")
+    device: Device = "auto"
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> SweepSpec:
+        if self.algo == "opd" and not self.teacher:
+            raise ValueError("teacher: algo 'opd' needs a teacher model (e.g. arith-teacher)")
+        for name in ("lrs", "optimizers", "precision"):
+            values = getattr(self, name)
+            if len(set(values)) != len(values):
+                raise ValueError(f"{name}: got {values}; each value at most once")
+        points = len(self.lrs) * len(self.optimizers) * len(self.precision)
+        if points > 48:
+            raise ValueError(f"lrs: the grid has {points} points; accepted: at most 48")
         return self
 
 
@@ -309,6 +370,7 @@ SPECS: dict[str, type[_Spec]] = {
     "fisher": FisherSpec,
     "mask": MaskSpec,
     "train": TrainSpec,
+    "sweep": SweepSpec,
     "retention": RetentionSpec,
     "diff": DiffSpec,
     "tokens": TokensSpec,

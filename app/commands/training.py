@@ -11,7 +11,7 @@ from typing import Any
 import click
 
 from app.commands.common import cli_progress, fail, spec_from_options, write_json
-from compute.specs import TrainSpec
+from compute.specs import SweepSpec, TrainSpec
 
 
 def _check_refs(spec: Any) -> None:
@@ -210,4 +210,98 @@ def retention_cmd(out: str, densities: str | None, selectors: str | None, **opti
                f"{out_dir / 'retention.md'}")
 
 
-commands: list[click.Command] = [train_cmd, retention_cmd]
+def spec_command(kind: str, spec: Any) -> str:
+    """The CLI command that reproduces `spec` (fields that differ from their defaults)."""
+    parts = [f"fisherlens {kind}"]
+    for name, f in type(spec).model_fields.items():
+        v = getattr(spec, name)
+        default = f.default_factory() if f.default_factory is not None else f.default  # type: ignore[call-arg]
+        if v == default:
+            continue
+        if isinstance(v, bool):
+            parts.append(f"--{name.replace('_', '-')}" if v else f"--no-{name.replace('_', '-')}")
+            continue
+        text = ",".join(f"{x:g}" if isinstance(x, float) else str(x) for x in v) if isinstance(v, list) else (
+            f"{v:g}" if isinstance(v, float) else str(v))
+        parts.append(f"--{name.replace('_', '-')} {text}")
+    return " ".join(parts)
+
+
+def _weights_sha256(ref: str) -> str | None:
+    """sha256 of a local model's weights file(s) (what the sweep started from), None if not local."""
+    import hashlib
+
+    from compute.modelref import resolve_model
+
+    try:
+        folder = Path(resolve_model(ref))
+    except ValueError:
+        return None
+    files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
+    if not files:
+        return None
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.read_bytes())
+    return h.hexdigest()
+
+
+@click.command("sweep")
+@click.option("--model", required=True, help="zoo name, local HF directory, or hub id")
+@click.option("--task", help="[default: arithmetic]")
+@click.option("--algo", help="grpo | opd | sft  [default: grpo]")
+@click.option("--teacher", help="teacher for opd (same tokenizer)")
+@click.option("--lrs", help="comma-separated learning rates  [default: 1e-6,1e-5,1e-4,1e-3]")
+@click.option("--optimizers", help="comma-separated: adamw,sgd  [default: adamw,sgd]")
+@click.option("--precision", help="comma-separated: fp32, bf16-mixed, bf16  [default: bf16-mixed]")
+@click.option("--steps", type=int, help=f"optimizer steps per point  [default: {SweepSpec.model_fields['steps'].default}]")
+@click.option("--batch", type=int, help="prompts per step  [default: 8]")
+@click.option("--group", type=int, help="completions per prompt  [default: 8]")
+@click.option("--max-new-tokens", type=int, help="sampled completion length  [default: 16]")
+@click.option("--eval-prompts", type=int, help="held-out prompts for greedy accuracy  [default: 200]")
+@click.option("--weight-decay", type=float)
+@click.option("--momentum", type=float, help="SGD momentum")
+@click.option("--temperature", type=float)
+@click.option("--kl-coef", type=float)
+@click.option("--fisher", help="initial Fisher (fisher.safetensors)  [default: estimated once from "
+              "independent samples]")
+@click.option("--independent-fisher", help="other-prompts | other-completions")
+@click.option("--fisher-prompts", type=int, help="prompts of the initial Fisher  [default: 32]")
+@click.option("--fisher-samples", type=int, help="samples per prompt of the initial Fisher  [default: 4]")
+@click.option("--topk-percent", type=float, help="top-k%% of the Fisher/gradient overlap  [default: 1]")
+@click.option("--seed", type=int, help="[default: 0]")
+@click.option("--device", help="auto | cpu | cuda | cuda:N")
+@click.option("--out", "out", default="sweep", show_default=True, type=click.Path(file_okay=False),
+              help="writes OUT/sweep.json, OUT/sweep.md and OUT/sweep.html")
+def sweep_cmd(out: str, lrs: str | None, optimizers: str | None, precision: str | None,
+              **options: Any) -> None:
+    """Update sparsity and the initial Fisher's AUCs across lr x optimizer x precision: one train +
+    diff per grid point."""
+    options["lrs"] = _floats(lrs, "--lrs")
+    options["optimizers"] = _words(optimizers)
+    options["precision"] = _words(precision)
+    spec = spec_from_options("sweep", options)
+    _check_refs(spec)
+    from compute.run_sweep import run
+
+    with cli_progress("sweep") as progress:
+        try:
+            result = run(spec, progress)
+        except ValueError as exc:
+            fail(str(exc).splitlines()[0])
+    s = result.summary
+    out_dir = Path(out)
+    from app.commands.experiments import _write_html, json_safe
+
+    data = json_safe({**result.to_dict(), "points": s["points"], "spec": spec.model_dump(mode="json"),
+                      "command": spec_command("sweep", spec),
+                      "model_weights_sha256": _weights_sha256(spec.model)})
+    write_json(out_dir / "sweep.json", data)
+    (out_dir / "sweep.md").write_text(s["markdown"])
+    _write_html(data, out_dir / "sweep.html")
+    click.echo(s["markdown"])
+    click.echo(f"{len(s['points'])} points in {s['seconds']:.0f} s; wrote {out_dir / 'sweep.json'}, "
+               f"{out_dir / 'sweep.md'} and {out_dir / 'sweep.html'}")
+
+
+commands: list[click.Command] = [train_cmd, retention_cmd, sweep_cmd]
