@@ -63,7 +63,12 @@ def _points() -> list[dict]:
 
 
 def test_sweep_figures_and_markdown() -> None:
-    from app.plots import result_figures, sweep_auc_figure, sweep_binade_figure, sweep_sparsity_figure
+    from app.plots import (
+        result_figures,
+        sweep_auc_figure,
+        sweep_binade_figure,
+        sweep_sparsity_figure,
+    )
     from compute.run_sweep import markdown_table
 
     result = {"kind": "sweep", "summary": {"points": _points()}, "heatmaps": [], "series": []}
