@@ -22,6 +22,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import require_service  # a skip on a laptop, a failure under CI
+
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -55,11 +57,11 @@ def shot(page, name: str, docs: bool = False, full_page: bool = True) -> None:
 @pytest.fixture(scope="module")
 def browser():
     if not Path(CHROMIUM).exists():
-        pytest.skip(f"e2e: no Chromium at {CHROMIUM} (Debian: apt-get install chromium; .ci/run does)")
+        require_service(f"e2e: no Chromium at {CHROMIUM} (Debian: apt-get install chromium; .ci/run does)")
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:  # pragma: no cover
-        pytest.skip("e2e: the playwright Python package is not installed (pip install playwright)")
+        require_service("e2e: the playwright Python package is not installed (pip install playwright)")
     with sync_playwright() as p:
         b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         yield b

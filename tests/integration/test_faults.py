@@ -6,7 +6,6 @@ queued job whose message went missing 3 s before (RECONCILE_QUEUED_AFTER_S=3).""
 
 from __future__ import annotations
 
-import importlib.util
 import re
 import socket
 
@@ -17,13 +16,7 @@ from app import services
 from storage import repo
 from storage.models import LayerStatRow
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        importlib.util.find_spec("compute.run_fisher") is None,
-        reason="compute.run_fisher (the fisher job) is not in this checkout yet",
-    ),
-]
+pytestmark = pytest.mark.slow
 
 SMALL = {
     "model": "arith-base",

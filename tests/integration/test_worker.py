@@ -4,8 +4,6 @@ fault points (compute.control), never at "a moment when the job is hopefully sti
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 from collections import Counter
 
 import pytest
@@ -17,13 +15,7 @@ from storage import repo
 from storage.artifacts import ArtifactStore
 from storage.models import ArtifactRow, HeatmapRow, LayerStatRow, SeriesRow
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        importlib.util.find_spec("compute.run_fisher") is None,
-        reason="compute.run_fisher (the fisher job) is not in this checkout yet",
-    ),
-]
+pytestmark = pytest.mark.slow
 
 SMALL = {
     "model": "arith-base",

@@ -22,6 +22,7 @@ from storage import repo
 from storage.artifacts import ArtifactError, ArtifactStore
 from storage.db import current_revision, make_engine, make_session_factory, upgrade
 from storage.models import ArtifactRow, HeatmapRow, Job, LayerStatRow, SeriesRow, utcnow
+from tests.conftest import require_service  # a skip on a laptop, a failure under CI
 
 PG_URL = os.environ.get(
     "FISHERLENS_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
@@ -34,7 +35,7 @@ def _pg_schema_url() -> Iterator[str]:
         with admin.connect() as conn:
             conn.execute(text("SELECT 1"))
     except Exception as exc:  # noqa: BLE001
-        pytest.skip(
+        require_service(
             f"PostgreSQL not reachable at {PG_URL} ({type(exc).__name__}); set FISHERLENS_TEST_PG_URL"
         )
     schema = f"fl_test_{secrets.token_hex(6)}"
