@@ -144,8 +144,8 @@ def owner_filter(settings: Any, p: Principal, owner: str | None) -> int | None:
     """The owner id a job listing is restricted to (None: everyone's). Users see their own
     jobs; admins see everyone's, or one user's with owner=NAME ('me': their own). The embedded
     mode lists every job, as before accounts."""
-    if not settings.auth_required and owner in (None, "", "all"):
-        return None
+    if not settings.auth_required:
+        return None  # one local user: every job, as before accounts
     if not p.is_admin:
         return p.id
     if owner in (None, "", "all"):
@@ -534,6 +534,16 @@ def login_required_response(exc: PermissionError) -> JSONResponse:
 
 
 # ---------------------------------------------------------------- Gradio
+
+
+def user_header_html(settings: Any) -> str:
+    """Who is signed in, and a sign-out link (nothing in the embedded single-user mode)."""
+    if not settings.auth_required:
+        return ""
+    p = current_user(settings)
+    role = " (admin)" if p.is_admin else ""
+    return (f"<div class='fl-user' id='fl-user-box'>signed in as <b id='fl-user-name'>"
+            f"{html.escape(p.name)}</b>{role} &middot; <a href='/logout' id='fl-signout'>Sign out</a></div>")
 
 
 def gradio_user(settings: Any) -> Callable[[Request], str | None]:

@@ -257,3 +257,29 @@ def check_spec_size(data: Any, *, max_keys: int, max_string: int, max_list: int 
             raise SpecError(_errors({"field": "spec", "message": f"a key is {len(key)} characters long; "
                               "at most 100"}))
         walk(value, str(key), 1)
+
+
+def form_estimate_html(settings: Any, kind: str, data: dict[str, Any]) -> str:
+    """The cost line under a job form (UI), for the signed-in user's ceiling: shown before
+    submitting, refreshed as the form changes. Never raises."""
+    import html
+
+    from app import auth
+    from compute.specs import parse_spec
+
+    try:
+        spec = parse_spec(kind, data)
+    except SpecError as exc:
+        first = exc.errors[0] if exc.errors else {"field": "spec", "message": "invalid"}
+        return (f"<div class='fl-cost' data-within='unknown'>estimated cost: fix "
+                f"<b>{html.escape(str(first['field']))}</b> first</div>")
+    try:
+        ceiling = auth.current_user(settings).max_job_cost
+        est = estimate(settings, kind, spec)
+    except Exception as exc:  # noqa: BLE001 - a hint line must never break the form
+        return f"<div class='fl-cost' data-within='unknown'>estimated cost: unavailable ({html.escape(type(exc).__name__)})</div>"
+    within = ceiling is None or (est["cost"] is not None and est["cost"] <= ceiling)
+    over = "" if within else " <b>over your ceiling: it would be refused</b>"
+    return (f"<div class='fl-cost' data-within='{'yes' if within else 'no'}' "
+            f"data-cost='{est['cost'] if est['cost'] is not None else ''}'>"
+            f"{html.escape(describe(est, ceiling))}{over}</div>")

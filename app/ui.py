@@ -18,7 +18,7 @@ from urllib.parse import urlencode
 import gradio as gr
 from gradio.components.plot import PlotData
 
-from app import api, plots, services
+from app import api, auth, limits, plots, services
 from app.figures.store import store_for
 from compute.specs import SPECS, SpecError
 from storage.models import FINAL_STATUSES, JOB_STATUSES
@@ -250,8 +250,8 @@ def build_ui(settings: Any) -> gr.Blocks:  # noqa: C901 - layout + wiring read t
         return msg, job["share_token"], gr.Tabs(selected="result")
 
     def submit_fisher(model, task, prompts, samples, estimator, seed, max_new_tokens, temperature,
-                      exact_output):
-        return submit_and_show("fisher", clean_spec(dict(
+                      exact_output, _send=None):  # _send: the cost line instead (form_cost)
+        return (_send or submit_and_show)("fisher", clean_spec(dict(
             model=model, task=task, prompts=prompts, samples=samples, estimator=estimator, seed=seed,
             max_new_tokens=max_new_tokens, temperature=temperature, exact_output=exact_output)))
 
@@ -260,24 +260,24 @@ def build_ui(settings: Any) -> gr.Blocks:  # noqa: C901 - layout + wiring read t
             fisher=fisher, select=select, density=density, model=model, seed=seed)))
 
     def submit_train(model, task, algo, teacher, mask, mask_select, mask_density, optimizer, lr,
-                     steps, batch, group, seed):
+                     steps, batch, group, seed, _send=None):
         if mask_select == "(none)":
             mask_select = None
         try:
             mask_density = opt_number(mask_density, "mask_density")
         except SpecError as exc:
             return errors_html(exc.errors), gr.skip(), gr.skip()
-        return submit_and_show("train", clean_spec(dict(
+        return (_send or submit_and_show)("train", clean_spec(dict(
             model=model, task=task, algo=algo, teacher=teacher, mask=mask, mask_select=mask_select,
             mask_density=mask_density if mask_select else None, optimizer=optimizer, lr=lr,
             steps=steps, batch=batch, group=group, seed=seed)))
 
-    def submit_retention(model, algo, teacher, densities, selectors, seeds, steps, lr):
+    def submit_retention(model, algo, teacher, densities, selectors, seeds, steps, lr, _send=None):
         try:
             dens = parse_float_list(densities, "densities")
         except SpecError as exc:
             return errors_html(exc.errors), gr.skip(), gr.skip()
-        return submit_and_show("retention", clean_spec(dict(
+        return (_send or submit_and_show)("retention", clean_spec(dict(
             model=model, algo=algo, teacher=teacher, densities=dens, selectors=selectors,
             seeds=seeds, steps=steps, lr=lr)))
 
@@ -410,10 +410,24 @@ def build_ui(settings: Any) -> gr.Blocks:  # noqa: C901 - layout + wiring read t
         return note_html(f"Re-running as job #{job['id']}."), job["share_token"]
 
     # jobs tab
-    def jobs_view(kind, status, last):
-        jobs = services.list_jobs(settings, limit=50, kind=kind or None, status=status or None)
+    def jobs_view(kind, status, last, owner="me"):
+        jobs = services.list_jobs(settings, limit=50, kind=kind or None, status=status or None,
+                                  owner=owner or "me")  # my jobs; admins may pick all users
         out = jobs_table_html(jobs)
         return (gr.skip(), last) if out == last else (out, out)
+
+    def who_am_i():
+        """The signed-in user in the header; the owner filter for admins (app/auth.py)."""
+        user = auth.current_user(settings)
+        return (auth.user_header_html(settings),
+                gr.Dropdown(visible=settings.auth_required and user.is_admin))
+
+    def form_cost(submit_fn):
+        """The cost line under a form, from the same form -> spec code as its submit button."""
+        def run(*values):
+            out = submit_fn(*values, _send=lambda kind, data: limits.form_estimate_html(settings, kind, data))
+            return out if isinstance(out, str) else out[0]
+        return run
 
     def job_action(action: str, job_id):
         if job_id is None:
@@ -516,6 +530,8 @@ def build_ui(settings: Any) -> gr.Blocks:  # noqa: C901 - layout + wiring read t
             m = api.register_local_model(settings, path or "", name)
         except SpecError as exc:
             return errors_html(exc.errors, "Not registered"), gr.skip()
+        except PermissionError as exc:  # AUTH_REQUIRED: only admins register names
+            return errors_html([{"field": "name", "message": str(exc)}], "Not registered"), gr.skip()
         return note_html(f"Registered <b>{esc(m['name'])}</b> ({esc(m['source'])})."), models_table()
 
     # ------------------------------------------------------------ layout
@@ -533,6 +549,7 @@ def build_ui(settings: Any) -> gr.Blocks:  # noqa: C901 - layout + wiring read t
         gr.HTML("<div class='fl-header'><a href='/' class='fl-logo'>fisherlens</a>"
                 "<span class='fl-tagline'>why post-training updates so few parameters, through the "
                 "diagonal Fisher</span><a class='fl-apidocs' href='/api/docs' target='_blank'>REST API</a></div>")
+        user_box = gr.HTML(elem_id="fl-user")  # signed-in user + sign out (AUTH_REQUIRED only)
         shared_banner = gr.HTML(
             "<div class='fl-shared'>Shared result (read-only). <a href='/'>Open the fisherlens explorer</a></div>",
             visible=False)
@@ -557,6 +574,7 @@ def build_ui(settings: Any) -> gr.Blocks:  # noqa: C901 - layout + wiring read t
                                               step=1, info=_range_info("fisher", "max_new_tokens"))
                             f_temp = gr.Number(1.0, label="temperature", info=_range_info("fisher", "temperature"))
                             f_exact = gr.Checkbox(True, label="exact output-layer Fisher")
+                        f_cost = gr.HTML(elem_id="fisher-cost")
                         f_btn = gr.Button("Compute Fisher", variant="primary", elem_id="fisher-submit")
                         f_msg = gr.HTML(elem_id="fisher-msg")
                     with gr.Tab("Mask", id="f-mask"):
@@ -590,6 +608,7 @@ def build_ui(settings: Any) -> gr.Blocks:  # noqa: C901 - layout + wiring read t
                                                 info=_range_info("train", "batch"))
                             t_group = gr.Number(_default("train", "group"), label="GRPO group", step=1, info=_range_info("train", "group"))
                             t_seed = gr.Number(0, label="seed", step=1)
+                        t_cost = gr.HTML(elem_id="train-cost")
                         t_btn = gr.Button("Train", variant="primary")
                         t_msg = gr.HTML()
                     with gr.Tab("Retention sweep", id="f-retention"):
@@ -604,6 +623,7 @@ def build_ui(settings: Any) -> gr.Blocks:  # noqa: C901 - layout + wiring read t
                             r_seeds = gr.Number(_default("retention", "seeds"), label="seeds", step=1, info=_range_info("retention", "seeds"))
                             r_steps = gr.Number(_default("retention", "steps"), label="steps", step=1, info=_range_info("retention", "steps"))
                             r_lr = gr.Number(_default("retention", "lr"), label="learning rate", info=_range_info("retention", "lr"))
+                        r_cost = gr.HTML(elem_id="retention-cost")
                         r_btn = gr.Button("Run retention sweep", variant="primary")
                         r_msg = gr.HTML()
                     with gr.Tab("Checkpoint diff", id="f-diff"):
@@ -621,6 +641,8 @@ def build_ui(settings: Any) -> gr.Blocks:  # noqa: C901 - layout + wiring read t
                     j_kind = gr.Dropdown([("all kinds", ""), *[(k, k) for k in SPECS]], value="", label="kind")
                     j_status = gr.Dropdown([("any status", ""), *[(s, s) for s in JOB_STATUSES]], value="",
                                            label="status")
+                    j_owner = gr.Dropdown([("my jobs", "me"), ("all users", "all")], value="me",
+                                          label="owner", visible=False, elem_id="jobs-owner")
                     j_id = gr.Number(None, label="job id", step=1)
                     with gr.Column(min_width=120):
                         j_open = gr.Button("Open", size="sm")
@@ -745,9 +767,19 @@ def build_ui(settings: Any) -> gr.Blocks:  # noqa: C901 - layout + wiring read t
         tab_tokens.select(model_dropdowns, inputs=model_boxes, outputs=model_boxes, **fast)
         demo.load(model_dropdowns, inputs=model_boxes, outputs=model_boxes, **fast)
 
-        for comp in (j_kind, j_status):
-            comp.change(lambda k, s: jobs_view(k, s, ""), inputs=[j_kind, j_status],
+        for comp in (j_kind, j_status, j_owner):
+            comp.change(lambda k, s, o: jobs_view(k, s, "", o), inputs=[j_kind, j_status, j_owner],
                         outputs=[j_table, jobs_last], **fast)
+        demo.load(who_am_i, outputs=[user_box, j_owner], **fast)
+        cost_forms: list[tuple[Any, list[Any], Any]] = [
+            (submit_fisher, [f_model, f_task, f_prompts, f_samples, f_est, f_seed, f_mnt, f_temp, f_exact], f_cost),
+            (submit_train, [t_model, t_task, t_algo, t_teacher, t_mask, t_msel, t_mden, t_opt, t_lr, t_steps,
+                            t_batch, t_group, t_seed], t_cost),
+            (submit_retention, [r_model, r_algo, r_teacher, r_dens, r_sel, r_seeds, r_steps, r_lr], r_cost),
+        ]
+        for fn, ins, out in cost_forms:
+            for widget in ins:  # the estimate is shown before submitting, and follows the form
+                widget.change(form_cost(fn), inputs=ins, outputs=out, **fast)
         for btn, action in ((j_open, "open"), (j_cancel, "cancel"), (j_rerun, "rerun")):
             btn.click(lambda i, a=action: job_action(a, i), inputs=j_id, outputs=[j_msg, view_token, tabs])
 
@@ -768,15 +800,15 @@ def build_ui(settings: Any) -> gr.Blocks:  # noqa: C901 - layout + wiring read t
         # one poll per tick for the whole page (result progress, jobs table, token job)
         n_poll = len(result_out) + 2 + len(tok_poll_out)
 
-        def poll_all(token, sig, ro, kind, status, last, ttoken, tsig):
+        def poll_all(token, sig, ro, kind, status, last, ttoken, tsig, owner="me"):
             try:
-                return [*poll_result(token, sig, ro), *jobs_view(kind, status, last),
+                return [*poll_result(token, sig, ro), *jobs_view(kind, status, last, owner),
                         *poll_tokens(ttoken, tsig)]
             except Exception:  # noqa: BLE001 - e.g. a busy database: try again next tick, no modal
                 log.warning("poll failed; retrying on the next tick", exc_info=True)
                 return [gr.skip()] * n_poll
 
-        timer.tick(poll_all, inputs=[*state_in, j_kind, j_status, jobs_last, tok_token, tok_sig],
+        timer.tick(poll_all, inputs=[*state_in, j_kind, j_status, jobs_last, tok_token, tok_sig, j_owner],
                    outputs=[*result_out, j_table, jobs_last, *tok_poll_out], **fast)
         reg_btn.click(register, inputs=[reg_path, reg_name], outputs=[reg_msg, m_table])
     return demo
