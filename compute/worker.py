@@ -690,11 +690,6 @@ def _reconcile_parent(
     return [(parent.id, "finishing")], [(FINISH_SHARDS, parent.id)]
 
 
-def recover(settings: Any, hostname: str | None = None) -> list[tuple[int, str]]:
-    """Kept for callers of the first version: one reconcile pass."""
-    return reconcile(settings, hostname=hostname)
-
-
 # -- Celery wiring ----------------------------------------------------------------------------
 @celery_app.task(name=RUN_JOB, bind=True, acks_late=True, reject_on_worker_lost=True)
 def run_job(self: Any, job_id: int) -> str:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import random
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -37,6 +38,35 @@ def pytest_configure(config: pytest.Config) -> None:
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     if not torch.cuda.is_available():
         os.environ.setdefault("FISHERLENS_DEVICE", "cpu")
+
+
+def _burn() -> None:  # pragma: no cover - runs in a child process
+    x = 0
+    while True:
+        x = (x * 1103515245 + 12345) & 0xFFFFFFFF
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _cpu_burner() -> Iterator[None]:
+    """FISHERLENS_TEST_CPU_BURN=N: N busy processes for the whole run, to check that no test
+    depends on the machine being quiet (or fast): `FISHERLENS_TEST_CPU_BURN=4 ./dev test`."""
+    n = int(os.environ.get("FISHERLENS_TEST_CPU_BURN", "0") or 0)
+    if n <= 0:
+        yield
+        return
+    import multiprocessing
+
+    procs = [
+        multiprocessing.get_context("spawn").Process(target=_burn, daemon=True) for _ in range(n)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+            p.join(timeout=10)
 
 
 @pytest.fixture(autouse=True)
