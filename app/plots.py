@@ -797,6 +797,32 @@ def token_similarity_heatmap(result: dict[str, Any], which: str = "top") -> go.F
                           title=f"Sensitivity similarity ({which} tokens{extra})")
 
 
+def token_counterfactual_figure(result: dict[str, Any]) -> go.Figure:
+    """Measured trace F at this position against F_orth, the counterfactual where the tokens'
+    sensitivities were mutually orthogonal (all tokens; only the top-k): the gap is what their
+    similarity removes (SCIENCE.md section 5). Lower bounds, marked as such, when the vocabulary
+    was not enumerated."""
+    sim = (result.get("summary") or {}).get("similarity") or {}
+    if not sim:
+        return empty_figure("no orthogonal-counterfactual numbers in this result")
+    k = sim.get("top_k")
+    exact = bool(sim.get("exact"))
+    if exact:
+        names = ["trace F (measured)", "F_orth (all tokens orthogonal)", f"F_orth (top-{k} orthogonal)"]
+        vals = [sim.get("trace_f"), sim.get("trace_f_orth"), sim.get("trace_f_orth_top")]
+        share = (f"similarity removes {fmt(sim.get('removed'))} = {fmt(sim.get('removed_share'))} of F_orth; "
+                 f"top-{k} pairs {fmt(sim.get('removed_top'))} = {fmt(sim.get('removed_top_share'))}")
+    else:
+        names = ["trace F >= (covered tokens)", "F_orth >= (covered tokens)"]
+        vals = [sim.get("trace_f_lower"), sim.get("trace_f_orth_lower")]
+        share = (f"bounds (vocabulary not enumerated): removed <= {fmt(sim.get('removed_upper'))}, share <= "
+                 f"{fmt(sim.get('removed_share_upper'))}; top-{k} pairs remove {fmt(sim.get('removed_top'))}")
+    fig = go.Figure(go.Bar(x=names, y=[_finite(v) for v in vals], text=[fmt(v) for v in vals],
+                           textposition="outside", marker_color=["#1f77b4", "#aaaaaa", "#cccccc"][: len(names)]))
+    fig.update_yaxes(title_text="trace of the position Fisher")
+    return _layout(fig, f"Fisher vs orthogonal sensitivities: {share}")
+
+
 def token_choices(result: dict[str, Any]) -> list[tuple[str, str]]:
     """(label, token) pairs for clickable top tokens, most likely first."""
     rows = sorted(_token_rows(result, "top_tokens"), key=lambda r: -(_finite(r.get("prob")) or 0.0))
@@ -916,6 +942,8 @@ def result_figures(result: dict[str, Any]) -> list[tuple[str, go.Figure]]:
         return figs
     if kind == "tokens":
         figs.append(("tokens", token_bars(result)))
+        if (result.get("summary") or {}).get("similarity"):
+            figs.append(("fisher_counterfactual", token_counterfactual_figure(result)))
         for which in ("top", "random", "low"):
             if any(h.get("name") == f"similarity_{which}" for h in heatmaps) or (
                     which == "top" and any("similarity" in h.get("name", "") for h in heatmaps)):

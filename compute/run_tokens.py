@@ -67,6 +67,8 @@ def run(spec: TokensSpec, progress: Any = null_progress) -> JobResult:
         "mean_cosine_top": _nan_none(res.top.mean_offdiag_cosine()),
         "mean_cosine_random": _nan_none(res.random.mean_offdiag_cosine()),
         "mean_cosine_low": _nan_none(res.low.mean_offdiag_cosine()),
+        # trace F vs the counterfactual of mutually orthogonal sensitivities (compute.tokens)
+        "similarity": {k: (_nan_none(v) if isinstance(v, float) else v) for k, v in res.similarity.items()},
         "settings": {**res.settings, "layer": spec.layer, "dtype": str(next(model.parameters()).dtype)},
     }
     heatmaps = []

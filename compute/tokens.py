@@ -18,6 +18,19 @@ covered or `max_tokens` tokens are used, and the covered mass is reported.
 
 Contrast sets: `random_k` tokens drawn uniformly (seeded) from the tokens outside the top-k, and
 `low_k` least likely tokens.
+
+Similarity as a number (SCIENCE.md section 5). With the Gram matrix G_uv = <g_u, g_v>,
+
+    trace F      = sum_v p_v G_vv - sum_{u,v} p_u p_v G_uv      (= sum_v p_v G_vv - ||gbar||^2)
+    trace F_orth = sum_v p_v G_vv - sum_v p_v^2 G_vv            (were all g_v mutually orthogonal)
+    F_orth - F   = sum_{u != v} p_u p_v G_uv                    (= ||gbar||^2 - sum_v p_v^2 G_vv)
+
+so only the diagonal G_vv and ||gbar||^2 are needed: exact when the vocabulary is enumerated.
+Otherwise (covered set C) the tail's unknown G_vv >= 0 give bounds, reported as bounds:
+F_orth >= sum_C p_v (1 - p_v) G_vv and F_orth - F <= ||gbar||^2 - sum_C p_v^2 G_vv. The top-k
+counterfactual (only the top-k tokens' sensitivities made orthogonal) removes
+sum_{u != v in top-k} p_u p_v G_uv, exact for any vocabulary from the top-k Gram matrix. A
+negative removed part means the tokens' sensitivities point apart and similarity *raises* F.
 """
 
 from __future__ import annotations
@@ -95,6 +108,45 @@ class TokensResult:
     tensor_fisher: dict[str, float]  # per-tensor sum_i F_i over the covered tokens
     position_fisher: dict[str, torch.Tensor] | None = None  # per-coordinate F (keep_fisher)
     settings: dict[str, Any] = field(default_factory=dict)
+    similarity: dict[str, Any] = field(default_factory=dict)  # counterfactual_orthogonal(...)
+
+
+def counterfactual_orthogonal(
+    p_cov: torch.Tensor, gvv_cov: torch.Tensor, gbar_sq: float, exact: bool, trace_covered: float,
+    p_top: torch.Tensor, gram_top: torch.Tensor,
+) -> dict[str, Any]:
+    """trace F against the counterfactual F_orth where sensitivities are mutually orthogonal
+    (module docstring). p_cov, gvv_cov: (C,) probabilities and ||g_v||^2 of the covered tokens
+    (the whole vocabulary when `exact`); gbar_sq = ||gbar||^2 (exact); trace_covered = sum_C p_v
+    ||g_v - gbar||^2; p_top (k,), gram_top (k, k): the top-k tokens. float64 sums."""
+    p, g = p_cov.double(), gvv_cov.double()
+    t1 = float((p * g).sum())  # sum_v p_v G_vv
+    t2 = float((p * p * g).sum())  # sum_v p_v^2 G_vv
+    pt, gt = p_top.double(), gram_top.double()
+    sim_top = float(pt @ gt @ pt - (pt * pt * gt.diagonal()).sum())  # sum_{u != v in top} p_u p_v G_uv
+    out: dict[str, Any] = {"exact": exact, "gbar_sq": gbar_sq, "sum_p_gvv": t1, "sum_p2_gvv": t2,
+                           "top_k": int(pt.numel()), "removed_top": sim_top}
+    if exact:
+        f, f_orth, removed = t1 - gbar_sq, t1 - t2, gbar_sq - t2
+        out.update({
+            "trace_f": f, "trace_f_orth": f_orth, "removed": removed,
+            "removed_share": removed / f_orth if f_orth > 0 else float("nan"),
+            "trace_f_orth_top": f + sim_top,
+            "removed_top_share": sim_top / (f + sim_top) if f + sim_top > 0 else float("nan"),
+            "what": "exact: the whole vocabulary was enumerated",
+        })
+    else:
+        f_orth_lo, removed_hi = t1 - t2, gbar_sq - t2
+        out.update({
+            "trace_f": None, "trace_f_lower": trace_covered, "trace_f_orth_lower": f_orth_lo,
+            "removed_upper": removed_hi,
+            "removed_share_upper": (min(1.0, removed_hi / f_orth_lo) if removed_hi >= 0 and f_orth_lo > 0
+                                    else None),
+            "trace_f_orth": None, "removed": None, "removed_share": None,
+            "trace_f_orth_top": None, "removed_top_share": None,
+            "what": "bounds: only the covered tokens were enumerated (tail G_vv unknown, >= 0)",
+        })
+    return out
 
 
 def scope_parameters(model: torch.nn.Module, layer: int | None) -> dict[str, torch.nn.Parameter]:
@@ -198,12 +250,14 @@ def token_mechanism(
                     z, params, rows, gbar_obj, budget, progress, fisher=(covered, p_cov), keep_fisher=keep_fisher)
                 row = {v: i for i, v in enumerate(rows)}
                 deviation = _deviation(gram)
-                dev_cov = deviation[torch.tensor([row[v] for v in covered])]
+                cov_idx = torch.tensor([row[v] for v in covered])
+                dev_cov = deviation[cov_idx]
+                gvv_cov = gram.diagonal()[cov_idx]
             else:
                 # Large scope: Fisher of the covered tokens by streaming one full gradient at a
                 # time (memory ~ 3 x scope), Gram of the displayed tokens by parameter chunks.
                 mode = "stream"
-                dev_cov, tensor_fisher, pos_fisher = _stream_fisher(
+                dev_cov, gvv_cov, tensor_fisher, pos_fisher = _stream_fisher(
                     z, params, covered, p_cov, gbar_obj, keep_fisher, progress)
                 rows = display
                 gram, _, _, n_chunks = _gram(z, params, rows, gbar_obj, budget, progress)
@@ -232,6 +286,9 @@ def token_mechanism(
         )
 
     ent = float(-(probs * torch.log(probs.clamp_min(1e-300))).sum())
+    top_idx = torch.tensor([row[v] for v in top], dtype=torch.long)
+    similarity = counterfactual_orthogonal(p_cov, gvv_cov, gbar_sq, exact, trace, probs[top],
+                                           gram[top_idx][:, top_idx])
     return TokensResult(
         context_ids=input_ids[0].tolist(),
         probs=probs.float().cpu(),
@@ -256,6 +313,7 @@ def token_mechanism(
             "mode": mode,
             "random_tokens_from": "uniform over tokens outside the top-k",
         },
+        similarity=similarity,
     )
 
 
@@ -312,9 +370,9 @@ def _gram(
 def _stream_fisher(
     z: torch.Tensor, params: dict[str, torch.nn.Parameter], covered: list[int], p_cov: torch.Tensor,
     gbar_obj: torch.Tensor, keep_fisher: bool, progress: Progress | None,
-) -> tuple[torch.Tensor, dict[str, float], dict[str, torch.Tensor]]:
-    """||g_v - gbar||^2 for each covered token (C,) and F = sum_v p_v (g_v - gbar)^2 per tensor,
-    one full gradient at a time (gbar, F and one gradient in memory)."""
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, float], dict[str, torch.Tensor]]:
+    """||g_v - gbar||^2 and ||g_v||^2 for each covered token (C,) and F = sum_v p_v (g_v - gbar)^2
+    per tensor, one full gradient at a time (gbar, F and one gradient in memory)."""
     names = list(params)
     inputs = [params[n] for n in names]
     gbar = [g.float() if g is not None else torch.zeros_like(p, dtype=torch.float32)
@@ -322,20 +380,24 @@ def _stream_fisher(
                             inputs, strict=True)]
     F = [torch.zeros_like(g) for g in gbar]
     dev_cov = torch.zeros(len(covered), dtype=torch.float64)
+    gvv_cov = torch.zeros(len(covered), dtype=torch.float64)
     for j, v in enumerate(covered):
         gs = torch.autograd.grad(z[v], inputs, retain_graph=True, allow_unused=True)
         pv = float(p_cov[j])
-        total = 0.0
+        total, norm = 0.0, 0.0
         for t, (g, gb) in enumerate(zip(gs, gbar, strict=True)):
-            d = (g.float() if g is not None else torch.zeros_like(gb)) - gb
+            gv = g.float() if g is not None else torch.zeros_like(gb)
+            d = gv - gb
             total += float(d.double().pow(2).sum())
+            norm += float(gv.double().pow(2).sum())
             F[t].add_(d.pow(2), alpha=pv)
         dev_cov[j] = total
+        gvv_cov[j] = norm
         if progress and j % 8 == 0:
             progress(j / max(1, len(covered)), f"Fisher over covered tokens {j}/{len(covered)}")
     tensor_fisher = {n: float(f.double().sum()) for n, f in zip(names, F, strict=True)}
     pos_fisher = {n: f.cpu() for n, f in zip(names, F, strict=True)} if keep_fisher else {}
-    return dev_cov, tensor_fisher, pos_fisher
+    return dev_cov, gvv_cov, tensor_fisher, pos_fisher
 
 
 def _flat(grads: tuple[torch.Tensor | None, ...], inputs: list[torch.Tensor]) -> torch.Tensor:

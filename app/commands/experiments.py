@@ -195,6 +195,17 @@ def tokens_cmd(out: str | None, **options: Any) -> None:
     click.echo(f"Fisher trace at this position {s['fisher_trace']:.6g} ({cov})")
     click.echo(f"mean off-diagonal cosine of sensitivities: top {_num(s['mean_cosine_top'])}, "
                f"random {_num(s['mean_cosine_random'])}, low-probability {_num(s['mean_cosine_low'])}")
+    sim = s.get("similarity") or {}
+    if sim.get("exact"):
+        click.echo(f"trace F {_num(sim['trace_f'])} vs orthogonal sensitivities F_orth "
+                   f"{_num(sim['trace_f_orth'])}: similarity removes {_num(sim['removed'])} "
+                   f"({_num(sim['removed_share'])} of F_orth); top-{sim['top_k']} pairs alone remove "
+                   f"{_num(sim['removed_top'])} ({_num(sim['removed_top_share'])} of F + that)")
+    elif sim:
+        click.echo(f"vocabulary not enumerated, bounds: trace F >= {_num(sim['trace_f_lower'])}, F_orth >= "
+                   f"{_num(sim['trace_f_orth_lower'])}, removed by similarity <= {_num(sim['removed_upper'])} "
+                   f"(share <= {_num(sim['removed_share_upper'])}); top-{sim['top_k']} pairs remove "
+                   f"{_num(sim['removed_top'])} (exact)")
     if out:
         write_json(Path(out), json_safe(res.to_dict()))
         click.echo(f"wrote {out}")

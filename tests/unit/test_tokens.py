@@ -148,6 +148,72 @@ def test_large_vocabulary_covers_mass_and_states_it() -> None:
     assert len(capped.covered_ids) == 5 and capped.covered_mass < 1.0
 
 
+def _brute_counterfactual(G: torch.Tensor, p: torch.Tensor, top: list[int]) -> dict[str, float]:
+    """trace F, F_orth and the removed part from the full (V, V) Gram matrix of g_v = dz_v/dtheta,
+    written as in SCIENCE.md section 5 (double sums over the enumerated vocabulary)."""
+    gram = G @ G.T  # (V, V) float64
+    V = p.numel()
+    t1 = sum(float(p[v] * gram[v, v]) for v in range(V))
+    pair = sum(float(p[u] * p[v] * gram[u, v]) for u in range(V) for v in range(V))
+    self_ = sum(float(p[v] ** 2 * gram[v, v]) for v in range(V))
+    off_top = sum(float(p[u] * p[v] * gram[u, v]) for u in top for v in top if u != v)
+    off_all = sum(float(p[u] * p[v] * gram[u, v]) for u in range(V) for v in range(V) if u != v)
+    return {"trace_f": t1 - pair, "trace_f_orth": t1 - self_, "removed": off_all, "removed_top": off_top}
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gpt2"])
+def test_orthogonal_counterfactual_against_brute_force(arch: str) -> None:
+    model = _model(arch, seed=1)
+    ids = torch.tensor([[4, 1, 9]])
+    G, p, F, _ = _brute(model, ids)
+    for budget in (1024.0, 0.01):  # gram mode and stream mode
+        res = token_mechanism(model, ids, TokensConfig(top_k=4, memory_budget_mb=budget))
+        sim = res.similarity
+        want = _brute_counterfactual(G, p, res.top.ids)
+        assert sim["exact"]
+        assert sim["trace_f"] == pytest.approx(float(F.sum()), rel=1e-5)  # = sum_i F_i (definition)
+        assert sim["trace_f"] == pytest.approx(want["trace_f"], rel=1e-5)
+        assert sim["trace_f_orth"] == pytest.approx(want["trace_f_orth"], rel=1e-5)
+        assert sim["removed"] == pytest.approx(want["removed"], rel=1e-5, abs=1e-9)
+        assert sim["removed"] == pytest.approx(sim["trace_f_orth"] - sim["trace_f"], rel=1e-6, abs=1e-9)
+        assert sim["removed_share"] == pytest.approx(want["removed"] / want["trace_f_orth"], rel=1e-5, abs=1e-9)
+        assert sim["removed_top"] == pytest.approx(want["removed_top"], rel=1e-5, abs=1e-9)
+        assert sim["trace_f_orth_top"] == pytest.approx(want["trace_f"] + want["removed_top"], rel=1e-5)
+
+
+def test_orthogonal_counterfactual_hand_computed() -> None:
+    from compute.tokens import counterfactual_orthogonal
+
+    # two tokens with identical sensitivities (g_1 = g_2 = (1, 0)), p = (0.5, 0.5): F = 0, F_orth =
+    # 0.5 * 1 + 0.5 * 1 - 0.25 - 0.25 = 0.5, all of it removed by the similarity.
+    p = torch.tensor([0.5, 0.5], dtype=torch.float64)
+    gram = torch.ones(2, 2, dtype=torch.float64)
+    out = counterfactual_orthogonal(p, gram.diagonal(), 1.0, True, 0.0, p, gram)
+    assert out["trace_f"] == pytest.approx(0.0) and out["trace_f_orth"] == pytest.approx(0.5)
+    assert out["removed"] == pytest.approx(0.5) and out["removed_share"] == pytest.approx(1.0)
+    # opposite sensitivities (g_2 = -g_1): ||gbar|| = 0, F = 1 > F_orth = 0.5; similarity raises F
+    gram = torch.tensor([[1.0, -1.0], [-1.0, 1.0]], dtype=torch.float64)
+    out = counterfactual_orthogonal(p, gram.diagonal(), 0.0, True, 1.0, p, gram)
+    assert out["trace_f"] == pytest.approx(1.0) and out["removed"] == pytest.approx(-0.5)
+    assert out["removed_share"] == pytest.approx(-1.0) and out["removed_top"] == pytest.approx(-0.5)
+
+
+def test_orthogonal_counterfactual_bounds_when_the_vocabulary_is_not_enumerated() -> None:
+    model = _model(seed=2)
+    ids = torch.tensor([[5, 6, 7]])
+    exact = token_mechanism(model, ids, TokensConfig(top_k=3)).similarity
+    for budget in (1024.0, 0.01):
+        part = token_mechanism(model, ids, TokensConfig(top_k=3, full_vocab_max=4, mass_target=0.7,
+                                                        memory_budget_mb=budget)).similarity
+        assert not part["exact"] and part["trace_f"] is None and part["removed"] is None
+        assert part["trace_f_lower"] <= exact["trace_f"] * (1 + 1e-6)
+        assert part["trace_f_orth_lower"] <= exact["trace_f_orth"] * (1 + 1e-6)
+        assert part["removed_upper"] >= exact["removed"] - 1e-9
+        if part["removed_share_upper"] is not None:
+            assert part["removed_share_upper"] >= exact["removed_share"] - 1e-9
+        assert part["removed_top"] == pytest.approx(exact["removed_top"], rel=1e-5, abs=1e-12)  # exact
+
+
 @pytest.fixture
 def model_dir(tmp_path, monkeypatch):
     from tests.unit.fisher_tiny import char_tokenizer, tiny_model
@@ -190,6 +256,16 @@ def test_run_tokens_job_and_cli(model_dir, tmp_path) -> None:
                                   "--layer", "0", "--out", str(out)])
     assert r.exit_code == 0, r.output
     assert "scope: layer 0" in r.output and "mean off-diagonal cosine" in r.output
+    assert "vs orthogonal sensitivities F_orth" in r.output
+    # trace F against orthogonal sensitivities: in the summary, the CLI and the view
+    sim = s["similarity"]
+    assert sim["exact"] and sim["trace_f"] == pytest.approx(s["fisher_trace"], rel=1e-5)
+    assert sim["removed"] == pytest.approx(direct.similarity["removed"], rel=1e-5, abs=1e-12)
+    from app.plots import result_figures
+
+    figs = dict(result_figures(json.loads(json.dumps(res.to_dict()))))
+    bars = figs["fisher_counterfactual"].data[0]
+    assert list(bars.y) == pytest.approx([sim["trace_f"], sim["trace_f_orth"], sim["trace_f_orth_top"]])
     assert json.loads(out.read_text())["kind"] == "tokens"
     r = CliRunner().invoke(main, ["tokens", "--model", str(path), "--context", "12", "--layer", "9"])
     assert r.exit_code == 2 and "error: --layer: got 9; accepted range: >= 0, <= 1 (the model has 2 blocks)" in r.output
