@@ -219,6 +219,9 @@ def up_cmd(host: str | None, port: int | None, no_worker: bool) -> None:
     settings = get_settings()
     host = host or settings.host
     port = port or settings.port
+    from app.auth import check_bind
+
+    check_bind(host, settings)  # before the zoo build and the worker: refuse an open server early
     if "PUBLIC_URL" not in os.environ:
         shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
         os.environ["PUBLIC_URL"] = f"http://{shown}:{port}"

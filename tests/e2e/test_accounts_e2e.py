@@ -103,7 +103,7 @@ def auth_server(browser, zoo_home: Path, tmp_path_factory: pytest.TempPathFactor
             if time.monotonic() > deadline:
                 pytest.fail(f"fisherlens up did not serve {base} in 240 s; see server-auth.log")
             time.sleep(1)
-        yield base, tokens, home / "zoo"
+        yield base, tokens, home / "zoo", env
     finally:
         if proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
@@ -116,7 +116,7 @@ def auth_server(browser, zoo_home: Path, tmp_path_factory: pytest.TempPathFactor
 
 
 def test_sign_in_submit_own_jobs_share_and_sign_out(browser, auth_server):
-    base, tokens, _zoo = auth_server
+    base, tokens, _zoo, env = auth_server
     assert _api(base, "/api/jobs")[0] == 401  # nobody signed in
     status, bob_job = _api(base, "/api/jobs", tokens["bob"],
                            {"kind": "fisher", "spec": {"model": "arith-base", "prompts": 1, "samples": 1}})
@@ -148,7 +148,7 @@ def test_sign_in_submit_own_jobs_share_and_sign_out(browser, auth_server):
     page.press("#fisher-samples input", "Tab")
     # by hand: 2 prompts x 1 sample of 64 (assumed prompt) + 16 tokens; sampling 1 pass, gradient
     # 3 (forward + backward), exact output layer 1: 2 * 80 * 5 token-passes x the zoo's count
-    params = json.loads((auth_server[2] / "arith-base" / "fisherlens.json").read_text())["params"]
+    params = json.loads((_zoo / "arith-base" / "fisherlens.json").read_text())["params"]
     want = float(2 * 1 * (64 + 16) * 5 * params)
     page.wait_for_function(f"() => (document.querySelector('#fisher-cost .fl-cost') || {{}})"
                            f".dataset?.cost === '{want}'")
@@ -176,6 +176,29 @@ def test_sign_in_submit_own_jobs_share_and_sign_out(browser, auth_server):
         time.sleep(1)
     assert job["status"] == "succeeded", job
     assert _api(base, f"/api/jobs/{job_id}", tokens["bob"])[0] == 404
+
+    # the CLI's queue commands talk to the server with a token: `fisherlens login` saves it (0600)
+    creds = ARTIFACTS / "cli-credentials.json"
+    creds.unlink(missing_ok=True)
+    cli_env = {**env, "FISHERLENS_CREDENTIALS": str(creds)}
+
+    def cli(*args: str, token: str | None = None) -> subprocess.CompletedProcess:
+        e = {**cli_env, **({"FISHERLENS_TOKEN": token} if token else {})}
+        return subprocess.run([sys.executable, "-m", "app.cli", *args], cwd=ROOT, env=e,
+                              capture_output=True, text=True, timeout=120)
+
+    out = cli("login", "--url", base, "--token", tokens["alice"])
+    assert out.returncode == 0 and "as alice" in out.stdout, out.stderr
+    assert creds.stat().st_mode & 0o777 == 0o600
+    listed = [int(line.split()[0]) for line in cli("jobs").stdout.splitlines()[1:]]
+    assert listed == [job_id]  # hers only, through the server
+    out = cli("cancel", str(bob_job["id"]))
+    assert out.returncode == 2 and f"no job with id {bob_job['id']}" in out.stderr
+    listed = [int(line.split()[0]) for line in cli("jobs", token=tokens["bob"]).stdout.splitlines()[1:]]
+    assert listed == [bob_job["id"]]
+    out = cli("jobs", token="fl_not-a-token")
+    assert out.returncode == 1 and "not valid" in out.stderr
+    creds.unlink()
 
     # a signed-out context opens the share link (no login page)
     ctx2 = browser.new_context(viewport={"width": 1360, "height": 900})
