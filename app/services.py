@@ -93,6 +93,7 @@ def check_spec(settings: Any, kind: str, spec: Any, *, local: bool = False) -> l
     Messages name the field and echo the user's input, never a server path."""
     errors: list[dict[str, str]] = []
     parts: list[str] = []
+    found: dict[str, Path] = {}  # field -> local model folder or artifact file
     needs_db = bool(spec_job_refs(kind, spec))
     with sessions(settings)() if needs_db else contextlib.nullcontext() as s:
         for field in MODEL_FIELDS:
@@ -101,6 +102,9 @@ def check_spec(settings: Any, kind: str, spec: Any, *, local: bool = False) -> l
                 continue
             try:
                 parts.append(f"{field}={_model_revision(settings, s, field, ref, local)}")
+                folder = _model_folder(settings, s, field, ref)
+                if folder is not None:
+                    found[field] = folder
             except ValueError as exc:
                 errors.append(_field_error(field, exc))
                 continue
@@ -114,9 +118,13 @@ def check_spec(settings: Any, kind: str, spec: Any, *, local: bool = False) -> l
             if not ref:
                 continue
             try:
-                parts.append(f"{field}={_artifact_revision(settings, s, field, ref, local)}")
+                path = _artifact_file(settings, s, field, ref, local)
+                parts.append(f"{field}={_artifact_revision(settings, s, field, ref, path)}")
+                found[field] = path
             except ValueError as exc:
                 errors.append(_field_error(field, exc))
+    if not errors:
+        errors += _compatibility(kind, found, getattr(spec, "algo", None))
     task = getattr(spec, "task", None)
     if isinstance(task, str) and task.startswith("jsonl:"):
         try:
@@ -196,12 +204,19 @@ def _inside(path: Path, roots: list[Path]) -> bool:
     return any(path.is_relative_to(Path(r).expanduser().resolve()) for r in roots)
 
 
-def _artifact_revision(settings: Any, s: Any, field: str, ref: str, local: bool) -> str:
+def _artifact_revision(settings: Any, s: Any, field: str, ref: str, path: Path) -> str:
     """The revision part of a fisher/mask/gradient reference ('job:<id>' or a file)."""
+    if ref.strip().startswith("job:"):
+        art = resolve_job_ref(ref.strip(), field, settings, s)
+        return f"job:{art.job_id}:{art.sha256}"
+    return f"file:{file_sha256(path)}"
+
+
+def _artifact_file(settings: Any, s: Any, field: str, ref: str, local: bool) -> Path:
+    """The readable safetensors file of a fisher/mask/gradient reference; ValueError if none."""
     ref = ref.strip()
     if ref.startswith("job:"):
-        art = resolve_job_ref(ref, field, settings, s)
-        return f"job:{art.job_id}:{art.sha256}"
+        return resolve_job_ref(ref, field, settings, s).path
     path = Path(ref).expanduser()
     if not local and not path.is_absolute():
         raise ValueError(f"{ref!r}: give an absolute path, or job:<id> of a {field} job")
@@ -222,7 +237,105 @@ def _artifact_revision(settings: Any, s: Any, field: str, ref: str, local: bool)
         _safetensors_header(resolved)
     except ValueError as exc:
         raise ValueError(f"{ref!r} {exc}") from None
-    return f"file:{file_sha256(resolved)}"
+    return resolved
+
+
+def _model_folder(settings: Any, s: Any, field: str, ref: str) -> Path | None:
+    """The local folder of a model reference (None for a hub id)."""
+    if job_ref_id(ref) is not None:
+        return resolve_job_ref(ref, field, settings, s).path
+    resolved = Path(resolve_model(ref, settings))
+    return resolved if resolved.is_absolute() else None
+
+
+def _shapes(path: Path) -> dict[str, tuple[int, ...]] | None:
+    """name -> shape from safetensors headers (no tensor is read, no torch): a file, or a model
+    folder (model.safetensors or the shards of its index). None when there are no such files."""
+    if path.is_dir():
+        index = path / "model.safetensors.index.json"
+        try:
+            if index.is_file():
+                shards = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
+                files = [path / f for f in shards]
+            else:
+                files = [path / "model.safetensors"]
+        except (OSError, json.JSONDecodeError, AttributeError):
+            return None
+    else:
+        files = [path]
+    out: dict[str, tuple[int, ...]] = {}
+    for f in files:
+        try:
+            with f.open("rb") as fh:
+                n = int.from_bytes(fh.read(8), "little")
+                header = json.loads(fh.read(n)) if 2 <= n <= 100_000_000 else None
+        except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+            return None
+        if not isinstance(header, dict):
+            return None
+        for k, v in header.items():
+            if k != "__metadata__" and isinstance(v, dict):
+                out[k] = tuple(v.get("shape") or ())
+    return out
+
+
+def _fits(field: str, part: dict[str, tuple[int, ...]], whole: dict[str, tuple[int, ...]],
+          whose: str) -> str | None:
+    """Why tensors `part` (a Fisher or mask) do not belong to checkpoint `whole`, or None."""
+    for name, shape in part.items():
+        if name not in whole:
+            if name.endswith("lm_head.weight"):  # tied output layer: saved once, as the embedding
+                continue
+            return f"parameter {name!r} is not in {whose}; was it made for another model?"
+        if whole[name] != shape:
+            return (f"parameter {name!r} has shape {list(shape)} here but {list(whole[name])} "
+                    f"in {whose}")
+    return None
+
+
+def _vocab(folder: Path) -> dict[str, int] | None:
+    try:
+        tok = json.loads((folder / "tokenizer.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    vocab = (tok.get("model") or {}).get("vocab")
+    if isinstance(vocab, list):  # Unigram: [[piece, score], ...]
+        vocab = {str(p[0]): i for i, p in enumerate(vocab)}
+    if not isinstance(vocab, dict):
+        return None
+    return {**vocab, **{t["content"]: t["id"] for t in tok.get("added_tokens") or []}}
+
+
+def _compatibility(kind: str, found: dict[str, Path], algo: str | None) -> list[dict[str, str]]:
+    """What the worker would refuse about two references together: a Fisher or mask made for
+    another model, base and tuned of different architectures, a teacher with another tokenizer."""
+    shapes = {f: _shapes(p) for f, p in found.items()}
+    errors = []
+
+    def check(field: str, model_field: str, whose: str) -> None:
+        part, whole = shapes.get(field), shapes.get(model_field)
+        if part is not None and whole is not None:
+            why = _fits(field, part, whole, whose)
+            if why:
+                errors.append({"field": field, "message": why})
+
+    if kind in ("mask", "train"):
+        check("fisher", "model", "the model")
+        check("mask", "model", "the model")
+    if kind == "diff":
+        base, tuned = shapes.get("base"), shapes.get("tuned")
+        if base is not None and tuned is not None:
+            why = _fits("tuned", tuned, base, "base") or _fits("base", base, tuned, "tuned")
+            if why:
+                errors.append({"field": "tuned", "message": "different architecture: " + why})
+        check("fisher", "base", "the checkpoints")
+    if algo == "opd" and "teacher" in found and "model" in found:
+        vs, vt = _vocab(found["model"]), _vocab(found["teacher"])
+        if vs is not None and vt is not None and vs != vt:
+            errors.append({"field": "teacher", "message": "its tokenizer differs from the model's "
+                           f"(vocab {len(vt)} vs {len(vs)}); on-policy distillation needs the same "
+                           "tokenizer"})
+    return errors
 
 
 def _check_jsonl(settings: Any, task: str, local: bool) -> None:

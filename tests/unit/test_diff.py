@@ -210,7 +210,7 @@ def test_cli_diff(pair, monkeypatch) -> None:
     tiny_model("qwen3", layers=3).save_pretrained(bad)
     r = CliRunner().invoke(main, ["diff", str(root / "base"), str(bad), "--out", str(out)])
     assert r.exit_code == 2
-    assert "error: tuned: different architecture: parameter 'model.layers.2." in r.output
+    assert "error: --tuned: different architecture: parameter 'model.layers.2." in r.output  # refused before loading
 
 
 @pytest.mark.slow

@@ -201,6 +201,38 @@ def test_bad_input_never_queues_anything(settings, kind, spec, field, words) -> 
         assert str(settings.home) not in e["message"]
 
 
+def test_references_that_do_not_fit_together_are_refused(settings, tmp_path: Path) -> None:
+    """What the worker checks when it loads two references (Fisher or mask vs model, base vs
+    tuned, teacher tokenizer) is checked at submit time from safetensors headers and
+    tokenizer.json (no torch, no weights read)."""
+    from safetensors.torch import save_file
+
+    zoo = Path(settings.zoo_dir)
+    for name, hidden in (("arith-base", 4), ("other-arch", 6)):
+        (zoo / name).mkdir(exist_ok=True)
+        (zoo / name / "config.json").write_text('{"model_type": "llama", "num_hidden_layers": 1}')
+        save_file({"w.weight": torch.zeros(hidden, 3), "b": torch.zeros(2)}, str(zoo / name / "model.safetensors"))
+        vocab = {"a": 0, "b": 1} if name == "arith-base" else {"a": 0, "c": 1}
+        (zoo / name / "tokenizer.json").write_text(json.dumps({"model": {"vocab": vocab}, "added_tokens": []}))
+    fisher = services.submit(settings, "fisher", {"model": "other-arch"})
+    _store_result(settings, fisher["id"], tensors={"fisher": {"w.weight": torch.ones(6, 3)}})
+    with pytest.raises(SpecError) as err:
+        services.submit(settings, "mask", {"fisher": f"job:{fisher['id']}", "model": "arith-base"})
+    assert err.value.errors == [{"field": "fisher", "message": "parameter 'w.weight' has shape [6, 3] here but [4, 3] in the model"}]
+    ok = services.submit(settings, "mask", {"fisher": f"job:{fisher['id']}", "model": "other-arch"})
+    assert ok["status"] == "queued"
+    with pytest.raises(SpecError, match="tuned: different architecture: parameter 'w.weight'"):
+        services.submit(settings, "diff", {"base": "arith-base", "tuned": "other-arch"})
+    with pytest.raises(SpecError, match="teacher: its tokenizer differs from the model's"):
+        services.submit(settings, "train", {"model": "arith-base", "algo": "opd", "teacher": "other-arch"})
+    mask = Path(settings.artifacts_dir) / "mask.safetensors"
+    mask.parent.mkdir(parents=True, exist_ok=True)
+    save_file({"x": torch.ones(2, dtype=torch.bool)}, str(mask))
+    with pytest.raises(SpecError, match="mask: parameter 'x' is not in the model"):
+        services.submit(settings, "train", {"model": "arith-base", "mask": str(mask)})
+    assert _messages(settings) == [{"task": RUN_JOB, "args": [j], "kwargs": {}} for j in (fisher["id"], ok["id"])]
+
+
 def test_jsonl_tasks_inside_the_allowed_roots_are_checked_line_by_line(fl_home, tmp_path, monkeypatch) -> None:
     data = tmp_path / "data"
     data.mkdir()
