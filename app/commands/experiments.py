@@ -141,11 +141,15 @@ def diff_cmd(base: str, tuned: str, out: str, **options: Any) -> None:
                       [[k, int(by_layer[k][0]), *(v / by_layer[k][0] for v in by_layer[k][1:])]
                        for k in order]))
     click.echo(f"all: {s['n_params']:,} params; unchanged exactly {s['unchanged_exact']:.4f}, "
-               f"bf16-equal {s['unchanged_bf16']:.4f}, |delta|<=1e-5 {s['unchanged_atol_1e-05']:.4f}")
+               f"bf16-equal {s['unchanged_bf16']:.4f}, |delta_fp32|<=1e-5 {s['unchanged_atol_1e-05']:.4f}, "
+               f"|delta_bf16|<=1e-5 (published convention, both loaded in bf16) "
+               f"{s['unchanged_bf16delta_atol_1e-05']:.4f}")
+    click.echo(f"changed in float32 but by less than half a bf16 ULP of |w|: {s['changed_below_half_ulp']:.4f}")
     if "precision_at_k" in s:
         click.echo(f"Fisher vs |delta| at top {spec.topk_percent:g}%: precision@k {_num(s['precision_at_k'])}, "
                    f"AUC {_num(s['auc'])}, Jaccard {_num(s['jaccard'])} (random {_num(s['jaccard_random'])}), "
-                   f"Spearman {_num(s['spearman'])}; AUC for 'changed' {_num(s['changed_auc'])}")
+                   f"Spearman {_num(s['spearman'])}; AUC for 'changed' {_num(s['changed_auc'])} "
+                   f"(within |w| binades: {_num(s.get('changed_auc_within_weight_binades'))})")
     click.echo(f"wrote {out_dir / 'diff.json'}")
 
 

@@ -149,3 +149,25 @@ def test_score_vs_target_errors() -> None:
         score_vs_target(score, {n: t for n, t in list(target.items())[:1]}, 0.1)
     with pytest.raises(ValueError, match="topk_percent"):
         score_vs_target(score, target, 1e-6)
+
+
+def test_concentration_scores_the_fisher_against_each_target_per_group() -> None:
+    from compute.overlap import concentration, roc_auc
+
+    a, b = "model.layers.0.mlp.up_proj.weight", "model.layers.1.self_attn.q_proj.weight"
+    fisher = {a: torch.arange(10.0).reshape(2, 5), b: torch.arange(10.0, 20.0).reshape(2, 5)}
+    # sum g^2 ranked exactly like the Fisher; |delta| ranked in reverse
+    grad_sq = {n: f * 2 + 1 for n, f in fisher.items()}
+    delta = {n: -f for n, f in fisher.items()}
+    res = concentration(fisher, {"grad_sq_sum": grad_sq, "abs_delta": delta}, fraction=0.2)
+    g = res["grad_sq_sum"]["global"]["all"]
+    assert g["precision_at_k"] == 1.0 and g["auc"] == 1.0 and g["spearman"] == pytest.approx(1.0)
+    d = res["abs_delta"]["global"]["all"]
+    assert d["precision_at_k"] == 0.0 and d["auc"] == 0.0 and d["spearman"] == pytest.approx(-1.0)
+    # the top 20% (4 coordinates) all lie in layer 1: layer 0 has no target member, so no AUC there
+    lay = res["grad_sq_sum"]["layer"]
+    assert lay["1"]["n_b"] == 4 and lay["1"]["auc"] == pytest.approx(
+        roc_auc(fisher[b].flatten(), torch.tensor([False] * 6 + [True] * 4)))
+    assert math.isnan(lay["0"]["auc"]) and set(res["grad_sq_sum"]["module"]) == {"up", "q"}
+    with pytest.raises(ValueError, match="^fisher:"):
+        concentration(fisher, {"x": {"other": torch.ones(3)}})

@@ -188,7 +188,9 @@ def test_opd_needs_teacher() -> None:
     [(["--model", "arith-base", "--lr", "-1"], "--lr"),
      (["--model", "arith-base", "--algo", "ppo"], "--algo"),
      (["--model", "arith-base", "--group", "1"], "--group"),
-     (["--model", "no-such-model-xyz"], "model")],
+     (["--model", "no-such-model-xyz"], "model"),
+     (["--model", "arith-base", "--precision", "fp8"], "--precision"),
+     (["--model", "arith-base", "--precision", "bf16", "--dtype", "float32"], "--dtype")],
 )
 def test_train_cli_bad_values_exit_2_with_one_line(args: list[str], flag: str, tmp_path, fl_home) -> None:
     from click.testing import CliRunner
