@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import threading
 from pathlib import Path
@@ -151,7 +152,21 @@ def _model_revision(settings: Any, s: Any, field: str, ref: str, local: bool = F
     if job_ref_id(ref) is not None:
         art = resolve_job_ref(ref, field, settings, s)
         return f"job:{art.job_id}:{art.sha256}"
-    return resolve_model(ref, settings) if local else model_revision(ref, settings)
+    rev = resolve_model(ref, settings) if local else model_revision(ref, settings)
+    if not Path(resolve_model(ref, settings)).is_absolute():
+        _check_hub_cached(ref)
+    return rev
+
+
+def _check_hub_cached(repo_id: str) -> None:
+    """Offline (HF_HUB_OFFLINE=1), a hub id is usable only if its files are in the local cache."""
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() not in ("1", "true", "yes"):
+        return
+    from huggingface_hub import try_to_load_from_cache
+
+    if not isinstance(try_to_load_from_cache(repo_id, "config.json"), str):
+        raise ValueError(f"hub model {repo_id!r} is not in the local cache and this server is "
+                         "offline (HF_HUB_OFFLINE=1); give a zoo name, a local folder or job:N")
 
 
 def _model_config(settings: Any, s: Any, ref: str) -> dict[str, Any] | None:

@@ -189,6 +189,7 @@ def test_trained_model_is_a_model_everywhere(settings, tmp_path: Path) -> None:
         ("retention", {"model": "arith-teacher", "algo": "opd"}, "teacher", "needs a teacher"),
         ("diff", {"base": "arith-base", "tuned": "job:x"}, "tuned", "not a job reference"),
         ("fisher", {"model": "a" * 300}, "model", "not a usable model reference"),
+        ("fisher", {"model": "no-org/not-cached"}, "model", "not in the local cache"),
     ],
 )
 def test_bad_input_never_queues_anything(settings, kind, spec, field, words) -> None:
