@@ -12,6 +12,8 @@
 from Content-Length or while the body streams; a 200 MB body is never read), the cross-site rule
 (a state-changing request whose Origin/Referer is another site is refused with 403 in both modes;
 one authenticated by the session cookie must carry a same-site Origin or Referer), then sign-in.
+In the embedded mode a browser must also address the server by a loopback name or PUBLIC_URL's
+host (DNS rebinding: another site's name resolved to 127.0.0.1 is same-origin to the browser).
 The caller is put in a context variable for the request; `current_user()` reads it, so services
 need no extra parameter. Gradio events run in Gradio's queue, not in the request's task:
 `bind_gradio_users` wraps every event function to run as the user Gradio's `auth_dependency`
@@ -285,6 +287,20 @@ def cross_site_reason(settings: Any, scope: Scope, cookie_auth: bool) -> str | N
     return None  # no browser signals and no cookie: a CLI or script
 
 
+def _browser_host_ok(settings: Any, scope: Scope) -> bool:
+    """Embedded mode, against DNS rebinding: a browser (it sends Sec-Fetch-* or Origin) must
+    address this server by a loopback name or PUBLIC_URL's host. Scripts and the CLI send
+    neither header and are not concerned (they reach the loopback address directly)."""
+    if not (_header(scope, b"sec-fetch-site") or _header(scope, b"origin")):
+        return True
+    host = (_header(scope, b"host") or "").strip().lower()
+    try:
+        name = urlsplit(f"//{host}").hostname or ""
+    except ValueError:
+        return False
+    return is_loopback(name) or name == (urlsplit(settings.public_url).hostname or "").lower()
+
+
 # ---------------------------------------------------------------- the middleware
 
 
@@ -326,6 +342,12 @@ class AccessGuard:
                                              "value": int(length)},
                                  [(b"connection", b"close")])
                 return
+
+        if not (settings.auth_required or settings.allow_open_bind) and not _browser_host_ok(settings, scope):
+            await _send_json(send, 403, {"detail": "this single-user server answers browsers only "
+                                         "at 127.0.0.1 / localhost or PUBLIC_URL's host; this page "
+                                         "reached it under another name (DNS rebinding?)"})
+            return
 
         p: Principal | None = None
         how: str | None = None

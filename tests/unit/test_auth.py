@@ -336,6 +336,14 @@ def test_cross_site_posts_refused_in_the_embedded_mode_too(embedded: Env) -> Non
     assert r.status_code == 403
     assert embedded.job_rows() == rows
     assert c.post(f"/api/jobs/{job['id']}/rerun").status_code == 201  # CLI/curl: no Origin
+    # DNS rebinding: a page of another site whose name resolves to 127.0.0.1 is refused, even
+    # for reads (it could otherwise read every share token)
+    rebound = {"Host": "evil.example:7860", "Sec-Fetch-Site": "same-origin"}
+    r = c.get("/api/jobs", headers=rebound)
+    assert r.status_code == 403 and "DNS rebinding" in r.json()["detail"]
+    local = {"Host": "127.0.0.1:7860", "Sec-Fetch-Site": "same-origin"}
+    assert c.get("/api/jobs", headers=local).status_code == 200
+    assert c.get("/api/jobs", headers={"Host": "localhost:7860", "Origin": "http://localhost:7860"}).status_code == 200
 
 
 # ---------------------------------------------------------------- limits
