@@ -291,7 +291,8 @@ def build_ui(settings: Any) -> gr.Blocks:  # noqa: C901 - layout + wiring read t
 
         with services.sessions(settings)() as s:
             job = repo.get_job_by_token(session=s, token=token)
-            return repo.job_dict(job) if job is not None else None
+            ok = job is not None and auth.can_read_result(settings, job)  # link off: owner only
+            return repo.job_dict(job) if job is not None and ok else None
 
     def get_result(token: str) -> dict[str, Any] | None:
         return services.result_by_token(settings, token) if token else None
