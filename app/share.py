@@ -18,7 +18,6 @@ import gzip
 import hashlib
 import html
 import json
-import re
 import threading
 from collections import OrderedDict
 from pathlib import Path
@@ -77,22 +76,8 @@ window.addEventListener('DOMContentLoaded', function () {
 });
 """
 
-_PATH = re.compile(r"(?:[A-Za-z]:)?(?:/[\w.\-+@~]+){2,}/?")
-
-
 def esc(v: Any) -> str:
     return html.escape("" if v is None else str(v), quote=True)
-
-
-def user_message(message: Any, limit: int = 300) -> str:
-    """One line a reader can act on: no traceback, no server paths."""
-    text = str(message or "").strip()
-    if "Traceback (most recent call last)" in text:
-        lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
-        text = lines[-1] if lines else ""
-    text = text.splitlines()[0] if text else ""
-    text = _PATH.sub("<path>", text)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def not_found_page(token: str) -> str:
@@ -128,7 +113,7 @@ def running_page(head: dict[str, Any], token: str) -> str:
     frac = max(0.0, min(1.0, float(head.get("progress") or 0.0)))
     body = (f"{_banner(token)}<h1>{esc(_title(head))}</h1>"
             f"<p id='fl-status' data-status='{esc(head['status'])}'>This job is <b>{esc(head['status'])}</b>"
-            f" ({100 * frac:.0f}%): {esc(user_message(head.get('message')))}</p>"
+            f" ({100 * frac:.0f}%): {esc(services.public_message(head.get('message')))}</p>"
             f"<div class='fl-bar'><div class='fl-fill' style='width:{100 * frac:.1f}%'></div></div>"
             f"<p class='fl-meta'>This page reloads every {REFRESH_S} s and shows the result when the "
             "job has finished.</p>")
@@ -209,10 +194,10 @@ def result_page(head: dict[str, Any], token: str, payload: dict[str, Any] | None
     parts = [_banner(token), f"<h1>{esc(_title(head))}</h1>"]
     if head["status"] == "failed":
         parts.append(f"<p id='fl-status' data-status='failed' class='fl-failed'>This job failed: "
-                     f"{esc(user_message(head.get('message')))}</p>")
+                     f"{esc(services.public_message(head.get('message')))}</p>")
     elif head["status"] == "cancelled":
         parts.append(f"<p id='fl-status' data-status='cancelled'>This job was cancelled "
-                     f"({esc(user_message(head.get('message')))}); it has no result.</p>")
+                     f"({esc(services.public_message(head.get('message')))}); it has no result.</p>")
     elif payload is None:
         parts.append("<p id='fl-status' data-status='missing'>The rows of this result are gone "
                      "from the database.</p>")
@@ -288,15 +273,18 @@ class PageCache:
 def make_share_router(settings: Any) -> APIRouter:
     """GET /r/{token} (the page) and GET /share-static/plotly-<version>.min.js."""
     from storage import repo
+    from storage.db import get_engine
 
     router = APIRouter()
+    services.sessions(settings)  # migrated before the first view
+    engine = get_engine(settings.db_url)
     store = store_for(settings)
     pages = PageCache()
 
     @router.get("/r/{token}", include_in_schema=False)
     def share_page(token: str, request: Request) -> Response:
-        with services.sessions(settings)() as s:
-            head = repo.job_head_by_token(session=s, token=token)
+        with engine.connect() as conn:  # a plain Connection: no ORM session per view
+            head = repo.job_head_by_token(session=conn, token=token)
         if head is None:
             return HTMLResponse(not_found_page(token), status_code=404,
                                 headers={"Cache-Control": "no-store"})

@@ -323,3 +323,19 @@ def test_payload_leaves_out_operator_fields():
     payload = build_payload(res)
     text = json.dumps(payload)
     assert "Traceback" not in text and "host-1" not in text and payload["job"]["share_token"] == "t"
+
+
+def test_link_turned_off_is_a_404_even_after_a_cached_view(env):
+    """Finished pages are cached per process, but every view re-reads the job's row: a link its
+    owner turned off (jobs.shared) answers 404 at once, also to a revalidation."""
+    from app import services
+    from storage.models import Job
+
+    settings, client = env
+    job_id, token = _job(settings, "succeeded", _fisher_result())
+    etag = client.get(f"/r/{token}").headers["etag"]
+    with services.sessions(settings)() as s:
+        s.get(Job, job_id).shared = False
+        s.commit()
+    assert client.get(f"/r/{token}").status_code == 404
+    assert client.get(f"/r/{token}", headers={"If-None-Match": etag}).status_code == 404
