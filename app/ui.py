@@ -591,10 +591,11 @@ def build_ui(settings: Any) -> gr.Blocks:  # noqa: C901 - layout + wiring read t
                         m_msg = gr.HTML()
                     with gr.Tab("Train", id="f-train"):
                         with gr.Row():
-                            t_model = gr.Dropdown(label="model", allow_custom_value=True)
+                            t_model = gr.Dropdown(label="model", allow_custom_value=True, elem_id="train-model")
                             t_task = gr.Dropdown(TASKS, value="arithmetic", label="task", allow_custom_value=True)
                             t_algo = gr.Dropdown(["grpo", "opd", "sft"], value="grpo", label="algorithm")
-                            t_teacher = gr.Dropdown(label="teacher (opd)", allow_custom_value=True)
+                            t_teacher = gr.Dropdown(label="teacher (opd)", allow_custom_value=True,
+                                                    elem_id="train-teacher")
                         with gr.Row():
                             t_mask = gr.Dropdown(label="mask (a succeeded mask job)", choices=[("(none)", "")],
                                                  allow_custom_value=True)
@@ -604,13 +605,16 @@ def build_ui(settings: Any) -> gr.Blocks:  # noqa: C901 - layout + wiring read t
                         with gr.Row():
                             t_opt = gr.Dropdown(["adamw", "sgd"], value="adamw", label="optimizer")
                             t_lr = gr.Number(_default("train", "lr"), label="learning rate", info=_range_info("train", "lr"))
-                            t_steps = gr.Number(_default("train", "steps"), label="steps", step=1, info=_range_info("train", "steps"))
+                            t_steps = gr.Number(_default("train", "steps"), label="steps", step=1, info=_range_info("train", "steps"),
+                                                elem_id="train-steps")
                             t_batch = gr.Number(_default("train", "batch"), label="prompts per step", step=1,
+                                                elem_id="train-batch",
                                                 info=_range_info("train", "batch"))
-                            t_group = gr.Number(_default("train", "group"), label="GRPO group", step=1, info=_range_info("train", "group"))
+                            t_group = gr.Number(_default("train", "group"), label="GRPO group", step=1, info=_range_info("train", "group"),
+                                                elem_id="train-group")
                             t_seed = gr.Number(0, label="seed", step=1)
                         t_cost = gr.HTML(elem_id="train-cost")
-                        t_btn = gr.Button("Train", variant="primary")
+                        t_btn = gr.Button("Train", variant="primary", elem_id="train-submit")
                         t_msg = gr.HTML()
                     with gr.Tab("Retention sweep", id="f-retention"):
                         with gr.Row():
@@ -629,12 +633,13 @@ def build_ui(settings: Any) -> gr.Blocks:  # noqa: C901 - layout + wiring read t
                         r_msg = gr.HTML()
                     with gr.Tab("Checkpoint diff", id="f-diff"):
                         with gr.Row():
-                            d_base = gr.Dropdown(label="base", allow_custom_value=True)
-                            d_tuned = gr.Dropdown(label="tuned (model or local folder)", allow_custom_value=True)
+                            d_base = gr.Dropdown(label="base", allow_custom_value=True, elem_id="diff-base")
+                            d_tuned = gr.Dropdown(label="tuned (model, trained model or local folder)",
+                                                  allow_custom_value=True, elem_id="diff-tuned")
                             d_fisher = gr.Dropdown(label="Fisher (optional)", choices=[("(none)", "")],
                                                    allow_custom_value=True)
                             d_topk = gr.Number(1.0, label="top-k %", info=_range_info("diff", "topk_percent"))
-                        d_btn = gr.Button("Diff", variant="primary")
+                        d_btn = gr.Button("Diff", variant="primary", elem_id="diff-submit")
                         d_msg = gr.HTML()
 
             with gr.Tab("Jobs", id="jobs", elem_id="tab-jobs") as tab_jobs:

@@ -273,3 +273,45 @@ def test_compare_base_and_teacher_fisher_side_by_side(browser, server):
     page.wait_for_timeout(1000)
     shot(page, "compare", docs=True)
     ctx.close()
+
+
+def test_train_then_diff_the_trained_model_against_its_base_from_the_dropdowns(browser, server):
+    """Trained models are models everywhere: the Train form's result appears in the diff form's
+    'tuned' dropdown as '#N train arith-base grpo' (job:N), and the diff runs on it."""
+    ctx, page, _ = _open(browser, server + "/")
+    page.wait_for_selector("#fisher-submit")
+    page.get_by_role("tab", name="Train", exact=True).click()
+    page.wait_for_selector("#train-submit")
+    page.wait_for_function("() => { const i = document.querySelector('#train-model input');"
+                           " return i && i.value === 'arith-base'; }")
+    for box, value in (("#train-steps", "2"), ("#train-batch", "2"), ("#train-group", "2")):
+        page.fill(f"{box} input", value)
+    page.click("#train-submit")
+    bar = page.wait_for_selector("#fl-progress .fl-progress[data-job]")
+    train_id = int(bar.get_attribute("data-job"))
+    page.wait_for_selector(f"#fl-progress .fl-progress[data-job='{train_id}'][data-status='succeeded']",
+                           timeout=JOB_TIMEOUT_MS)
+
+    page.click("#tab-new-button")  # selecting the tab refreshes the model lists
+    page.get_by_role("tab", name="Checkpoint diff").click()
+    page.wait_for_selector("#diff-submit")
+    page.wait_for_function("() => { const i = document.querySelector('#diff-base input');"
+                           " return i && i.value === 'arith-base'; }")
+    label = f"#{train_id} train arith-base grpo"
+    page.click("#diff-tuned input")
+    page.locator("li[data-testid='dropdown-option']", has_text=label).first.click()
+    page.wait_for_function(f"() => document.querySelector('#diff-tuned input').value.startsWith({label!r})")
+    shot(page, "diff-trained-model-form", full_page=False)
+    page.click("#diff-submit")
+    page.wait_for_selector(f"#fl-progress .fl-progress[data-job]:not([data-job='{train_id}'])")
+    diff_id = int(page.get_attribute("#fl-progress .fl-progress", "data-job"))
+    page.wait_for_selector(f"#fl-progress .fl-progress[data-job='{diff_id}'][data-status='succeeded']",
+                           timeout=JOB_TIMEOUT_MS)
+    job = _get_json(f"{server}/api/jobs/{diff_id}")
+    assert job["kind"] == "diff" and job["spec"]["base"] == "arith-base"
+    assert job["spec"]["tuned"] == f"job:{train_id}"
+    summary = _get_json(f"{server}/api/results/{job['share_token']}")["summary"]
+    assert summary["tuned"] == f"job:{train_id}" and 0 < summary["changed_fraction"] <= 1
+    _plot_data(page, "#fl-fig-0")  # the diff's figures are drawn
+    shot(page, "result-diff-trained")
+    ctx.close()
