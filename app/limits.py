@@ -109,8 +109,9 @@ def _train_passes(algo: str, steps: int, batch: int, group: int, max_new_tokens:
     return steps * seqs * length * per_seq + evals
 
 
-def token_passes(kind: str, spec: Any) -> int:
-    """Token-passes of a validated spec (compute.specs), as described at the top."""
+def token_passes(kind: str, spec: Any) -> int | None:
+    """Token-passes of a validated spec (compute.specs), as described at the top; None for a
+    job kind this module does not know (its cost is then unknown, never taken as zero)."""
     s = spec
     if kind == "fisher":
         return _fisher_passes(s.prompts, s.samples, s.max_new_tokens, s.estimator, s.exact_output)
@@ -140,7 +141,9 @@ def token_passes(kind: str, spec: Any) -> int:
         length = len(s.context)  # characters: at least the number of tokens
         grads = s.top_k + s.random_k + s.low_k + s.max_tokens
         return length * (1 + 3 * grads)
-    return 0  # diff: reads two checkpoints, no forward passes
+    if kind == "diff":
+        return 0  # reads two checkpoints, no forward passes
+    return None
 
 
 def estimate(settings: Any, kind: str, spec: Any) -> dict[str, Any]:
@@ -159,9 +162,11 @@ def estimate(settings: Any, kind: str, spec: Any) -> dict[str, Any]:
         else:
             params = max(params or 0, n)
     passes = token_passes(kind, spec)
+    if passes is None:
+        unknown.append("kind")
     if kind == "mask" and params is None and not getattr(spec, "model", None):
         params = 0  # a mask from a stored Fisher: no model runs
-    cost = None if unknown or params is None else float(max(passes, 1) * params)
+    cost = None if unknown or params is None or passes is None else float(max(passes, 1) * params)
     return {
         "kind": kind,
         "token_passes": passes,
@@ -175,6 +180,8 @@ def estimate(settings: Any, kind: str, spec: Any) -> dict[str, Any]:
 def describe(est: dict[str, Any], ceiling: float | None = None) -> str:
     """One line for the UI form and messages."""
     if est["cost"] is None:
+        if est["token_passes"] is None:
+            return f"estimated cost: unknown (no cost model for {est['kind']} jobs)"
         what = ", ".join(est["unknown_models"]) or "model"
         return (f"estimated cost: unknown (cannot count the parameters of {what}); "
                 f"{est['token_passes']:.3g} token-passes")
@@ -193,9 +200,10 @@ def check_cost(est: dict[str, Any], ceiling: float | None) -> None:
         fields = est["unknown_models"] or ["model"]
         raise SpecError(_errors(*({
             "field": f,
-            "message": "cannot estimate this job's cost: the parameter count of this model is "
-                       "unknown here (hub id, or no safetensors weights); a per-job cost ceiling "
-                       f"of {ceiling:.3g} applies to you, so ask an admin to run it",
+            "message": (f"cannot estimate the cost of a {est['kind']} job" if f == "kind" else
+                        "cannot estimate this job's cost: the parameter count of this model is "
+                        "unknown here (hub id, or no safetensors weights)")
+            + f"; a per-job cost ceiling of {ceiling:.3g} applies to you, so ask an admin to run it",
             "limit": ceiling, "value": None,
         } for f in fields)))
     if est["cost"] > ceiling:
