@@ -227,7 +227,7 @@ def make_router(settings: Any) -> APIRouter:
         res = services.result_by_token(settings, token)
         if res is None:
             raise _not_found(f"token: no result with share token {token!r}")
-        return res
+        return services.without_error(res)  # the traceback is operator-only
 
     @r.post("/jobs", status_code=201, tags=["jobs"], summary="Submit a job",
             responses=responses(413, 429, 503))
@@ -240,7 +240,7 @@ def make_router(settings: Any) -> APIRouter:
             return spec_error_response(exc)
         except RuntimeError as exc:
             raise HTTPException(status_code=503, detail=str(exc)) from None
-        return job
+        return services.without_error(job)
 
     @r.get("/jobs", tags=["jobs"], summary="List jobs, newest first")
     def list_jobs(
@@ -255,7 +255,8 @@ def make_router(settings: Any) -> APIRouter:
             return spec_error_response(SpecError([{"field": "kind", "message": f"got {kind!r}; accepted: {', '.join(SPECS)}"}]))
         if status is not None and status not in JOB_STATUSES:
             return spec_error_response(SpecError([{"field": "status", "message": f"got {status!r}; accepted: {', '.join(JOB_STATUSES)}"}]))
-        return services.list_jobs(settings, limit=limit, kind=kind, status=status, owner=owner)
+        return services.without_error(
+            services.list_jobs(settings, limit=limit, kind=kind, status=status, owner=owner))
 
     @r.get("/jobs/{job_id}", tags=["jobs"], summary="One job: status, progress, message",
            responses=responses(404))
@@ -263,13 +264,13 @@ def make_router(settings: Any) -> APIRouter:
         job = services.get_job(settings, job_id)
         if job is None:
             raise _not_found(f"job: no job with id {job_id}")
-        return job
+        return services.without_error(job)
 
     @r.post("/jobs/{job_id}/cancel", tags=["jobs"], summary="Cancel a queued or running job",
             responses=responses(404))
     def cancel_job(job_id: int) -> Any:
         try:
-            return services.cancel(settings, job_id)
+            return services.without_error(services.cancel(settings, job_id))
         except LookupError:
             raise _not_found(f"job: no job with id {job_id}") from None
 
@@ -278,7 +279,7 @@ def make_router(settings: Any) -> APIRouter:
             responses=responses(404, 409, 429, 503))
     def rerun_job(job_id: int) -> Any:
         try:
-            return services.rerun(settings, job_id)
+            return services.without_error(services.rerun(settings, job_id))
         except LookupError:
             raise _not_found(f"job: no job with id {job_id}") from None
         except SpecError as exc:

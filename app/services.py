@@ -52,14 +52,25 @@ def share_url(settings: Any, token: str) -> str:
 
 
 def _public(settings: Any, job_dict: dict[str, Any], **extra: Any) -> dict[str, Any]:
-    """A job as users see it (API, UI, share page): `message` is one line with no server path;
-    `error` (the traceback) is operator-only: it stays in the worker log and jobs.error."""
+    """A job dict: `message` is one line with no server path. `error` (the traceback) is for
+    operators (the CLI, tests, the worker log): web responses drop it (without_error)."""
     out = dict(job_dict)
-    out.pop("error", None)
     out["message"] = public_message(out.get("message"))
     out["share_url"] = share_url(settings, job_dict["share_token"])
     out.update(extra)
     return out
+
+
+def without_error(data: Any) -> Any:
+    """A job dict, a list of them or a result dict as the web shows it: no `error` field."""
+    if isinstance(data, list):
+        return [without_error(d) for d in data]
+    if isinstance(data, dict):
+        out = {k: v for k, v in data.items() if k != "error"}
+        if isinstance(out.get("job"), dict):
+            out["job"] = without_error(out["job"])
+        return out
+    return data
 
 
 _SERVER_PATH = re.compile(r"(?:[A-Za-z]:)?(?:/[\w.\-+@~]+){2,}/?")
