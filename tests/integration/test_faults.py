@@ -2,7 +2,13 @@
 job terminal and no job run twice. Each fault happens at a named point the worker stops at
 (compute.control.fault_point, test-only) and the test waits for it, so none depends on the
 machine's speed. The reconciler runs every second here (RECONCILE_INTERVAL_S=1) and re-sends a
-queued job whose message went missing 3 s before (RECONCILE_QUEUED_AFTER_S=3)."""
+queued job whose message went missing 3 s before (RECONCILE_QUEUED_AFTER_S=3).
+
+"No job run twice" is asserted on the rows (attempts, one result), not on the reconciler's log:
+a worker that has just taken a message and not yet claimed its job makes that message invisible
+for a moment (kombu's filesystem transport moves the file first; Redis pops it before recording
+it unacked), so a reconcile pass in that moment may re-send it once more, and that duplicate
+finds the job claimed or finished and does nothing."""
 
 from __future__ import annotations
 
@@ -85,9 +91,8 @@ def test_kill_during_fanout_the_rest_of_the_shards_are_sent(stack) -> None:
         assert [(j.shard_index, j.status, j.attempts) for j in shards] == [
             (i, "succeeded", 1) for i in range(3)
         ]
-    resent = {j.id for j in shards[1:]}
-    assert all(_reconciled(stack, j) in (["re-sent"], []) for j in resent)
-    assert sum(_reconciled(stack, j) == ["re-sent"] for j in resent) >= 1
+    # shards 1 and 2 had no message anywhere: they ran because the reconciler re-sent them
+    assert all("re-sent" in _reconciled(stack, j.id) for j in shards[1:]), stack.logs()
     one = run(parse_spec("fisher", spec))  # the same spec in one process
     res = services.result_by_id(stack.settings, job["id"])
     assert res["summary"]["n_rows"] == one.summary["n_rows"] == 6 * 2
@@ -113,7 +118,7 @@ def test_redis_restarted_empty_every_queued_job_still_runs_once(
     done = stack.wait_all_final([j["id"] for j in jobs])
     assert [(d["status"], d["attempts"]) for d in done] == [("succeeded", 1)] * 3, done
     others = [j["id"] for j in jobs if j["id"] != first]
-    assert all(_reconciled(stack, j) == ["re-sent"] for j in others), stack.logs()
+    assert all("re-sent" in _reconciled(stack, j) for j in others), stack.logs()
     assert _reconciled(stack, first) == []
 
 
