@@ -45,7 +45,8 @@ class JobRequest(BaseModel):
 
 class RegisterModel(BaseModel):
     path: str = Field(..., min_length=1, max_length=1000,
-                      description="local Hugging Face model folder inside the allowed model roots")
+                      description="local Hugging Face model folder inside the allowed model roots, "
+                      "or job:N of a succeeded train job (its trained model)")
     name: str | None = Field(None, max_length=200, description="display name (default: folder name)")
 
 
@@ -158,21 +159,26 @@ def all_models(settings: Any) -> list[dict[str, Any]]:
 
 
 def register_local_model(settings: Any, path: str, name: str | None = None) -> dict[str, Any]:
-    """Register a local HF folder (must be inside the allowed model roots). SpecError naming
-    `path` otherwise. The stored source is the resolved path, usable as a job's `model`."""
-    from compute.modelref import model_revision, resolve_model
+    """Register a local HF folder (must be inside the allowed model roots) or a trained model
+    (`job:N` of a succeeded train job) under a name. SpecError naming `path` otherwise. The
+    stored source (the resolved path, or job:N) is usable as a job's `model`."""
+    from compute.modelref import job_ref_id, model_revision, resolve_job_ref, resolve_model
     from storage import repo
 
     try:
-        resolved = resolve_model(path.strip(), settings)
-        if not Path(resolved).is_absolute():
-            raise ValueError("model: register local folders only (hub ids are used directly)")
-        revision = model_revision(resolved, settings)
+        if job_ref_id(path) is not None:  # a trained model: its folder in the artifact store
+            art = resolve_job_ref(path.strip(), "model", settings)
+            resolved, folder, revision = f"job:{art.job_id}", art.path, art.sha256
+        else:
+            resolved = resolve_model(path.strip(), settings)
+            if not Path(resolved).is_absolute():
+                raise ValueError("model: register local folders only (hub ids are used directly)")
+            folder, revision = Path(resolved), model_revision(resolved, settings)
     except ValueError as exc:
         msg = str(exc)
-        raise SpecError([{"field": "path", "message": msg.split(": ", 1)[1] if msg.startswith("model: ") else msg}]) from None
-    info = _folder_info(Path(resolved))
-    label = (name or "").strip() or Path(resolved).name
+        raise SpecError([{"field": "path", "message": msg.split(": ", 1)[1] if msg.startswith(("model: ", "path: ")) else msg}]) from None
+    info = _folder_info(folder)
+    label = (name or "").strip() or (art.label if job_ref_id(path) is not None else folder.name)
     from app import auth
 
     user = auth.current_user(settings)

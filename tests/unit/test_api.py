@@ -462,3 +462,10 @@ def test_model_lists_offer_trained_models_as_job_refs(env, tmp_path):
     r = client.post("/api/jobs", json={"kind": "diff", "spec": {"base": "arith-base",
                                                                 "tuned": f"job:{job['id']}"}})
     assert r.status_code == 201, r.text
+    # Models -> Register takes it too (a name for job:N); a queued job cannot be registered
+    r = client.post("/api/models", json={"path": f"job:{job['id']}", "name": "my-trained"})
+    assert r.status_code == 201 and r.json()["source"] == f"job:{job['id']}", r.text
+    assert {"name": "my-trained", "ref": f"job:{job['id']}"}.items() <= next(
+        m for m in client.get("/api/models").json() if m["name"] == "my-trained").items()
+    r = client.post("/api/models", json={"path": "job:99999"})
+    assert r.status_code == 422 and "does not exist" in r.json()["detail"][0]["message"]
