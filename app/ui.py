@@ -400,6 +400,17 @@ def build_ui(settings: Any) -> gr.Blocks:  # noqa: C901 - layout + wiring read t
             return note_html(esc(exc), "error")
         return note_html(f"Cancel requested for job #{res['job']['id']}.")
 
+    def reshare_current(token):
+        """The owner's "new share link": a new token; the old link answers 404 from now on."""
+        res = get_result(token)
+        if res is None:
+            return note_html("no job selected", "error"), gr.skip()
+        try:
+            job = services.set_sharing(settings, res["job"]["id"], "new")
+        except (LookupError, ValueError) as exc:
+            return note_html(esc(exc), "error"), gr.skip()
+        return note_html("New share link: the old one no longer opens this result."), job["share_token"]
+
     def rerun_current(token):
         res = get_result(token)
         if res is None:
@@ -669,6 +680,7 @@ def build_ui(settings: Any) -> gr.Blocks:  # noqa: C901 - layout + wiring read t
                                          interactive=False, buttons=["copy"], elem_id="fl-share-url", scale=5,
                                          elem_classes=["fl-quiet"])
                     r_copy = gr.Button("Copy link", size="sm", elem_id="fl-copy", scale=1)
+                    r_reshare = gr.Button("New link", size="sm", elem_id="fl-reshare", scale=1)
                     r_cancel = gr.Button("Cancel job", size="sm", variant="stop", visible=False, scale=1)
                     r_rerun = gr.Button("Re-run", size="sm", visible=False, scale=1)
                 r_downloads = gr.HTML(visible=False, elem_classes=["fl-quiet"])
@@ -750,6 +762,7 @@ def build_ui(settings: Any) -> gr.Blocks:  # noqa: C901 - layout + wiring read t
         r_copy.click(None, inputs=r_share, js=COPY_JS)
         r_cancel.click(cancel_current, inputs=view_token, outputs=r_note)
         r_rerun.click(rerun_current, inputs=view_token, outputs=[r_note, view_token])
+        r_reshare.click(reshare_current, inputs=view_token, outputs=[r_note, view_token])
 
         submit_out = lambda msg: [msg, view_token, tabs]  # noqa: E731
         f_btn.click(submit_fisher, inputs=[f_model, f_task, f_prompts, f_samples, f_est, f_seed, f_mnt,

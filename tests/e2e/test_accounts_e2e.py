@@ -177,6 +177,17 @@ def test_sign_in_submit_own_jobs_share_and_sign_out(browser, auth_server):
     assert job["status"] == "succeeded", job
     assert _api(base, f"/api/jobs/{job_id}", tokens["bob"])[0] == 404
 
+    # the owner replaces the share link: the old one answers 404, the new one opens the result
+    page.click("#tab-result-button")
+    page.click("#fl-reshare")
+    page.wait_for_function(f"() => {{ const b = document.querySelector('#fl-share-url textarea, "
+                           f"#fl-share-url input'); return b && b.value && b.value !== {share!r}; }}")
+    old, share = share, page.input_value("#fl-share-url textarea, #fl-share-url input")
+    assert "/r/" in share and share != old
+    ctx_old = browser.new_context()
+    assert ctx_old.new_page().goto(old).status == 404
+    ctx_old.close()
+
     # the CLI's queue commands talk to the server with a token: `fisherlens login` saves it (0600)
     creds = ARTIFACTS / "cli-credentials.json"
     creds.unlink(missing_ok=True)
