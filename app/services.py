@@ -110,6 +110,10 @@ def check_spec(settings: Any, kind: str, spec: Any, *, local: bool = False) -> l
     with sessions(settings)() if needs_db else contextlib.nullcontext() as s:
         for field in MODEL_FIELDS:
             ref = getattr(spec, field, None)
+            if not ref and field == "teacher" and kind == "retention" and spec.algo == "opd":
+                from compute.specs import DEFAULT_TEACHERS
+
+                ref = DEFAULT_TEACHERS.get(spec.model)  # what the worker would load
             if not ref:
                 continue
             try:

@@ -187,6 +187,7 @@ def test_trained_model_is_a_model_everywhere(settings, tmp_path: Path) -> None:
         ("mask", {"select": "gradient", "gradient": "job:1", "model": "arith-base"}, "gradient", "not accepted"),
         ("train", {"model": "arith-base", "mask_select": "fisher"}, "mask_density", "needed with mask_select"),
         ("retention", {"model": "arith-teacher", "algo": "opd"}, "teacher", "needs a teacher"),
+        ("retention", {"model": "arith-base", "algo": "opd", "teacher": "not-built"}, "teacher", "unknown model"),
         ("diff", {"base": "arith-base", "tuned": "job:x"}, "tuned", "not a job reference"),
         ("fisher", {"model": "a" * 300}, "model", "not a usable model reference"),
         ("fisher", {"model": "no-org/not-cached"}, "model", "not in the local cache"),
