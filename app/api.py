@@ -139,7 +139,7 @@ def all_models(settings: Any) -> list[dict[str, Any]]:
     """Zoo models first, then registered local models, then trained models (succeeded train
     jobs): name, source, architecture, sizes, and `ref`, the value a job's model, teacher, base
     or tuned field takes (zoo: the name; registered: its folder; trained: job:N)."""
-    rows = [{**r, "ref": r["name"]} for r in zoo_models(settings)]
+    rows = [{**r, "ref": r["name"], "path": None} for r in zoo_models(settings)]  # no server path
     names = {r["name"] for r in rows}
     for m in services.list_models(settings):
         if m["name"] in names:

@@ -458,7 +458,7 @@ def test_model_lists_offer_trained_models_as_job_refs(env, tmp_path):
     models = client.get("/api/models").json()
     trained = [m for m in models if m["ref"] == f"job:{job['id']}"]
     assert trained and trained[0]["name"] == f"#{job['id']} train arith-base grpo masked"
-    assert models[0]["ref"] == "arith-base"
+    assert models[0]["ref"] == "arith-base" and models[0]["path"] is None  # no server path
     r = client.post("/api/jobs", json={"kind": "diff", "spec": {"base": "arith-base",
                                                                 "tuned": f"job:{job['id']}"}})
     assert r.status_code == 201, r.text
