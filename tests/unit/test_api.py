@@ -383,6 +383,7 @@ def test_api_docs_work_offline(env):
         assert r.status_code == 200 and len(r.content) > 100_000
 
 
+@pytest.mark.slow
 def test_schemathesis_finds_no_server_error_and_no_undocumented_response(env):
     """A bounded, deterministic schemathesis run over every /api operation (positive and
     negative inputs): no response >= 500, every status and body as the OpenAPI schema says.
