@@ -220,13 +220,31 @@ def tokens_cmd(out: str | None, **options: Any) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def provenance(spec: Any, seconds_wall: float, cpu_seconds: float) -> dict[str, Any]:
+def canonical_command(kind: str, spec: Any, **extra: str) -> str:
+    """The CLI command that makes this spec: `fisherlens KIND` with a flag for every field that
+    differs from the spec's default (a derived eval_prompts is left to its eval_se)."""
+    import shlex
+
+    fresh = type(spec).model_validate({})
+    parts = ["fisherlens", kind]
+    for name, value in spec.model_dump(mode="json").items():
+        if value == getattr(fresh, name) and name != "eval_prompts":
+            continue
+        if name == "eval_prompts" and value == type(spec).model_validate({"eval_se": spec.eval_se}).eval_prompts:
+            continue
+        text = ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in value) if isinstance(value, list) \
+            else (f"{value:g}" if isinstance(value, float) else str(value))
+        parts += [f"--{name.replace('_', '-')}", text]
+    for k, v in extra.items():
+        parts += [f"--{k}", v]
+    return shlex.join(parts)
+
+
+def provenance(spec: Any, seconds_wall: float, cpu_seconds: float, command: str) -> dict[str, Any]:
     """Where a result came from: the exact command, the code (git commit), the models (sha256 of
     every weight file, so a table says which zoo made it), the machine and the time it took."""
     import platform
-    import shlex
     import subprocess
-    import sys
 
     from compute.modelref import file_sha256, is_hub_id, model_revision, resolve_model
 
@@ -256,7 +274,7 @@ def provenance(spec: Any, seconds_wall: float, cpu_seconds: float) -> dict[str, 
     import torch
 
     return {
-        "command": "fisherlens " + shlex.join(sys.argv[1:]),
+        "command": command,
         "git": git, "models": models,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
                     "torch": torch.__version__},
@@ -316,7 +334,9 @@ def retention_cmd(out: str, densities: str | None, selectors: str | None, **opti
     s = res.summary
     out_dir = Path(out)
     result = json_safe({**res.to_dict(), "spec": spec.model_dump(mode="json"),
-                        "provenance": provenance(spec, time.perf_counter() - t0, cpu)})
+                        "provenance": provenance(spec, time.perf_counter() - t0, cpu,
+                                                 canonical_command("retention", spec,
+                                                                   **({"out": out} if out != "retention" else {})))})
     write_json(out_dir / "retention.json", result)
     (out_dir / "retention.md").write_text(s["markdown"])
     if res.tensors.get("rewards"):

@@ -228,3 +228,53 @@ def test_retention_view_refuses_a_ratio_within_noise() -> None:
     kn = key_numbers(res)  # the share page says the same
     assert len(kn["warnings"]) == 1 and "did not beat the base beyond its error" in kn["warnings"][0]
     assert kn["table"]["rows"][0][3] == "n/a"
+
+
+def test_retention_cli_bad_values_exit_2(tmp_path, fl_home) -> None:
+    from click.testing import CliRunner
+
+    from app.cli import main
+
+    for args, flag in ((["--densities", "0.1,abc"], "--densities"), (["--densities", "0,0.1"], "--densities"),
+                       (["--eval-se", "0.7"], "--eval-se"), (["--confidence", "1"], "--confidence"),
+                       (["--bootstrap", "5"], "--bootstrap"), (["--seeds", "0"], "--seeds")):
+        res = CliRunner().invoke(main, ["retention", *args, "--out", str(tmp_path)])
+        assert res.exit_code == 2, res.output
+        assert flag in res.output and len(res.output.strip().splitlines()) == 1, res.output
+
+
+@pytest.mark.slow
+def test_retention_cli_on_the_zoo_records_provenance(zoo_home, tmp_path, monkeypatch) -> None:
+    import hashlib
+    import json
+
+    from click.testing import CliRunner
+    from safetensors.torch import load_file
+
+    from app.cli import main
+
+    monkeypatch.setenv("FISHERLENS_HOME", str(zoo_home))
+    out = tmp_path / "ret"
+    res = CliRunner().invoke(main, ["retention", "--steps", "2", "--seeds", "1", "--selectors", "fisher",
+                                    "--densities", "0.05", "--eval-se", "0.05", "--fisher-prompts", "4",
+                                    "--bootstrap", "200", "--device", "cpu", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    data = json.loads((out / "retention.json").read_text())
+    s = data["summary"]
+    assert s["eval_prompts"] == 100 and data["spec"]["eval_se"] == 0.05
+    assert s["runs"] == 2 and len(s["rows"]) == 1
+    prov = data["provenance"]
+    assert prov["command"] == ("fisherlens retention --densities 0.05 --selectors fisher --seeds 1 --steps 2 "
+                               f"--fisher-prompts 4 --eval-se 0.05 --bootstrap 200 --device cpu --out {out}")
+    weights = zoo_home / "zoo" / "arith-base" / "model.safetensors"
+    assert prov["models"]["arith-base"]["sha256"]["model.safetensors"] == hashlib.sha256(weights.read_bytes()).hexdigest()
+    rewards = load_file(str(out / "rewards.safetensors"))
+    assert rewards["base"].shape == (100,) and rewards["full"].shape == (1, 100)
+    assert float(rewards["base"].mean()) == pytest.approx(s["base_reward"], abs=1e-6)
+    # either a retention with its interval, or none and the warning: never a bare ratio
+    row = s["rows"][0]
+    if s["retention_valid"]:
+        assert row["retention_ci"] is not None
+    else:
+        assert row["retention"] is None and "WARNING" in res.output
+    assert (out / "retention.md").read_text() == s["markdown"]
