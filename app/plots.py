@@ -993,10 +993,23 @@ def result_figures(result: dict[str, Any]) -> list[tuple[str, go.Figure]]:
     return figs
 
 
+SWEEP_COLUMNS = ("precision", "optimizer", "lr", "unchanged_bf16", "unchanged_exact",
+                 "unchanged_bf16delta_atol_1e-05", "unchanged_atol_1e-05", "fisher_auc_changed",
+                 "fisher_auc_changed_within_binades", "fisher_auc_gradient", "fisher_auc_abs_delta",
+                 "reward_before", "reward_after")
+
+
+def sweep_table(result: dict[str, Any]) -> Table:
+    """One row per sweep point (empty for other results)."""
+    points = _sweep_points(result) if result.get("kind") == "sweep" else []
+    return list(SWEEP_COLUMNS), [[_cell(p.get(c)) for c in SWEEP_COLUMNS] for p in points]
+
+
 def result_tables(result: dict[str, Any]) -> list[tuple[str, Table]]:
     """(title, table) pairs: overlap, retention, summary (non-empty only)."""
     out = []
-    for title, table in (("Retention", retention_table(result)),
+    for title, table in (("Sweep points (lr x optimizer x precision)", sweep_table(result)),
+                         ("Retention", retention_table(result)),
                          ("Overlap (Fisher vs update)", overlap_table(result)),
                          ("Exact output-layer check (Monte-Carlo vs closed form)", exact_output_table(result)),
                          ("Summary", summary_table(result))):

@@ -81,6 +81,12 @@ def test_sweep_figures_and_markdown() -> None:
     assert len(sweep_auc_figure(result).data) == 6  # 3 AUCs x 2 optimizer lines
     binades = sweep_binade_figure(result)
     assert len(binades.data) == 4 and list(binades.data[0].x) == [2**-7]  # w == 0 bin left out
+    from app.plots import result_tables
+
+    tables = dict(result_tables(result))
+    headers, rows = tables["Sweep points (lr x optimizer x precision)"]
+    assert len(rows) == 4 and headers[:4] == ["precision", "optimizer", "lr", "unchanged_bf16"]
+    assert rows[0][:4] == ["bf16-mixed", "adamw", 1e-6, 0.98]
     md = markdown_table(_points())
     assert md.count("\n") == 2 + 4 and "| bf16-mixed | adamw | 1e-06 | 0.980 |" in md
 
