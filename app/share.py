@@ -272,19 +272,32 @@ class PageCache:
 
 def make_share_router(settings: Any) -> APIRouter:
     """GET /r/{token} (the page) and GET /share-static/plotly-<version>.min.js."""
+    from sqlalchemy.exc import DBAPIError
+
     from storage import repo
-    from storage.db import get_engine
+    from storage.db import make_engine
 
     router = APIRouter()
     services.sessions(settings)  # migrated before the first view
-    engine = get_engine(settings.db_url)
+    # Its own pool without pre-ping (a second round trip per view on PostgreSQL); a connection
+    # that died (database restarted) is retried once on a fresh one instead.
+    engine = make_engine(settings.db_url, pool_pre_ping=False)
     store = store_for(settings)
     pages = PageCache()
 
+    def job_head(token: str) -> dict[str, Any] | None:
+        for attempt in (1, 2):
+            try:
+                with engine.connect() as conn:  # a plain Connection: no ORM session per view
+                    return repo.job_head_by_token(session=conn, token=token)
+            except DBAPIError as exc:
+                if attempt == 2 or not exc.connection_invalidated:
+                    raise
+        return None  # not reached
+
     @router.get("/r/{token}", include_in_schema=False)
     def share_page(token: str, request: Request) -> Response:
-        with engine.connect() as conn:  # a plain Connection: no ORM session per view
-            head = repo.job_head_by_token(session=conn, token=token)
+        head = job_head(token)
         if head is None:
             return HTMLResponse(not_found_page(token), status_code=404,
                                 headers={"Cache-Control": "no-store"})

@@ -260,7 +260,7 @@ def build_ui(settings: Any) -> gr.Blocks:  # noqa: C901 - layout + wiring read t
             fisher=fisher, select=select, density=density, model=model, seed=seed)))
 
     def submit_train(model, task, algo, teacher, mask, mask_select, mask_density, optimizer, lr,
-                     steps, batch, group, seed, _send=None):
+                     steps, batch, group, seed, precision=None, _send=None):
         if mask_select == "(none)":
             mask_select = None
         try:
@@ -270,7 +270,16 @@ def build_ui(settings: Any) -> gr.Blocks:  # noqa: C901 - layout + wiring read t
         return (_send or submit_and_show)("train", clean_spec(dict(
             model=model, task=task, algo=algo, teacher=teacher, mask=mask, mask_select=mask_select,
             mask_density=mask_density if mask_select else None, optimizer=optimizer, lr=lr,
-            steps=steps, batch=batch, group=group, seed=seed)))
+            steps=steps, batch=batch, group=group, seed=seed, precision=precision)))
+
+    def submit_sweep(model, algo, teacher, lrs, optimizers, precision, steps, seed, _send=None):
+        try:
+            lr_list = parse_float_list(lrs, "lrs")
+        except SpecError as exc:
+            return errors_html(exc.errors), gr.skip(), gr.skip()
+        return (_send or submit_and_show)("sweep", clean_spec(dict(
+            model=model, algo=algo, teacher=teacher, lrs=lr_list, optimizers=optimizers,
+            precision=precision, steps=steps, seed=seed)))
 
     def submit_retention(model, algo, teacher, densities, selectors, seeds, steps, lr, _send=None):
         try:
@@ -374,7 +383,7 @@ def build_ui(settings: Any) -> gr.Blocks:  # noqa: C901 - layout + wiring read t
             gr.Tabs(selected=tab), token, readonly, gr.HTML(visible=readonly),
             gr.Row(visible=not readonly), *vis,
             q.get("a", ""), q.get("b", ""),
-            mdl, mdl, mdl, mdl, mdl, mdl,
+            mdl, mdl, mdl, mdl, mdl, mdl, mdl,
         ]
 
     def show_now(token, sig, readonly):
@@ -624,6 +633,9 @@ def build_ui(settings: Any) -> gr.Blocks:  # noqa: C901 - layout + wiring read t
                             t_group = gr.Number(_default("train", "group"), label="GRPO group", step=1, info=_range_info("train", "group"),
                                                 elem_id="train-group")
                             t_seed = gr.Number(0, label="seed", step=1)
+                            t_prec = gr.Dropdown(["fp32", "bf16-mixed", "bf16"], value=_default("train", "precision"),
+                                                 label="precision", info="bf16-mixed: fp32 master weights, "
+                                                 "bf16 checkpoint; bf16: bf16 weights")
                         t_cost = gr.HTML(elem_id="train-cost")
                         t_btn = gr.Button("Train", variant="primary", elem_id="train-submit")
                         t_msg = gr.HTML()
@@ -642,6 +654,25 @@ def build_ui(settings: Any) -> gr.Blocks:  # noqa: C901 - layout + wiring read t
                         r_cost = gr.HTML(elem_id="retention-cost")
                         r_btn = gr.Button("Run retention sweep", variant="primary")
                         r_msg = gr.HTML()
+                    with gr.Tab("LR x optimizer sweep", id="f-sweep"):
+                        with gr.Row():
+                            s_model = gr.Dropdown(label="model", allow_custom_value=True, elem_id="sweep-model")
+                            s_algo = gr.Dropdown(["grpo", "opd", "sft"], value="grpo", label="algorithm")
+                            s_teacher = gr.Dropdown(label="teacher (opd)", allow_custom_value=True)
+                        with gr.Row():
+                            s_lrs = gr.Textbox(",".join(f"{x:g}" for x in SPECS["sweep"].model_fields["lrs"]
+                                                        .default_factory()),  # type: ignore[call-arg,misc]
+                                               label="learning rates (comma separated)", elem_id="sweep-lrs")
+                            s_opts = gr.CheckboxGroup(["adamw", "sgd"], value=["adamw", "sgd"], label="optimizers",
+                                                      elem_id="sweep-optimizers")
+                            s_prec = gr.CheckboxGroup(["fp32", "bf16-mixed", "bf16"], value=["bf16-mixed"],
+                                                      label="precision")
+                            s_steps = gr.Number(_default("sweep", "steps"), label="steps per point", step=1,
+                                                info=_range_info("sweep", "steps"), elem_id="sweep-steps")
+                            s_seed = gr.Number(0, label="seed", step=1)
+                        s_cost = gr.HTML(elem_id="sweep-cost")
+                        s_btn = gr.Button("Run sweep", variant="primary", elem_id="sweep-submit")
+                        s_msg = gr.HTML()
                     with gr.Tab("Checkpoint diff", id="f-diff"):
                         with gr.Row():
                             d_base = gr.Dropdown(label="base", allow_custom_value=True, elem_id="diff-base")
@@ -749,7 +780,7 @@ def build_ui(settings: Any) -> gr.Blocks:  # noqa: C901 - layout + wiring read t
             on_load, inputs=None,
             outputs=[tabs, view_token, readonly, shared_banner, result_pick_row,
                      tab_new, tab_jobs, tab_tokens, tab_compare, tab_models, c_a, c_b,
-                     f_model, t_model, r_model, d_base, k_model, m_model],
+                     f_model, t_model, r_model, d_base, k_model, m_model, s_model],
             **fast,
         ).then(show_now, inputs=state_in, outputs=result_out, **fast).then(
             lambda a, b: [*compare_choices(a, b),
@@ -770,7 +801,10 @@ def build_ui(settings: Any) -> gr.Blocks:  # noqa: C901 - layout + wiring read t
         m_btn.click(submit_mask, inputs=[m_fisher, m_select, m_density, m_model, m_seed],
                     outputs=submit_out(m_msg))
         t_btn.click(submit_train, inputs=[t_model, t_task, t_algo, t_teacher, t_mask, t_msel, t_mden, t_opt,
-                                          t_lr, t_steps, t_batch, t_group, t_seed], outputs=submit_out(t_msg))
+                                          t_lr, t_steps, t_batch, t_group, t_seed, t_prec],
+                    outputs=submit_out(t_msg))
+        s_btn.click(submit_sweep, inputs=[s_model, s_algo, s_teacher, s_lrs, s_opts, s_prec, s_steps, s_seed],
+                    outputs=submit_out(s_msg))
         r_btn.click(submit_retention, inputs=[r_model, r_algo, r_teacher, r_dens, r_sel, r_seeds, r_steps, r_lr],
                     outputs=submit_out(r_msg))
         d_btn.click(submit_diff, inputs=[d_base, d_tuned, d_fisher, d_topk], outputs=submit_out(d_msg))
@@ -793,7 +827,8 @@ def build_ui(settings: Any) -> gr.Blocks:  # noqa: C901 - layout + wiring read t
         cost_forms: list[tuple[Any, list[Any], Any]] = [
             (submit_fisher, [f_model, f_task, f_prompts, f_samples, f_est, f_seed, f_mnt, f_temp, f_exact], f_cost),
             (submit_train, [t_model, t_task, t_algo, t_teacher, t_mask, t_msel, t_mden, t_opt, t_lr, t_steps,
-                            t_batch, t_group, t_seed], t_cost),
+                            t_batch, t_group, t_seed, t_prec], t_cost),
+            (submit_sweep, [s_model, s_algo, s_teacher, s_lrs, s_opts, s_prec, s_steps, s_seed], s_cost),
             (submit_retention, [r_model, r_algo, r_teacher, r_dens, r_sel, r_seeds, r_steps, r_lr], r_cost),
         ]
         for fn, ins, out in cost_forms:
