@@ -89,12 +89,14 @@ def point_row(precision: str, optimizer: str, lr: float, summary: dict[str, Any]
 
 
 def markdown_table(points: list[dict[str, Any]]) -> str:
-    """The sweep as a markdown table (fractions with 3 decimals, '-' where undefined)."""
+    """The sweep as a markdown table (fractions with 3 decimals, '-' where undefined; pipes in
+    headers escaped)."""
     cols = [("precision", "precision"), ("optimizer", "optimizer"), ("lr", "lr"),
             ("unchanged_bf16", "unchanged (bf16)"), ("unchanged_exact", "unchanged (stored, exact)"),
-            ("unchanged_bf16delta_atol_1e-05", "|Δbf16|≤1e-5"), ("unchanged_atol_1e-05", "|Δfp32|≤1e-5"),
+            ("unchanged_bf16delta_atol_1e-05", r"\|Δbf16\| ≤ 1e-5"),
+            ("unchanged_atol_1e-05", r"\|Δfp32\| ≤ 1e-5"),
             ("fisher_auc_changed", "Fisher AUC changed"),
-            ("fisher_auc_changed_within_binades", "AUC changed within |w| binades"),
+            ("fisher_auc_changed_within_binades", r"AUC changed within \|w\| binades"),
             ("fisher_auc_gradient", "Fisher AUC Σg² top-k"), ("reward_before", "reward before"),
             ("reward_after", "reward after")]
 

@@ -89,6 +89,10 @@ def test_sweep_figures_and_markdown() -> None:
     assert rows[0][:4] == ["bf16-mixed", "adamw", 1e-6, 0.98]
     md = markdown_table(_points())
     assert md.count("\n") == 2 + 4 and "| bf16-mixed | adamw | 1e-06 | 0.980 |" in md
+    import re
+
+    cells = [len(re.split(r"(?<!\\)\|", line)) for line in md.splitlines()]
+    assert len(set(cells)) == 1  # pipes inside headers are escaped: every row has the same columns
 
 
 @pytest.mark.slow
