@@ -485,8 +485,9 @@ def build_ui(settings: Any) -> gr.Blocks:  # noqa: C901 - layout + wiring read t
         return msg, job["share_token"], ""
 
     def poll_tokens(token, sig):
-        """Updates for: progress, token radio, bars, similarity (top), similarity (random), sig."""
-        n = 6
+        """Updates for: progress, token radio, bars, similarity (top), similarity (random),
+        trace F vs orthogonal sensitivities, sig."""
+        n = 7
         meta = job_by_token(token) if token else None
         if meta is None:
             return [gr.skip()] * n
@@ -495,7 +496,7 @@ def build_ui(settings: Any) -> gr.Blocks:  # noqa: C901 - layout + wiring read t
             return [gr.skip()] * n
         res = get_result(token) if meta["status"] == "succeeded" else None
         if res is None:
-            return [progress_html(meta), gr.skip(), gr.skip(), gr.skip(), gr.skip(), new_sig]
+            return [progress_html(meta), gr.skip(), gr.skip(), gr.skip(), gr.skip(), gr.skip(), new_sig]
         choices = plots.token_choices(res)
         names = [h.get("name", "") for h in res.get("heatmaps") or []]
         has_top = any("similarity" in n for n in names)
@@ -505,6 +506,8 @@ def build_ui(settings: Any) -> gr.Blocks:  # noqa: C901 - layout + wiring read t
                 gr.Plot(value=plots.token_bars(res), visible=True),
                 gr.Plot(value=plots.token_similarity_heatmap(res, "top"), visible=has_top),
                 gr.Plot(value=plots.token_similarity_heatmap(res, "random"), visible=has_random),
+                gr.Plot(value=plots.token_counterfactual_figure(res),
+                        visible=bool((res.get("summary") or {}).get("similarity"))),
                 new_sig]
 
     def extend_context(context, token):
@@ -741,6 +744,8 @@ def build_ui(settings: Any) -> gr.Blocks:  # noqa: C901 - layout + wiring read t
                 with gr.Row():
                     k_sim_top = gr.Plot(visible=False, label="similarity (top tokens)")
                     k_sim_rand = gr.Plot(visible=False, label="similarity (random tokens)")
+                k_counter = gr.Plot(visible=False, elem_id="tokens-counterfactual",
+                                    label="trace F vs orthogonal sensitivities")
 
             with gr.Tab("Compare", id="compare", elem_id="tab-compare") as tab_compare:
                 with gr.Row():
@@ -841,7 +846,7 @@ def build_ui(settings: Any) -> gr.Blocks:  # noqa: C901 - layout + wiring read t
                     outputs=[k_msg, tok_token, tok_sig])
         k_context.submit(run_tokens, inputs=[k_model, k_context, k_topk, k_layer, k_random],
                          outputs=[k_msg, tok_token, tok_sig])
-        tok_poll_out = [k_progress, k_choice, k_bars, k_sim_top, k_sim_rand, tok_sig]
+        tok_poll_out = [k_progress, k_choice, k_bars, k_sim_top, k_sim_rand, k_counter, tok_sig]
         k_choice.input(extend_context, inputs=[k_context, k_choice], outputs=k_context).then(
             run_tokens, inputs=[k_model, k_context, k_topk, k_layer, k_random],
             outputs=[k_msg, tok_token, tok_sig])
