@@ -13,53 +13,11 @@ from typing import Any
 
 import torch
 
+from compute.device import DTYPES, resolve_device, resolve_dtype
 from compute.modelref import is_hub_id, resolve_model
 
-_DTYPES = {
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float16": torch.float16,
-    "fp16": torch.float16,
-}
-
-
-def resolve_device(device: str | torch.device | None = None) -> torch.device:
-    """ "auto"/None: env FISHERLENS_DEVICE if set, else cuda if available, else cpu."""
-    if isinstance(device, torch.device):
-        return device
-    if device in (None, "", "auto"):
-        device = os.environ.get("FISHERLENS_DEVICE") or None
-        if device in (None, "auto"):
-            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        dev = torch.device(device)
-    except (RuntimeError, TypeError):
-        raise ValueError(
-            f"device: {device!r} is not a device; accepted: auto, cpu, cuda, cuda:N"
-        ) from None
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"device: {device!r} requested but CUDA is not available; use auto or cpu")
-    return dev
-
-
-def resolve_dtype(
-    dtype: str | torch.dtype | None, device: torch.device | str | None = None
-) -> torch.dtype:
-    """ "auto"/None: bfloat16 on a CUDA device that supports it, else float32."""
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype in (None, "", "auto"):
-        dev = resolve_device(device) if not isinstance(device, torch.device) else device
-        if dev.type == "cuda" and torch.cuda.is_bf16_supported():
-            return torch.bfloat16
-        return torch.float32
-    if dtype not in _DTYPES:
-        raise ValueError(
-            f"dtype: {dtype!r} is not accepted; accepted: auto, float32, bfloat16, float16"
-        )
-    return _DTYPES[dtype]
+# every device/dtype decision lives in compute.device; re-exported here for existing callers
+_DTYPES = DTYPES
 
 
 def _offline() -> bool:

@@ -17,7 +17,13 @@ from typing import Any
 import torch
 
 from compute import analysis
-from compute.fisher import FisherConfig, estimate_fisher, exact_output_fisher, relative_error
+from compute.fisher import (
+    ExactOutputUnsupported,
+    FisherConfig,
+    estimate_fisher,
+    exact_output_fisher,
+    relative_error,
+)
 from compute.results import JobResult, null_progress
 from compute.specs import FisherSpec
 
@@ -73,16 +79,23 @@ def _shard(spec: FisherSpec, shard_index: int, progress: Progress, loaded: tuple
     tied = head is not None and emb is not None and head.weight is emb.weight
     # with tied embeddings the MC Fisher of the shared matrix includes the input use, so it is
     # not comparable with the closed form of the output use alone: skip the check
+    skipped = None
+    if spec.exact_output and tied:
+        skipped = ("tied embeddings: the Monte-Carlo Fisher of the shared matrix includes its "
+                   "input use; the closed form covers the output use only")
     if spec.exact_output and spec.estimator != "batch" and res.rollout is not None and not tied:
         roll = res.rollout
         norm = "token" if spec.estimator == "token" else "sequence"
-        ex = exact_output_fisher(model, roll.input_ids, roll.attention_mask,
-                                 roll.completion_mask, normalize=norm)
-        count = res.n_tokens if norm == "token" else res.n_rows
-        exact = {"sums": {n: t * count for n, t in ex.items()}, "count": float(count)}
+        try:
+            ex = exact_output_fisher(model, roll.input_ids, roll.attention_mask,
+                                     roll.completion_mask, normalize=norm)
+            count = res.n_tokens if norm == "token" else res.n_rows
+            exact = {"sums": {n: t * count for n, t in ex.items()}, "count": float(count)}
+        except ExactOutputUnsupported as exc:  # logit scaling / soft-capping: not head(h)
+            skipped = str(exc)
     out = dict(empty)
     out.update(sums=sums, denoms=denoms, n_rows=res.n_rows, n_tokens=res.n_tokens, exact=exact,
-               seconds=round(time.perf_counter() - t0, 3))
+               exact_skipped=skipped, seconds=round(time.perf_counter() - t0, 3))
     return out
 
 
@@ -146,6 +159,9 @@ def finish(spec: FisherSpec, shard_outputs: list[dict], progress: Progress = nul
                        "mc_mass": float(fisher[n].double().sum()),
                        "exact_mass": float(ref.double().sum())}
         summary["exact_output"] = rows
+    skipped = next((o["exact_skipped"] for o in outs if o.get("exact_skipped")), None)
+    if skipped:
+        summary["exact_output_skipped"] = skipped
     summary.update(extra or {})
     series = analysis.to_series(fisher)
     result = JobResult(

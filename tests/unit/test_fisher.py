@@ -308,7 +308,7 @@ def test_non_affine_module_uses_exact_generic_path(tok):
     got = fisher_from_samples(model, roll.input_ids, roll.attention_mask, roll.completion_mask)
     ref = naive_fisher(model, roll.input_ids, roll.attention_mask, roll.completion_mask)
     _assert_fisher_close(got, ref)
-    from compute.fisher import _AFFINE_OK
+    from compute.fisher.persample import _AFFINE_OK
 
     assert _AFFINE_OK[model.model.norm] is False
     assert _AFFINE_OK[model.model.layers[0].input_layernorm] is True
@@ -317,7 +317,7 @@ def test_non_affine_module_uses_exact_generic_path(tok):
 @pytest.mark.parametrize("arch,tied", [("qwen3", True), ("gpt2", False)])
 def test_row_loop_path_exact(tok, arch, tied, monkeypatch):
     """Large weights take the one-row-at-a-time path; force it on the tiny models."""
-    import compute.fisher as fisher_mod
+    import compute.fisher.persample as fisher_mod
 
     monkeypatch.setattr(fisher_mod, "_SMALL_BATCHED", 0)
     model = tiny_model(arch, tied=tied, seed=16)
@@ -325,3 +325,134 @@ def test_row_loop_path_exact(tok, arch, tied, monkeypatch):
     got = fisher_from_samples(model, roll.input_ids, roll.attention_mask, roll.completion_mask)
     ref = naive_fisher(model, roll.input_ids, roll.attention_mask, roll.completion_mask)
     _assert_fisher_close(got, ref)
+
+
+# --------------------------------------------------------------------------------------------
+# Never silently wrong: padding sides, refusals, scaled embeddings, exact-output check
+# --------------------------------------------------------------------------------------------
+
+
+def _left_padded(ids, am, cm):
+    """The same rows, left-padded."""
+    L = ids.shape[1]
+    out = [torch.zeros_like(t) for t in (ids, am, cm)]
+    for r in range(ids.shape[0]):
+        n = int(am[r].sum())
+        for src, dst in zip((ids, am, cm), out, strict=True):
+            dst[r, L - n :] = src[r, :n]
+    return tuple(out)
+
+
+@pytest.mark.parametrize("estimator", ["sequence", "token"])
+def test_left_padding_with_small_batches_equals_reference(tok, estimator):
+    model = tiny_model("qwen3", seed=21)
+    roll = _rollout(model, tok, seed=8)
+    ids, am, cm = _left_padded(roll.input_ids, roll.attention_mask, roll.completion_mask)
+    assert (am[:, 0] == 0).any()  # really left-padded
+    got = fisher_from_samples(model, ids, am, cm, estimator=estimator, batch_size=2)
+    ref = naive_fisher(model, roll.input_ids, roll.attention_mask, roll.completion_mask, estimator)
+    _assert_fisher_close(got, ref)
+
+
+def test_completion_mask_on_padding_is_refused(tok):
+    model = tiny_model("qwen3", seed=22)
+    ids = torch.tensor([[5, 6, 7, 0]])
+    am = torch.tensor([[1, 1, 1, 0]])
+    cm = torch.tensor([[0, 0, 1, 1]], dtype=torch.bool)
+    with pytest.raises(ValueError, match="^completion_mask: counts padding"):
+        fisher_from_samples(model, ids, am, cm)
+
+
+class _OutsideUse(torch.nn.Module):
+    """An MLP whose inner Linear's weight is read directly (as fused kernels do)."""
+
+    def __init__(self, inner: torch.nn.Linear, also_call: bool):
+        super().__init__()
+        self.inner = inner
+        self.also_call = also_call
+
+    def forward(self, x):
+        y = torch.nn.functional.linear(x, self.inner.weight)
+        return y + self.inner(x) if self.also_call else y
+
+
+@pytest.mark.parametrize("also_call,phrase", [(False, "outside the forward of the module"),
+                                              (True, "do not add up to autograd")])
+def test_parameter_used_outside_its_module_is_refused(tok, also_call, phrase):
+    from compute.fisher import UnsupportedModel
+
+    model = tiny_model("qwen3", seed=23)
+    h = model.config.hidden_size
+    lin = torch.nn.Linear(h, h, bias=False)
+    torch.nn.init.normal_(lin.weight, 0, 0.3)
+    model.model.layers[1].mlp = _OutsideUse(lin, also_call)
+    roll = _rollout(model, tok, seed=9)
+    with pytest.raises(UnsupportedModel, match=phrase) as exc:
+        fisher_from_samples(model, roll.input_ids, roll.attention_mask, roll.completion_mask)
+    assert "model.layers.1.mlp.inner.weight" in str(exc.value)
+
+
+def test_scaled_embedding_uses_gradient_before_scale(tok):
+    from tests.unit.fisher_tiny import family_model
+
+    model = family_model("gemma3", tied=False, seed=24)
+    emb = model.get_input_embeddings()
+    assert float(emb.embed_scale) == pytest.approx(model.config.hidden_size ** 0.5)
+    roll = _rollout(model, tok, seed=10)
+    got = fisher_from_samples(model, roll.input_ids, roll.attention_mask, roll.completion_mask,
+                              batch_size=2)
+    ref = naive_fisher(model, roll.input_ids, roll.attention_mask, roll.completion_mask)
+    _assert_fisher_close(got, ref)
+
+
+@pytest.mark.parametrize("family", ["granite", "cohere", "gemma2"])
+def test_exact_output_fisher_refuses_logit_transforms(tok, family):
+    from compute.fisher import ExactOutputUnsupported
+    from tests.unit.fisher_tiny import family_model
+
+    model = family_model(family, tied=False, seed=25)
+    roll = _rollout(model, tok, seed=11)
+    with pytest.raises(ExactOutputUnsupported, match="not the output layer applied"):
+        exact_output_fisher(model, roll.input_ids, roll.attention_mask, roll.completion_mask)
+
+
+def test_token_estimator_takes_the_rank1_path(tok, monkeypatch):
+    import compute.fisher.persample as ps
+
+    calls = []
+    real = ps._weight_rank1
+    monkeypatch.setattr(ps, "_weight_rank1", lambda *a: calls.append(a[1]) or real(*a))
+    model = tiny_model("gpt2", seed=26)  # Conv1D blocks and an nn.Linear head
+    roll = _rollout(model, tok, seed=12)
+    got = fisher_from_samples(model, roll.input_ids, roll.attention_mask, roll.completion_mask,
+                              estimator="token")
+    assert "lm_head.weight" in calls and "transformer.h.1.mlp.c_proj.weight" in calls
+    ref = naive_fisher(model, roll.input_ids, roll.attention_mask, roll.completion_mask, "token")
+    _assert_fisher_close(got, ref)
+
+
+def test_groups_without_rows_are_zero_and_row_order_does_not_matter(tok):
+    model = tiny_model("qwen3", seed=27)
+    roll = _rollout(model, tok, seed=13)
+    N = roll.input_ids.shape[0]
+    groups = torch.zeros(N, dtype=torch.long)  # group 1 of 2 gets no rows
+    sums, denom = fisher_sums(model, roll.input_ids, roll.attention_mask, roll.completion_mask,
+                              groups=groups, n_groups=2, batch_size=2)
+    assert denom.tolist() == [float(N), 0.0]
+    assert all(bool((s[1] == 0).all()) for s in sums.values())
+    perm = torch.randperm(N, generator=torch.Generator().manual_seed(0))
+    again, _ = fisher_sums(model, roll.input_ids[perm], roll.attention_mask[perm],
+                           roll.completion_mask[perm], groups=groups, n_groups=2)
+    for n, s in sums.items():
+        torch.testing.assert_close(again[n][0], s[0], rtol=1e-5, atol=1e-6 * float(s.max()))
+
+
+def test_default_memory_budget_comes_from_free_memory():
+    from compute.device import BUDGET_MAX_MB, BUDGET_MIN_MB, default_budget_mb, free_memory_bytes
+
+    mb = default_budget_mb(torch.device("cpu"))
+    assert BUDGET_MIN_MB <= mb <= BUDGET_MAX_MB
+    assert mb <= max(BUDGET_MIN_MB, free_memory_bytes(torch.device("cpu")) // 2**20)
+    assert FisherConfig().memory_budget_mb is None
+    with pytest.raises(ValueError, match="^memory_budget_mb:"):
+        FisherConfig(memory_budget_mb=8)

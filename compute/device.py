@@ -1,0 +1,110 @@
+"""Every device and dtype decision of the compute side, in one place.
+
+- `resolve_device`: "auto" -> env FISHERLENS_DEVICE, else cuda when available, else cpu.
+- `resolve_dtype`: "auto" -> bfloat16 on a CUDA device that supports it, else float32.
+- `wide`: the dtype per-sample maths runs in (float32 for half-precision tensors; float64 stays).
+- `accumulator_dtype`: the dtype Fisher sums are kept in (float64 for float64 models, else
+  float32, whatever the model dtype).
+- `check_tolerance`: how far a float computation may drift from autograd in the model's dtype.
+- `free_memory_bytes` / `default_budget_mb`: the automatic memory budget of the Fisher engine,
+  from free device memory (CUDA: `torch.cuda.mem_get_info`; CPU: available RAM).
+
+Nothing here imports transformers; the module is cheap to import.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+HALF = (torch.bfloat16, torch.float16)
+# the automatic budget takes this share of free memory, within these bounds (MiB)
+BUDGET_SHARE = 0.25
+BUDGET_MIN_MB, BUDGET_MAX_MB = 256, 32768
+
+
+def resolve_device(device: str | torch.device | None = None) -> torch.device:
+    """ "auto"/None: env FISHERLENS_DEVICE if set, else cuda if available, else cpu."""
+    if isinstance(device, torch.device):
+        return device
+    if device in (None, "", "auto"):
+        device = os.environ.get("FISHERLENS_DEVICE") or None
+        if device in (None, "auto"):
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(
+            f"device: {device!r} is not a device; accepted: auto, cpu, cuda, cuda:N"
+        ) from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device: {device!r} requested but CUDA is not available; use auto or cpu")
+    return dev
+
+
+def resolve_dtype(
+    dtype: str | torch.dtype | None, device: torch.device | str | None = None
+) -> torch.dtype:
+    """ "auto"/None: bfloat16 on a CUDA device that supports it, else float32."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype in (None, "", "auto"):
+        dev = resolve_device(device) if not isinstance(device, torch.device) else device
+        if dev.type == "cuda" and torch.cuda.is_bf16_supported():
+            return torch.bfloat16
+        return torch.float32
+    if dtype not in DTYPES:
+        raise ValueError(
+            f"dtype: {dtype!r} is not accepted; accepted: auto, float32, bfloat16, float16"
+        )
+    return DTYPES[dtype]
+
+
+def wide(t: torch.Tensor) -> torch.Tensor:
+    """float32 for half-precision (and float32) tensors; float64 stays float64."""
+    return t if t.dtype == torch.float64 else t.float()
+
+
+def accumulator_dtype(dtypes: list[torch.dtype]) -> torch.dtype:
+    """float64 sums when any parameter is float64 (exact reference runs), else float32."""
+    return torch.float64 if torch.float64 in dtypes else torch.float32
+
+
+def check_tolerance(dtypes: list[torch.dtype]) -> float:
+    """Relative L1 tolerance between two float computations of one gradient in these dtypes."""
+    if any(d in HALF for d in dtypes):
+        return 5e-2
+    return 1e-6 if all(d == torch.float64 for d in dtypes) else 2e-3
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """Free memory of `device` now: CUDA free memory, or available RAM on CPU."""
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:  # Linux: MemAvailable counts reclaimable page cache, unlike SC_AVPHYS_PAGES
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        return int(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"))
+    except (ValueError, OSError, AttributeError):
+        return 4 * 2**30
+
+
+def default_budget_mb(device: torch.device) -> int:
+    """The engine's automatic memory budget: a quarter of free memory, 256 MiB .. 32 GiB."""
+    mb = int(free_memory_bytes(device) * BUDGET_SHARE) // 2**20
+    return max(BUDGET_MIN_MB, min(BUDGET_MAX_MB, mb))

@@ -1,0 +1,217 @@
+"""Exact, fast diagonal Fisher of causal LMs from per-sample gradients (../shared/SCIENCE.md s.2).
+
+How: one batched forward + one backward that computes only activation gradients (never the
+parameter .grad). Forward hooks on every module that owns parameters save its inputs; a tensor
+hook on its output receives d(loss)/d(output). Because rows never interact in a causal LM forward,
+the output gradient of row n is the gradient of row n's own summed completion log-prob, so each
+row's parameter gradient is rebuilt exactly from (input, output-grad) of that row
+(`persample`: Linear, Conv1D, rank-1 rows, embeddings incl. scaled ones, affine norms, and a
+generic vmap(vjp) path for anything else). Parameters used by several modules (tied embeddings)
+have their per-row gradients summed over all uses before squaring. Per-row maths runs in float32
+even for a bf16 model (compute.device holds every dtype decision).
+
+Never silently wrong: a model is verified once (per-row gradients add up to autograd's), every
+call checks that each parameter autograd reaches was covered by a hook, and whatever the engine
+cannot make exact raises `UnsupportedModel` naming the module or parameters and the reason.
+
+Layout: hooks.py (capture x and g, refusals), persample.py (per-layer maths), estimators.py
+(sequence, token, batch; padding, sorting, chunking), exact_output.py (closed-form output layer),
+this module (FisherConfig, FisherResult, estimate_fisher end to end).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from compute.fisher.estimators import (
+    _model_device,
+    batch_fisher,
+    expand_tokens,
+    fisher_from_samples,
+    fisher_sums,
+    per_sample_square_sums,
+    right_padded,
+    trainable_parameters,
+)
+from compute.fisher.exact_output import ExactOutputUnsupported, exact_output_fisher
+from compute.fisher.hooks import UnsupportedModel
+from compute.sampling import Rollout, build_rollout, sample_completions
+
+ESTIMATORS = ("sequence", "token", "empirical", "batch")
+
+
+def _f(default: Any, help: str, **kw: Any) -> Any:
+    return field(default=default, metadata={"help": help}, **kw)
+
+
+@dataclass
+class FisherConfig:
+    estimator: str = _f("sequence", "sequence | token | empirical (gold answers) | batch")
+    prompts: int = _f(16, "number of task prompts (ignored when prompts are given as a list)")
+    samples: int = _f(4, "sampled completions per prompt (sequence/token)")
+    max_new_tokens: int = _f(16, "maximum completion length in tokens")
+    temperature: float = _f(1.0, "sampling temperature; 1.0 = the model's own distribution")
+    top_k: int | None = _f(None, "None = full distribution (the Fisher's expectation)")
+    top_p: float | None = _f(None, "None = full distribution")
+    seed: int = _f(0, "seed of prompts and samples")
+    prompt_start: int = _f(0, "index of the first task prompt (sharding)")
+    batch_size: int | None = _f(None, "rows per forward/backward (None = from memory budget); "
+                                      "minibatch size of the batch estimator (None = 8)")
+    sample_batch_size: int | None = _f(64, "rows per generation batch")
+    memory_budget_mb: int | None = _f(None, "bound on per-sample-gradient temporaries, in MiB "
+                                            "(None = a quarter of free device memory)")
+    device: str = _f("auto", "auto | cpu | cuda | cuda:N")
+    dtype: str = _f("auto", "auto | float32 | bfloat16 | float16")
+
+    def __post_init__(self) -> None:
+        if self.estimator not in ESTIMATORS:
+            raise ValueError(f"estimator: got {self.estimator!r}; accepted: {', '.join(ESTIMATORS)}")
+        for name, lo in (("prompts", 1), ("samples", 1), ("max_new_tokens", 1),
+                         ("memory_budget_mb", 16)):
+            v = getattr(self, name)
+            if name == "memory_budget_mb" and v is None:
+                continue
+            if not isinstance(v, int) or v < lo:
+                raise ValueError(f"{name}: got {v!r}; must be an integer >= {lo}")
+        if not self.temperature > 0:
+            raise ValueError(f"temperature: got {self.temperature!r}; must be > 0 (1.0 = on-policy)")
+        if self.top_k is not None and self.top_k < 1:
+            raise ValueError(f"top_k: got {self.top_k!r}; must be >= 1 or None")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p: got {self.top_p!r}; accepted range: (0, 1] or None")
+        if self.seed < 0 or self.prompt_start < 0:
+            raise ValueError("seed: seed and prompt_start must be >= 0")
+        for name in ("batch_size", "sample_batch_size"):
+            v = getattr(self, name)
+            if v is not None and v < 1:
+                raise ValueError(f"{name}: got {v!r}; must be >= 1 or None")
+
+
+@dataclass
+class FisherResult:
+    """fisher: name -> float32 (param shape). n_rows sequences, n_tokens counted tokens.
+
+    halves: per-parameter sums over two independent halves of the samples (even / odd prompt
+    index), (2, *shape) float32, with half_denoms: their denominators (for split-half stability).
+    """
+
+    fisher: dict[str, torch.Tensor]
+    n_rows: int
+    n_tokens: int
+    estimator: str
+    settings: dict[str, Any]
+    halves: dict[str, torch.Tensor] | None = None
+    half_denoms: tuple[float, float] | None = None
+    rollout: Rollout | None = None
+
+    @property
+    def n_samples(self) -> int:
+        return self.n_tokens if self.estimator == "token" else self.n_rows
+
+    def half(self, k: int) -> dict[str, torch.Tensor]:
+        """Fisher estimated from half k (0 or 1) of the samples alone."""
+        if self.halves is None or self.half_denoms is None:
+            raise ValueError("halves: this result has no half-split sums")
+        d = max(self.half_denoms[k], 1e-30)
+        return {n: h[k] / d for n, h in self.halves.items()}
+
+
+def _prompts_and_answers(task_or_prompts: Any, config: FisherConfig) -> tuple[list[str], list[str] | None]:
+    if isinstance(task_or_prompts, (list, tuple)):
+        items = list(task_or_prompts)
+        if items and all(isinstance(x, str) for x in items):
+            return items, None
+        return [x.prompt for x in items], [x.answer for x in items]  # Examples
+    ex = task_or_prompts.examples(config.prompts, seed=config.seed, split="train",
+                                  start=config.prompt_start)
+    return [e.prompt for e in ex], [e.answer for e in ex]
+
+
+def estimate_fisher(
+    model: nn.Module, tokenizer: Any, task_or_prompts: Any, config: FisherConfig,
+    progress: Callable[[float, str], None] | None = None,
+) -> FisherResult:
+    """Sample on-policy (sequence/token) or take gold answers (empirical/batch), then estimate.
+
+    task_or_prompts: a compute.tasks.Task, a list of prompt strings, or a list of Examples.
+    Rows are processed in chunks of prompts with progress(fraction, message) after each chunk.
+    """
+    prog = progress or (lambda f, m="": None)
+    prompts, answers = _prompts_and_answers(task_or_prompts, config)
+    if not prompts:
+        raise ValueError("prompts: no prompts to estimate the Fisher on")
+    if config.estimator in ("empirical", "batch") and answers is None:
+        raise ValueError(f"estimator: {config.estimator!r} needs gold answers; pass a task or "
+                         "Examples, not bare prompt strings")
+    t0 = time.perf_counter()
+    prog(0.0, "sampling" if config.estimator in ("sequence", "token") else "tokenizing")
+    if config.estimator in ("sequence", "token"):
+        roll = sample_completions(
+            model, tokenizer, prompts, config.samples, config.max_new_tokens, config.temperature,
+            config.top_k, config.top_p, config.seed, config.sample_batch_size,
+            prompt_offset=config.prompt_start)
+    else:
+        roll = build_rollout(tokenizer, prompts, answers or [], device=_model_device(model))
+    prog(0.3, f"sampled {len(roll)} sequences")
+    t_sample = time.perf_counter() - t0
+    est = "sequence" if config.estimator == "empirical" else config.estimator
+    n_tokens = int(roll.completion_mask.sum())
+    halves = half_denoms = None
+    if est == "batch":
+        fisher = batch_fisher(model, roll.input_ids, roll.attention_mask, roll.completion_mask,
+                              config.batch_size or 8)
+    else:
+        groups = ((roll.prompt_index + config.prompt_start) % 2).cpu()
+        total: dict[str, torch.Tensor] = {}
+        denom = torch.zeros(2, dtype=torch.float64)
+        # chunk by prompts so progress is reported and the expanded token rows stay bounded
+        n_chunks = max(1, min(len(prompts), 10))
+        bounds = [round(i * len(prompts) / n_chunks) for i in range(n_chunks + 1)]
+        for c in range(n_chunks):
+            rows = ((roll.prompt_index >= bounds[c]) & (roll.prompt_index < bounds[c + 1])).cpu()
+            idx = rows.nonzero().squeeze(1)
+            if idx.numel() == 0:
+                continue
+            sub = roll.select(idx)
+            sums, d = fisher_sums(model, sub.input_ids, sub.attention_mask, sub.completion_mask,
+                                  est, None, groups[idx], 2, config.memory_budget_mb,
+                                  config.batch_size)
+            for n, s in sums.items():
+                total[n] = total[n] + s if n in total else s
+            denom += d
+            prog(0.3 + 0.7 * (c + 1) / n_chunks, f"fisher {c + 1}/{n_chunks}")
+        dsum = float(denom.sum())
+        if dsum <= 0:
+            raise ValueError("completion_mask: no counted tokens")
+        halves = {n: s.float().cpu() for n, s in total.items()}
+        fisher = {n: s.sum(0).div_(dsum) for n, s in halves.items()}  # one sum, divided in place
+        half_denoms = (float(denom[0]), float(denom[1]))
+    settings = {k: v for k, v in asdict(config).items()}
+    settings.update(n_prompts=len(prompts), estimator_used=est,
+                    sample_seconds=round(t_sample, 3),
+                    total_seconds=round(time.perf_counter() - t0, 3))
+    prog(1.0, "done")
+    return FisherResult(fisher, len(roll), n_tokens, config.estimator, settings, halves,
+                        half_denoms, roll)
+
+
+def relative_error(est: torch.Tensor, ref: torch.Tensor) -> float:
+    """||est - ref||_1 / ||ref||_1 (0 when both vanish)."""
+    num = float((est.double() - ref.double()).abs().sum())
+    den = float(ref.double().abs().sum())
+    return 0.0 if den == 0 and num == 0 else (num / den if den > 0 else math.inf)
+
+
+__all__ = [
+    "ESTIMATORS", "ExactOutputUnsupported", "FisherConfig", "FisherResult", "UnsupportedModel",
+    "batch_fisher", "estimate_fisher", "exact_output_fisher", "expand_tokens",
+    "fisher_from_samples", "fisher_sums", "per_sample_square_sums", "relative_error",
+    "right_padded", "trainable_parameters",
+]

@@ -1,0 +1,312 @@
+"""The estimators on top of the per-sample hooks: per-row (`sequence`) and per-token (`token`)
+squared gradients, the `batch` baseline, and the checks that keep the engine exact or refusing.
+
+Before the first pass on a model the engine verifies it once: on two rows, the per-row gradients
+the hooks form must add up to autograd's batch gradient for every parameter (this catches a
+transform between a parameter and its module's output, or a parameter used twice). On the first
+pass of every call it compares the parameters autograd reaches from the loss with those the hooks
+covered. Either failure raises `UnsupportedModel` naming the parameters; nothing is zero-filled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from compute.device import accumulator_dtype, check_tolerance, default_budget_mb
+from compute.fisher.hooks import (
+    PerSampleHooks,
+    UnsupportedModel,
+    check_coverage,
+    graph_parameters,
+)
+from compute.fisher.persample import Accumulator, Store
+from compute.sampling import position_ids_from_mask
+
+# models whose per-row gradients were verified against autograd (see module doc)
+_VERIFIED: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
+_VERIFY_ROWS = 2
+
+
+def trainable_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
+    """name -> parameter for every named parameter that requires grad (tied weights once)."""
+    return {n: p for n, p in model.named_parameters() if p.requires_grad}
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    p = next(model.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")
+
+
+@contextlib.contextmanager
+def _eval(model: nn.Module) -> Iterator[None]:
+    was_training = model.training
+    model.eval()  # no dropout: the Fisher of the deterministic model
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+def _row_loss(model: nn.Module, ids: torch.Tensor, am: torch.Tensor, cm: torch.Tensor,
+              scale: torch.Tensor) -> torch.Tensor:
+    """sum_n scale_n * sum_t cm[n,t] log p(ids[n,t] | ids[n,<t])  (scalar, float32)."""
+    logits = model(input_ids=ids, attention_mask=am, position_ids=position_ids_from_mask(am),
+                   use_cache=False).logits  # (B, L, V)
+    lp = logits[:, :-1].float() if logits.dtype != torch.float64 else logits[:, :-1]
+    lp = lp.log_softmax(-1)  # (B, L-1, V)
+    tok = lp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)  # (B, L-1)
+    w = cm[:, 1:].to(tok.dtype) * scale.to(tok.dtype).unsqueeze(1)  # (B, L-1)
+    return (tok * w).sum()
+
+
+def _auto_batch(model: nn.Module, L: int, budget_bytes: int, shared_numel: int) -> int:
+    """Rows per forward so that activations + per-row buffers of shared params fit the budget."""
+    cfg = getattr(model, "config", None)
+    hidden = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", 256)
+    layers = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer", 4)
+    vocab = getattr(cfg, "vocab_size", 32000)
+    inter = getattr(cfg, "intermediate_size", None) or 4 * hidden
+    per_row = 4 * L * (layers * (12 * hidden + 4 * inter) + 4 * vocab) + 4 * shared_numel
+    return max(1, budget_bytes // max(1, per_row))
+
+
+def _shared_numel(model: nn.Module, params: dict[str, nn.Parameter]) -> int:
+    """Total size of parameters owned by more than one module (tied weights)."""
+    count: dict[int, int] = {}
+    for m in model.modules(remove_duplicate=False):
+        for p in m._parameters.values():
+            if p is not None:
+                count[id(p)] = count.get(id(p), 0) + 1
+    return sum(p.numel() for p in params.values() if count.get(id(p), 0) > 1)
+
+
+def budget_bytes(memory_budget_mb: int | None, device: torch.device) -> int:
+    """The memory budget in bytes; None = a quarter of the device's free memory (see device)."""
+    mb = default_budget_mb(device) if memory_budget_mb is None else int(memory_budget_mb)
+    return mb * 2**20
+
+
+def right_padded(ids: torch.Tensor, am: torch.Tensor,
+                 cm: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rows repacked so every row's real tokens come first (left or right padding in).
+
+    Positions count real tokens only (position_ids_from_mask), so repacking changes no log-prob.
+    ValueError when completion_mask counts a padding position."""
+    amb = am.bool()
+    if bool((cm.bool() & ~amb).any()):
+        raise ValueError("completion_mask: counts padding positions (attention_mask 0); "
+                         "counted tokens must be real tokens")
+    if bool((amb[:, 1:] <= amb[:, :-1]).all()):
+        return ids, am, cm  # already right-padded
+    perm = (~amb).to(torch.uint8).argsort(dim=1, stable=True)  # real tokens first, order kept
+    return ids.gather(1, perm), am.gather(1, perm), cm.gather(1, perm)
+
+
+def _chunks(ids, am, cm, w, grp, bs: int, device: torch.device):
+    """(ids, am, cm, scale, groups) per forward batch, trailing all-pad columns dropped."""
+    for s in range(0, ids.shape[0], bs):
+        a = am[s : s + bs].to(device)
+        width = max(1, int(a.sum(1).max()))  # right padding: drop all-pad columns
+        yield (ids[s : s + bs, :width].to(device), a[:, :width],
+               cm[s : s + bs, :width].to(device).bool(),
+               w[s : s + bs].sqrt().to(device),  # squared grads scale by w_n
+               grp[s : s + bs].to(device))
+
+
+def _one_pass(model: nn.Module, store: Store, params: dict[str, nn.Parameter], chunk: tuple,
+              budget: int, coverage: bool) -> None:
+    """Forward + activation backward over one batch, squares added into `store`."""
+    ids, am, cm, scale, grp = chunk
+    acc = Accumulator(store, grp, budget)
+    with PerSampleHooks(model, acc, ids.shape[0], ids.shape[1]) as hooks:
+        loss = _row_loss(model, ids, am, cm, scale)
+        if not loss.requires_grad:
+            return
+        reached = graph_parameters(loss) if coverage else None
+        inputs = list(hooks.leaves) or list(params.values())
+        try:
+            torch.autograd.grad(loss, inputs, allow_unused=True)
+        except Exception:
+            if hooks.error is not None:
+                raise hooks.error from None
+            raise
+        acc.finish_pass()
+        if reached is not None:
+            check_coverage(hooks, reached, params)
+
+
+def _verify(model: nn.Module, params: dict[str, nn.Parameter], chunk: tuple, budget: int) -> None:
+    """Once per model: per-row gradients of a few rows must add up to autograd's gradient."""
+    ids, am, cm, scale, grp = (t[:_VERIFY_ROWS] for t in chunk)
+    names = {id(p): n for n, p in params.items()}
+    dtypes = [p.dtype for p in params.values()]
+    store = Store(names, {n: p.shape for n, p in params.items()}, 1, accumulator_dtype(dtypes),
+                  ids.device, check=True)
+    _one_pass(model, store, params, (ids, am, cm, scale, torch.zeros_like(grp)), budget, True)
+    loss = _row_loss(model, ids, am, cm, scale)
+    if not loss.requires_grad:
+        return
+    grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
+    errs: dict[str, float] = {}
+    total = sum(float(g.double().abs().sum()) for g in grads if g is not None)
+    floor = 1e-6 * total / max(1, len(params))
+    for (n, p), ref in zip(params.items(), grads, strict=True):
+        got = store.check.get(n) if store.check is not None else None
+        r = torch.zeros(p.shape, dtype=torch.float64) if ref is None else ref.double().cpu()
+        o = torch.zeros(p.shape, dtype=torch.float64) if got is None else got.double().cpu()
+        diff = float((o - r).abs().sum())
+        if diff > floor:
+            errs[n] = diff / max(float(r.abs().sum()), 1e-300)
+    bad = {n: e for n, e in errs.items() if e > check_tolerance(dtypes)}
+    if bad:
+        shown = ", ".join(f"{n} ({e:.3g})" for n, e in list(bad.items())[:6])
+        raise UnsupportedModel(
+            f"model: {type(model).__name__} is not supported by the exact per-sample engine: the "
+            f"per-sample gradients of {shown} do not add up to autograd's batch gradient "
+            "(relative L1 error in brackets): a transform the engine does not model sits between "
+            "these parameters and their module's output, or they are used outside it; refusing "
+            "rather than returning a wrong Fisher")
+    _VERIFIED[model] = True
+
+
+def per_sample_square_sums(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+    completion_mask: torch.Tensor, row_weights: torch.Tensor | None = None,
+    groups: torch.Tensor | None = None, n_groups: int = 1, memory_budget_mb: int | None = None,
+    batch_size: int | None = None,
+) -> dict[str, torch.Tensor]:
+    """sum over rows n in group k of w_n * (d/dθ sum_t cm[n,t] log p(y_{n,t}))^2, per group.
+
+    input_ids, attention_mask, completion_mask: (N, L), left or right padded; row_weights (N,)
+    >= 0 (default 1); groups (N,) long in [0, n_groups). Rows are sorted by real length so each
+    forward batch drops its padding. Returns name -> (n_groups, *param.shape) float32 (float64
+    for a float64 model) on the model's device, for every parameter that requires grad.
+    Raises UnsupportedModel when the model's per-sample gradients cannot be made exact."""
+    device = _model_device(model)
+    params = trainable_parameters(model)
+    N = input_ids.shape[0]
+    w = torch.ones(N) if row_weights is None else row_weights.detach().double().cpu()
+    if (w < 0).any():
+        raise ValueError("weights: must be >= 0")
+    grp = torch.zeros(N, dtype=torch.long) if groups is None else groups.long().cpu()
+    ids, am, cm = right_padded(input_ids.cpu(), attention_mask.cpu(), completion_mask.cpu())
+    order = am.sum(1).argsort(descending=True, stable=True)  # longest first: less padding
+    ids, am, cm, w, grp = ids[order], am[order], cm[order], w[order], grp[order]
+    budget = budget_bytes(memory_budget_mb, device)
+    bs = batch_size or _auto_batch(model, ids.shape[1], budget, _shared_numel(model, params))
+    store = Store({id(p): n for n, p in params.items()}, {n: p.shape for n, p in params.items()},
+                  n_groups, accumulator_dtype([p.dtype for p in params.values()]), device)
+    with _eval(model):
+        for i, chunk in enumerate(_chunks(ids, am, cm, w, grp, bs, device)):
+            if i == 0 and model not in _VERIFIED:
+                _verify(model, params, chunk, budget)
+            _one_pass(model, store, params, chunk, budget, coverage=i == 0)
+    return store.finish()
+
+
+def expand_tokens(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor, completion_mask: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One row per counted token: the row truncated after that token, completion_mask one-hot.
+
+    Returns (ids, attention_mask, completion_mask, source_row), each with n_tokens rows. Causal
+    attention means later tokens never change an earlier log-prob, so truncation is exact."""
+    rows, cols = completion_mask.bool().nonzero(as_tuple=True)  # (n_tokens,)
+    ids = input_ids[rows]
+    am = attention_mask[rows].clone()
+    ar = torch.arange(input_ids.shape[1], device=input_ids.device)
+    am = am * (ar.unsqueeze(0) <= cols.unsqueeze(1)).to(am.dtype)
+    cm = ar.unsqueeze(0) == cols.unsqueeze(1)
+    ids = torch.where(am.bool(), ids, ids[:, :1])  # pad value is irrelevant (masked, never counted)
+    return ids, am, cm, rows
+
+
+def fisher_sums(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+    completion_mask: torch.Tensor, estimator: str = "sequence", weights: torch.Tensor | None = None,
+    groups: torch.Tensor | None = None, n_groups: int = 1, memory_budget_mb: int | None = None,
+    batch_size: int | None = None,
+) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """Per-group sums of squared per-sample gradients and per-group denominators (n_groups,).
+
+    sequence: sample = row, denominator = sum of row weights; token: sample = counted token,
+    denominator = sum over tokens of their row's weight."""
+    N = input_ids.shape[0]
+    w = torch.ones(N, dtype=torch.float64) if weights is None else weights.double().cpu()
+    if w.shape != (N,):
+        raise ValueError(f"weights: shape {tuple(w.shape)}; need ({N},), one per row")
+    grp = torch.zeros(N, dtype=torch.long) if groups is None else groups.long().cpu()
+    if estimator == "sequence":
+        sums = per_sample_square_sums(model, input_ids, attention_mask, completion_mask, w, grp,
+                                      n_groups, memory_budget_mb, batch_size)
+        denom = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, grp, w)
+        return sums, denom
+    if estimator == "token":
+        ids, am, cm, src = expand_tokens(input_ids.cpu(), attention_mask.cpu(),
+                                         completion_mask.cpu())
+        sums = per_sample_square_sums(model, ids, am, cm, w[src], grp[src], n_groups,
+                                      memory_budget_mb, batch_size)
+        denom = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, grp[src], w[src])
+        return sums, denom
+    raise ValueError(f"estimator: got {estimator!r}; accepted: sequence, token")
+
+
+def fisher_from_samples(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+    completion_mask: torch.Tensor, estimator: str = "sequence", weights: torch.Tensor | None = None,
+    memory_budget_mb: int | None = None, batch_size: int | None = None,
+) -> dict[str, torch.Tensor]:
+    """Exact diagonal Fisher of the given samples: name -> float32 CPU tensor of the param shape.
+
+    input_ids, attention_mask, completion_mask: (N, L), left or right padded; attention_mask
+    marks real tokens, completion_mask the tokens whose log-probs count.
+    estimator="sequence": sum_n w_n g_n^2 / sum_n w_n with g_n = d/dθ sum_t log p(y_{n,t}).
+      Cost ≈ one forward + one backward over the batch (see benchmarks/README.md).
+    estimator="token": mean over counted tokens (weighted by their row's weight) of
+      (d/dθ log p(y_{n,t}))^2. Each token needs its own gradient, so it expands the N rows into
+      n_tokens truncated rows: cost ≈ (n_tokens / N) x (mean truncated length / L) x sequence,
+      about T_completion x the sequence cost for completions of T tokens.
+    weights: (N,) >= 0 per-row weights (None = 1). memory_budget_mb bounds the per-row gradient
+    temporaries and the automatic forward batch (batch_size=None); None = a quarter of free
+    device memory. Raises UnsupportedModel for models it cannot make exact.
+    """
+    sums, denom = fisher_sums(model, input_ids, attention_mask, completion_mask, estimator,
+                              weights, None, 1, memory_budget_mb, batch_size)
+    d = float(denom.sum())
+    if d <= 0:
+        raise ValueError("completion_mask: no counted tokens (or all weights are zero)")
+    out = {}
+    for n in list(sums):
+        s = sums.pop(n)
+        out[n] = (s[0] if s.shape[0] == 1 else s.sum(0)).div_(d).float().cpu()  # in place
+    return out
+
+
+def batch_fisher(
+    model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
+    completion_mask: torch.Tensor, batch_size: int = 8,
+) -> dict[str, torch.Tensor]:
+    """Child-Tuning style: sum over minibatches of (d/dθ mean_n NLL_n)^2, NLL_n = -sum_t log p.
+
+    Cheap and biased (cross-sample terms survive); a baseline, not the model Fisher."""
+    device = _model_device(model)
+    params = trainable_parameters(model)
+    out = {n: torch.zeros(p.shape, dtype=torch.float32, device=device) for n, p in params.items()}
+    N = input_ids.shape[0]
+    with _eval(model):
+        for s in range(0, N, batch_size):
+            ids = input_ids[s : s + batch_size].to(device)
+            am = attention_mask[s : s + batch_size].to(device)
+            cm = completion_mask[s : s + batch_size].to(device).bool()
+            scale = torch.full((ids.shape[0],), -1.0 / ids.shape[0], device=device)
+            loss = _row_loss(model, ids, am, cm, scale)
+            grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
+            for (n, _), gr in zip(params.items(), grads, strict=True):
+                if gr is not None:
+                    out[n] += gr.float().square()
+    return {n: t.cpu() for n, t in out.items()}
