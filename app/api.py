@@ -131,6 +131,9 @@ def _folder_info(folder: Path) -> dict[str, Any]:
     info["vocab_size"] = cfg.get("vocab_size")
     if extra.get("accuracy") is not None:
         info["accuracy"] = extra["accuracy"]
+    # e.g. "smollm2-135m (dequantised from Q4_1)": how model lists show it, with its note
+    info["label"] = extra.get("display_name") or folder.name
+    info["note"] = extra.get("note") or ""
     info["path"] = str(folder)
     return info
 

@@ -99,12 +99,15 @@ def fl_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 @pytest.fixture(scope="session")
 def zoo_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A FISHERLENS_HOME whose zoo/ holds arith-base and arith-teacher, built once per session.
+    """A FISHERLENS_HOME whose zoo/ holds every zoo model (the shipped weights, installed and
+    sha256-verified once per session: about a second).
 
     Set FISHERLENS_TEST_ZOO to an existing home to reuse a zoo built earlier.
     """
+    from compute.modelref import ZOO_NAMES
+
     cached = os.environ.get("FISHERLENS_TEST_ZOO")
-    if cached and (Path(cached) / "zoo" / "arith-base").exists():
+    if cached and all((Path(cached) / "zoo" / n / "config.json").exists() for n in ZOO_NAMES):
         return Path(cached)
     from compute.zoo import build_zoo
 
