@@ -93,27 +93,35 @@ def _resample_weights(n: int, reps: int, gen: torch.Generator, fixed: bool) -> t
     return counts / n
 
 
+CHUNK_ELEMENTS = 8_000_000  # bootstrap weights held at once (replicates x prompts), 64 MB float64
+
+
 @dataclass
 class _Draws:
-    """Bootstrap weights of one resampling scheme: prompts (R, n) and seeds (R, S)."""
+    """Bootstrap weights of one resampling scheme, in chunks of replicates so that memory stays
+    bounded whatever replicates x prompts: prompts (r, n) and seeds (r, S) per chunk."""
 
-    prompts: torch.Tensor
-    seeds: torch.Tensor
+    chunks: list[tuple[torch.Tensor, torch.Tensor]]
 
     def base(self, b: torch.Tensor) -> torch.Tensor:  # b: (n,) -> (R,)
-        return self.prompts @ b
+        return torch.cat([w @ b for w, _ in self.chunks])
 
     def runs(self, x: torch.Tensor) -> torch.Tensor:  # x: (S, n) -> (R,)
-        per_seed = self.prompts @ x.T  # (R, S)
-        return (self.seeds * per_seed).sum(1)
+        return torch.cat([(u * (w @ x.T)).sum(1) for w, u in self.chunks])  # (r, S) per chunk
 
 
 def _draws(S: int, n: int, cfg: BootstrapConfig) -> dict[str, _Draws]:
+    """The three schemes (both, seeds only, prompts only), the same for every call with the same
+    (S, n, cfg), so base, full and every mask are resampled identically (paired)."""
     gen = torch.Generator().manual_seed(int(cfg.seed))
-    R = cfg.replicates
+    step = max(1, CHUNK_ELEMENTS // max(n, S))
     out = {}
     for name, fix_seeds, fix_prompts in (("both", False, False), ("seeds", False, True), ("prompts", True, False)):
-        out[name] = _Draws(_resample_weights(n, R, gen, fix_prompts), _resample_weights(S, R, gen, fix_seeds))
+        chunks = []
+        for start in range(0, cfg.replicates, step):
+            r = min(step, cfg.replicates - start)
+            chunks.append((_resample_weights(n, r, gen, fix_prompts), _resample_weights(S, r, gen, fix_seeds)))
+        out[name] = _Draws(chunks)
     return out
 
 

@@ -278,3 +278,19 @@ def test_retention_cli_on_the_zoo_records_provenance(zoo_home, tmp_path, monkeyp
     else:
         assert row["retention"] is None and "WARNING" in res.output
     assert (out / "retention.md").read_text() == s["markdown"]
+
+
+def test_bootstrap_in_chunks_is_bounded_and_consistent(monkeypatch) -> None:
+    # Replicates are drawn in chunks (bounded memory whatever replicates x prompts); the statistics
+    # do not depend on the chunking beyond bootstrap noise.
+    import compute.retention as R
+
+    base = bernoulli(1000, 0.3, 80)
+    full = torch.stack([flip(base, 100, 81 + s) for s in range(2)])
+    one = R.gain_stats(base, full, BootstrapConfig(replicates=3000))
+    monkeypatch.setattr(R, "CHUNK_ELEMENTS", 100_000)  # 30 chunks of 100 replicates
+    assert len(R._draws(2, 1000, BootstrapConfig(replicates=3000))["both"].chunks) == 30
+    many = R.gain_stats(base, full, BootstrapConfig(replicates=3000))
+    assert many["gain"] == one["gain"]
+    assert many["gain_se"] == pytest.approx(one["gain_se"], rel=0.1)
+    assert many["gain_ci"] == pytest.approx(one["gain_ci"], abs=0.005)
