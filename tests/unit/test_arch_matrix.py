@@ -47,10 +47,12 @@ def _rows(left: bool, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.
 def reference(model, ids, am, cm) -> dict[str, dict[str, torch.Tensor]]:
     """{estimator: Fisher}: one forward/backward per sample on the unpadded row, float64 (float32
     for a family whose float64 forward fails)."""
+    dev = next(model.parameters()).device
+    ids, am, cm = ids.to(dev), am.to(dev), cm.to(dev)
     try:
         ref_model = model.double()
         ref_model(input_ids=ids[:1, :2])
-    except RuntimeError:
+    except RuntimeError:  # e.g. XGLM's eager attention cannot run in float64
         ref_model = model.float()
     params = trainable_parameters(ref_model)
     out = {e: {n: torch.zeros(p.shape, dtype=torch.float64) for n, p in params.items()}
