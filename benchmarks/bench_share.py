@@ -317,6 +317,11 @@ def run_backend(name: str, results: list[Any], args: argparse.Namespace) -> dict
         shutil.rmtree(home, ignore_errors=True)
 
 
+def git_commit() -> str:
+    out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    return out.stdout.strip() or "unknown"
+
+
 def markdown(report: dict[str, Any]) -> str:
     lines = [f"Share page `/r/<token>`: {report['readers']} concurrent readers (closed loop, keep-alive, "
              f"gzip) for {report['seconds']} s against one uvicorn process on {report['cpus']} CPU cores; "
@@ -373,7 +378,8 @@ def main() -> None:
         runs.append(r)
     report = {"benchmark": "share_page", "started": started, "readers": args.readers,
               "seconds": args.seconds, "cpus": os.cpu_count(), "python": sys.version.split()[0],
-              "command": " ".join([Path(sys.executable).name, *sys.argv]), "runs": runs}
+              "command": " ".join([Path(sys.executable).name, *sys.argv]), "commit": git_commit(),
+              "runs": runs}
     md = markdown(report)
     print(md)
     if not args.no_save:
