@@ -134,6 +134,34 @@ def _prompts_and_answers(task_or_prompts: Any, config: FisherConfig) -> tuple[li
     return [e.prompt for e in ex], [e.answer for e in ex]
 
 
+def _half_sums(model: nn.Module, roll: Rollout, n_prompts: int, est: str, config: FisherConfig,
+               prog: Callable) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """(name -> (2, *shape) sums over the even / odd prompt halves, (2,) denominators), in
+    chunks of prompts so progress is reported and the expanded token rows stay bounded."""
+    groups = ((roll.prompt_index + config.prompt_start) % 2).cpu()
+    total: dict[str, torch.Tensor] = {}
+    denom = torch.zeros(2, dtype=torch.float64)
+    n_chunks = max(1, min(n_prompts, 10))
+    bounds = [round(i * n_prompts / n_chunks) for i in range(n_chunks + 1)]
+    for c in range(n_chunks):
+        rows = ((roll.prompt_index >= bounds[c]) & (roll.prompt_index < bounds[c + 1])).cpu()
+        idx = rows.nonzero().squeeze(1)
+        if idx.numel() == 0:
+            continue
+        sub = roll.select(idx)
+        sums, d = fisher_sums(model, sub.input_ids, sub.attention_mask, sub.completion_mask,
+                              est, None, groups[idx], 2, config.memory_budget_mb,
+                              config.batch_size)
+        for n, t in sums.items():
+            if n in total:
+                total[n].add_(t)
+            else:
+                total[n] = t
+        denom += d
+        prog(0.3 + 0.7 * (c + 1) / n_chunks, f"fisher {c + 1}/{n_chunks}")
+    return total, denom
+
+
 def estimate_fisher(
     model: nn.Module, tokenizer: Any, task_or_prompts: Any, config: FisherConfig,
     progress: Callable[[float, str], None] | None = None,
@@ -168,25 +196,7 @@ def estimate_fisher(
         fisher = batch_fisher(model, roll.input_ids, roll.attention_mask, roll.completion_mask,
                               config.batch_size or 8)
     else:
-        groups = ((roll.prompt_index + config.prompt_start) % 2).cpu()
-        total: dict[str, torch.Tensor] = {}
-        denom = torch.zeros(2, dtype=torch.float64)
-        # chunk by prompts so progress is reported and the expanded token rows stay bounded
-        n_chunks = max(1, min(len(prompts), 10))
-        bounds = [round(i * len(prompts) / n_chunks) for i in range(n_chunks + 1)]
-        for c in range(n_chunks):
-            rows = ((roll.prompt_index >= bounds[c]) & (roll.prompt_index < bounds[c + 1])).cpu()
-            idx = rows.nonzero().squeeze(1)
-            if idx.numel() == 0:
-                continue
-            sub = roll.select(idx)
-            sums, d = fisher_sums(model, sub.input_ids, sub.attention_mask, sub.completion_mask,
-                                  est, None, groups[idx], 2, config.memory_budget_mb,
-                                  config.batch_size)
-            for n, s in sums.items():
-                total[n] = total[n] + s if n in total else s
-            denom += d
-            prog(0.3 + 0.7 * (c + 1) / n_chunks, f"fisher {c + 1}/{n_chunks}")
+        total, denom = _half_sums(model, roll, len(prompts), est, config, prog)
         dsum = float(denom.sum())
         if dsum <= 0:
             raise ValueError("completion_mask: no counted tokens")
