@@ -97,3 +97,14 @@ def test_cli_bad_model_or_task_exit_2(fl_home, tmp_path, args, field):
     r = CliRunner().invoke(main, ["fisher", *args, "--out", str(tmp_path)])
     assert r.exit_code == 2
     assert field in r.output and len([ln for ln in r.output.splitlines() if ln.strip()]) == 1
+
+
+def test_finish_reports_why_the_exact_output_check_was_skipped():
+    spec = FisherSpec(model="arith-base", prompts=2, shards=1)
+    reason = "model: the logits of X are not the output layer applied to the last hidden state"
+    out = {"shard": 0, "prompt_range": [0, 2], "n_rows": 2, "n_tokens": 4, "seconds": 0.1,
+           "sums": {"model.layers.0.mlp.up_proj.weight": torch.rand(2, 4, 3)},
+           "denoms": [1.0, 1.0], "exact": None, "exact_skipped": reason}
+    res = finish(spec, [out])
+    assert res.summary["exact_output_skipped"] == reason
+    assert "exact_output" not in res.summary
