@@ -75,7 +75,9 @@ class PerSampleHooks:
         self.leaves.clear()
 
     def refuse(self, mod: nn.Module, what: str) -> UnsupportedModel:
-        moe = any(h in type(mod).__name__ for h in _MOE_HINTS)
+        cfg = getattr(self.model, "config", None)
+        experts = max(int(getattr(cfg, k, 0) or 0) for k in ("num_experts", "num_local_experts"))
+        moe = experts > 1 or any(h in type(mod).__name__ for h in _MOE_HINTS)
         why = (" (mixture-of-experts routing sends tokens of different sequences through "
                "shared expert weights, so per-sequence gradients cannot be separated)" if moe
                else "")
@@ -89,7 +91,8 @@ class PerSampleHooks:
         if not isinstance(output, torch.Tensor):
             if names:
                 raise self.refuse(mod, f"owns parameters {[n for _, n in names]} but returns a "
-                                       f"{type(output).__name__}, not one tensor")
+                                       f"{type(output).__name__}, not one tensor, so its output gradient "
+                                       "cannot be taken")
             return "skip"
         n = output.shape[0] if output.dim() else 0
         if n == self.batch:

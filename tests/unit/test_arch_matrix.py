@@ -23,7 +23,7 @@ REFUSED = {
     "qwen2_moe": "mixture-of-experts",
     "mixtral": "mixture-of-experts",
     "olmoe": "mixture-of-experts",
-    "gpt_oss": "returns a tuple",
+    "gpt_oss": "mixture-of-experts",
 }
 TOL = 1e-5
 LENS = (7, 5, 4)  # three rows of different lengths; forward batches of 2 (< N = 3)
