@@ -80,9 +80,13 @@ def accumulator_dtype(dtypes: list[torch.dtype]) -> torch.dtype:
 
 
 def check_tolerance(dtypes: list[torch.dtype]) -> float:
-    """Relative L1 tolerance between two float computations of one gradient in these dtypes."""
+    """Relative L1 tolerance between two float computations of one gradient in these dtypes.
+
+    Half precision: the engine's per-row sums (float32 from bf16 activations) and autograd's
+    bf16 gradient differ by up to ~1.3% (tiny models, L=60); structural errors the engine's check
+    looks for are >= ~30% (a missing scale, a second use, a zero), so 0.1 separates them."""
     if any(d in HALF for d in dtypes):
-        return 5e-2
+        return 0.1
     return 1e-6 if all(d == torch.float64 for d in dtypes) else 2e-3
 
 
