@@ -1,0 +1,230 @@
+"""Every table the README quotes, written from a committed result file.
+
+    python benchmarks/readme_tables.py            # rewrite the tables in README.md
+    python benchmarks/readme_tables.py --check    # exit 1 if any table differs (what the test runs)
+    python benchmarks/readme_tables.py --print retention_default
+
+The README holds each table between markers:
+
+    <!-- table:retention_default -->
+    ...generated, do not edit...
+    <!-- /table -->
+
+A table is a registry entry: marker name -> committed source file (JSON, under benchmarks/results/)
++ a renderer (loaded JSON -> markdown). Every rendered table ends with where its numbers came from:
+the command, the git commit and the sha256 of the model weights that made the source file, so a
+README number can be traced and cannot drift from its file (tests/unit/test_readme_tables.py fails
+when it does).
+
+Adding a table: write a renderer `def render_x(data: dict) -> str` below and register it:
+
+    register("bench_fisher", "benchmarks/results/bench_fisher-latest.json", render_x)
+
+then put `<!-- table:bench_fisher --> <!-- /table -->` in README.md and run this script. The
+source path may be a glob (the newest match by name is used) for benchmarks that write
+timestamped files. Lives in benchmarks/ because the top level is fixed and the sources are
+benchmarks/results/*.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import re
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+# Files whose marked tables are generated (the README, and result notes that quote the same tables).
+FILES = ["README.md", "benchmarks/results/retention_default.md"]
+MARKER = re.compile(r"<!-- table:([A-Za-z0-9_.-]+) -->\n(.*?)<!-- /table -->", re.S)
+
+
+@dataclass(frozen=True)
+class TableSource:
+    name: str
+    source: str  # path relative to the repository root (JSON); a glob picks the newest by name
+    render: Callable[[dict[str, Any]], str]
+
+    def path(self, root: Path = ROOT) -> Path:
+        if any(c in self.source for c in "*?["):
+            matches = sorted(glob.glob(str(root / self.source)))
+            if not matches:
+                raise FileNotFoundError(f"table {self.name}: no file matches {self.source}")
+            return Path(matches[-1])
+        return root / self.source
+
+    def generate(self, root: Path = ROOT) -> str:
+        path = self.path(root)
+        data = json.loads(path.read_text())
+        body = self.render(data).rstrip("\n")
+        rel = path.relative_to(root).as_posix()
+        return f"{body}\n\n{provenance_line(data, rel)}\n"
+
+
+TABLES: dict[str, TableSource] = {}
+
+
+def register(name: str, source: str, render: Callable[[dict[str, Any]], str]) -> None:
+    if name in TABLES:
+        raise ValueError(f"table {name!r} is already registered")
+    TABLES[name] = TableSource(name, source, render)
+
+
+def provenance_line(data: dict[str, Any], rel: str) -> str:
+    """`Source: FILE, made by `COMMAND` at commit C; models: name sha256 ...` (what is recorded)."""
+    prov = data.get("provenance") or (data.get("meta") or {}).get("provenance") or {}
+    parts = [f"Source: `{rel}`"]
+    if prov.get("command"):
+        parts.append(f"made by `{prov['command']}`")
+    git = prov.get("git") or {}
+    if git.get("commit"):
+        parts.append(f"at commit {git['commit'][:10]}" + (" (with local changes)" if git.get("dirty") else ""))
+    models = []
+    for name, m in (prov.get("models") or {}).items():
+        shas = m.get("sha256") or {}
+        if shas:
+            models.append(f"{name} " + ", ".join(f"{f} sha256 {s[:12]}" for f, s in sorted(shas.items())))
+        elif m.get("revision"):
+            models.append(f"{name} revision {m['revision'][:12]}")
+    if models:
+        parts.append("models: " + "; ".join(models))
+    if prov.get("wall_seconds") is not None:
+        machine = prov.get("machine") or {}
+        parts.append(f"{prov['wall_seconds'] / 60:.1f} min wall, {prov.get('cpu_seconds', 0) / 60:.1f} CPU-min "
+                     f"on {machine.get('cpus', '?')} cores")
+    return "<sub>" + "; ".join(parts) + ". Regenerate with `python benchmarks/readme_tables.py`.</sub>"
+
+
+# ---------------------------------------------------------------------------------------------
+# renderers
+# ---------------------------------------------------------------------------------------------
+
+
+def render_retention(data: dict[str, Any]) -> str:
+    """A `fisherlens retention` result (OUT/retention.json): the table of compute.retention."""
+    from compute.retention import markdown_table
+
+    s = data["summary"]
+    st = s.get("settings") or {}
+    f = st.get("fisher") or {}
+    settings = (
+        f"Settings: {s.get('algo')} on `{s.get('task')}`, {st.get('optimizer')} lr {st.get('lr')}, "
+        f"{st.get('steps')} steps x {st.get('batch')} prompts x {st.get('group')} completions, "
+        f"precision {st.get('precision', 'fp32')}; initial Fisher {s.get('fisher', {}).get('estimator')} "
+        f"({f.get('prompts')} prompts x {f.get('samples')} samples); seeds {s.get('seeds_used')} "
+        f"(full and masked runs share each seed); {s.get('eval_prompts')} held-out prompts "
+        f"(target SE {(s.get('eval') or {}).get('eval_se_target')}), greedy; "
+        f"{s.get('bootstrap')} bootstrap replicates."
+    )
+    return markdown_table(s) + "\n" + settings + "\n"
+
+
+register("retention_default", "benchmarks/results/retention_default.json", render_retention)
+
+
+def _g(x: Any, spec: str = ".4g") -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
+def render_tokens(data: dict[str, Any]) -> str:
+    """Per context: trace F against F_orth (sensitivities made mutually orthogonal), exact when
+    the vocabulary was enumerated, bounds otherwise (compute.tokens)."""
+    lines = [
+        "| model | context | top-1 (p) | mean cos top-k | mean cos random | trace F | F_orth "
+        "| F_orth - F (share of F_orth) | top-k pairs only |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for c in data["contexts"]:
+        s = c["summary"]
+        sim = s["similarity"]
+        t = s["top_tokens"][0]
+        if sim["exact"]:
+            f, fo = _g(sim["trace_f"]), _g(sim["trace_f_orth"])
+            removed = f"{_g(sim['removed'], '+.4g')} ({_g(sim['removed_share'], '+.3f')})"
+        else:
+            f, fo = f">= {_g(sim['trace_f_lower'])}", f">= {_g(sim['trace_f_orth_lower'])}"
+            removed = f"<= {_g(sim['removed_upper'], '+.4g')} (<= {_g(sim['removed_share_upper'], '.3f')})"
+        ctx = s["context"].replace("|", "\\|")
+        lines.append(
+            f"| {c['model']}{'' if s.get('scope', 'model') == 'model' else ' (' + s['scope'] + ')'} | `{ctx}` | `{t['token'].strip() or repr(t['token'])}` ({t['prob']:.2f}) "
+            f"| {_g(s.get('mean_cosine_top'), '+.3f')} | {_g(s.get('mean_cosine_random'), '+.3f')} | {f} | {fo} "
+            f"| {removed} | {_g(sim['removed_top'], '+.4g')} |")
+    return "\n".join(lines) + "\n"
+
+
+register("tokens_counterfactual", "benchmarks/results/tokens_counterfactual.json", render_tokens)
+
+
+# ---------------------------------------------------------------------------------------------
+# README update / check
+# ---------------------------------------------------------------------------------------------
+
+
+def markers(text: str) -> dict[str, str]:
+    """marker name -> current content between its markers."""
+    found: dict[str, str] = {}
+    for m in MARKER.finditer(text):
+        if m.group(1) in found:
+            raise ValueError(f"README: table marker {m.group(1)!r} appears twice")
+        found[m.group(1)] = m.group(2)
+    return found
+
+
+def update(text: str, root: Path = ROOT, tables: dict[str, TableSource] | None = None) -> str:
+    """`text` with every marked table regenerated from its source. Unknown markers are an error."""
+    tables = TABLES if tables is None else tables
+    unknown = sorted(set(markers(text)) - set(tables))
+    if unknown:
+        raise KeyError(f"README: no registered table for marker(s) {', '.join(unknown)}; "
+                       f"registered: {', '.join(sorted(tables)) or 'none'}")
+
+    def sub(m: re.Match[str]) -> str:
+        return f"<!-- table:{m.group(1)} -->\n{tables[m.group(1)].generate(root)}<!-- /table -->"
+
+    return MARKER.sub(sub, text)
+
+
+def stale(text: str, root: Path = ROOT, tables: dict[str, TableSource] | None = None) -> list[str]:
+    """Names of the marked tables whose content differs from what their source generates."""
+    tables = TABLES if tables is None else tables
+    want = markers(update(text, root, tables))
+    return [name for name, body in markers(text).items() if want[name] != body]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 if a README table differs from its source")
+    ap.add_argument("--print", dest="show", metavar="NAME", help="print one generated table")
+    ap.add_argument("files", nargs="*", help=f"files holding markers  [default: {' '.join(FILES)}]")
+    args = ap.parse_args(argv)
+    sys.path.insert(0, str(ROOT))
+    if args.show:
+        print(TABLES[args.show].generate(), end="")
+        return 0
+    bad_total = 0
+    for path in [Path(f) if Path(f).is_absolute() else ROOT / f for f in (args.files or FILES)]:
+        if not path.is_file():
+            continue
+        text = path.read_text()
+        if args.check:
+            bad = stale(text)
+            for name in bad:
+                print(f"{path.name}: table {name!r} differs from {TABLES[name].source}; "
+                      "run python benchmarks/readme_tables.py", file=sys.stderr)
+            bad_total += len(bad)
+            continue
+        new = update(text)
+        if new != text:
+            path.write_text(new)
+        print(f"{path.name}: {len(markers(new))} table(s) generated: {', '.join(markers(new)) or 'none'}")
+    return 1 if bad_total else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
