@@ -1,23 +1,56 @@
 """The Celery app definition, without tasks and without torch: the web process imports this to
 send tasks by name; compute/worker.py imports it and registers the task bodies.
 
-Broker: settings.redis_url when set, else kombu's filesystem:// transport under
-settings.queue_dir (the embedded default). No result backend: job status lives in our database.
+Broker: settings.redis_url when set, else kombu's filesystem transport under settings.queue_dir
+(the embedded default), with atomic writes (AtomicFilesystemTransport, URL `fsatomic://`). No
+result backend: job status lives in our database.
 """
 
 from __future__ import annotations
 
 import os
+import uuid
 from pathlib import Path
+from time import monotonic
 from typing import Any
 
 from celery import Celery
+from kombu.transport import TRANSPORT_ALIASES
+from kombu.transport import filesystem as _kombu_fs
+from kombu.utils.encoding import str_to_bytes
+from kombu.utils.json import dumps
 
 RUN_JOB = "fisherlens.run_job"
 RUN_SHARD = "fisherlens.run_shard"
 FINISH_SHARDS = "fisherlens.finish_shards"
 # One queue for all job kinds; FISHERLENS_QUEUE separates stacks sharing one Redis (and tests).
 QUEUE = os.environ.get("FISHERLENS_QUEUE", "fisherlens")
+
+
+class _AtomicFilesystemChannel(_kombu_fs.Channel):
+    def _put(self, queue: str, payload: Any, **kwargs: Any) -> None:
+        """Write the message under a temporary name, then rename it into place. kombu writes
+        the final file in place, so a consumer listing the folder between open() and write()
+        read an empty file, and the worker died with "Unrecoverable error: JSONDecodeError"
+        (seen under load). The consumer skips names that do not end in `.<queue>.msg`."""
+        name = f"{int(round(monotonic() * 1000))}_{uuid.uuid4()}.{queue}.msg"
+        final = os.path.join(self.data_folder_out, name)
+        tmp = os.path.join(self.data_folder_out, f".{name}.tmp")
+        try:
+            with open(tmp, "wb", buffering=0) as f:
+                f.write(str_to_bytes(dumps(payload)))
+            os.replace(tmp, final)
+        except OSError as exc:
+            raise _kombu_fs.ChannelError(f"Cannot add file {final!r} to directory") from exc
+
+
+class AtomicFilesystemTransport(_kombu_fs.Transport):
+    """kombu's filesystem transport with atomic message files (see _AtomicFilesystemChannel)."""
+
+    Channel = _AtomicFilesystemChannel
+
+
+TRANSPORT_ALIASES.setdefault("fsatomic", "compute.celery_app:AtomicFilesystemTransport")
 
 
 def filesystem_options(queue_dir: Path) -> dict[str, Any]:
@@ -61,7 +94,7 @@ def celery_config(settings: Any) -> dict[str, Any]:
             "visibility_timeout": int(settings.job_visibility_timeout_s),
         }
     else:
-        conf["broker_url"] = "filesystem://"
+        conf["broker_url"] = "fsatomic://"
         conf["broker_transport_options"] = filesystem_options(Path(settings.queue_dir))
         conf["worker_enable_remote_control"] = False
         conf["worker_send_task_events"] = False
