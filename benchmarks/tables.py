@@ -31,7 +31,7 @@ def fisher_table(data: dict[str, Any]) -> str:
     lines = [
         f"Source: `benchmarks/results/bench_fisher.json` (`{meta['command'].strip()}`, commit "
         f"{meta['git_commit']}, {meta['date']}, torch {meta['torch']}, {meta['device']}, "
-        f"{meta['threads']} threads, load average at the end "
+        f"threads: {meta['threads']}, load average at the end "
         f"{meta['load_average_at_end'][0]:.1f}). Times: median [quartiles] of "
         f"{data['results'][0]['methods']['floor']['seconds']['n'] if data['results'] else 0} "
         "interleaved rounds; `x floor`: median [quartiles] of the per-round ratio to `floor` "
@@ -60,6 +60,18 @@ def fisher_table(data: dict[str, Any]) -> str:
                 f"| {label} | {shape} | {name} | {_q(st['seconds'], '.3f')} | {x} | "
                 f"{st['peak_mb']:.0f} | {'; '.join(note)} |"
             )
+    lines.append("")
+    lines.append("Goal (median of interleaved rounds): `sequence` <= 1.5x floor, `token` <= 1.5x "
+                 "token-floor.")
+    lines.append("")
+    for row in data["results"]:
+        for name in ("sequence", "token"):
+            st = row["methods"].get(name, {})
+            if "x_ref" not in st:
+                continue
+            x = st["x_ref"]["median"]
+            verdict = "met" if x <= 1.5 else f"**not met** (measured gap: {x / 1.5:.2f}x the goal)"
+            lines.append(f"- {row['model']}, `{name}`: {x:.2f}x {st['ref']}: {verdict}")
     return "\n".join(lines)
 
 
@@ -67,7 +79,7 @@ def masked_table(data: dict[str, Any]) -> str:
     meta = data["meta"]
     lines = [
         f"Source: `benchmarks/results/bench_masked.json` (`{meta['command'].strip()}`, commit "
-        f"{meta['git_commit']}, {meta['date']}, torch {meta['torch']}, {meta['threads']} threads, "
+        f"{meta['git_commit']}, {meta['date']}, torch {meta['torch']}, threads: {meta['threads']}, "
         f"{meta['n_params']:,} parameters, load average at the end "
         f"{meta['load_average_at_end'][0]:.1f}). Median [quartiles] of "
         f"{data['rows'][0]['ms']['n']} interleaved steps; `x dense-torch`: median [quartiles] of "
