@@ -209,7 +209,7 @@ def build_ui(settings: Any) -> gr.Blocks:  # noqa: C901 - layout + wiring read t
         """(label, ref) for every model dropdown: zoo names, registered folders and trained
         models ('#6 train arith-base grpo masked' -> job:6), as any model field accepts them."""
         try:
-            return [(m["name"], m["ref"]) for m in api.all_models(settings)]
+            return [(m.get("label") or m["name"], m["ref"]) for m in api.all_models(settings)]
         except Exception:  # noqa: BLE001 - a broken zoo folder must not break the page
             log.warning("listing models failed", exc_info=True)
             return []
@@ -545,7 +545,8 @@ def build_ui(settings: Any) -> gr.Blocks:  # noqa: C901 - layout + wiring read t
     # models tab
     def models_table():
         rows = api.all_models(settings)
-        headers = ["name", "source", "architecture", "n_params", "n_layers", "hidden_size", "vocab_size", "path"]
+        headers = ["name", "source", "architecture", "n_params", "n_layers", "hidden_size", "vocab_size", "note",
+                   "path"]
         return gr.Dataframe(value=[[r.get(h) for h in headers] for r in rows] or [[None] * len(headers)],
                             headers=headers)
 
