@@ -59,6 +59,17 @@ def home(real_home: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return real_home
 
 
+@pytest.fixture(scope="module")
+def smol(real_home: Path) -> tuple:
+    """(model, tokenizer) loaded once, float32 on the CPU, as every fisherlens command loads it."""
+    from app.settings import Settings
+    from compute.models import load_model
+
+    return load_model(
+        NAME, device="cpu", dtype="float32", settings=Settings(fisherlens_home=real_home)
+    )
+
+
 @pytest.mark.slow
 def test_conversion_record_and_listing(home: Path) -> None:
     folder = home / "zoo" / NAME
@@ -87,10 +98,10 @@ def test_conversion_record_and_listing(home: Path) -> None:
 
 
 @pytest.mark.slow
-def test_greedy_paris(home: Path) -> None:
-    from compute.models import greedy_generate, load_model
+def test_greedy_paris(smol: tuple) -> None:
+    from compute.models import greedy_generate
 
-    model, tok = load_model(NAME, device="cpu", dtype="float32")
+    model, tok = smol
     assert type(model).__name__ == "LlamaForCausalLM"
     assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     out = greedy_generate(model, tok, ["The capital of France is"], max_new_tokens=3)
@@ -98,14 +109,12 @@ def test_greedy_paris(home: Path) -> None:
 
 
 @pytest.mark.slow
-def test_sequence_fisher_matches_per_sample_reference(home: Path) -> None:
-    """The engine (batched, chunked with batch_size < N) against one backward per row, float32."""
+def test_sequence_fisher_matches_per_sample_reference(smol: tuple) -> None:
+    """The engine (chunked with batch_size < N) against one backward per row, float32."""
     from compute.fisher import fisher_from_samples
-    from compute.models import load_model
 
-    torch.manual_seed(0)
-    model, tok = load_model(NAME, device="cpu", dtype="float32")
-    texts = ["The capital of France is Paris.", "2+2=4", "Hello, how are you today?"]
+    model, tok = smol
+    texts = ["The capital of France is Paris.", "2+2=4"]
     enc = [tok(t)["input_ids"] for t in texts]
     width = max(len(e) for e in enc)
     ids = torch.full((len(enc), width), tok.pad_token_id, dtype=torch.long)
@@ -116,7 +125,7 @@ def test_sequence_fisher_matches_per_sample_reference(home: Path) -> None:
     cm = am.clone()
     cm[:, :2] = 0  # the first two tokens are the "prompt"
 
-    got = fisher_from_samples(model, ids, am, cm, estimator="sequence", batch_size=2)
+    got = fisher_from_samples(model, ids, am, cm, estimator="sequence", batch_size=1)
 
     ref: dict[str, torch.Tensor] = {}
     for i, e in enumerate(enc):
