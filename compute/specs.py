@@ -108,7 +108,10 @@ class FisherSpec(_Spec):
     exact_output: bool = Field(True, description="also compute the exact output-layer Fisher")
     dtype: Dtype = "auto"
     device: Device = "auto"
-    memory_budget_mb: int = Field(2048, ge=64, le=1_048_576)
+    memory_budget_mb: int | None = Field(
+        None, ge=64, le=1_048_576,
+        description="bound on per-sample-gradient temporaries (MiB); None = a quarter of free device memory",
+    )
 
     @model_validator(mode="after")
     def _shards_have_prompts(self) -> FisherSpec:

@@ -356,8 +356,4 @@ def retention_cmd(out: str, densities: str | None, selectors: str | None, **opti
 
 
 commands: list[click.Command] = [mask_cmd, diff_cmd, tokens_cmd, retention_cmd]
-# Training area: append below, e.g. `commands += [train_cmd, retention_cmd]`.
-from app.commands.training import commands as _training_commands  # noqa: E402
-
-# `retention` now lives here (statistics, provenance); the training area keeps `train`.
-commands += [c for c in _training_commands if c.name != "retention"]
+# The training area's commands (train, sweep) are registered by app/commands/training.py.

@@ -157,59 +157,6 @@ def _words(text: str | None) -> list[str] | None:
     return None if text is None else [x.strip() for x in text.split(",") if x.strip()]
 
 
-@click.command("retention")
-@click.option("--model", help="zoo name, local HF directory, or hub id  [default: arith-base]")
-@click.option("--task", help="[default: arithmetic]")
-@click.option("--algo", help="grpo | opd | sft  [default: grpo]")
-@click.option("--teacher", help="teacher for opd  [default: arith-teacher for arith-base]")
-@click.option("--densities", help="comma-separated mask densities  [default: 0.01,0.05,0.1]")
-@click.option("--selectors", help="comma-separated selectors  [default: fisher,random,magnitude]")
-@click.option("--seeds", type=int, help="seeds per configuration  [default: 3]")
-@click.option("--steps", type=int, help="optimizer steps per run")
-@click.option("--lr", type=float, help="learning rate")
-@click.option("--optimizer", help="adamw | sgd")
-@click.option("--batch", type=int, help="prompts per step")
-@click.option("--group", type=int, help="completions per prompt")
-@click.option("--max-new-tokens", type=int, help="sampled completion length")
-@click.option("--weight-decay", type=float)
-@click.option("--momentum", type=float, help="SGD momentum")
-@click.option("--temperature", type=float)
-@click.option("--kl-coef", type=float)
-@click.option("--distill-estimator", help="full | sampled")
-@click.option("--fisher-prompts", type=int, help="prompts of the initial Fisher")
-@click.option("--fisher-samples", type=int, help="samples per prompt of the initial Fisher")
-@click.option("--eval-prompts", type=int, help="held-out prompts")
-@click.option("--device", help="auto | cpu | cuda | cuda:N")
-@click.option("--dtype", help="auto | float32 | bfloat16 | float16")
-@click.option("--out", "out", default="retention", show_default=True, type=click.Path(file_okay=False),
-              help="writes OUT/retention.json and OUT/retention.md")
-def retention_cmd(out: str, densities: str | None, selectors: str | None, **options: Any) -> None:
-    """Full vs fixed-mask training from the initial Fisher: the retention table."""
-    options["densities"] = _floats(densities, "--densities")
-    options["selectors"] = _words(selectors)
-    spec = spec_from_options("retention", options)
-    _check_refs(spec)
-    from compute.run_retention import run
-
-    with cli_progress("retention") as progress:
-        try:
-            result = run(spec, progress)
-        except ValueError as exc:
-            fail(str(exc).splitlines()[0])
-    s = result.summary
-    out_dir = Path(out)
-    write_json(out_dir / "retention.json", {**result.to_dict(), "spec": spec.model_dump(mode="json")})
-    (out_dir / "retention.md").write_text(s["markdown"])
-    click.echo(s["markdown"])
-    us = s.get("full_update_sparsity", {})
-    click.echo(f"full runs: unchanged exact {_fmt(us.get('unchanged_exact'))}, |delta|<=1e-5 "
-               f"{_fmt(us.get('unchanged_atol_1e-05'))}; initial Fisher precision@changed "
-               f"{_fmt(us.get('fisher_precision_at_changed'))}, precision@top1%|delta| "
-               f"{_fmt(us.get('fisher_precision_at_top1pct_delta'))}")
-    click.echo(f"{s['runs']} runs in {s['seconds']:.0f} s; wrote {out_dir / 'retention.json'} and "
-               f"{out_dir / 'retention.md'}")
-
-
 def spec_command(kind: str, spec: Any) -> str:
     """The CLI command that reproduces `spec` (fields that differ from their defaults)."""
     parts = [f"fisherlens {kind}"]
@@ -304,4 +251,4 @@ def sweep_cmd(out: str, lrs: str | None, optimizers: str | None, precision: str 
                f"{out_dir / 'sweep.md'} and {out_dir / 'sweep.html'}")
 
 
-commands: list[click.Command] = [train_cmd, retention_cmd, sweep_cmd]
+commands: list[click.Command] = [train_cmd, sweep_cmd]

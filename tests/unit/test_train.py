@@ -206,7 +206,7 @@ def test_train_cli_bad_values_exit_2_with_one_line(args: list[str], flag: str, t
 def test_retention_cli_bad_values_exit_2(tmp_path, fl_home) -> None:
     from click.testing import CliRunner
 
-    from app.commands.training import retention_cmd
+    from app.commands.experiments import retention_cmd
 
     for args, flag in ((["--densities", "0.1,abc"], "--densities"), (["--densities", "0,0.1"], "--densities"),
                        (["--selectors", "fisher,best"], "--selectors"), (["--seeds", "0"], "--seeds")):
