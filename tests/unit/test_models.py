@@ -68,7 +68,9 @@ def test_local_dir_outside_roots_is_rejected(tmp_path: Path) -> None:
         resolve_model(str(outside), s)
     msg = str(info.value)
     assert msg.startswith("model: ") and "outside the allowed model roots" in msg
-    assert str(root.resolve()) in msg and str(s.zoo_dir) in msg
+    # The roots are server paths: the message names the setting, never the folders (issue 8).
+    assert str(root.resolve()) not in msg and str(s.zoo_dir) not in msg
+    assert "ALLOWED_MODEL_ROOTS" in msg
 
 
 def test_dotdot_escape_is_rejected(tmp_path: Path) -> None:
