@@ -80,8 +80,9 @@ def provenance_line(data: dict[str, Any], rel: str) -> str:
     """`Source: FILE, made by `COMMAND` at commit C; models: name sha256 ...` (what is recorded)."""
     prov = data.get("provenance") or (data.get("meta") or {}).get("provenance") or {}
     parts = [f"Source: `{rel}`"]
-    if prov.get("command"):
-        parts.append(f"made by `{prov['command']}`")
+    command = prov.get("command") or data.get("command") or (data.get("meta") or {}).get("command")
+    if command:
+        parts.append(f"made by `{command.strip()}`")
     git = prov.get("git") or {}
     if git.get("commit"):
         parts.append(f"at commit {git['commit'][:10]}" + (" (with local changes)" if git.get("dirty") else ""))
@@ -92,6 +93,8 @@ def provenance_line(data: dict[str, Any], rel: str) -> str:
             models.append(f"{name} " + ", ".join(f"{f} sha256 {s[:12]}" for f, s in sorted(shas.items())))
         elif m.get("revision"):
             models.append(f"{name} revision {m['revision'][:12]}")
+    if not models and data.get("model_weights_sha256"):
+        models.append(f"model weights sha256 {data['model_weights_sha256'][:12]}")
     if models:
         parts.append("models: " + "; ".join(models))
     if prov.get("wall_seconds") is not None:
@@ -159,6 +162,69 @@ def render_tokens(data: dict[str, Any]) -> str:
 
 
 register("tokens_counterfactual", "benchmarks/results/tokens_counterfactual.json", render_tokens)
+
+
+def _bench_tables() -> Any:
+    """benchmarks/tables.py (the benchmark JSON -> markdown renderers), imported by path."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_tables", ROOT / "benchmarks" / "tables.py")
+    assert spec and spec.loader
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def render_bench_fisher(data: dict[str, Any]) -> str:
+    return _bench_tables().fisher_table(data) + "\n"
+
+
+def render_bench_masked(data: dict[str, Any]) -> str:
+    return _bench_tables().masked_table(data) + "\n"
+
+
+def render_sweep(data: dict[str, Any]) -> str:
+    """A `fisherlens sweep` result (OUT/sweep.json): the points table of compute.run_sweep."""
+    from compute.run_sweep import markdown_table
+
+    return markdown_table(data["points"]) + "\n"
+
+
+def render_share(data: dict[str, Any]) -> str:
+    """benchmarks/bench_share.py: N concurrent readers of /r/<token> against one uvicorn process."""
+    lines = [
+        f"{data['readers']} concurrent readers for {data['seconds']:.0f} s, keep-alive, gzip, on "
+        f"{data['cpus']} cores.",
+        "",
+        "| database | requests | req/s | p50 ms | p95 ms | p99 ms | errors | load average before |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in data["runs"]:
+        errors = sum(n for code, n in r["status_codes"].items() if code != "200")
+        lines.append(
+            f"| {r['db']} | {r['requests']} | {r['throughput_rps']:.0f} | {r['p50_ms']:.0f} "
+            f"| {r['p95_ms']:.0f} | {r['p99_ms']:.0f} | {errors} | {r['machine_before']['loadavg'][0]:.1f} |")
+    return "\n".join(lines) + "\n"
+
+
+def render_zoo(data: dict[str, Any]) -> str:
+    """compute/zoo_weights/manifest.json: the shipped zoo models and their held-out accuracy."""
+    lines = ["| model | layers | params | held-out accuracy | model.safetensors sha256 |",
+             "|---|---:|---:|---:|---|"]
+    for name, m in data["models"].items():
+        lines.append(f"| {name} | {m['n_layers']} | {m['params']:,} | {m['accuracy']:.1%} "
+                     f"({m['accuracy_decoding']}, {m['accuracy_prompts']} {m['accuracy_split']} prompts) "
+                     f"| {m['files']['model.safetensors']} |")
+    return "\n".join(lines) + "\n"
+
+
+register("zoo", "compute/zoo_weights/manifest.json", render_zoo)
+
+register("bench_fisher", "benchmarks/results/bench_fisher.json", render_bench_fisher)
+register("bench_masked", "benchmarks/results/bench_masked.json", render_bench_masked)
+register("sweep_bf16_mixed", "benchmarks/results/sweep_arith_base_bf16_mixed/sweep.json", render_sweep)
+register("sweep_precision", "benchmarks/results/sweep_arith_base_precision/sweep.json", render_sweep)
+register("bench_share", "benchmarks/results/bench_share-*.json", render_share)
 
 
 # ---------------------------------------------------------------------------------------------
