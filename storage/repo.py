@@ -107,6 +107,16 @@ def model_dict(m: Model) -> dict[str, Any]:
 
 
 # -- jobs -------------------------------------------------------------------------------------
+def _queued_job(**fields: Any) -> Job:
+    """A new `queued` Job row (not yet added): the one place a job's initial state is written."""
+    spec = fields.pop("spec")
+    return Job(
+        shared=True, spec=_clean(spec), status="queued", progress=0.0, message="queued",
+        share_token=new_share_token(), attempts=0, cancel_requested=False, created_at=utcnow(),
+        **fields,
+    )
+
+
 def create_job(
     *,
     session: Session,
@@ -125,23 +135,10 @@ def create_job(
         model_revision = revision_digest(revisions)
     if owner_id is None and parent_id is not None:  # shards belong to their parent's owner
         owner_id = session.scalar(select(Job.owner_id).where(Job.id == parent_id))
-    job = Job(
-        owner_id=owner_id,
-        shared=True,
-        kind=kind,
-        spec=_clean(spec),
-        spec_hash=spec_hash,
-        model_revision=model_revision,
-        revisions=list(revisions) if revisions else None,
-        status="queued",
-        progress=0.0,
-        message="queued",
-        share_token=new_share_token(),
-        attempts=0,
-        cancel_requested=False,
-        parent_id=parent_id,
-        shard_index=shard_index,
-        created_at=utcnow(),
+    job = _queued_job(
+        kind=kind, spec=spec, spec_hash=spec_hash, model_revision=model_revision,
+        revisions=list(revisions) if revisions else None, owner_id=owner_id,
+        parent_id=parent_id, shard_index=shard_index,
     )
     session.add(job)
     session.commit()
@@ -487,25 +484,12 @@ def create_shards(
     crash leaves all of them or none), and the parent handed from its claimer to its shards
     (worker = NULL). Returns all n children, ordered by shard index."""
     have = {j.shard_index for j in shard_jobs(session=session, parent_id=parent_id)}
+    owner_id = session.scalar(select(Job.owner_id).where(Job.id == parent_id))  # shards are the parent's
     now = utcnow()
     for i in range(n):
         if i not in have:
-            session.add(
-                Job(
-                    kind="fisher",
-                    spec=_clean(spec),
-                    spec_hash=spec_hash,
-                    status="queued",
-                    progress=0.0,
-                    message="queued",
-                    share_token=new_share_token(),
-                    attempts=0,
-                    cancel_requested=False,
-                    parent_id=parent_id,
-                    shard_index=i,
-                    created_at=now,
-                )
-            )
+            session.add(_queued_job(kind="fisher", spec=spec, spec_hash=spec_hash, owner_id=owner_id,
+                                    parent_id=parent_id, shard_index=i))
     session.execute(
         update(Job)
         .where(Job.id == parent_id, Job.status == "running")

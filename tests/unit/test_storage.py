@@ -457,3 +457,23 @@ def test_claim_job_lets_one_delivery_run_it(session) -> None:
     c = repo.create_job(session=session, kind="fisher", spec={}, spec_hash="d")
     repo.request_cancel(session=session, job_id=c.id)
     assert repo.claim_job(session=session, job_id=c.id, worker="a@x", stale_after_s=300) is None
+
+
+def test_shards_belong_to_their_parents_owner(session) -> None:
+    from storage.users import create_user
+
+    ada = create_user(session=session, name="ada")
+    parent = repo.create_job(session=session, kind="fisher", spec={"prompts": 4}, spec_hash="h",
+                             owner_id=ada.id)
+    assert parent.status == "queued" and parent.owner_id == ada.id
+    parent.status = "running"
+    session.commit()
+    shards = repo.create_shards(session=session, parent_id=parent.id, n=3, spec={"prompts": 4},
+                                spec_hash="h")
+    assert [s.shard_index for s in shards] == [0, 1, 2]
+    assert {s.owner_id for s in shards} == {ada.id}
+    assert all(s.status == "queued" and s.attempts == 0 and s.share_token for s in shards)
+    # Created once: a second fan-out (a re-delivered message) adds no rows.
+    again = repo.create_shards(session=session, parent_id=parent.id, n=3, spec={"prompts": 4},
+                               spec_hash="h")
+    assert [s.id for s in again] == [s.id for s in shards]
