@@ -357,7 +357,10 @@ class TokensSpec(_Spec):
     full_vocab_max: int = Field(1024, ge=1, le=1_000_000, description="enumerate the whole vocabulary up to this size")
     mass_target: float = Field(0.99, gt=0.0, le=1.0, description="probability mass covered for larger vocabularies")
     max_tokens: int = Field(256, ge=1, le=4096, description="cap on tokens enumerated for the Fisher trace")
-    memory_budget_mb: int = Field(1024, ge=16, le=1_048_576)
+    memory_budget_mb: int | None = Field(
+        None, ge=16, le=1_048_576,
+        description="gradient rows held per chunk (MiB); None = a quarter of free device memory",
+    )
     dtype: Dtype = "auto"
     device: Device = "auto"
 

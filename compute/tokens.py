@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from compute.device import default_budget_mb
 from compute.naming import layer_index
 
 Progress = Callable[[float, str], None]
@@ -57,7 +58,9 @@ class TokensConfig:
     full_vocab_max: int = field(default=1024, metadata={"help": "enumerate the whole vocabulary up to this size"})
     mass_target: float = field(default=0.99, metadata={"help": "probability mass to cover for large vocabularies"})
     max_tokens: int = field(default=256, metadata={"help": "cap on tokens enumerated for the Fisher trace"})
-    memory_budget_mb: float = field(default=1024.0, metadata={"help": "bound on the stored gradient rows per chunk"})
+    memory_budget_mb: float | None = field(
+        default=None, metadata={"help": "bound on the stored gradient rows per chunk (MiB); None = a "
+                                        "quarter of free device memory, as the Fisher engine"})
 
     def __post_init__(self) -> None:
         if self.top_k < 1:
@@ -68,7 +71,7 @@ class TokensConfig:
             raise ValueError(f"mass_target: got {self.mass_target}; accepted range: > 0, <= 1")
         if self.max_tokens < 1 or self.full_vocab_max < 1:
             raise ValueError("max_tokens: must be >= 1 (and full_vocab_max too)")
-        if not self.memory_budget_mb > 0:
+        if self.memory_budget_mb is not None and not self.memory_budget_mb > 0:
             raise ValueError(f"memory_budget_mb: got {self.memory_budget_mb}; accepted range: > 0")
 
 
@@ -228,7 +231,9 @@ def token_mechanism(
     if input_ids.shape[0] != 1 or input_ids.shape[1] < 1:
         raise ValueError(f"context: expected one non-empty context, got shape {list(input_ids.shape)}")
     params = scope_parameters(model, cfg.layer)
-    budget = int(cfg.memory_budget_mb * 2**20)
+    device = next(iter(params.values())).device if params else torch.device("cpu")
+    budget_mb = default_budget_mb(device) if cfg.memory_budget_mb is None else cfg.memory_budget_mb
+    budget = int(budget_mb * 2**20)
     n_params = sum(p.numel() for p in params.values())
     was_training = model.training
     model.eval()
@@ -308,7 +313,7 @@ def token_mechanism(
         settings={
             "top_k": cfg.top_k, "random_k": cfg.random_k, "low_k": cfg.low_k, "seed": cfg.seed,
             "full_vocab_max": cfg.full_vocab_max, "mass_target": cfg.mass_target,
-            "max_tokens": cfg.max_tokens, "memory_budget_mb": cfg.memory_budget_mb,
+            "max_tokens": cfg.max_tokens, "memory_budget_mb": budget_mb,
             "parameter_chunks": n_chunks,
             "mode": mode,
             "random_tokens_from": "uniform over tokens outside the top-k",
