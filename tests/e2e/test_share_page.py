@@ -10,9 +10,7 @@ jobs get their own pages. Screenshot: test-artifacts/e2e/share-page.png.
 from __future__ import annotations
 
 import os
-import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,18 +20,12 @@ from pathlib import Path
 import pytest
 
 from compute.results import JobResult, LayerStat, SeriesPoint
+from tests.browser import ARTIFACTS, CHROMIUM
+from tests.browser import free_port as _free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 ROOT = Path(__file__).resolve().parents[2]
-ARTIFACTS = ROOT / "test-artifacts" / "e2e"
-CHROMIUM = os.environ.get("FISHERLENS_CHROMIUM") or shutil.which("chromium") or "/usr/bin/chromium"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _missing(what: str) -> None:
