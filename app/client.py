@@ -110,7 +110,7 @@ def _raise_for(status: int, payload: Any, job_id: int | None = None) -> None:
 def _local_user() -> Iterator[Any]:
     from app import auth
     from app.commands.common import fail
-    from app.settings import get_settings
+    from compute.contract.settings import get_settings
 
     settings = get_settings()
     token = os.environ.get("FISHERLENS_TOKEN")

@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse
 from fastapi.staticfiles import StaticFiles
 
 from app import services
-from app.settings import Settings, get_settings
+from compute.contract.settings import Settings, get_settings
 
 ASSETS = Path(__file__).resolve().parent.parent / "frontend_assets"
 log = logging.getLogger("fisherlens.web")

@@ -103,7 +103,7 @@ def celery_config(settings: Any) -> dict[str, Any]:
 
 def make_celery(settings: Any | None = None) -> Celery:
     if settings is None:
-        from app.settings import get_settings
+        from compute.contract.settings import get_settings
 
         settings = get_settings()
     app = Celery("fisherlens", set_as_current=False)

@@ -150,7 +150,7 @@ def resolve_job_ref(
 
 def _settings(settings: Any | None) -> Any:
     if settings is None:
-        from app.settings import get_settings
+        from compute.contract.settings import get_settings
 
         settings = get_settings()
     return settings

@@ -44,8 +44,8 @@ from typing import Any
 from celery import signals
 
 import compute.celery_app as ca
-from app.settings import get_settings
 from compute.celery_app import FINISH_SHARDS, RUN_JOB, RUN_SHARD, make_celery, send_job
+from compute.contract.settings import get_settings
 from compute.control import cancel_scope, fault_point
 from compute.results import JobCancelled
 from compute.specs import FisherSpec

@@ -34,7 +34,7 @@ def spec_from_options(kind: str, options: dict[str, Any]) -> Any:
     except SpecError as exc:
         _flag_errors(exc)
     from app import services
-    from app.settings import get_settings
+    from compute.contract.settings import get_settings
     from compute.modelref import MODEL_FIELDS
 
     _allow_local_dirs(*(getattr(spec, f, None) for f in MODEL_FIELDS))

@@ -11,7 +11,7 @@ from typing import Any
 import click
 
 from app.commands.common import fail
-from app.settings import get_settings
+from compute.contract.settings import get_settings
 
 
 def _sessions() -> Any:

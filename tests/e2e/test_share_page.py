@@ -68,7 +68,7 @@ def _result() -> JobResult:
 def server(browser, tmp_path_factory: pytest.TempPathFactory):
     """uvicorn serving app.web:create_app on a fresh home with three jobs; yields (url, tokens)."""
     from app import services
-    from app.settings import Settings
+    from compute.contract.settings import Settings
     from storage import repo
 
     home = tmp_path_factory.mktemp("share_e2e")

@@ -124,7 +124,7 @@ class Stack:
 
     @property
     def settings(self) -> Any:
-        from app.settings import Settings
+        from compute.contract.settings import Settings
 
         return Settings(
             fisherlens_home=self.home,

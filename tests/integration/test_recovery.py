@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from app import services
-from app.settings import get_settings
+from compute.contract.settings import get_settings
 from storage import repo
 from storage.models import utcnow
 

@@ -21,8 +21,8 @@ def pg_url() -> Iterator[str]:
 
 def test_share_page_survives_dropped_connections(pg_url: str, tmp_path):
     from app import services
-    from app.settings import Settings
     from app.web import create_app
+    from compute.contract.settings import Settings
     from storage import repo
     from storage.db import make_engine
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
-from app.settings import Settings
+from compute.contract.settings import Settings
 from compute.results import Heatmap, JobResult, LayerStat, SeriesPoint
 
 
@@ -222,7 +222,7 @@ def test_web_process_does_not_import_torch(tmp_path):
     code = (
         "import sys\n"
         "from fastapi.testclient import TestClient\n"
-        "from app.settings import Settings\n"
+        "from compute.contract.settings import Settings\n"
         "from app.web import create_app\n"
         f"s = Settings(fisherlens_home={str(tmp_path)!r}, database_url=None, redis_url=None)\n"
         "c = TestClient(create_app(s))\n"

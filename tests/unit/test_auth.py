@@ -21,7 +21,7 @@ from click.testing import CliRunner
 from fastapi.testclient import TestClient
 from sqlalchemy import text
 
-from app.settings import Settings
+from compute.contract.settings import Settings
 
 PG_URL = os.environ.get(
     "FISHERLENS_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"

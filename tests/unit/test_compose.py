@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from app.settings import Settings
+from compute.contract.settings import Settings
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"

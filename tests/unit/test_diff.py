@@ -102,7 +102,7 @@ def _tiny_llama(seed: int):
 
 
 def test_checkpoints_from_folders_single_and_sharded(tmp_path) -> None:
-    from app.settings import Settings
+    from compute.contract.settings import Settings
 
     model = _tiny_llama(0)
     model.save_pretrained(tmp_path / "base")

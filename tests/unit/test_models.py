@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from app.settings import Settings
+from compute.contract.settings import Settings
 from compute.modelref import model_revision, resolve_model
 from compute.models import (
     greedy_generate,

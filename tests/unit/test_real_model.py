@@ -62,7 +62,7 @@ def home(real_home: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 @pytest.fixture(scope="module")
 def smol(real_home: Path) -> tuple:
     """(model, tokenizer) loaded once, float32 on the CPU, as every fisherlens command loads it."""
-    from app.settings import Settings
+    from compute.contract.settings import Settings
     from compute.models import load_model
 
     return load_model(

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from app import services
-from app.settings import get_settings
 from compute.celery_app import RUN_JOB
+from compute.contract.settings import get_settings
 from compute.specs import SpecError
 from storage import repo
 

@@ -20,7 +20,7 @@ from fastapi.testclient import TestClient
 
 from app.figures import keynumbers, labels
 from app.figures.store import FIGURES_KEY, FigureStore, build_payload
-from app.settings import Settings
+from compute.contract.settings import Settings
 from compute.results import Heatmap, JobResult, LayerStat, SeriesPoint
 
 TRACEBACK = ('Traceback (most recent call last):\n  File "/srv/fisherlens/compute/run_fisher.py", '

@@ -145,8 +145,8 @@ def test_sweep_job_through_the_api_and_the_worker(zoo_home, tmp_path, monkeypatc
     from fastapi.testclient import TestClient
 
     from app.plots import result_figures
-    from app.settings import Settings
     from app.web import create_app
+    from compute.contract.settings import Settings
     from compute.worker import execute_job
 
     home = tmp_path / "home"

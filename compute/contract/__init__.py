@@ -1,0 +1,1 @@
+"""Torch-free modules every process may import: settings, job specs, result schemas."""

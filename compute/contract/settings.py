@@ -1,0 +1,134 @@
+"""Deployment settings: one pydantic-settings class, read from env vars and `.env`.
+
+Experiment knobs do not live here; they live in the per-algorithm config dataclasses in
+`compute/` and in the job specs (`compute/specs.py`).
+"""
+
+from __future__ import annotations
+
+from functools import cached_property
+from pathlib import Path
+
+from pydantic import Field
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_file=".env", extra="ignore")
+
+    fisherlens_home: Path = Field(
+        default=Path(".fisherlens"),
+        description="Folder for the embedded SQLite database, the filesystem queue, artifacts and the zoo.",
+    )
+    database_url: str | None = Field(
+        default=None,
+        description="SQLAlchemy URL, e.g. postgresql+psycopg://user@host/db. Default: SQLite under FISHERLENS_HOME.",
+    )
+    redis_url: str | None = Field(
+        default=None,
+        description="Celery broker, e.g. redis://redis:6379/0. Default: kombu filesystem:// under FISHERLENS_HOME.",
+    )
+    artifact_root: Path | None = Field(
+        default=None, description="Where safetensors artifacts go. Default: FISHERLENS_HOME/artifacts."
+    )
+    allowed_model_roots: str = Field(
+        default="",
+        description="Colon-separated folders from which local HF model directories may be registered/loaded.",
+    )
+    trust_remote_code: bool = Field(
+        default=False, description="Operator opt-in for transformers' trust_remote_code."
+    )
+    public_url: str = Field(
+        default="http://127.0.0.1:7860", description="Base URL used when printing share links."
+    )
+    host: str = "127.0.0.1"
+    port: int = 7860
+    job_visibility_timeout_s: int = Field(
+        default=6 * 3600, description="Broker visibility timeout; must exceed the longest job."
+    )
+    job_stale_after_s: int = Field(
+        default=300,
+        description="A running job whose worker heartbeat is older than this is considered lost.",
+    )
+    reconcile_interval_s: float = Field(
+        default=30.0,
+        gt=0,
+        description="Every worker reconciles jobs with the broker at start-up and then this often: "
+        "re-sends lost messages, finishes interrupted shard fan-outs, re-queues or fails the jobs "
+        "of dead workers.",
+    )
+    reconcile_queued_after_s: float = Field(
+        default=60.0,
+        gt=0,
+        description="A job `queued` this long whose message is in no queue (nor held by a "
+        "consumer for less than this) is re-sent by the reconciler.",
+    )
+
+    # -- accounts and limits (app/auth.py, app/limits.py) -------------------------------------
+    auth_required: bool = Field(
+        default=False,
+        description="Shared-server mode: every API call and UI page except share links and "
+        "health needs a signed-in user (bearer token or browser session). Off: single-user "
+        "embedded mode, everything runs as the user 'local'.",
+    )
+    allow_open_bind: bool = Field(
+        default=False,
+        description="Let the app listen on a non-loopback address without AUTH_REQUIRED "
+        "(anyone who can reach it can then run and cancel jobs). Off: it refuses to start.",
+    )
+    session_max_age_s: int = Field(
+        default=7 * 24 * 3600, ge=60, description="Browser sign-in lifetime (seconds)."
+    )
+    max_active_jobs: int | None = Field(
+        default=4, ge=1, description="Queued + running jobs per user (HTTP 429 past it)."
+    )
+    max_active_jobs_admin: int | None = Field(
+        default=None, ge=1, description="The same for admins and the local user (none: no limit)."
+    )
+    max_job_cost: float | None = Field(
+        default=1e16,
+        gt=0,
+        description="Per-job ceiling on the estimated cost (parameter-token-passes, see "
+        "app/limits.py) for users (HTTP 422 past it).",
+    )
+    max_job_cost_admin: float | None = Field(
+        default=None, gt=0, description="The same for admins and the local user (none: no limit)."
+    )
+    max_body_bytes: int = Field(
+        default=1_000_000, ge=1024, description="Largest request body accepted (HTTP 413 past it)."
+    )
+    max_spec_keys: int = Field(default=64, ge=1, description="Most keys in a job spec.")
+    max_spec_string: int = Field(
+        default=4096, ge=16, description="Longest string value in a job spec (characters)."
+    )
+
+    @property
+    def home(self) -> Path:
+        return self.fisherlens_home.expanduser().resolve()
+
+    @property
+    def db_url(self) -> str:
+        return self.database_url or f"sqlite:///{self.home / 'fisherlens.db'}"
+
+    @property
+    def artifacts_dir(self) -> Path:
+        return (self.artifact_root or self.home / "artifacts").expanduser().resolve()
+
+    @property
+    def zoo_dir(self) -> Path:
+        return self.home / "zoo"
+
+    @property
+    def queue_dir(self) -> Path:
+        return self.home / "queue"
+
+    @cached_property
+    def model_roots(self) -> list[Path]:
+        roots = [self.zoo_dir]
+        roots += [Path(p).expanduser().resolve() for p in self.allowed_model_roots.split(":") if p]
+        return roots
+
+
+def get_settings() -> Settings:
+    """A fresh Settings each call, so tests can change env vars between calls."""
+    return Settings()
