@@ -186,3 +186,16 @@ def run(spec: FisherSpec, progress: Progress = null_progress) -> JobResult:
 
         outs.append(_shard(spec, i, sub, loaded))
     return finish(spec, outs, progress, extra={"model_info": info})
+
+
+# -- child units (the protocol of compute/runners.py): one child per prompt shard --------------
+def children(spec: FisherSpec) -> int:
+    return spec.shards
+
+
+def run_child(spec: FisherSpec, index: int, progress: Progress = null_progress) -> dict:
+    return run_shard(spec, index, progress)
+
+
+def combine(spec: FisherSpec, outputs: list[dict], progress: Progress = null_progress) -> JobResult:
+    return finish(spec, outputs, progress)
