@@ -1,5 +1,5 @@
 """The Celery app definition, without tasks and without torch: the web process imports this to
-send tasks by name; compute/worker.py imports it and registers the task bodies.
+send tasks by name; compute/worker/tasks.py imports it and registers the task bodies.
 
 Broker: settings.redis_url when set, else kombu's filesystem transport under settings.queue_dir
 (the embedded default), with atomic writes (AtomicFilesystemTransport, URL `fsatomic://`). No

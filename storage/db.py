@@ -1,7 +1,7 @@
 """Engine, session factory and schema upgrade.
 
 `make_engine(url)` is the only place engines are built, so tests hand it SQLite or PostgreSQL.
-No session lives at module level: callers open `session_factory(url)()` (or `session_scope`).
+No session lives at module level: callers open `session_factory(url)()`.
 Mutating repository functions commit their own unit of work (see storage/repo.py).
 """
 
@@ -68,20 +68,6 @@ def session_factory(url: str) -> sessionmaker[Session]:
         if url not in _factories:
             _factories[url] = make_session_factory(_get_engine_unlocked(url))
         return _factories[url]
-
-
-@contextlib.contextmanager
-def session_scope(factory: sessionmaker[Session]) -> Iterator[Session]:
-    """A session that commits on success and rolls back on error."""
-    session = factory()
-    try:
-        yield session
-        session.commit()
-    except BaseException:
-        session.rollback()
-        raise
-    finally:
-        session.close()
 
 
 def alembic_config(url: str) -> Any:

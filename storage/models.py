@@ -110,11 +110,15 @@ class Job(Base):
     worker: Mapped[str | None] = mapped_column(String(255), default=None)
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
-    # Sharded jobs: children (one per prompt range) point at their parent; shard_index orders them.
+    # Child jobs (compute/runners.py's child protocol) point at their parent; shard_index orders them.
     parent_id: Mapped[int | None] = mapped_column(
         ForeignKey("jobs.id", ondelete="CASCADE"), default=None, index=True
     )
     shard_index: Mapped[int | None] = mapped_column(Integer, default=None)
+    # A parent of child jobs (migration 0004; storage/fanout.py): how many it fanned out into, and
+    # its combining step: None, 'queued' (the finish message was sent), 'running' (one worker).
+    n_children: Mapped[int | None] = mapped_column(Integer, default=None)
+    combine_state: Mapped[str | None] = mapped_column(String(16), default=None)
 
     layer_stats: Mapped[list[LayerStatRow]] = relationship(
         back_populates="job", cascade="all, delete-orphan", order_by="LayerStatRow.position"

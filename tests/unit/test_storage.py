@@ -85,7 +85,7 @@ def _result(scale: float = 1.0) -> JobResult:
         ],
         heatmaps=[
             Heatmap(
-                "fisher/layer_module",
+                "fisher/mean",
                 ["q", "k"],
                 ["0", "1"],
                 [[1.0, None], [3.0, 4.0]],
@@ -219,7 +219,7 @@ def test_job_lifecycle_and_result_roundtrip(session, store: ArtifactStore) -> No
     assert d["layer_stats"][1]["layer"] is None and d["layer_stats"][1]["values"]["inf"] is None
     assert d["heatmaps"] == [
         {
-            "name": "fisher/layer_module",
+            "name": "fisher/mean",
             "x_labels": ["q", "k"],
             "y_labels": ["0", "1"],
             "z": [[1.0, None], [3.0, 4.0]],
@@ -328,20 +328,14 @@ def test_cancel_queued_at_once_running_by_flag(session) -> None:
         repo.request_cancel(session=session, job_id=10_000)
 
 
-def test_stale_running_jobs_found_by_heartbeat_or_hostname(session) -> None:
+def test_requeue_clears_worker_and_combine_state(session) -> None:
     old = repo.create_job(session=session, kind="fisher", spec={}, spec_hash="1")
     repo.mark_running(session=session, job_id=old.id, worker="a@x")
-    old.heartbeat_at = utcnow() - timedelta(seconds=600)
+    old.combine_state = "running"
     session.commit()
-    mine = repo.create_job(session=session, kind="fisher", spec={}, spec_hash="2")
-    repo.mark_running(session=session, job_id=mine.id, worker="b@x")
-    alive = repo.create_job(session=session, kind="fisher", spec={}, spec_hash="3")
-    repo.mark_running(session=session, job_id=alive.id, worker="c@x")
-    stale = repo.find_stale_running(session=session, stale_after_s=300, hostname="b@x")
-    assert sorted(j.id for j in stale) == [old.id, mine.id]
     repo.requeue(session=session, job_id=old.id, message="re-queued")
     j = repo.get_job(session=session, job_id=old.id)
-    assert j.status == "queued" and j.worker is None and j.attempts == 1
+    assert (j.status, j.worker, j.attempts, j.combine_state) == ("queued", None, 1, None)
 
 
 def test_list_jobs_newest_first_hides_shards(session) -> None:
@@ -459,21 +453,149 @@ def test_claim_job_lets_one_delivery_run_it(session) -> None:
     assert repo.claim_job(session=session, job_id=c.id, worker="a@x", stale_after_s=300) is None
 
 
-def test_shards_belong_to_their_parents_owner(session) -> None:
+def _running_parent(session, n: int | None = None, **kw):
+    parent = repo.create_job(session=session, kind="sweep", spec={"lrs": [1e-6, 1e-3]},
+                             spec_hash="h", **kw)
+    assert repo.claim_job(session=session, job_id=parent.id, worker="p@x", stale_after_s=300)
+    return parent
+
+
+def test_children_belong_to_their_parents_owner_kind_and_spec(session) -> None:
     from storage.users import create_user
 
     ada = create_user(session=session, name="ada")
-    parent = repo.create_job(session=session, kind="fisher", spec={"prompts": 4}, spec_hash="h",
-                             owner_id=ada.id)
-    assert parent.status == "queued" and parent.owner_id == ada.id
-    parent.status = "running"
-    session.commit()
-    shards = repo.create_shards(session=session, parent_id=parent.id, n=3, spec={"prompts": 4},
-                                spec_hash="h")
-    assert [s.shard_index for s in shards] == [0, 1, 2]
-    assert {s.owner_id for s in shards} == {ada.id}
-    assert all(s.status == "queued" and s.attempts == 0 and s.share_token for s in shards)
+    parent = _running_parent(session, owner_id=ada.id)
+    children = repo.create_children(session=session, parent_id=parent.id, n=3)
+    assert [c.shard_index for c in children] == [0, 1, 2]
+    assert {(c.owner_id, c.kind, c.spec_hash) for c in children} == {(ada.id, "sweep", "h")}
+    assert all(c.spec == {"lrs": [1e-6, 1e-3]} for c in children)
+    assert all(c.status == "queued" and c.attempts == 0 and c.share_token for c in children)
+    p = repo.get_job(session=session, job_id=parent.id)
+    assert (p.status, p.worker, p.n_children, p.combine_state) == ("running", None, 3, None)
     # Created once: a second fan-out (a re-delivered message) adds no rows.
-    again = repo.create_shards(session=session, parent_id=parent.id, n=3, spec={"prompts": 4},
-                               spec_hash="h")
-    assert [s.id for s in again] == [s.id for s in shards]
+    again = repo.create_children(session=session, parent_id=parent.id, n=3)
+    assert [c.id for c in again] == [c.id for c in children]
+    assert [j.id for j in repo.list_jobs(session=session)] == [parent.id]  # children hidden
+
+
+def _finish_children(session, children, status: str = "succeeded") -> None:
+    for c in children:
+        repo.claim_job(session=session, job_id=c.id, worker="c@x", stale_after_s=300)
+        repo.mark_succeeded(session=session, job_id=c.id)
+    if status != "succeeded":
+        repo.mark_failed(session=session, job_id=children[-1].id, error="boom")
+
+
+def test_combine_is_requested_and_claimed_once(session) -> None:
+    """NULL -> 'queued' -> 'running' by compare-and-set; neither step before every child
+    succeeded; a dead combiner is released once; progress counts succeeded children."""
+    parent = _running_parent(session)
+    children = repo.create_children(session=session, parent_id=parent.id, n=2)
+    claim = dict(session=session, parent_id=parent.id, stale_after_s=300)
+    assert repo.request_combine(session=session, parent_id=parent.id) is False  # none done
+    _finish_children(session, children[:1])
+    repo.refresh_parent_progress(session=session, parent_id=parent.id)
+    p = repo.get_job(session=session, job_id=parent.id)
+    assert (p.progress, p.message) == (pytest.approx(0.475), "1/2 children done")
+    assert repo.request_combine(session=session, parent_id=parent.id) is False  # one to go
+    assert repo.claim_combine(worker="f@x", **claim) is False
+    _finish_children(session, children[1:])
+    assert repo.request_combine(session=session, parent_id=parent.id) is True
+    assert repo.request_combine(session=session, parent_id=parent.id) is False  # one message
+    assert repo.claim_combine(worker="f@x", **claim) is True
+    assert repo.claim_combine(worker="g@y", **claim) is False  # a duplicate delivery
+    p = repo.get_job(session=session, job_id=parent.id)
+    assert (p.combine_state, p.worker) == ("running", "f@x")
+    assert repo.release_combine(session=session, parent_id=parent.id, worker="g@y") is False
+    assert repo.release_combine(session=session, parent_id=parent.id, worker="f@x") is True
+    assert repo.release_combine(session=session, parent_id=parent.id, worker="f@x") is False
+    assert repo.get_job(session=session, job_id=parent.id).combine_state == "queued"
+    assert repo.mark_combine_resent(session=session, parent_id=parent.id, older_than_s=60) is False
+    assert repo.claim_combine(worker="g@y", **claim) is True
+
+
+def test_failed_child_fails_parent_and_cancels_queued_siblings(session) -> None:
+    parent = _running_parent(session)
+    children = repo.create_children(session=session, parent_id=parent.id, n=3)
+    _finish_children(session, children[:2], status="failed")
+    assert repo.request_combine(session=session, parent_id=parent.id) is False
+    assert repo.fail_parent(session=session, parent_id=parent.id, message="child 1 failed: boom")
+    assert repo.fail_parent(session=session, parent_id=parent.id, message="again") is False
+    p = repo.get_job(session=session, job_id=parent.id)
+    assert (p.status, p.message) == ("failed", "child 1 failed: boom")
+    assert repo.get_job(session=session, job_id=children[2].id).status == "cancelled"
+
+
+def test_cancelling_a_parent_cancels_its_children(session) -> None:
+    parent = _running_parent(session)
+    children = repo.create_children(session=session, parent_id=parent.id, n=2)
+    repo.claim_job(session=session, job_id=children[0].id, worker="c@x", stale_after_s=300)
+    repo.request_cancel(session=session, job_id=parent.id)
+    rows = [repo.get_job(session=session, job_id=j) for j in (parent.id, *[c.id for c in children])]
+    assert [(j.status, j.cancel_requested) for j in rows] == [
+        ("cancelled", True), ("running", True), ("cancelled", True)]  # the running one stops itself
+    assert repo.claim_combine(session=session, parent_id=parent.id, worker="f@x",
+                              stale_after_s=300) is False
+
+
+def _race(factory, barrier, won: list[bool], step: str, parent_id: int, name: str) -> None:
+    with factory() as s:
+        barrier.wait()
+        if step == "request":
+            won.append(repo.request_combine(session=s, parent_id=parent_id))
+        else:
+            won.append(repo.claim_combine(session=s, parent_id=parent_id, worker=name,
+                                          stale_after_s=300))
+
+
+@pytest.mark.parametrize("step", ["request", "claim"])
+def test_two_concurrent_finish_claims_let_exactly_one_combine(db_url: str, step: str) -> None:
+    """Two finishers in separate sessions (threads, each its own connection) racing on the same
+    parent, 20 rounds: exactly one wins every round, on SQLite and on PostgreSQL."""
+    upgrade(db_url)
+    engine = make_engine(db_url)
+    factory = make_session_factory(engine)
+    for _ in range(20):
+        with factory() as s:
+            parent = _running_parent(s)
+            _finish_children(s, repo.create_children(session=s, parent_id=parent.id, n=2))
+            if step == "claim":
+                assert repo.request_combine(session=s, parent_id=parent.id)
+        barrier = threading.Barrier(2)
+        won: list[bool] = []
+        threads = [
+            threading.Thread(target=_race, args=(factory, barrier, won, step, parent.id, f"w{i}@x"))
+            for i in range(2)
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sorted(won) == [False, True]
+    engine.dispose()
+
+
+def test_0004_converts_running_parents(db_url: str) -> None:
+    """A parent fanned out under 0003 gets n_children = its child rows, and one that was
+    combining (running with a worker) gets combine_state 'running'."""
+    upgrade(db_url, "0003")
+    engine = make_engine(db_url)
+    insert = text(
+        "INSERT INTO jobs (id, kind, spec, spec_hash, status, progress, message, share_token, "
+        "created_at, attempts, cancel_requested, shared, worker, parent_id, shard_index) VALUES "
+        "(:id, 'fisher', '{}', 'h', :status, 0.0, '', :tok, CURRENT_TIMESTAMP, 1, false, true, "
+        ":worker, :parent, :idx)"
+    )
+    rows = [(1, "running", "f@x", None, None), (2, "running", None, None, None),
+            (3, "succeeded", None, 1, 0), (4, "succeeded", None, 1, 1),
+            (5, "succeeded", None, 2, 0), (6, "queued", None, None, None)]
+    with engine.begin() as conn:
+        for id_, status, worker, parent, idx in rows:
+            conn.execute(insert, {"id": id_, "status": status, "tok": f"t{id_}",
+                                  "worker": worker, "parent": parent, "idx": idx})
+    upgrade(db_url)
+    with make_session_factory(engine)() as s:
+        got = {j.id: (j.n_children, j.combine_state) for j in s.scalars(select(Job))}
+    assert got == {1: (2, "running"), 2: (1, None), 3: (None, None), 4: (None, None),
+                   5: (None, None), 6: (None, None)}
+    engine.dispose()

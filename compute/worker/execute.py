@@ -1,0 +1,53 @@
+"""fisherlens.run_job's body: claim the job, then run it inline or fan it out into children."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from compute.control import fault_point
+from compute.worker import lifecycle
+from compute.worker.lifecycle import JobProgress, claim, compute_and_store, fail, sessions
+from compute.worker.sharding import fan_out
+
+log = logging.getLogger("fisherlens.worker")
+
+
+def _check_refs(settings: Any, kind: str, spec: Any) -> Any:
+    """Check every 'job:<id>' of the spec (model, teacher, base, tuned, fisher, mask) with
+    compute.modelref, the resolver the API validated it with; the spec keeps the references
+    (the compute code resolves them again where it reads the files)."""
+    from compute.modelref import check_spec_refs
+
+    with sessions(settings)() as s:
+        return check_spec_refs(kind, spec, settings, s)
+
+
+def execute_job(settings: Any, job_id: int, hostname: str | None = None) -> str:
+    """Run one job to a final state, or fan it out when its kind's children(spec) > 1.
+    Returns what happened (for logs and tests)."""
+    from compute.runners import child_count, get_runner
+    from compute.specs import parse_spec
+
+    worker = hostname or lifecycle.hostname()
+    fault_point("after_receive", f"job={job_id}")  # tests only (compute.control)
+    taken = claim(settings, job_id, worker)
+    if isinstance(taken, str):
+        return taken
+    fault_point("after_claim", f"job={job_id}")
+    kind = taken.kind
+    try:
+        spec = _check_refs(settings, kind, parse_spec(kind, taken.spec))
+        n = child_count(kind, spec)
+        if n > 1:
+            return fan_out(settings, job_id, n)
+    except Exception as exc:
+        log.exception("job %s failed", job_id)
+        fail(settings, job_id, exc)
+        return "failed"
+
+    def compute(progress: JobProgress) -> Any:
+        progress(0.0, "loading")
+        return get_runner(kind)(spec, progress)
+
+    return compute_and_store(settings, job_id, compute, "running")

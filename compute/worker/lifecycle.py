@@ -1,0 +1,297 @@
+"""One job row's life in a worker: claim it, heartbeat and progress while it runs, store its
+result, and end it (succeeded, cancelled, failed). Every state change is a storage/ function;
+the ones two processes may race on are compare-and-sets there (repo.claim_job, ...)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import socket
+import tempfile
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+from compute.control import cancel_scope, fault_point
+from compute.results import JobCancelled
+from storage import repo
+from storage.artifacts import ArtifactStore
+from storage.db import session_factory
+from storage.models import FINAL_STATUSES, Job, utcnow
+
+log = logging.getLogger("fisherlens.worker")
+
+MAX_ATTEMPTS = int(os.environ.get("FISHERLENS_MAX_ATTEMPTS", "2"))  # a lost job is re-run once
+PROGRESS_EVERY_S = 0.5  # progress writes and cancel checks hit the database at most this often
+
+# Default names carry the pid, so a worker can tell a dead sibling on its own host from a live one.
+_PID_NAME = re.compile(r"^(?:worker|gpu\d+|embedded)-(\d+)@(.+)$")
+
+
+def default_worker_name(prefix: str = "worker", pid: int | None = None) -> str:
+    """`<prefix>-<pid>@<host>`: unique per process on a host (two `fisherlens worker` on one
+    machine never share a name), and checkable (a process of this host that is gone is dead)."""
+    return f"{prefix}-{pid or os.getpid()}@{socket.gethostname()}"
+
+
+def hostname() -> str:
+    return os.environ.get("FISHERLENS_WORKER_NAME") or default_worker_name()
+
+
+def sessions(settings: Any) -> Any:
+    return session_factory(settings.db_url)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:  # a zombie (exited, not yet reaped) is dead
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except (OSError, IndexError):
+        return True
+
+
+def holder_dead(settings: Any, worker: str | None, heartbeat: datetime | None) -> bool:
+    """Is the worker holding a running job gone? Its heartbeat is older than JOB_STALE_AFTER_S,
+    or its name says it is a process of this host that no longer exists."""
+    cutoff = utcnow() - timedelta(seconds=settings.job_stale_after_s)
+    if heartbeat is None or heartbeat < cutoff:
+        return True
+    m = _PID_NAME.match(worker or "")
+    if m and m.group(2) == socket.gethostname():
+        return not _pid_alive(int(m.group(1)))
+    return False
+
+
+# -- progress and heartbeat -------------------------------------------------------------------
+class JobProgress:
+    """progress(fraction, message): throttled writes to the job row; raises JobCancelled when
+    the user asked to cancel (this job or, for a child, its parent). For a child it also
+    refreshes the parent's progress. `check(force)` is the cancel check behind
+    compute.control.cancel_point()."""
+
+    def __init__(self, settings: Any, job_id: int, parent_id: int | None = None):
+        self.settings = settings
+        self.job_id = job_id
+        self.parent_id = parent_id
+        self._last = float("-inf")
+        self._last_check = float("-inf")
+        self._moved = False
+
+    def __call__(self, fraction: float, message: str = "") -> None:
+        now = time.monotonic()
+        if now - self._last < PROGRESS_EVERY_S and fraction < 1.0:
+            return
+        self._last = self._last_check = now
+        with sessions(self.settings)() as s:
+            cancel = repo.update_progress(
+                session=s, job_id=self.job_id, fraction=fraction, message=message
+            )
+            if self.parent_id is not None:
+                repo.refresh_parent_progress(session=s, parent_id=self.parent_id)
+                cancel = cancel or self._parent_cancelled(s)
+        if cancel:
+            raise JobCancelled(f"job {self.job_id} cancelled by the user")
+        if fraction > 0 and not self._moved:
+            self._moved = True
+            if fault_point("mid_job", f"job={self.job_id}"):  # tests only (compute.control)
+                self.check(force=True)
+
+    def check(self, force: bool = False) -> None:
+        """Raise JobCancelled if a cancel was requested (reads the row at most every
+        PROGRESS_EVERY_S unless force); also a heartbeat."""
+        now = time.monotonic()
+        if not force and now - self._last_check < PROGRESS_EVERY_S:
+            return
+        self._last_check = now
+        with sessions(self.settings)() as s:
+            cancel = repo.heartbeat(session=s, job_id=self.job_id)
+            if self.parent_id is not None:
+                cancel = cancel or self._parent_cancelled(s)
+        if cancel:
+            raise JobCancelled(f"job {self.job_id} cancelled by the user")
+
+    def _parent_cancelled(self, s: Any) -> bool:
+        parent = repo.get_job(session=s, job_id=self.parent_id) if self.parent_id else None
+        return bool(parent and parent.cancel_requested)
+
+
+@contextmanager
+def _heartbeat(settings: Any, job_id: int) -> Iterator[None]:
+    """Touch heartbeat_at every few seconds while the job runs, even inside long calls that do
+    not report progress (model loading), so other workers know this one is alive."""
+    stop = threading.Event()
+    every = max(1.0, min(30.0, settings.job_stale_after_s / 5))
+
+    def beat() -> None:
+        while not stop.wait(every):
+            try:
+                with sessions(settings)() as s:
+                    repo.heartbeat(session=s, job_id=job_id)
+            except Exception:  # a DB hiccup must not kill the job
+                log.exception("heartbeat for job %s failed", job_id)
+
+    t = threading.Thread(target=beat, name=f"heartbeat-{job_id}", daemon=True)
+    t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        t.join(timeout=5)
+
+
+@contextmanager
+def _scratch(settings: Any, job_id: int) -> Iterator[Path]:
+    """A per-job temp folder on the artifact file system (runners' tempfile.* land here, so the
+    trained-model folders they return can be moved, not copied); removed afterwards."""
+    root = Path(settings.artifacts_dir) / ".scratch"
+    root.mkdir(parents=True, exist_ok=True)
+    path = Path(tempfile.mkdtemp(prefix=f"job{job_id}-", dir=root))
+    old = tempfile.tempdir
+    tempfile.tempdir = str(path)
+    try:
+        yield path
+    finally:
+        tempfile.tempdir = old
+        shutil.rmtree(path, ignore_errors=True)
+
+
+# -- claiming a job ---------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Claimed:
+    """What a delivery needs of the job row it claimed (rows are re-fetched, never passed)."""
+
+    job_id: int
+    kind: str
+    spec: dict[str, Any]
+    parent_id: int | None
+    index: int
+
+
+def _skip_reason(settings: Any, s: Any, job: Job | None, worker: str) -> str | None:
+    """Decide whether this delivery runs the job: returns None to run, or why it is skipped."""
+    if job is None:
+        return "no such job"
+    if job.status in FINAL_STATUSES:
+        return f"already {job.status}"
+    if job.status == "running" and job.worker != worker:
+        hb = job.heartbeat_at or job.started_at
+        if hb is not None and hb > utcnow() - timedelta(seconds=settings.job_stale_after_s):
+            return f"running on {job.worker}"
+    if job.cancel_requested:
+        repo.mark_cancelled(session=s, job_id=job.id, message="cancelled before it ran")
+        return "cancelled"
+    if job.attempts >= MAX_ATTEMPTS:
+        repo.mark_failed(
+            session=s,
+            job_id=job.id,
+            error=f"worker lost: the job was started {job.attempts} times and its worker died "
+            "each time (out of memory? killed?); giving up",
+            message=f"worker lost {job.attempts} times; giving up",
+        )
+        return "gave up"
+    if job.parent_id is not None:
+        parent = repo.get_job(session=s, job_id=job.parent_id)
+        if parent is None or parent.status in FINAL_STATUSES:
+            repo.mark_cancelled(session=s, job_id=job.id, message="parent job ended")
+            return "parent ended"
+    return None
+
+
+def claim(settings: Any, job_id: int, worker: str) -> Claimed | str:
+    """Take the job for this delivery (repo.claim_job, a compare-and-set), or say why not."""
+    with sessions(settings)() as s:
+        job = repo.get_job(session=s, job_id=job_id)
+        skip = _skip_reason(settings, s, job, worker)
+        if skip is not None:
+            log.info("job %s skipped: %s", job_id, skip)
+            return skip
+        assert job is not None
+        taken = Claimed(job_id, job.kind, dict(job.spec), job.parent_id, int(job.shard_index or 0))
+        claimed = repo.claim_job(
+            session=s, job_id=job_id, worker=worker, stale_after_s=settings.job_stale_after_s
+        )
+    if claimed is None:
+        log.info("job %s skipped: claimed by another delivery", job_id)
+        return "claimed elsewhere"
+    log.info("job %s claimed by %s", job_id, worker)
+    return taken
+
+
+def fail(settings: Any, job_id: int, exc: BaseException) -> None:
+    """End the job `failed` with the error's text; a child's failure fails its parent."""
+    text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    with sessions(settings)() as s:
+        repo.mark_failed(
+            session=s, job_id=job_id, error=text, message=f"{type(exc).__name__}: {exc}"[:500]
+        )
+        job = repo.get_job(session=s, job_id=job_id)
+        if job is not None and job.parent_id is not None:
+            repo.fail_parent(
+                session=s,
+                parent_id=job.parent_id,
+                message=f"child {job.shard_index} (job {job.id}) failed: {type(exc).__name__}: {exc}",
+            )
+
+
+def compute_and_store(
+    settings: Any,
+    job_id: int,
+    compute: Callable[[JobProgress], Any],
+    phase: str,
+    parent_id: int | None = None,
+) -> str:
+    """Run `compute(progress)` under a heartbeat and a cancel scope, store the JobResult it
+    returns (with the artifacts it lists in `progress.artifacts`), and end the job row:
+    succeeded, cancelled (JobCancelled from progress or a cancel point) or failed (any other
+    error, with its text). For a child, the parent's progress is refreshed."""
+    try:
+        progress = JobProgress(settings, job_id, parent_id=parent_id)
+        with _heartbeat(settings, job_id), _scratch(settings, job_id):
+            with cancel_scope(progress.check):
+                result, artifacts = _unpack(compute(progress))
+            with sessions(settings)() as s:
+                store = ArtifactStore(settings.artifacts_dir)
+                repo.save_result(
+                    session=s, job_id=job_id, result=result, store=store, artifacts=artifacts
+                )
+        with sessions(settings)() as s:
+            repo.mark_succeeded(session=s, job_id=job_id)
+            if parent_id is not None:
+                repo.refresh_parent_progress(session=s, parent_id=parent_id)
+        log.info("job %s succeeded", job_id)
+        return "succeeded"
+    except JobCancelled:
+        with sessions(settings)() as s:
+            repo.mark_cancelled(session=s, job_id=job_id, message=f"cancelled while {phase}")
+            job = repo.get_job(session=s, job_id=job_id)
+            if job is not None and job.parent_id is not None:
+                parent = repo.get_job(session=s, job_id=job.parent_id)
+                if parent is not None and not parent.cancel_requested:
+                    repo.fail_parent(session=s, parent_id=job.parent_id,
+                                     message=f"child {job.shard_index} (job {job.id}) was cancelled")
+        log.info("job %s cancelled while %s", job_id, phase)
+        return "cancelled"
+    except Exception as exc:
+        log.exception("job %s failed while %s", job_id, phase)
+        fail(settings, job_id, exc)
+        return "failed"
+
+
+def _unpack(out: Any) -> tuple[Any, list[Any]]:
+    """compute() returns a JobResult, or (JobResult, [ArtifactInfo, ...]) for prepared files."""
+    if isinstance(out, tuple):
+        return out[0], list(out[1])
+    return out, []
