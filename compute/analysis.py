@@ -1,27 +1,38 @@
-"""Statistics of a diagonal Fisher: where the mass sits, how concentrated it is, how stable.
+"""Statistics of a diagonal Fisher: where the mass sits, how concentrated it is, how stable;
+and the one layer x module aggregation every reader uses (`aggregate`).
 
 Input everywhere: `fisher: dict[str, Tensor]` (name -> non-negative values of the param shape).
 Outputs are plain floats / lists, and helpers turn them into compute.results rows.
+No torch import at module level: `aggregate` and `cells_heatmap` are pure Python, imported by
+the web process (app/figures) and the CLI; the tensor functions import torch when called.
 """
 
 from __future__ import annotations
 
 import math
-
-import torch
+import operator
+from collections.abc import Callable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 from compute.naming import MODULE_TYPES, layer_index, layer_label, module_type
 from compute.results import Heatmap, LayerStat, SeriesPoint
+
+if TYPE_CHECKING:
+    import torch
 
 # share of mass in the top x fraction of coordinates, x on a log grid from 1e-5 to 1
 CONCENTRATION_GRID = tuple(
     sorted({round(m * 10.0**e, 10) for e in range(-5, 0) for m in (1, 2, 5)} | {1.0})
 )
+# values that add up over the tensors of a cell; "max" takes the maximum; every other value is
+# a per-coordinate quantity (mean, density, unchanged fraction): its numel-weighted mean.
+ADDITIVE = frozenset({"mass", "numel", "share", "kept", "fisher_mass_kept", "num", "den"})
+Cells = dict[tuple[Any, ...], dict[str, Any]]
 
 
 def tensor_stats(fisher: dict[str, torch.Tensor]) -> list[dict]:
     """Per tensor: name, layer, module, numel, mean, max, mass (sum), share (mass / total mass)."""
-    rows = []
+    rows: list[dict[str, Any]] = []
     for name, f in fisher.items():
         f64 = f.detach().double()
         rows.append({
@@ -36,25 +47,99 @@ def tensor_stats(fisher: dict[str, torch.Tensor]) -> list[dict]:
     return rows
 
 
+def _get(row: Any, key: str, default: Any = None) -> Any:
+    return row.get(key, default) if isinstance(row, Mapping) else getattr(row, key, default)
+
+
+def _num(v: Any) -> float | None:
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        return None
+    return float(v)
+
+
+def aggregate(rows: Iterable[Any], by: tuple[str, ...] = ("layer", "module")) -> Cells:
+    """Group per-tensor rows by `by` (fields among "layer", "module") and combine their values.
+
+    rows: LayerStat objects or their dicts ({"param", "layer", "module", "values"}); rows without
+    a module count as "other". Per cell: additive values (ADDITIVE: mass, numel, share, kept, ...)
+    summed; "max" the maximum; "mean" = sum(mass) / sum(numel) when every row has both, else
+    like every other value: the numel-weighted mean when every row has numel, else the plain
+    mean. "share" falls back to mass / total mass of all rows. "params": the rows' names.
+    Cells come in layer order (None, i.e. embeddings / final norm / lm_head, last), then
+    MODULE_TYPES order.
+    """
+    acc: dict[tuple[Any, ...], list[tuple[str, dict[str, float]]]] = {}
+    for r in rows:
+        key = tuple(_get(r, f) if f != "module" else (_get(r, f) or "other") for f in by)
+        vals = {k: f for k, v in (_get(r, "values") or {}).items() if (f := _num(v)) is not None}
+        acc.setdefault(key, []).append((str(_get(r, "param", "") or ""), vals))
+    total_mass = sum(v.get("mass", 0.0) for items in acc.values() for _, v in items)
+    cells = {key: _combine(items, total_mass) for key, items in acc.items()}
+    return dict(sorted(cells.items(), key=lambda kv: _cell_order(kv[0], by)))
+
+
+def _combine(items: list[tuple[str, dict[str, float]]], total_mass: float) -> dict[str, Any]:
+    vals = [v for _, v in items]
+    keys = list(dict.fromkeys(k for v in vals for k in v))
+    out: dict[str, Any] = {"params": [p for p, _ in items if p]}
+    numel = [v.get("numel") for v in vals]
+    weighted = all(n is not None for n in numel) and sum(n or 0.0 for n in numel) > 0
+    for k in keys:
+        have = [v for v in vals if k in v]
+        if k in ADDITIVE:
+            out[k] = sum(v[k] for v in have)
+        elif k == "max":
+            out[k] = max(v[k] for v in have)
+        elif weighted and len(have) == len(vals):
+            out[k] = sum(v[k] * v["numel"] for v in have) / sum(v["numel"] for v in have)
+        else:
+            out[k] = sum(v[k] for v in have) / len(have)
+    if all("mass" in v and "numel" in v for v in vals) and out.get("numel"):
+        out["mean"] = out["mass"] / out["numel"]
+    elif "mass" in out and "numel" in out and "mean" not in out:
+        out["mean"] = out["mass"] / out["numel"] if out["numel"] else 0.0
+    if "share" not in out and "mass" in out and total_mass > 0:
+        out["share"] = out["mass"] / total_mass
+    return out
+
+
+def _cell_order(key: tuple[Any, ...], by: tuple[str, ...]) -> tuple[Any, ...]:
+    out: list[Any] = []
+    for f, v in zip(by, key, strict=True):
+        if f == "layer":
+            out += [v is None, v or 0]
+        else:
+            out += [_module_order(str(v)), str(v)]
+    return tuple(out)
+
+
+def cells_heatmap(name: str, cells: Cells, value: Callable[[dict[str, Any]], float | None],
+                  meta: dict[str, Any] | None = None) -> Heatmap:
+    """A layer x module Heatmap of aggregate() cells: z = value(cell); rows are the layers in
+    order, then "-" (embeddings, final norm, lm_head); columns in MODULE_TYPES order."""
+    layers = list(dict.fromkeys(k[0] for k in cells))  # cells come sorted
+    modules = sorted({k[1] for k in cells}, key=_module_order)
+    z = [[value(cells[(lay, m)]) if (lay, m) in cells else None for m in modules] for lay in layers]
+    return Heatmap(name, modules, [layer_label(v) for v in layers], z,
+                   {"x_title": "module type", "y_title": "layer", **(meta or {})})
+
+
+def ratio_heatmap(name: str, counts: Mapping[str, tuple[float, float]],
+                  meta: dict[str, Any] | None = None) -> Heatmap:
+    """sum(num) / sum(den) per (layer, module) cell from per-parameter (num, den) pairs, e.g.
+    (kept, numel) -> mask density."""
+    cells = aggregate({"param": p, "layer": layer_index(p), "module": module_type(p),
+                       "values": {"num": n, "den": d}} for p, (n, d) in counts.items())
+    return cells_heatmap(name, cells, lambda c: c["num"] / c["den"] if c["den"] else None, meta)
+
+
 def layer_module_stats(fisher: dict[str, torch.Tensor]) -> list[dict]:
     """Per (layer, module type): numel, mass, mean (mass / numel), max, share of total mass.
 
     Sorted by layer (None = embeddings, final norm, lm_head: last) then MODULE_TYPES order."""
-    groups: dict[tuple[int | None, str], dict] = {}
-    for r in tensor_stats(fisher):
-        g = groups.setdefault((r["layer"], r["module"]), {
-            "layer": r["layer"], "module": r["module"], "numel": 0, "mass": 0.0, "max": 0.0,
-            "share": 0.0, "params": []})
-        g["numel"] += r["numel"]
-        g["mass"] += r["mass"]
-        g["share"] += r["share"]
-        g["max"] = max(g["max"], r["max"])
-        g["params"].append(r["name"])
-    out = list(groups.values())
-    for g in out:
-        g["mean"] = g["mass"] / g["numel"] if g["numel"] else 0.0
-    out.sort(key=lambda g: (g["layer"] is None, g["layer"] or 0, _module_order(g["module"])))
-    return out
+    rows = [{"param": r["name"], "layer": r["layer"], "module": r["module"],
+             "values": {k: r[k] for k in ("numel", "mass", "max", "share")}} for r in tensor_stats(fisher)]
+    return [{"layer": layer, "module": module, **c} for (layer, module), c in aggregate(rows).items()]
 
 
 def _module_order(m: str) -> int:
@@ -62,6 +147,8 @@ def _module_order(m: str) -> int:
 
 
 def _flat(fisher: dict[str, torch.Tensor]) -> torch.Tensor:
+    import torch
+
     return torch.cat([f.detach().reshape(-1).float().cpu() for f in fisher.values()])
 
 
@@ -87,6 +174,8 @@ def gini(values: torch.Tensor | dict[str, torch.Tensor]) -> float:
     """Gini coefficient of non-negative values: 0 = all equal, -> 1 = all mass on one coordinate.
 
     G = 2 sum_i i x_(i) / (n sum x) - (n + 1) / n, with x sorted ascending, i = 1..n."""
+    import torch
+
     flat = _flat(values) if isinstance(values, dict) else values.detach().reshape(-1).float().cpu()
     n = flat.numel()
     x = flat.sort().values.double()
@@ -113,6 +202,8 @@ def topk_jaccard(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], percent
     selected coordinates are stable (enough samples); near percent/100 means chance level."""
     if list(a) != list(b) or any(a[n].shape != b[n].shape for n in a):
         raise ValueError("fisher: the two Fishers must have the same parameter names and shapes")
+    import torch
+
     ia, ib = topk_indices(a, percent), topk_indices(b, percent)
     n = sum(t.numel() for t in a.values())
     ma = torch.zeros(n, dtype=torch.bool)
@@ -158,18 +249,10 @@ def to_heatmaps(fisher: dict[str, torch.Tensor], prefix: str = "fisher") -> list
     """Two layer x module-type heatmaps: mean Fisher and share of total mass.
 
     Rows: transformer layers in order, then "-" (embeddings, final norm, lm_head) if present."""
-    groups = layer_module_stats(fisher)
-    layers = sorted({g["layer"] for g in groups if g["layer"] is not None})
-    y = [layer_label(v) for v in layers] + (["-"] if any(g["layer"] is None for g in groups) else [])
-    x = [m for m in MODULE_TYPES if any(g["module"] == m for g in groups)]
-    maps = []
-    for key, units in (("mean", "mean Fisher per coordinate"), ("share", "share of total mass")):
-        z: list[list[float | None]] = [[None] * len(x) for _ in y]
-        for g in groups:
-            z[y.index(layer_label(g["layer"]))][x.index(g["module"])] = g[key]
-        maps.append(Heatmap(f"{prefix}/{key}", x, y, z, {"value": key, "units": units,
-                                                         "x": "module type", "y": "layer"}))
-    return maps
+    cells = {(g["layer"], g["module"]): g for g in layer_module_stats(fisher)}
+    return [cells_heatmap(f"{prefix}/{key}", cells, operator.itemgetter(key),
+                          {"value": key, "units": units, "x": "module type", "y": "layer"})
+            for key, units in (("mean", "mean Fisher per coordinate"), ("share", "share of total mass"))]
 
 
 def to_series(fisher: dict[str, torch.Tensor], name: str = "concentration") -> list[SeriesPoint]:

@@ -1,7 +1,8 @@
 """What every job returns: small rows for the database, full tensors for artifacts.
 
 Pure data (no torch import at module level): the web process reads the same shapes back from
-the database as plain dicts (see `JobResult.to_dict`), and plot builders take those dicts.
+the database as plain dicts (see `JobResult.to_dict`); readers parse them with
+`compute.contract.results.parse_result`, whose per-kind schemas `to_dict` enforces.
 """
 
 from __future__ import annotations
@@ -57,14 +58,22 @@ class JobResult:
     files: dict[str, str] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
-        """The same JSON shape that `GET /api/results/{token}` returns (minus job metadata)."""
-        return {
+        """The same JSON shape that `GET /api/results/{token}` returns (minus job metadata).
+
+        Checked against the kind's schema (compute/contract/results.py): a heatmap, series or
+        layer_stats group the kind does not declare, or a summary field of the wrong type, raises
+        ContractError naming it."""
+        from compute.contract.results import check
+
+        out = {
             "kind": self.kind,
             "summary": self.summary,
             "layer_stats": [s.__dict__ for s in self.layer_stats],
             "heatmaps": [h.__dict__ for h in self.heatmaps],
             "series": [p.__dict__ for p in self.series],
         }
+        check(out)
+        return out
 
 
 class Progress:
