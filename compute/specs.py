@@ -11,10 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-from dataclasses import dataclass
-from dataclasses import field as dc_field
-from types import UnionType
-from typing import Annotated, Any, Literal, Union, get_args, get_origin
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     AfterValidator,
@@ -25,6 +22,11 @@ from pydantic import (
     field_validator,
     model_validator,
 )
+
+# FieldInfo and describe_fields are re-exported: generators import them from here with the specs
+from compute.spec_fields import BOUND_KEYS, constraints
+from compute.spec_fields import FieldInfo as FieldInfo
+from compute.spec_fields import describe_fields as describe_fields
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Estimator = Literal["sequence", "token", "empirical", "batch"]
@@ -99,17 +101,19 @@ class FisherSpec(_Spec):
     task: TaskRef = "arithmetic"
     prompts: int = Field(16, ge=1, le=4096, description="number of task prompts")
     samples: int = Field(4, ge=1, le=64, description="sampled completions per prompt")
-    estimator: Estimator = "sequence"
-    seed: int = Field(0, ge=0, le=2**31 - 1)
-    max_new_tokens: int = Field(16, ge=1, le=1024)
-    temperature: float = Field(1.0, gt=0.0, le=5.0)
+    estimator: Estimator = Field("sequence",
+        description="sequence | token | empirical | batch (which Fisher is estimated)")
+    seed: int = Field(0, ge=0, le=2**31 - 1, description="seed of prompts and samples")
+    max_new_tokens: int = Field(16, ge=1, le=1024, description="completion length limit")
+    temperature: float = Field(1.0, gt=0.0, le=5.0,
+        description="sampling temperature; 1.0 = the model's distribution")
     top_k: int | None = Field(None, ge=1, le=100_000, description="None = full distribution")
     top_p: float | None = Field(None, gt=0.0, le=1.0, description="None = full distribution")
     prompt_start: int = Field(0, ge=0, le=1_000_000, description="first prompt index (sharding)")
     shards: int = Field(1, ge=1, le=64, description="split the prompts over this many workers")
     topk_percent: float = Field(1.0, gt=0.0, le=100.0, description="top-k% used for split-half stability")
     exact_output: bool = Field(True, description="also compute the exact output-layer Fisher")
-    dtype: Dtype = "auto"
+    dtype: Dtype = Field("auto", description="weights dtype while estimating")
     device: Device = "auto"
     memory_budget_mb: int | None = Field(
         None, ge=64, le=1_048_576,
@@ -130,11 +134,12 @@ class MaskSpec(_Spec):
     fisher: str | None = Field(
         None, max_length=1000, description="fisher.safetensors path or 'job:<id>' of a fisher job"
     )
-    select: Selector = "fisher"
-    density: float = Field(0.05, gt=0.0, le=1.0)
-    model: ModelRef | None = None
-    task: TaskRef = "arithmetic"
-    seed: int = Field(0, ge=0, le=2**31 - 1)
+    select: Selector = Field("fisher", description="how coordinates are chosen")
+    density: float = Field(0.05, gt=0.0, le=1.0, description="fraction of all coordinates kept")
+    model: ModelRef | None = Field(None,
+        description="weights for magnitude*, shapes for random, gradients for gradient")
+    task: TaskRef = Field("arithmetic", description="task of the gradient selector")
+    seed: int = Field(0, ge=0, le=2**31 - 1, description="seed of the random selector")
     prompts: int = Field(16, ge=1, le=4096, description="prompts for the 'gradient' selector")
     gradient: str | None = Field(
         None, max_length=1000,
@@ -160,26 +165,28 @@ class MaskSpec(_Spec):
 class TrainSpec(_Spec):
     model: ModelRef
     task: TaskRef = "arithmetic"
-    algo: Algo = "grpo"
-    teacher: ModelRef | None = None
+    algo: Algo = Field("grpo", description="post-training algorithm")
+    teacher: ModelRef | None = Field(None, description="teacher model for opd (same tokenizer)")
     mask: str | None = Field(None, max_length=1000, description="mask.safetensors path or 'job:<id>'")
     mask_select: Selector | None = Field(None, description="build a mask in the job with this selector")
-    mask_density: float | None = Field(None, gt=0.0, le=1.0)
-    optimizer: Literal["adamw", "sgd"] = "adamw"
+    mask_density: float | None = Field(None, gt=0.0, le=1.0, description="density of mask_select")
+    optimizer: Literal["adamw", "sgd"] = Field("adamw", description="optimizer of the trained coordinates")
     lr: float = Field(
         2e-4, gt=0.0, le=10.0, description="AdamW 1e-3 collapses GRPO on arith-base; 2e-4 is stable"
     )
-    weight_decay: float = Field(0.0, ge=0.0, le=10.0)
-    steps: int = Field(30, ge=1, le=100_000)
+    weight_decay: float = Field(0.0, ge=0.0, le=10.0,
+        description="decoupled weight decay (masked coordinates only)")
+    steps: int = Field(30, ge=1, le=100_000, description="optimizer steps")
     batch: int = Field(8, ge=1, le=1024, description="prompts per step")
     group: int = Field(8, ge=2, le=64, description="GRPO completions per prompt")
-    kl_coef: float = Field(0.0, ge=0.0, le=100.0)
-    clip_eps: float = Field(0.2, gt=0.0, le=10.0)
-    sft_source: Literal["gold", "self"] = "gold"
-    max_new_tokens: int = Field(16, ge=1, le=1024)
-    eval_prompts: int = Field(200, ge=1, le=100_000)
-    seed: int = Field(0, ge=0, le=2**31 - 1)
-    dtype: Dtype = "auto"
+    kl_coef: float = Field(0.0, ge=0.0, le=100.0, description="GRPO KL to the reference")
+    clip_eps: float = Field(0.2, gt=0.0, le=10.0, description="GRPO ratio clip")
+    sft_source: Literal["gold", "self"] = Field("gold",
+        description="SFT targets: the task's gold answers or the model's own correct samples")
+    max_new_tokens: int = Field(16, ge=1, le=1024, description="sampled completion length")
+    eval_prompts: int = Field(200, ge=1, le=100_000, description="held-out prompts for greedy accuracy")
+    seed: int = Field(0, ge=0, le=2**31 - 1, description="seed of prompts, sampling and selectors")
+    dtype: Dtype = Field("auto", description="dtype the model is loaded in")
     device: Device = "auto"
     momentum: float = Field(0.0, ge=0.0, lt=1.0, description="SGD momentum")
     grad_clip: float | None = Field(1.0, gt=0.0, le=1e6, description="max grad norm; None = off")
@@ -231,34 +238,38 @@ class SweepSpec(_Spec):
 
     model: ModelRef
     task: TaskRef = "arithmetic"
-    algo: Algo = "grpo"
-    teacher: ModelRef | None = None
+    algo: Algo = Field("grpo", description="post-training algorithm")
+    teacher: ModelRef | None = Field(None, description="teacher model for opd (same tokenizer)")
     lrs: list[Annotated[float, Field(gt=0.0, le=10.0)]] = Field(
         default_factory=lambda: [1e-6, 1e-5, 1e-4, 1e-3], min_length=1, max_length=16,
         description="learning rates of the grid")
     optimizers: list[Literal["adamw", "sgd"]] = Field(
+        description="optimizers of the grid",
         default_factory=lambda: ["adamw", "sgd"], min_length=1, max_length=2)
     precision: list[Precision] = Field(
         default_factory=lambda: ["bf16-mixed"], min_length=1, max_length=3,
         description="training precisions of the grid (fp32, bf16-mixed, bf16)")
-    steps: int = Field(20, ge=1, le=100_000)
+    steps: int = Field(20, ge=1, le=100_000, description="optimizer steps per point")
     batch: int = Field(8, ge=1, le=1024, description="prompts per step")
     group: int = Field(8, ge=2, le=64, description="completions per prompt")
-    max_new_tokens: int = Field(16, ge=1, le=1024)
-    eval_prompts: int = Field(200, ge=1, le=100_000)
-    seed: int = Field(0, ge=0, le=2**31 - 1)
-    weight_decay: float = Field(0.0, ge=0.0, le=10.0)
+    max_new_tokens: int = Field(16, ge=1, le=1024, description="sampled completion length")
+    eval_prompts: int = Field(200, ge=1, le=100_000, description="held-out prompts for greedy accuracy")
+    seed: int = Field(0, ge=0, le=2**31 - 1, description="seed of prompts and sampling")
+    weight_decay: float = Field(0.0, ge=0.0, le=10.0, description="decoupled weight decay")
     momentum: float = Field(0.0, ge=0.0, lt=1.0, description="SGD momentum")
     grad_clip: float | None = Field(1.0, gt=0.0, le=1e6, description="max grad norm; None = off")
-    temperature: float = Field(1.0, gt=0.0, le=5.0)
-    kl_coef: float = Field(0.0, ge=0.0, le=100.0)
-    clip_eps: float = Field(0.2, gt=0.0, le=10.0)
-    sft_source: Literal["gold", "self"] = "gold"
-    distill_estimator: Literal["full", "sampled"] = "full"
+    temperature: float = Field(1.0, gt=0.0, le=5.0, description="sampling temperature")
+    kl_coef: float = Field(0.0, ge=0.0, le=100.0, description="GRPO KL to the reference")
+    clip_eps: float = Field(0.2, gt=0.0, le=10.0, description="GRPO ratio clip")
+    sft_source: Literal["gold", "self"] = Field("gold",
+        description="SFT targets: gold answers or the model's own correct samples")
+    distill_estimator: Literal["full", "sampled"] = Field("full",
+        description="OPD reverse KL: exact over the vocabulary, or sampled-token estimate")
     fisher: str | None = Field(
         None, max_length=1000, description="initial Fisher (path or 'job:<id>'); default: estimated once "
         "from independent samples")
-    independent_fisher: Literal["other-prompts", "other-completions"] = "other-prompts"
+    independent_fisher: Literal["other-prompts", "other-completions"] = Field("other-prompts",
+        description="samples of the estimated initial Fisher")
     fisher_prompts: int = Field(32, ge=1, le=4096, description="prompts of the initial Fisher")
     fisher_samples: int = Field(4, ge=1, le=64, description="samples per prompt of the initial Fisher")
     topk_percent: float = Field(1.0, gt=0.0, le=100.0, description="top-k% of the Fisher/gradient overlap")
@@ -282,22 +293,24 @@ class RetentionSpec(_Spec):
     """Defaults tuned on arith-base (GRPO, 100 steps: held-out greedy accuracy ~0.27 -> ~0.4) so the
     default grid runs in minutes on 2 CPU cores; statistics in compute.retention."""
 
-    model: ModelRef = "arith-base"
+    model: ModelRef = Field("arith-base", description="zoo name, local HF dir, hub id org/name, or job:N")
     task: TaskRef = "arithmetic"
-    algo: Algo = "grpo"
-    teacher: ModelRef | None = None
+    algo: Algo = Field("grpo", description="post-training algorithm")
+    teacher: ModelRef | None = Field(None,
+        description="teacher for opd (default: arith-teacher for arith-base)")
     densities: list[Annotated[float, Field(gt=0.0, le=1.0)]] = Field(
-        default_factory=lambda: [0.01, 0.05, 0.1], min_length=1, max_length=16
+        default_factory=lambda: [0.01, 0.05, 0.1], min_length=1, max_length=16, description="mask densities"
     )
     selectors: list[Selector] = Field(
+        description="mask selectors",
         default_factory=lambda: ["fisher", "random", "magnitude"], min_length=1, max_length=8
     )
-    seeds: int = Field(3, ge=1, le=16)
-    steps: int = Field(100, ge=1, le=100_000)
-    lr: float = Field(2e-4, gt=0.0, le=10.0)
-    optimizer: Literal["adamw", "sgd"] = "adamw"
-    fisher_prompts: int = Field(64, ge=1, le=4096)
-    fisher_samples: int = Field(4, ge=1, le=64)
+    seeds: int = Field(3, ge=1, le=16, description="paired seeds: each runs full training and every mask")
+    steps: int = Field(100, ge=1, le=100_000, description="optimizer steps per run")
+    lr: float = Field(2e-4, gt=0.0, le=10.0, description="learning rate")
+    optimizer: Literal["adamw", "sgd"] = Field("adamw", description="optimizer of every run")
+    fisher_prompts: int = Field(64, ge=1, le=4096, description="prompts of the initial Fisher")
+    fisher_samples: int = Field(4, ge=1, le=64, description="samples per prompt of the initial Fisher")
     eval_prompts: int = Field(
         2500, ge=2, le=100_000, description="held-out prompts (the same for every model); when not "
         "given: ceil(0.25 / eval_se^2), so every model's mean reward has standard error <= eval_se")
@@ -309,13 +322,14 @@ class RetentionSpec(_Spec):
     device: Device = "auto"
     batch: int = Field(16, ge=1, le=1024, description="prompts per step")
     group: int = Field(8, ge=2, le=64, description="completions sampled per prompt")
-    max_new_tokens: int = Field(6, ge=1, le=1024)
-    weight_decay: float = Field(0.0, ge=0.0, le=10.0)
+    max_new_tokens: int = Field(6, ge=1, le=1024, description="sampled completion length")
+    weight_decay: float = Field(0.0, ge=0.0, le=10.0, description="decoupled weight decay")
     momentum: float = Field(0.0, ge=0.0, lt=1.0, description="SGD momentum")
-    temperature: float = Field(1.0, gt=0.0, le=5.0)
-    kl_coef: float = Field(0.0, ge=0.0, le=100.0)
-    distill_estimator: Literal["full", "sampled"] = "full"
-    dtype: Dtype = "auto"
+    temperature: float = Field(1.0, gt=0.0, le=5.0, description="sampling temperature")
+    kl_coef: float = Field(0.0, ge=0.0, le=100.0, description="GRPO KL to the reference")
+    distill_estimator: Literal["full", "sampled"] = Field("full",
+        description="OPD reverse KL: exact over the vocabulary, or sampled-token estimate")
+    dtype: Dtype = Field("auto", description="dtype the models are loaded in")
 
     @model_validator(mode="before")
     @classmethod
@@ -342,7 +356,8 @@ class DiffSpec(_Spec):
     base: ModelRef
     tuned: ModelRef
     fisher: str | None = Field(None, max_length=1000, description="fisher.safetensors path or 'job:<id>'")
-    topk_percent: float = Field(1.0, gt=0.0, le=100.0)
+    topk_percent: float = Field(1.0, gt=0.0, le=100.0,
+        description="top-k% used for the Fisher/|delta| overlap")
     store_delta: bool = Field(False, description="also store the full float32 delta as an artifact (large)")
     svd_max_numel: int = Field(
         16_000_000, ge=0, le=10_000_000_000, description="skip rank/SVD of 2-D deltas above this size"
@@ -351,11 +366,11 @@ class DiffSpec(_Spec):
 
 class TokensSpec(_Spec):
     model: ModelRef
-    context: str = Field(..., min_length=1, max_length=2000)
+    context: str = Field(..., min_length=1, max_length=2000, description="text before the next token")
     top_k: int = Field(8, ge=2, le=64, description="number of top next tokens")
     layer: int | None = Field(None, ge=0, le=1000, description="None = whole model")
     random_k: int = Field(8, ge=0, le=64, description="random tokens for contrast")
-    seed: int = Field(0, ge=0, le=2**31 - 1)
+    seed: int = Field(0, ge=0, le=2**31 - 1, description="seed of the random tokens")
     low_k: int = Field(8, ge=0, le=64, description="least likely tokens for contrast")
     full_vocab_max: int = Field(1024, ge=1, le=1_000_000, description="enumerate the whole vocabulary up to this size")
     mass_target: float = Field(0.99, gt=0.0, le=1.0, description="probability mass covered for larger vocabularies")
@@ -364,7 +379,7 @@ class TokensSpec(_Spec):
         None, ge=16, le=1_048_576,
         description="gradient rows held per chunk (MiB); None = a quarter of free device memory",
     )
-    dtype: Dtype = "auto"
+    dtype: Dtype = Field("auto", description="dtype the model is loaded in")
     device: Device = "auto"
 
     @field_validator("context")
@@ -438,91 +453,5 @@ def _friendly(err: Any, cls: type[BaseModel]) -> dict[str, str]:
 def _bounds(cls: type[BaseModel], loc: tuple[Any, ...]) -> dict[str, Any]:
     """The numeric bounds declared on a top-level field (e.g. {'ge': 1, 'le': 4096})."""
     info = cls.model_fields.get(str(loc[0])) if loc else None
-    cons = _constraints(info.metadata) if info else {}
-    return {k: cons[k] for k in _BOUND_KEYS if k in cons}
-
-
-# --- field metadata for generators (CLI options, UI forms) -------------------------------------
-
-_BOUND_KEYS = ("ge", "gt", "le", "lt")
-
-
-@dataclass(frozen=True)
-class FieldInfo:
-    """One spec field as a form or CLI generator needs it (built by `describe_fields`).
-
-    `type` is the scalar Python type (of the items when `is_list`); `choices` holds the Literal
-    values; `bounds` the numeric bounds ({'ge': 1, 'le': 4096}, of the items when `is_list`);
-    `min_length`/`max_length` the string length, or the list length when `is_list`."""
-
-    name: str
-    type: type
-    default: Any
-    required: bool
-    help: str | None = None
-    bounds: dict[str, Any] = dc_field(default_factory=dict)
-    choices: tuple[Any, ...] | None = None
-    is_list: bool = False
-    optional: bool = False
-    min_length: int | None = None
-    max_length: int | None = None
-
-    def range_text(self) -> str:
-        """The accepted range in the words of the error messages ('>= 1, <= 4096'); '' if none."""
-        ops = {"ge": ">=", "gt": ">", "le": "<=", "lt": "<"}
-        return ", ".join(f"{ops[k]} {v}" for k, v in self.bounds.items())
-
-
-def _constraints(metadata: list[Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for m in metadata:
-        for k in (*_BOUND_KEYS, "min_length", "max_length"):
-            if getattr(m, k, None) is not None:
-                out[k] = getattr(m, k)
-    return out
-
-
-def _unwrap(annotation: Any) -> tuple[Any, bool, dict[str, Any], str | None]:
-    """(inner annotation, optional, constraints, description) of `X | None` / `Annotated[X, ...]`."""
-    optional, cons, desc = False, {}, None
-    if get_origin(annotation) in (Union, UnionType):
-        args = [a for a in get_args(annotation) if a is not type(None)]
-        optional = len(args) < len(get_args(annotation))
-        annotation = args[0] if len(args) == 1 else annotation
-    if get_origin(annotation) is Annotated:
-        annotation, *extra = get_args(annotation)
-        for e in extra:
-            cons.update(_constraints([*getattr(e, "metadata", []), e]))
-            desc = desc or getattr(e, "description", None)
-    return annotation, optional, cons, desc
-
-
-def describe_fields(spec_cls: type[BaseModel]) -> list[FieldInfo]:
-    """The fields of a spec model in declaration order, for generated CLI options and UI forms.
-
-    Everything comes from the model itself (type, default, description, bounds, Literal choices),
-    so a form or an option never repeats a default or a range by hand."""
-    out = []
-    for name, info in spec_cls.model_fields.items():
-        ann, optional, cons, desc = _unwrap(info.annotation)
-        cons = {**cons, **_constraints(info.metadata)}
-        is_list = get_origin(ann) is list
-        if is_list:
-            ann, _, item_cons, _ = _unwrap(get_args(ann)[0])
-            cons = {**item_cons, **{k: v for k, v in cons.items() if k not in _BOUND_KEYS}}
-        choices = get_args(ann) if get_origin(ann) is Literal else None
-        py_type = type(choices[0]) if choices else ann
-        required = info.is_required()
-        if required:
-            default = None
-        elif info.default_factory is not None:
-            default = info.default_factory()  # type: ignore[call-arg]
-        else:
-            default = info.default
-        out.append(FieldInfo(
-            name=name, type=py_type, default=default, required=required,
-            help=info.description or desc, bounds={k: cons[k] for k in _BOUND_KEYS if k in cons},
-            choices=choices, is_list=is_list, optional=optional,
-            min_length=cons.get("min_length"), max_length=cons.get("max_length"),
-        ))
-    return out
+    cons = constraints(info.metadata) if info else {}
+    return {k: cons[k] for k in BOUND_KEYS if k in cons}

@@ -1,4 +1,6 @@
-"""Helpers shared by CLI commands: one clear error line and a non-zero exit code."""
+"""Helpers shared by CLI commands: one clear error line and a non-zero exit code, spec
+validation from options, running a job in-process, result files (JSON, HTML) and the command
+line that reproduces a spec. Command modules import this, never each other."""
 
 from __future__ import annotations
 
@@ -37,7 +39,7 @@ def spec_from_options(kind: str, options: dict[str, Any]) -> Any:
     from compute.contract.settings import get_settings
     from compute.modelref import MODEL_FIELDS
 
-    _allow_local_dirs(*(getattr(spec, f, None) for f in MODEL_FIELDS))
+    allow_local_dirs(*(getattr(spec, f, None) for f in MODEL_FIELDS))
     try:
         services.check_spec(get_settings(), kind, spec, local=True)
     except SpecError as exc:
@@ -45,7 +47,7 @@ def spec_from_options(kind: str, options: dict[str, Any]) -> Any:
     return spec
 
 
-def _allow_local_dirs(*refs: str | None) -> None:
+def allow_local_dirs(*refs: str | None) -> None:
     """Model folders named on the command line (e.g. a training output) are allowed for this
     process (ALLOWED_MODEL_ROOTS); jobs from the web stay restricted to the operator's roots."""
     import os
@@ -87,3 +89,72 @@ def cli_progress(desc: str) -> Iterator[Callable[[float, str], None]]:
         yield progress
     finally:
         bar.close()
+
+
+def run_job(kind: str, spec: Any, desc: str | None = None) -> Any:
+    """Run the job in this process (the entry point the worker calls) with a progress bar; a
+    ValueError from the job is the user's error: one line, exit 2."""
+    from compute.runners import get_runner
+
+    try:
+        with cli_progress(desc or kind) as progress:
+            return get_runner(kind)(spec, progress)
+    except ValueError as exc:
+        fail(" ".join(str(exc).split()))
+
+
+def json_safe(obj: Any) -> Any:
+    """NaN/inf -> None (strict JSON), recursively (storage's copy, imported when first used)."""
+    from storage.serialize import json_safe as _json_safe
+
+    return _json_safe(obj)
+
+
+def write_html(result: dict[str, Any], path: Path) -> None:
+    """All figures of the result in one self-contained HTML file (skipped if plotting fails)."""
+    try:
+        from app.plots import result_figures
+
+        figs = result_figures(result)
+        parts = [fig.to_html(full_html=False, include_plotlyjs=(i == 0)) for i, (_, fig) in enumerate(figs)]
+    except Exception as exc:  # noqa: BLE001 - the JSON is the result; the HTML is a convenience
+        click.echo(f"(no HTML figures: {type(exc).__name__}: {exc})", err=True)
+        return
+    path.write_text("<html><head><meta charset='utf-8'></head><body>" + "\n".join(parts) + "</body></html>")
+
+
+def spec_command(kind: str, spec: Any, **extra: str) -> str:
+    """The shortest `fisherlens KIND --flag value ...` that makes `spec`: a flag for each field
+    the spec would not get without it (so a value derived from another field, like retention's
+    eval_prompts from eval_se, is left out), in field order; then `extra` flags (e.g. out)."""
+    import shlex
+
+    cls = type(spec)
+    values = spec.model_dump(mode="json")
+    given = {}
+    for name, info in cls.model_fields.items():
+        default = info.default_factory() if info.default_factory is not None else info.default  # type: ignore[call-arg]
+        if info.is_required() or values[name] != default:
+            given[name] = values[name]
+    for name in list(given):
+        rest = {k: v for k, v in given.items() if k != name}
+        try:
+            if getattr(cls.model_validate(rest), name) == getattr(spec, name):
+                given = rest
+        except ValueError:  # needed (a required field, or another field's rule)
+            pass
+    parts = ["fisherlens", kind]
+    for name, v in given.items():
+        flag = "--" + name.replace("_", "-")
+        if isinstance(v, bool):
+            parts.append(flag if v else "--no-" + flag[2:])
+            continue
+        text = ",".join(_num(x) for x in v) if isinstance(v, list) else _num(v)
+        parts += [flag, text]
+    for k, v in extra.items():
+        parts += [f"--{k}", v]
+    return shlex.join(parts)
+
+
+def _num(x: Any) -> str:
+    return f"{x:g}" if isinstance(x, float) else str(x)

@@ -1,5 +1,5 @@
-"""Experiment commands: `mask`, `diff`, `tokens` (masks area); `train`, `retention` are appended
-to `commands` at the end of this file by the training area.
+"""Experiment commands: `mask`, `diff`, `tokens`, `retention` (`train` and `sweep` are in
+training.py). Options are generated from the spec models (app/commands/options.py).
 
 Compute is imported inside each command so `fisherlens --help` stays light.
 """
@@ -13,7 +13,16 @@ from typing import Any
 
 import click
 
-from app.commands.common import cli_progress, fail, spec_from_options, write_json
+from app.commands.common import (
+    json_safe,
+    run_job,
+    spec_command,
+    spec_from_options,
+    write_html,
+    write_json,
+)
+from app.commands.options import spec_options
+from compute.specs import DiffSpec, MaskSpec, RetentionSpec, TokensSpec
 
 
 def _num(x: Any, digits: int = 4) -> str:
@@ -30,60 +39,22 @@ def _table(headers: list[str], rows: list[list[Any]]) -> str:
     return "\n".join("  ".join(str(c).rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells)
 
 
-def json_safe(obj: Any) -> Any:
-    """NaN/inf -> None (strict JSON), recursively."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: json_safe(v) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [json_safe(v) for v in obj]
-    return obj
-
-
-def allow_local_dirs(*refs: str | None) -> None:
-    """The CLI runs as its user: model folders named on its command line (e.g. a training output)
-    are added to ALLOWED_MODEL_ROOTS for this process. Jobs from the web stay restricted."""
-    extra = [str(Path(r).expanduser().resolve()) for r in refs if r and Path(r).expanduser().is_dir()]
-    if extra:
-        current = os.environ.get("ALLOWED_MODEL_ROOTS", "")
-        os.environ["ALLOWED_MODEL_ROOTS"] = ":".join(p for p in [current, *extra] if p)
-
-
-def _run(kind: str, spec: Any, desc: str) -> Any:
-    from compute.runners import get_runner
-
-    try:
-        with cli_progress(desc) as progress:
-            return get_runner(kind)(spec, progress)
-    except ValueError as exc:
-        fail(str(exc))
-
-
 # ---------------------------------------------------------------------------------------------
 # mask
 # ---------------------------------------------------------------------------------------------
 
 
 @click.command("mask")
-@click.option("--fisher", help="fisher.safetensors path (or a folder holding one) or job:<id>")
-@click.option("--select", "select", help="fisher | fisher-tensor | fisher-bottom | random | magnitude | "
-              "magnitude-bottom | gradient  [default: fisher]")
-@click.option("--density", type=float, help="fraction of all coordinates kept, in (0, 1]  [default: 0.05]")
-@click.option("--model", help="zoo name or local HF dir (weights for magnitude*, shapes for random)")
-@click.option("--task", help="task for the gradient selector  [default: arithmetic]")
-@click.option("--prompts", type=int, help="prompts for the gradient selector  [default: 16]")
-@click.option("--gradient", help="precomputed gradient.safetensors for the gradient selector")
-@click.option("--seed", type=int, help="seed of the random selector  [default: 0]")
-@click.option("--device", help="auto | cpu | cuda[:N]")
+@spec_options(MaskSpec, overrides={
+    "fisher": {"help": "fisher.safetensors path (or a folder holding one) or job:<id>"},
+    "model": {"help": "zoo name or local HF dir (weights for magnitude*, shapes for random)"}})
 @click.option("--out", "out", required=True, type=click.Path(dir_okay=False), help="mask.safetensors to write")
 def mask_cmd(out: str, **options: Any) -> None:
     """Build a boolean mask keeping exactly round(density x N) coordinates, and save it."""
     spec = spec_from_options("mask", options)
-    allow_local_dirs(spec.model)
     from compute.masks import save_mask
 
-    res = _run("mask", spec, f"mask {spec.select}")
+    res = run_job("mask", spec, f"mask {spec.select}")
     s = res.summary
     meta = {"select": spec.select, "density": s["density"], "density_requested": spec.density,
             "seed": spec.seed, "fisher": spec.fisher or "", "model": spec.model or "", "scores": s["scores"]}
@@ -107,16 +78,12 @@ def mask_cmd(out: str, **options: Any) -> None:
 @click.command("diff")
 @click.argument("base")
 @click.argument("tuned")
-@click.option("--fisher", help="fisher.safetensors of the base model: compare top Fisher with top |delta|")
-@click.option("--topk-percent", type=float, help="top-k%% used for the Fisher/|delta| overlap  [default: 1]")
-@click.option("--store-delta", is_flag=True, default=None, help="also write DIR/delta.safetensors (large)")
-@click.option("--svd-max-numel", type=int, help="skip rank/SVD of larger 2-D deltas")
+@spec_options(DiffSpec, exclude=("base", "tuned"))
 @click.option("--out", "out", required=True, type=click.Path(file_okay=False), help="output folder")
 def diff_cmd(base: str, tuned: str, out: str, **options: Any) -> None:
     """Update sparsity of TUNED relative to BASE (zoo names, local HF dirs, training outputs)."""
     spec = spec_from_options("diff", {"base": base, "tuned": tuned, **options})
-    allow_local_dirs(spec.base, spec.tuned)
-    res = _run("diff", spec, "diff")
+    res = run_job("diff", spec, "diff")
     s = res.summary
     out_dir = Path(out)
     result = json_safe(res.to_dict())
@@ -125,7 +92,7 @@ def diff_cmd(base: str, tuned: str, out: str, **options: Any) -> None:
         from safetensors.torch import save_file
 
         save_file({n: t.contiguous() for n, t in res.tensors["delta"].items()}, str(out_dir / "delta.safetensors"))
-    _write_html(result, out_dir / "diff.html")
+    write_html(result, out_dir / "diff.html")
     layer_rows = [r for r in res.layer_stats if r.group == "layer_module"]
     by_layer: dict[str, list[float]] = {}
     for r in layer_rows:
@@ -153,40 +120,18 @@ def diff_cmd(base: str, tuned: str, out: str, **options: Any) -> None:
     click.echo(f"wrote {out_dir / 'diff.json'}")
 
 
-def _write_html(result: dict[str, Any], path: Path) -> None:
-    """All figures of the result in one self-contained HTML file (skipped if plotting fails)."""
-    try:
-        from app.plots import result_figures
-
-        figs = result_figures(result)
-        parts = [fig.to_html(full_html=False, include_plotlyjs=(i == 0)) for i, (_, fig) in enumerate(figs)]
-    except Exception as exc:  # noqa: BLE001 - the JSON is the result; the HTML is a convenience
-        click.echo(f"(no HTML figures: {type(exc).__name__}: {exc})", err=True)
-        return
-    path.write_text("<html><head><meta charset='utf-8'></head><body>" + "\n".join(parts) + "</body></html>")
-
-
 # ---------------------------------------------------------------------------------------------
 # tokens
 # ---------------------------------------------------------------------------------------------
 
 
 @click.command("tokens")
-@click.option("--model", required=True, help="zoo name, local HF dir or hub id")
-@click.option("--context", required=True, help="text before the next token")
-@click.option("--top-k", type=int, help="most likely next tokens  [default: 8]")
-@click.option("--layer", type=int, help="only this block's parameters  [default: whole model]")
-@click.option("--random-k", type=int, help="random contrast tokens  [default: 8]")
-@click.option("--low-k", type=int, help="least likely contrast tokens  [default: 8]")
-@click.option("--seed", type=int, help="seed of the random tokens  [default: 0]")
-@click.option("--device", help="auto | cpu | cuda[:N]")
-@click.option("--dtype", help="auto | float32 | bfloat16 | float16")
+@spec_options(TokensSpec, overrides={"context": {"help": "text before the next token"}})
 @click.option("--out", "out", type=click.Path(dir_okay=False), help="write the result as JSON")
 def tokens_cmd(out: str | None, **options: Any) -> None:
     """Next tokens after CONTEXT: probabilities, sensitivity cosines, shares of the Fisher."""
     spec = spec_from_options("tokens", options)
-    allow_local_dirs(spec.model)
-    res = _run("tokens", spec, "tokens")
+    res = run_job("tokens", spec, "tokens")
     s = res.summary
     click.echo(f"context {spec.context!r} ({s['n_context_tokens']} tokens), scope: {s['scope']} "
                f"({s['n_params']:,} params), entropy {s['entropy']:.4f} nats")
@@ -218,26 +163,6 @@ def tokens_cmd(out: str | None, **options: Any) -> None:
 # ---------------------------------------------------------------------------------------------
 # retention
 # ---------------------------------------------------------------------------------------------
-
-
-def canonical_command(kind: str, spec: Any, **extra: str) -> str:
-    """The CLI command that makes this spec: `fisherlens KIND` with a flag for every field that
-    differs from the spec's default (a derived eval_prompts is left to its eval_se)."""
-    import shlex
-
-    fresh = type(spec).model_validate({})
-    parts = ["fisherlens", kind]
-    for name, value in spec.model_dump(mode="json").items():
-        if value == getattr(fresh, name) and name != "eval_prompts":
-            continue
-        if name == "eval_prompts" and value == type(spec).model_validate({"eval_se": spec.eval_se}).eval_prompts:
-            continue
-        text = ",".join(f"{v:g}" if isinstance(v, float) else str(v) for v in value) if isinstance(value, list) \
-            else (f"{value:g}" if isinstance(value, float) else str(value))
-        parts += [f"--{name.replace('_', '-')}", text]
-    for k, v in extra.items():
-        parts += [f"--{k}", v]
-    return shlex.join(parts)
 
 
 def provenance(spec: Any, seconds_wall: float, cpu_seconds: float, command: str) -> dict[str, Any]:
@@ -283,36 +208,11 @@ def provenance(spec: Any, seconds_wall: float, cpu_seconds: float, command: str)
 
 
 @click.command("retention")
-@click.option("--model", help="zoo name, local HF directory, or hub id  [default: arith-base]")
-@click.option("--task", help="[default: arithmetic]")
-@click.option("--algo", help="grpo | opd | sft  [default: grpo]")
-@click.option("--teacher", help="teacher for opd  [default: arith-teacher for arith-base]")
-@click.option("--densities", help="comma-separated mask densities  [default: 0.01,0.05,0.1]")
-@click.option("--selectors", help="comma-separated selectors  [default: fisher,random,magnitude]")
-@click.option("--seeds", type=int, help="paired seeds: each runs full training and every mask  [default: 3]")
-@click.option("--steps", type=int, help="optimizer steps per run  [default: 100]")
-@click.option("--lr", type=float, help="learning rate  [default: 2e-4]")
-@click.option("--optimizer", help="adamw | sgd")
-@click.option("--batch", type=int, help="prompts per step")
-@click.option("--group", type=int, help="completions per prompt")
-@click.option("--max-new-tokens", type=int, help="sampled completion length")
-@click.option("--weight-decay", type=float)
-@click.option("--momentum", type=float, help="SGD momentum")
-@click.option("--temperature", type=float)
-@click.option("--kl-coef", type=float)
-@click.option("--distill-estimator", help="full | sampled")
-@click.option("--fisher-prompts", type=int, help="prompts of the initial Fisher")
-@click.option("--fisher-samples", type=int, help="samples per prompt of the initial Fisher")
-@click.option("--eval-se", type=float, help="target standard error of each model's held-out reward; "
-              "sets --eval-prompts to ceil(0.25/se^2)  [default: 0.01 -> 2500 prompts]")
-@click.option("--eval-prompts", type=int, help="held-out prompts (overrides --eval-se)")
-@click.option("--bootstrap", type=int, help="bootstrap replicates  [default: 2000]")
-@click.option("--confidence", type=float, help="confidence level of the intervals  [default: 0.95]")
-@click.option("--device", help="auto | cpu | cuda | cuda:N")
-@click.option("--dtype", help="auto | float32 | bfloat16 | float16")
+@spec_options(RetentionSpec, overrides={"eval_prompts": {
+    "help": "held-out prompts (overrides --eval-se)", "default_text": "ceil(0.25 / eval_se^2)"}})
 @click.option("--out", "out", default="retention", show_default=True, type=click.Path(file_okay=False),
               help="writes OUT/retention.json, OUT/retention.md, OUT/rewards.safetensors")
-def retention_cmd(out: str, densities: str | None, selectors: str | None, **options: Any) -> None:
+def retention_cmd(out: str, **options: Any) -> None:
     """Full vs fixed-mask training from the initial Fisher: retention with confidence intervals.
 
     Every seed runs full training and each mask with the same seed; every model is evaluated on
@@ -321,21 +221,16 @@ def retention_cmd(out: str, densities: str | None, selectors: str | None, **opti
     import resource
     import time
 
-    try:
-        options["densities"] = None if densities is None else [float(x) for x in densities.split(",") if x.strip()]
-    except ValueError:
-        fail(f"--densities: got {densities!r}; expected comma-separated numbers in (0, 1]")
-    options["selectors"] = None if selectors is None else [x.strip() for x in selectors.split(",") if x.strip()]
     spec = spec_from_options("retention", options)
     t0 = time.perf_counter()
-    res = _run("retention", spec, "retention")
+    res = run_job("retention", spec, "retention")
     ru = [resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
     cpu = sum(r.ru_utime + r.ru_stime for r in ru)
     s = res.summary
     out_dir = Path(out)
     result = json_safe({**res.to_dict(), "spec": spec.model_dump(mode="json"),
                         "provenance": provenance(spec, time.perf_counter() - t0, cpu,
-                                                 canonical_command("retention", spec,
+                                                 spec_command("retention", spec,
                                                                    **({"out": out} if out != "retention" else {})))})
     write_json(out_dir / "retention.json", result)
     (out_dir / "retention.md").write_text(s["markdown"])

@@ -7,7 +7,9 @@ from typing import Any
 
 import click
 
-from app.commands.common import fail, spec_from_options, write_json
+from app.commands.common import fail, run_job, spec_from_options, write_json
+from app.commands.options import spec_options
+from compute.specs import FisherSpec
 
 
 def _summary_table(result: Any) -> str:
@@ -33,23 +35,8 @@ def _summary_table(result: Any) -> str:
 
 
 @click.command("fisher")
-@click.option("--model", required=True, help="zoo name, local HF directory, or hub id")
-@click.option("--task", default=None, help="arithmetic | arithmetic-add | arithmetic-mul | jsonl:PATH")
-@click.option("--prompts", type=int, default=None, help="number of task prompts (1..4096)")
-@click.option("--samples", type=int, default=None, help="sampled completions per prompt (1..64)")
-@click.option("--estimator", default=None, help="sequence | token | empirical | batch")
-@click.option("--seed", type=int, default=None, help="seed of prompts and samples")
+@spec_options(FisherSpec)
 @click.option("--out", "out", required=True, type=click.Path(file_okay=False), help="output dir")
-@click.option("--max-new-tokens", type=int, default=None, help="completion length limit")
-@click.option("--temperature", type=float, default=None, help="1.0 = the model's distribution")
-@click.option("--top-k", type=int, default=None, help="default: full distribution")
-@click.option("--top-p", type=float, default=None, help="default: full distribution")
-@click.option("--device", default=None, help="auto | cpu | cuda | cuda:N")
-@click.option("--dtype", default=None, help="auto | float32 | bfloat16 | float16")
-@click.option("--memory-budget-mb", type=int, default=None, help="per-sample gradient memory")
-@click.option("--topk-percent", type=float, default=None, help="top-k%% for split-half stability")
-@click.option("--exact-output/--no-exact-output", default=None,
-              help="also compute the exact output-layer Fisher (default on)")
 def fisher(out: str, **options: Any) -> None:
     """Estimate the diagonal Fisher; write OUT/fisher.safetensors and OUT/stats.json."""
     spec = spec_from_options("fisher", options)
@@ -63,23 +50,7 @@ def fisher(out: str, **options: Any) -> None:
     except ValueError as exc:
         fail(str(exc))
 
-    from tqdm import tqdm
-
-    from compute.run_fisher import run
-
-    bar = tqdm(total=100, desc="fisher", unit="%", leave=False)
-
-    def progress(fraction: float, message: str = "") -> None:
-        bar.n = round(100 * min(max(fraction, 0.0), 1.0))
-        bar.set_postfix_str(message)
-        bar.refresh()
-
-    try:
-        result = run(spec, progress)
-    except ValueError as exc:
-        fail(str(exc).splitlines()[0])
-    finally:
-        bar.close()
+    result = run_job("fisher", spec)
 
     from safetensors.torch import save_file
 

@@ -1,5 +1,5 @@
-"""`fisherlens train` (one full or masked post-training run) and `fisherlens retention` (the
-fixed-mask retention grid)."""
+"""`fisherlens train` (one full or masked post-training run) and `fisherlens sweep` (training
+runs over lr x optimizer x precision). Options are generated from TrainSpec / SweepSpec."""
 
 from __future__ import annotations
 
@@ -10,27 +10,17 @@ from typing import Any
 
 import click
 
-from app.commands.common import cli_progress, fail, spec_from_options, write_json
+from app.commands.common import (
+    fail,
+    json_safe,
+    run_job,
+    spec_command,
+    spec_from_options,
+    write_html,
+    write_json,
+)
+from app.commands.options import spec_options
 from compute.specs import SweepSpec, TrainSpec
-
-
-def _check_refs(spec: Any) -> None:
-    from compute.modelref import resolve_model
-    from compute.tasks import get_task
-
-    try:
-        from app.commands.experiments import allow_local_dirs
-
-        allow_local_dirs(spec.model, getattr(spec, "teacher", None))  # folders named by the user
-    except ImportError:  # pragma: no cover - the experiments module is another area's
-        pass
-    try:
-        resolve_model(spec.model)
-        if getattr(spec, "teacher", None):
-            resolve_model(spec.teacher)
-        get_task(spec.task)
-    except ValueError as exc:
-        fail(str(exc).splitlines()[0])
 
 
 def _fmt(x: Any) -> str:
@@ -38,44 +28,7 @@ def _fmt(x: Any) -> str:
 
 
 @click.command("train")
-@click.option("--model", required=True, help="zoo name, local HF directory, or hub id")
-@click.option("--task", help="arithmetic | arithmetic-add | arithmetic-mul | jsonl:PATH")
-@click.option("--algo", help="grpo | opd | sft  [default: grpo]")
-@click.option("--teacher", help="teacher model for opd (same tokenizer)")
-@click.option("--mask", help="mask.safetensors: train only its True coordinates")
-@click.option("--mask-select", help="build a mask in the run: fisher | fisher-tensor | fisher-bottom | "
-              "random | magnitude | magnitude-bottom | gradient")
-@click.option("--mask-density", type=float, help="density of --mask-select (0..1]")
-@click.option("--optimizer", help="adamw | sgd  [default: adamw]")
-@click.option("--lr", type=float, help=f"learning rate  [default: {TrainSpec.model_fields['lr'].default}]")
-@click.option("--weight-decay", type=float, help="[default: 0]")
-@click.option("--momentum", type=float, help="SGD momentum  [default: 0]")
-@click.option("--steps", type=int, help=f"optimizer steps  [default: {TrainSpec.model_fields['steps'].default}]")
-@click.option("--batch", type=int, help="prompts per step  [default: 8]")
-@click.option("--group", type=int, help="completions per prompt  [default: 8]")
-@click.option("--kl-coef", type=float, help="GRPO KL to the reference  [default: 0]")
-@click.option("--clip-eps", type=float, help="GRPO ratio clip  [default: 0.2]")
-@click.option("--sft-source", help="gold | self  [default: gold]")
-@click.option("--distill-estimator", help="full | sampled  [default: full]")
-@click.option("--max-new-tokens", type=int, help="sampled completion length  [default: 16]")
-@click.option("--temperature", type=float, help="sampling temperature  [default: 1]")
-@click.option("--grad-clip", type=float, help="max gradient norm  [default: 1]")
-@click.option("--eval-prompts", type=int, help="held-out prompts for greedy accuracy  [default: 200]")
-@click.option("--fisher-prompts", type=int, help="Fisher prompts for --mask-select fisher*")
-@click.option("--fisher-samples", type=int, help="Fisher samples per prompt")
-@click.option("--bound/--no-bound", default=None, help="GRPO: check the Fisher bound on batch 1 "
-              "(Fisher from independent samples)")
-@click.option("--precision", help="fp32 | bf16-mixed (fp32 master weights, bf16 checkpoint) | bf16 "
-              "(bf16 weights)  [default: fp32]")
-@click.option("--fisher", help="initial Fisher (fisher.safetensors or job:<id>) for the concentration "
-              "and bound checks  [default: estimated from independent samples]")
-@click.option("--independent-fisher", help="other-prompts | other-completions  [default: other-prompts]")
-@click.option("--concentration/--no-concentration", default=None,
-              help="accumulate sum g^2, sum |g| over the run and compare with the initial Fisher")
-@click.option("--topk-percent", type=float, help="top-k%% of the concentration overlap  [default: 1]")
-@click.option("--seed", type=int, help="[default: 0]")
-@click.option("--device", help="auto | cpu | cuda | cuda:N")
-@click.option("--dtype", help="auto | float32 | bfloat16 | float16")
+@spec_options(TrainSpec, overrides={"mask": {"help": "mask.safetensors or job:<id>: train only its True coordinates"}})
 @click.option("--out", "out", required=True, type=click.Path(file_okay=False),
               help="output dir: the trained model (HF format), metrics.json")
 def train_cmd(out: str, **options: Any) -> None:
@@ -84,14 +37,7 @@ def train_cmd(out: str, **options: Any) -> None:
     out_dir = Path(out)
     if out_dir.exists() and any(out_dir.iterdir()):
         fail(f"--out: {out} exists and is not empty; choose a new folder")
-    _check_refs(spec)
-    from compute.run_train import run
-
-    with cli_progress("train") as progress:
-        try:
-            result = run(spec, progress)
-        except ValueError as exc:
-            fail(str(exc).splitlines()[0])
+    result = run_job("train", spec)
     src = Path(result.files["model"])
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     if out_dir.exists():
@@ -144,36 +90,6 @@ def train_cmd(out: str, **options: Any) -> None:
     click.echo(f"wrote {out_dir} (model, tokenizer, metrics.json)")
 
 
-def _floats(text: str | None, flag: str) -> list[float] | None:
-    if text is None:
-        return None
-    try:
-        return [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        fail(f"{flag}: got {text!r}; expected comma-separated numbers like 0.01,0.05,0.1")
-
-
-def _words(text: str | None) -> list[str] | None:
-    return None if text is None else [x.strip() for x in text.split(",") if x.strip()]
-
-
-def spec_command(kind: str, spec: Any) -> str:
-    """The CLI command that reproduces `spec` (fields that differ from their defaults)."""
-    parts = [f"fisherlens {kind}"]
-    for name, f in type(spec).model_fields.items():
-        v = getattr(spec, name)
-        default = f.default_factory() if f.default_factory is not None else f.default  # type: ignore[call-arg]
-        if v == default:
-            continue
-        if isinstance(v, bool):
-            parts.append(f"--{name.replace('_', '-')}" if v else f"--no-{name.replace('_', '-')}")
-            continue
-        text = ",".join(f"{x:g}" if isinstance(x, float) else str(x) for x in v) if isinstance(v, list) else (
-            f"{v:g}" if isinstance(v, float) else str(v))
-        parts.append(f"--{name.replace('_', '-')} {text}")
-    return " ".join(parts)
-
-
 def _weights_sha256(ref: str) -> str | None:
     """sha256 of a local model's weights file(s) (what the sweep started from), None if not local."""
     import hashlib
@@ -194,58 +110,22 @@ def _weights_sha256(ref: str) -> str | None:
 
 
 @click.command("sweep")
-@click.option("--model", required=True, help="zoo name, local HF directory, or hub id")
-@click.option("--task", help="[default: arithmetic]")
-@click.option("--algo", help="grpo | opd | sft  [default: grpo]")
-@click.option("--teacher", help="teacher for opd (same tokenizer)")
-@click.option("--lrs", help="comma-separated learning rates  [default: 1e-6,1e-5,1e-4,1e-3]")
-@click.option("--optimizers", help="comma-separated: adamw,sgd  [default: adamw,sgd]")
-@click.option("--precision", help="comma-separated: fp32, bf16-mixed, bf16  [default: bf16-mixed]")
-@click.option("--steps", type=int, help=f"optimizer steps per point  [default: {SweepSpec.model_fields['steps'].default}]")
-@click.option("--batch", type=int, help="prompts per step  [default: 8]")
-@click.option("--group", type=int, help="completions per prompt  [default: 8]")
-@click.option("--max-new-tokens", type=int, help="sampled completion length  [default: 16]")
-@click.option("--eval-prompts", type=int, help="held-out prompts for greedy accuracy  [default: 200]")
-@click.option("--weight-decay", type=float)
-@click.option("--momentum", type=float, help="SGD momentum")
-@click.option("--temperature", type=float)
-@click.option("--kl-coef", type=float)
-@click.option("--fisher", help="initial Fisher (fisher.safetensors)  [default: estimated once from "
-              "independent samples]")
-@click.option("--independent-fisher", help="other-prompts | other-completions")
-@click.option("--fisher-prompts", type=int, help="prompts of the initial Fisher  [default: 32]")
-@click.option("--fisher-samples", type=int, help="samples per prompt of the initial Fisher  [default: 4]")
-@click.option("--topk-percent", type=float, help="top-k%% of the Fisher/gradient overlap  [default: 1]")
-@click.option("--seed", type=int, help="[default: 0]")
-@click.option("--device", help="auto | cpu | cuda | cuda:N")
+@spec_options(SweepSpec)
 @click.option("--out", "out", default="sweep", show_default=True, type=click.Path(file_okay=False),
               help="writes OUT/sweep.json, OUT/sweep.md and OUT/sweep.html")
-def sweep_cmd(out: str, lrs: str | None, optimizers: str | None, precision: str | None,
-              **options: Any) -> None:
+def sweep_cmd(out: str, **options: Any) -> None:
     """Update sparsity and the initial Fisher's AUCs across lr x optimizer x precision: one train +
     diff per grid point."""
-    options["lrs"] = _floats(lrs, "--lrs")
-    options["optimizers"] = _words(optimizers)
-    options["precision"] = _words(precision)
     spec = spec_from_options("sweep", options)
-    _check_refs(spec)
-    from compute.run_sweep import run
-
-    with cli_progress("sweep") as progress:
-        try:
-            result = run(spec, progress)
-        except ValueError as exc:
-            fail(str(exc).splitlines()[0])
+    result = run_job("sweep", spec)
     s = result.summary
     out_dir = Path(out)
-    from app.commands.experiments import _write_html, json_safe
-
     data = json_safe({**result.to_dict(), "points": s["points"], "spec": spec.model_dump(mode="json"),
                       "command": spec_command("sweep", spec),
                       "model_weights_sha256": _weights_sha256(spec.model)})
     write_json(out_dir / "sweep.json", data)
     (out_dir / "sweep.md").write_text(s["markdown"])
-    _write_html(data, out_dir / "sweep.html")
+    write_html(data, out_dir / "sweep.html")
     click.echo(s["markdown"])
     click.echo(f"{len(s['points'])} points in {s['seconds']:.0f} s; wrote {out_dir / 'sweep.json'}, "
                f"{out_dir / 'sweep.md'} and {out_dir / 'sweep.html'}")

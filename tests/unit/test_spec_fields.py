@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import pytest
+from pydantic import BaseModel
 
 from compute.specs import (
     SPECS,
     FieldInfo,
     MaskSpec,
+    ModelRef,
     SpecError,
     SweepSpec,
     TrainSpec,
@@ -24,7 +26,7 @@ def test_scalar_fields_carry_type_default_bounds_help() -> None:
     f = _by_name(TrainSpec)
     assert list(f) == list(TrainSpec.model_fields)  # declaration order, every field
     assert f["steps"] == FieldInfo(name="steps", type=int, default=30, required=False,
-                                   help=None, bounds={"ge": 1, "le": 100_000})
+                                   help="optimizer steps", bounds={"ge": 1, "le": 100_000})
     assert f["lr"].type is float and f["lr"].default == 2e-4
     assert f["lr"].bounds == {"gt": 0.0, "le": 10.0}
     assert f["lr"].range_text() == "> 0.0, <= 10.0"
@@ -39,7 +41,13 @@ def test_required_optional_and_annotated_aliases() -> None:
     assert f["model"].min_length == 1 and f["model"].max_length == 500
     # `ModelRef | None`: the description and lengths come from inside the Annotated alias
     assert f["teacher"].optional and not f["teacher"].required and f["teacher"].type is str
-    assert f["teacher"].help and "zoo name" in f["teacher"].help
+    assert f["teacher"].help == "teacher model for opd (same tokenizer)"  # the field's own wins
+
+    class Probe(BaseModel):
+        ref: ModelRef | None = None  # no description of its own: the alias's
+
+    (probe,) = describe_fields(Probe)
+    assert probe.optional and probe.help and "zoo name" in probe.help and probe.max_length == 500
     assert f["teacher"].max_length == 500
     assert f["grad_clip"].optional and f["grad_clip"].default == 1.0
     assert f["grad_clip"].bounds == {"gt": 0.0, "le": 1e6}
