@@ -12,8 +12,9 @@ from typing import Any
 
 import torch
 
+from compute.analysis import ratio_heatmap
 from compute.masks import density_by, select_mask
-from compute.naming import MODULE_TYPES, layer_index, layer_label, module_type
+from compute.naming import layer_index, module_type
 from compute.results import Heatmap, JobResult, LayerStat, null_progress
 from compute.specs import MaskSpec
 
@@ -73,17 +74,7 @@ def layer_module_heatmap(
     name: str, counts: Mapping[str, tuple[float, float]], meta: dict[str, Any] | None = None
 ) -> Heatmap:
     """Ratio sum(num) / sum(den) per (layer, module) cell from per-parameter (num, den) pairs."""
-    cells: dict[tuple[str, str], list[float]] = {}
-    for param, (num, den) in counts.items():
-        c = cells.setdefault((layer_label(layer_index(param)), module_type(param)), [0.0, 0.0])
-        c[0] += num
-        c[1] += den
-    layers = sorted({k[0] for k in cells}, key=_layer_sort)
-    modules = [m for m in MODULE_TYPES if any(k[1] == m for k in cells)]
-    z = [[(cells[(lay, m)][0] / cells[(lay, m)][1]) if (lay, m) in cells and cells[(lay, m)][1] else None
-          for m in modules] for lay in layers]
-    return Heatmap(name=name, x_labels=modules, y_labels=layers, z=z,
-                   meta={"x_title": "module type", "y_title": "layer", **(meta or {})})
+    return ratio_heatmap(name, counts, meta)
 
 
 # ---------------------------------------------------------------------------------------------
