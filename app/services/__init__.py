@@ -1,0 +1,44 @@
+"""What the CLI, the REST API and the UI do with jobs: submit, reuse, cancel, rerun, look up.
+
+No torch here (the web process imports this). Tasks are sent by name with only the job id.
+Every function takes `settings` (compute.contract.settings.Settings) and returns plain dicts.
+
+Modules: ``common`` (the session factory, the public form of a job), ``validation`` (what a spec
+alone cannot say: model and artifact references, layer ranges, jsonl tasks), ``compat``
+(safetensors headers: does a Fisher/mask fit the model, do two checkpoints match), ``jobs``
+(submit, list, cancel, rerun, sharing) and ``results`` (stored results and artifact downloads).
+"""
+
+from app.services.common import public_message, sessions, share_url, without_error
+from app.services.jobs import (
+    cancel,
+    get_job,
+    list_jobs,
+    list_models,
+    rerun,
+    set_sharing,
+    submit,
+    trained_models,
+)
+from app.services.results import artifact_path, result_by_id, result_by_token
+from app.services.validation import check_spec, validate
+
+__all__ = [
+    "artifact_path",
+    "cancel",
+    "check_spec",
+    "get_job",
+    "list_jobs",
+    "list_models",
+    "public_message",
+    "rerun",
+    "result_by_id",
+    "result_by_token",
+    "sessions",
+    "set_sharing",
+    "share_url",
+    "submit",
+    "trained_models",
+    "validate",
+    "without_error",
+]

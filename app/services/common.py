@@ -1,0 +1,64 @@
+"""The session factory (schema migrated once per process) and the public form of a job."""
+
+from __future__ import annotations
+
+import re
+import threading
+from typing import Any
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from storage.db import session_factory, upgrade
+
+_upgraded: set[str] = set()
+_upgrade_lock = threading.Lock()
+
+
+def sessions(settings: Any) -> sessionmaker[Session]:
+    """The session factory for settings.db_url, migrating the schema once per process."""
+    url = settings.db_url
+    with _upgrade_lock:
+        if url not in _upgraded:
+            upgrade(url)
+            _upgraded.add(url)
+    return session_factory(url)
+
+
+def share_url(settings: Any, token: str) -> str:
+    return f"{settings.public_url.rstrip('/')}/r/{token}"
+
+
+def public(settings: Any, job_dict: dict[str, Any], **extra: Any) -> dict[str, Any]:
+    """A job dict: `message` is one line with no server path. `error` (the traceback) is for
+    operators (the CLI, tests, the worker log): web responses drop it (without_error)."""
+    out = dict(job_dict)
+    out["message"] = public_message(out.get("message"))
+    out["share_url"] = share_url(settings, job_dict["share_token"])
+    out.update(extra)
+    return out
+
+
+def without_error(data: Any) -> Any:
+    """A job dict, a list of them or a result dict as the web shows it: no `error` field."""
+    if isinstance(data, list):
+        return [without_error(d) for d in data]
+    if isinstance(data, dict):
+        out = {k: v for k, v in data.items() if k != "error"}
+        if isinstance(out.get("job"), dict):
+            out["job"] = without_error(out["job"])
+        return out
+    return data
+
+
+_SERVER_PATH = re.compile(r"(?:[A-Za-z]:)?(?:/[\w.\-+@~]+){2,}/?")
+
+
+def public_message(message: Any, limit: int = 500) -> str:
+    """One line a user can act on: the last line of a traceback, server paths as <path>."""
+    text = str(message or "").strip()
+    if "Traceback (most recent call last)" in text:
+        lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+        text = lines[-1] if lines else ""
+    text = text.splitlines()[0] if text else ""
+    text = _SERVER_PATH.sub("<path>", text)
+    return text if len(text) <= limit else text[: limit - 3] + "..."

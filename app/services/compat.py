@@ -1,0 +1,127 @@
+"""Do references fit together? Read from safetensors headers and tokenizer.json only (no tensor
+is read, no torch): a Fisher or mask made for another model, base and tuned of different
+architectures, a teacher with another tokenizer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+Shapes = dict[str, tuple[int, ...]]
+
+
+def safetensors_header(path: Path) -> Any:
+    """The JSON header of a safetensors file (its first 8 bytes give the header's length);
+    ValueError saying why it cannot be read as one."""
+    try:
+        with path.open("rb") as fh:
+            head = fh.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if not 2 <= n <= 100_000_000:
+                raise ValueError("is not a safetensors file")
+            return json.loads(fh.read(n))
+    except OSError as exc:
+        raise ValueError(f"cannot be read ({exc.strerror or type(exc).__name__})") from None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ValueError("is not a safetensors file (unreadable header)") from None
+
+
+def check_safetensors(path: Path) -> None:
+    """ValueError unless `path` is a safetensors file holding at least one tensor."""
+    header = safetensors_header(path)
+    if not isinstance(header, dict) or not any(k != "__metadata__" for k in header):
+        raise ValueError("is a safetensors file with no tensors")
+
+
+def _weight_files(path: Path) -> list[Path] | None:
+    """The safetensors files of a file or a model folder (model.safetensors or the shards of its
+    index); None when the index is unreadable."""
+    if not path.is_dir():
+        return [path]
+    index = path / "model.safetensors.index.json"
+    try:
+        if index.is_file():
+            shards = sorted(set(json.loads(index.read_text()).get("weight_map", {}).values()))
+            return [path / f for f in shards]
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return None
+    return [path / "model.safetensors"]
+
+
+def shapes(path: Path) -> Shapes | None:
+    """name -> shape from safetensors headers: a file, or a model folder. None when there are
+    no such files."""
+    files = _weight_files(path)
+    if files is None:
+        return None
+    out: Shapes = {}
+    for f in files:
+        try:
+            header = safetensors_header(f)
+        except ValueError:
+            return None
+        if not isinstance(header, dict):
+            return None
+        for k, v in header.items():
+            if k != "__metadata__" and isinstance(v, dict):
+                out[k] = tuple(v.get("shape") or ())
+    return out
+
+
+def _fits(part: Shapes, whole: Shapes, whose: str) -> str | None:
+    """Why tensors `part` (a Fisher or mask) do not belong to checkpoint `whole`, or None."""
+    for name, shape in part.items():
+        if name not in whole:
+            if name.endswith("lm_head.weight"):  # tied output layer: saved once, as the embedding
+                continue
+            return f"parameter {name!r} is not in {whose}; was it made for another model?"
+        if whole[name] != shape:
+            return (f"parameter {name!r} has shape {list(shape)} here but {list(whole[name])} "
+                    f"in {whose}")
+    return None
+
+
+def _vocab(folder: Path) -> dict[str, int] | None:
+    try:
+        tok = json.loads((folder / "tokenizer.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+    vocab = (tok.get("model") or {}).get("vocab")
+    if isinstance(vocab, list):  # Unigram: [[piece, score], ...]
+        vocab = {str(p[0]): i for i, p in enumerate(vocab)}
+    if not isinstance(vocab, dict):
+        return None
+    return {**vocab, **{t["content"]: t["id"] for t in tok.get("added_tokens") or []}}
+
+
+def compatibility(kind: str, found: dict[str, Path], algo: str | None) -> list[dict[str, str]]:
+    """What the worker would refuse about two references together (`found`: field -> local
+    model folder or artifact file), as field errors."""
+    got = {f: shapes(p) for f, p in found.items()}
+    errors = []
+
+    def check(field: str, model_field: str, whose: str) -> None:
+        part, whole = got.get(field), got.get(model_field)
+        if part is not None and whole is not None:
+            why = _fits(part, whole, whose)
+            if why:
+                errors.append({"field": field, "message": why})
+
+    if kind in ("mask", "train"):
+        check("fisher", "model", "the model")
+        check("mask", "model", "the model")
+    if kind == "diff":
+        base, tuned = got.get("base"), got.get("tuned")
+        if base is not None and tuned is not None:
+            why = _fits(tuned, base, "base") or _fits(base, tuned, "tuned")
+            if why:
+                errors.append({"field": "tuned", "message": "different architecture: " + why})
+        check("fisher", "base", "the checkpoints")
+    if algo == "opd" and "teacher" in found and "model" in found:
+        vs, vt = _vocab(found["model"]), _vocab(found["teacher"])
+        if vs is not None and vt is not None and vs != vt:
+            errors.append({"field": "teacher", "message": "its tokenizer differs from the model's "
+                           f"(vocab {len(vt)} vs {len(vs)}); on-policy distillation needs the same "
+                           "tokenizer"})
+    return errors
