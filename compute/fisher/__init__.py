@@ -14,9 +14,12 @@ Never silently wrong: a model is verified once (per-row gradients add up to auto
 call checks that each parameter autograd reaches was covered by a hook, and whatever the engine
 cannot make exact raises `UnsupportedModel` naming the module or parameters and the reason.
 
-Layout: hooks.py (capture x and g, refusals), persample.py (per-layer maths), estimators.py
-(sequence, token, batch; padding, sorting, chunking), exact_output.py (closed-form output layer),
-this module (FisherConfig, FisherResult, estimate_fisher end to end).
+Layout: hooks.py (capture x and g inside a context manager, refusals), persample.py (pure
+per-layer maths on tensors: linear, Conv1D, rank-1, bias, embedding, affine, generic),
+accumulate.py (per-group sums, shared parameters, routing a captured call to the maths),
+estimators.py (sequence, token, batch; padding, sorting, chunking, verification),
+exact_output.py (closed-form output layer), this module (FisherConfig, FisherResult,
+estimate_fisher end to end).
 """
 
 from __future__ import annotations

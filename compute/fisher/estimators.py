@@ -18,13 +18,13 @@ import torch
 from torch import nn
 
 from compute.device import accumulator_dtype, check_tolerance, default_budget_mb
+from compute.fisher.accumulate import Accumulator, Store
 from compute.fisher.hooks import (
     PerSampleHooks,
     UnsupportedModel,
     check_coverage,
     graph_parameters,
 )
-from compute.fisher.persample import Accumulator, Store
 from compute.sampling import position_ids_from_mask
 
 # models whose per-row gradients were verified against autograd (see module doc)
@@ -123,7 +123,8 @@ def _one_pass(model: nn.Module, store: Store, params: dict[str, nn.Parameter], c
     """Forward + activation backward over one batch, squares added into `store`."""
     ids, am, cm, scale, grp = chunk
     acc = Accumulator(store, grp, budget)
-    with PerSampleHooks(model, acc, ids.shape[0], ids.shape[1]) as hooks:
+    names = {id(p): n for n, p in params.items()}
+    with PerSampleHooks(model, acc, names, ids.shape[0], ids.shape[1]) as hooks:
         loss = _row_loss(model, ids, am, cm, scale)
         if not loss.requires_grad:
             return
@@ -143,9 +144,8 @@ def _one_pass(model: nn.Module, store: Store, params: dict[str, nn.Parameter], c
 def _verify(model: nn.Module, params: dict[str, nn.Parameter], chunk: tuple, budget: int) -> None:
     """Once per model: per-row gradients of a few rows must add up to autograd's gradient."""
     ids, am, cm, scale, grp = (t[:_VERIFY_ROWS] for t in chunk)
-    names = {id(p): n for n, p in params.items()}
     dtypes = [p.dtype for p in params.values()]
-    store = Store(names, {n: p.shape for n, p in params.items()}, 1, accumulator_dtype(dtypes),
+    store = Store({n: p.shape for n, p in params.items()}, 1, accumulator_dtype(dtypes),
                   ids.device, check=True)
     _one_pass(model, store, params, (ids, am, cm, scale, torch.zeros_like(grp)), budget, True)
     loss = _row_loss(model, ids, am, cm, scale)
@@ -199,8 +199,8 @@ def per_sample_square_sums(
     ids, am, cm, w, grp = ids[order], am[order], cm[order], w[order], grp[order]
     budget = budget_bytes(memory_budget_mb, device)
     bs = batch_size or _auto_batch(model, ids.shape[1], budget, _shared_numel(model, params))
-    store = Store({id(p): n for n, p in params.items()}, {n: p.shape for n, p in params.items()},
-                  n_groups, accumulator_dtype([p.dtype for p in params.values()]), device)
+    store = Store({n: p.shape for n, p in params.items()}, n_groups,
+                  accumulator_dtype([p.dtype for p in params.values()]), device)
     with _eval(model):
         for i, chunk in enumerate(_chunks(ids, am, cm, w, grp, bs, device)):
             if i == 0 and model not in _VERIFIED:

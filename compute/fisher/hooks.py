@@ -1,10 +1,14 @@
-"""Forward hooks that save each parameter-owning module's inputs and catch its output gradient,
+"""Forward hooks that capture each parameter-owning module's inputs x and output gradient g,
 so that one backward (activation gradients only) yields every row's parameter gradient.
 
-The hooks refuse, with an `UnsupportedModel` error naming the module and the reason, whatever
-they cannot make exact: outputs that are not one tensor, outputs whose rows are not one per
-sequence (mixture-of-experts routing), and (checked by `check_coverage` after the first pass)
-parameters that reach the loss outside their module's forward (fused kernels).
+The hooks only capture: each module call becomes an `accumulate.Call` (x, g, the tracked
+parameters it owns) handed to a sink (`accumulate.Accumulator`), which does the maths. They are
+attached in `PerSampleHooks.__enter__` and removed in `__exit__`, also when the forward or the
+backward raises. They refuse, with an `UnsupportedModel` error naming the module and the reason,
+whatever they cannot capture exactly: outputs that are not one tensor, outputs whose rows are not
+one per sequence (mixture-of-experts routing), embeddings with max_norm, and (checked by
+`check_coverage` after the first pass) parameters that reach the loss outside their module's
+forward (fused kernels).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import torch
 from torch import nn
 
 from compute.fisher import persample as ps
+from compute.fisher.accumulate import Accumulator, Call, add_call
 
 _NORM_SUFFIXES = ("RMSNorm", "LayerNorm", "Norm")
 _MOE_HINTS = ("Router", "Expert", "Moe", "MoE", "Gate", "Sparse")
@@ -37,29 +42,31 @@ def _position_wise(mod: nn.Module) -> bool:
 
 
 class PerSampleHooks:
-    """Context manager: hooks that turn one backward into per-row squared gradients.
+    """Context manager: hooks that capture every tracked module call's (x, g) into `acc`.
 
-    All hooks are removed in `__exit__` (also when the forward or backward raises)."""
+    names: id(parameter) -> store name of the parameters to track. All hooks are removed in
+    `__exit__` (also when the forward or backward raises)."""
 
-    def __init__(self, model: nn.Module, acc: ps.Accumulator, batch: int, width: int):
-        self.model = model
-        self.acc = acc
+    def __init__(self, model: nn.Module, acc: Accumulator, names: dict[int, str], batch: int,
+                 width: int):
+        self.model, self.acc, self.names = model, acc, names
         self.batch, self.width = batch, width
         self.handles: list[Any] = []
         self.leaves: list[torch.Tensor] = []
         self.seen: set[str] = set()  # parameters whose per-row gradients were formed
         self.paths: dict[nn.Module, str] = {}
         self.error: Exception | None = None
+        self.quiet = False  # set while the maths re-runs a module (affine, generic paths)
 
     def __enter__(self) -> PerSampleHooks:
         try:
             for path, module in self.model.named_modules():
                 self.paths[module] = path or type(module).__name__
-                own = [(k, p) for k, p in module._parameters.items()
-                       if p is not None and id(p) in self.acc.store_names]
+                own = [(k, self.names[id(p)]) for k, p in module._parameters.items()
+                       if p is not None and id(p) in self.names]
                 if own or isinstance(module, nn.Embedding):
                     self.handles.append(module.register_forward_hook(
-                        self._make_hook(module, own), with_kwargs=True))
+                        self._make_hook(own), with_kwargs=True))
         except BaseException:
             self._remove()
             raise
@@ -85,9 +92,10 @@ class PerSampleHooks:
             f"model: {_arch(self.model)} is not supported by the exact per-sample engine: "
             f"module {self.paths.get(mod, '?')} ({type(mod).__name__}) {what}{why}")
 
-    def _check_output(self, mod: nn.Module, names: list, output: Any) -> str | None:
-        """None when the output is usable, "flat" for a (B*T, ...) position-wise call; raises
-        when the module owns tracked parameters and its output cannot be made per-row."""
+    def _check_output(self, mod: nn.Module, names: list, output: Any) -> str:
+        """"rows" when the output has one row per sequence, "flat" for a (B*T, ...)
+        position-wise call, "skip" for an untracked module; raises when the module owns
+        tracked parameters and its output cannot be made per-row."""
         if not isinstance(output, torch.Tensor):
             if names:
                 raise self.refuse(mod, f"owns parameters {[n for _, n in names]} but returns a "
@@ -96,7 +104,7 @@ class PerSampleHooks:
             return "skip"
         n = output.shape[0] if output.dim() else 0
         if n == self.batch:
-            return None
+            return "rows"
         if n == self.batch * self.width and _position_wise(mod):
             return "flat"
         if names:
@@ -104,11 +112,9 @@ class PerSampleHooks:
                                    f"or per token ({self.batch}x{self.width})")
         return "skip"
 
-    def _make_hook(self, module: nn.Module, own: list[tuple[str, nn.Parameter]]) -> Callable:
-        names = [(k, self.acc.store_names[id(p)]) for k, p in own]
-
+    def _make_hook(self, names: list[tuple[str, str]]) -> Callable:
         def hook(mod: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-            if self.acc.recomputing or not torch.is_grad_enabled():
+            if self.quiet or not torch.is_grad_enabled():
                 return None
             shape = self._check_output(mod, names, output)
             if shape == "skip":
@@ -121,30 +127,41 @@ class PerSampleHooks:
                 output = new_out
             if not names or not output.requires_grad:
                 return new_out
-            for _, name in names:
-                self.acc.uses[name] = self.acc.uses.get(name, 0) + 1
-            lookup = (ps.embedding_lookup(mod, args, kwargs, output)
-                      if isinstance(mod, nn.Embedding) else None)
-            saved_args = tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
-            saved_kwargs = {k: v.detach() if isinstance(v, torch.Tensor) else v
-                            for k, v in kwargs.items()}
-            if shape == "flat":
-                saved_args, saved_kwargs = self._rowify(saved_args), self._rowify(saved_kwargs)
-
-            def on_grad(g: torch.Tensor) -> None:
-                try:
-                    if shape == "flat":
-                        g = g.reshape(self.batch, self.width, *g.shape[1:])
-                    self.seen.update(n for _, n in names)
-                    self._per_row(mod, names, saved_args, saved_kwargs, g, lookup)
-                except Exception as exc:  # re-raised after backward (autograd wraps errors)
-                    self.error = self.error or exc
-                    raise
-
-            output.register_hook(on_grad)
+            output.register_hook(self._capture(mod, names, args, kwargs, output, shape))
             return new_out
 
         return hook
+
+    def _capture(self, mod: nn.Module, names: list[tuple[str, str]], args: tuple, kwargs: dict,
+                 output: torch.Tensor, shape: str) -> Callable[[torch.Tensor], None]:
+        """Save the call's inputs now; the returned tensor hook hands (x, g) to the sink."""
+        lookup = None
+        if isinstance(mod, nn.Embedding):
+            if mod.max_norm is not None:
+                raise self.refuse(mod, "uses max_norm (it renormalises weights in the forward)")
+            lookup = embedding_lookup(mod, args, kwargs, output)
+        self.acc.used(names)
+        saved_args = _detach(args)
+        saved_kwargs = {k: v.detach() if isinstance(v, torch.Tensor) else v
+                        for k, v in kwargs.items()}
+        if shape == "flat":
+            saved_args, saved_kwargs = self._rowify(saved_args), self._rowify(saved_kwargs)
+
+        def on_grad(g: torch.Tensor) -> None:
+            try:
+                if shape == "flat":
+                    g = g.reshape(self.batch, self.width, *g.shape[1:])  # (B, T, ...)
+                self.seen.update(n for _, n in names)
+                self.quiet = True
+                try:
+                    add_call(self.acc, Call(mod, names, saved_args, saved_kwargs, g, lookup))
+                finally:
+                    self.quiet = False
+            except Exception as exc:  # re-raised after backward (autograd wraps errors)
+                self.error = self.error or exc
+                raise
+
+        return on_grad
 
     def _rowify(self, obj: Any) -> Any:
         """(B*T, ...) tensors -> (B, T, ...) (a position-wise module called on flat tokens)."""
@@ -159,53 +176,34 @@ class PerSampleHooks:
             return {k: one(v) for k, v in obj.items()}
         return tuple(one(t) for t in obj)
 
-    # --- per-row gradients of one module call -------------------------------------------------
 
-    def _per_row(self, mod: nn.Module, names: list[tuple[str, str]], args: tuple, kwargs: dict,
-                 g: torch.Tensor, lookup: tuple[torch.Tensor, float] | None) -> None:
-        acc = self.acc
-        local = dict(names)
-        if isinstance(mod, nn.Linear) or ps.is_conv1d(mod):
-            x = args[0] if args else next(iter(kwargs.values()))
-            ps.linear_rows(acc, mod, local, x, g)
-            return
-        if isinstance(mod, nn.Embedding) and set(local) == {"weight"} and lookup is not None:
-            if mod.max_norm is not None:
-                raise self.refuse(mod, "uses max_norm (it renormalises weights in the forward)")
-            ps.embedding_rows(acc, mod, local["weight"], lookup[0], g, lookup[1])
-            acc.use_done(local["weight"])
-            return
-        fast = self._affine(mod, names, args, kwargs, g)
-        if fast is not None:
-            for _, name in names:
-                acc.contribute(name, slice(0, g.shape[0]), fast[name])
-                acc.use_done(name)
-            return
-        ps.generic_rows(acc, mod, names, args, kwargs, g)
-        for _, name in names:
-            acc.use_done(name)
+def _detach(args: tuple) -> tuple:
+    return tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
 
-    def _affine(self, mod: nn.Module, names: list[tuple[str, str]], args: tuple, kwargs: dict,
-                g: torch.Tensor) -> dict[str, torch.Tensor] | None:
-        """The affine shortcut's per-row grads, verified against the generic path on the
-        module's first call (and never used again for a module that failed)."""
-        verdict = ps._AFFINE_OK.get(mod)
-        if verdict is False or isinstance(mod, nn.Embedding):
+
+def embedding_lookup(mod: nn.Embedding, args: tuple, kwargs: dict,
+                     out: torch.Tensor) -> tuple[torch.Tensor, float] | None:
+    """(ids, scale) when out == F.embedding(ids, weight) * scale for the call's first argument
+    (plain nn.Embedding, and Gemma/XGLM/BioGPT `*ScaledWordEmbedding`); None when the module's
+    forward is anything else (OPT/BioGPT learned positions take an attention mask)."""
+    ids = args[0] if args else kwargs.get("input", kwargs.get("input_ids"))
+    if not isinstance(ids, torch.Tensor) or ids.is_floating_point() or ids.is_complex():
+        return None
+    if type(mod).forward is nn.Embedding.forward:
+        return ids, 1.0
+    if tuple(ids.shape) != tuple(out.shape[:-1]) or ids.numel() == 0:
+        return None
+    if int(ids.min()) < 0 or int(ids.max()) >= mod.num_embeddings:
+        return None
+    es = getattr(mod, "embed_scale", 1.0)
+    scale = float(es.to(mod.weight.dtype)) if isinstance(es, torch.Tensor) else float(es)
+    with torch.no_grad():
+        raw = torch.nn.functional.embedding(ids, mod.weight, mod.padding_idx)
+        want = raw * torch.tensor(scale, dtype=raw.dtype, device=raw.device)
+        tol = 1e-2 if raw.dtype in (torch.bfloat16, torch.float16) else 1e-6
+        if not torch.allclose(out.detach(), want, rtol=tol, atol=0.0):
             return None
-        fast = ps.affine_rows(self.acc, mod, names, args, kwargs, g)
-        if fast is None:
-            ps._AFFINE_OK[mod] = False
-            return None
-        if verdict is None:  # first call: verify against the generic path
-            parts: dict[str, list[torch.Tensor]] = {}
-            ps.generic_rows(self.acc, mod, names, args, kwargs, g,
-                            sink=lambda n, rows, gr: parts.setdefault(n, []).append(gr))
-            ref = {n: torch.cat(v) for n, v in parts.items()}
-            ok = all(torch.allclose(fast[n], ref[n], rtol=1e-4,
-                                    atol=1e-5 * float(ref[n].abs().max()) + 1e-30) for n in ref)
-            ps._AFFINE_OK[mod] = ok
-            return fast if ok else ref
-        return fast
+    return ids, scale
 
 
 def graph_parameters(loss: torch.Tensor) -> set[int]:

@@ -308,7 +308,7 @@ def test_non_affine_module_uses_exact_generic_path(tok):
     got = fisher_from_samples(model, roll.input_ids, roll.attention_mask, roll.completion_mask)
     ref = naive_fisher(model, roll.input_ids, roll.attention_mask, roll.completion_mask)
     _assert_fisher_close(got, ref)
-    from compute.fisher.persample import _AFFINE_OK
+    from compute.fisher.accumulate import AFFINE_OK as _AFFINE_OK
 
     assert _AFFINE_OK[model.model.norm] is False
     assert _AFFINE_OK[model.model.layers[0].input_layernorm] is True
@@ -319,7 +319,7 @@ def test_row_loop_path_exact(tok, arch, tied, monkeypatch):
     """Large weights take the one-row-at-a-time path; force it on the tiny models."""
     import compute.fisher.persample as fisher_mod
 
-    monkeypatch.setattr(fisher_mod, "_SMALL_BATCHED", 0)
+    monkeypatch.setattr(fisher_mod, "SMALL_BATCHED", 0)
     model = tiny_model(arch, tied=tied, seed=16)
     roll = _rollout(model, tok, seed=7)
     got = fisher_from_samples(model, roll.input_ids, roll.attention_mask, roll.completion_mask)
@@ -419,14 +419,21 @@ def test_exact_output_fisher_refuses_logit_transforms(tok, family):
 def test_token_estimator_takes_the_rank1_path(tok, monkeypatch):
     import compute.fisher.persample as ps
 
-    calls = []
-    real = ps._weight_rank1
-    monkeypatch.setattr(ps, "_weight_rank1", lambda *a: calls.append(a[1]) or real(*a))
+    calls = []  # (in, out, conv1d) of every rank-1 weight
+    real = ps.linear_rank1_square_sum
+
+    def spy(*, x, g, pos, conv1d=False):
+        calls.append((x.shape[-1], g.shape[-1], conv1d))
+        return real(x=x, g=g, pos=pos, conv1d=conv1d)
+
+    monkeypatch.setattr(ps, "linear_rank1_square_sum", spy)
     model = tiny_model("gpt2", seed=26)  # Conv1D blocks and an nn.Linear head
     roll = _rollout(model, tok, seed=12)
     got = fisher_from_samples(model, roll.input_ids, roll.attention_mask, roll.completion_mask,
                               estimator="token")
-    assert "lm_head.weight" in calls and "transformer.h.1.mlp.c_proj.weight" in calls
+    d, V = model.config.n_embd, model.config.vocab_size
+    assert (d, V, False) in calls  # lm_head
+    assert (model.transformer.h[1].mlp.c_proj.weight.shape[0], d, True) in calls  # last c_proj
     ref = naive_fisher(model, roll.input_ids, roll.attention_mask, roll.completion_mask, "token")
     _assert_fisher_close(got, ref)
 
