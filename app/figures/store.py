@@ -4,8 +4,8 @@ Results are immutable once a job has finished, so what a result view shows is bu
 time anyone asks for it (share page or UI) and kept as `<artifact root>/<job id>/share-figures.json`
 (written atomically: temp file, fsync, rename). Every later viewer, in any process, reads that
 file. The file records the job's `finished_at` and `FIGURES_KEY`, a hash of the code that draws
-(app/plots.py, this package, the plotly version): when that code changes, the next view rebuilds
-it, so figures added to `plots.result_figures` show up on old results too.
+(this package, the result schemas, the layer x module aggregation, the plotly version): when that
+code changes, the next view rebuilds it, so figures registered later show up on old results too.
 
 Concurrent first viewers: one build per job per process (a lock per job id); two processes may
 both build, and the second atomic rename wins with identical content.
@@ -23,9 +23,11 @@ from typing import Any
 
 import plotly
 
-from app import plots
 from app.figures.keynumbers import key_numbers
 from app.figures.labels import name_layer_cells, name_layers
+from app.figures.registry import entries, figures_for, tables_for
+from compute import analysis
+from compute.contract import results as contract
 
 FILENAME = "share-figures.json"
 # Job fields a result page may show: never `error` (an operator-only traceback) or `worker`.
@@ -36,7 +38,8 @@ PUBLIC_JOB_FIELDS = ("id", "kind", "status", "spec", "share_token", "created_at"
 def _code_key(extra: str = "") -> str:
     h = hashlib.sha256(f"plotly {plotly.__version__}\n{extra}".encode())
     here = Path(__file__).resolve().parent
-    for path in [Path(plots.__file__).resolve(), *sorted(here.glob("*.py"))]:
+    drawing = [Path(contract.__file__).resolve(), Path(analysis.__file__).resolve()]
+    for path in [*drawing, *sorted(here.glob("*.py"))]:
         h.update(path.name.encode() + b"\0" + path.read_bytes())
     return h.hexdigest()[:16]
 
@@ -44,25 +47,27 @@ def _code_key(extra: str = "") -> str:
 FIGURES_KEY = _code_key()
 
 
-def figure_title(name: str, fig: dict[str, Any]) -> str:
-    """The figure's own title (never the internal builder tag such as 'heatmap:fisher/mean')."""
+def figure_title(fig: dict[str, Any], registered: str) -> str:
+    """The figure's own title (it may carry numbers), else the title it was registered with;
+    never an internal figure name."""
     title = (fig.get("layout") or {}).get("title")
     text = title.get("text") if isinstance(title, dict) else title
-    if text:
-        return str(text)
-    return name.split(":", 1)[-1].replace("_", " ").replace("/", ": ")
+    return str(text) if text else registered
 
 
 def build_payload(result: dict[str, Any]) -> dict[str, Any]:
     """Everything a result page shows, as plain JSON: key numbers, figures (Plotly JSON with
     named layers), tables. `result` is the dict of `services.result_by_token`."""
     job = result.get("job") or {}
+    kind = result.get("kind") or job.get("kind")
+    typed = contract.parse_result(result) if kind in contract.KINDS else None
+    titles = {e.name: e.title for e in entries(str(kind))} if typed else {}
     figures = []
-    for name, fig in plots.result_figures(result):
+    for name, fig in figures_for(typed) if typed else []:
         data = name_layers(json.loads(fig.to_json()))
-        figures.append({"name": name, "title": figure_title(name, data), "figure": data})
+        figures.append({"name": name, "title": figure_title(data, titles[name]), "figure": data})
     tables = [{"title": title, "headers": list(headers), "rows": name_layer_cells(list(headers), rows)}
-              for title, (headers, rows) in plots.result_tables(result)]
+              for title, (headers, rows) in (tables_for(typed) if typed else [])]
     return {
         "figures_key": FIGURES_KEY,
         "job": {k: job.get(k) for k in PUBLIC_JOB_FIELDS},

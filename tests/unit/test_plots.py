@@ -114,7 +114,7 @@ def test_big_heatmap_pooled_under_cell_budget():
 
 
 def test_update_sparsity_slider_one_frame_per_threshold():
-    hms = [{"name": f"update_sparsity@{t}", "x_labels": ["q", "up"], "y_labels": ["0", "1"],
+    hms = [{"name": f"update_sparsity_atol_{t:g}", "x_labels": ["q", "up"], "y_labels": ["0", "1"],
             "z": [[f, f], [f, 1.0]], "meta": {"threshold": t}}
            for t, f in ((1e-5, 0.9), (1e-8, 0.5), (1e-6, 0.7))]
     fig = plots.update_sparsity_heatmap({"kind": "diff", "heatmaps": hms})
@@ -136,7 +136,7 @@ def test_mask_density_from_layer_stats_weighted_by_numel():
 
 
 def test_bound_scatter_downsampled_with_bound_line():
-    series = [{"name": "bound", "step": (i + 1) * 1e-3, "value": (i + 1) * 5e-4} for i in range(10_000)]
+    series = [{"name": "bound/|grad|", "step": (i + 1) * 1e-3, "value": (i + 1) * 5e-4} for i in range(10_000)]
     res = {"kind": "train", "summary": {"bound_constant": 2.0, "bound_holds_fraction": 1.0}, "series": series}
     fig = plots.bound_scatter(res, max_points=500)
     pts, line = fig.data
@@ -147,12 +147,12 @@ def test_bound_scatter_downsampled_with_bound_line():
     assert plots.bound_scatter(res, max_points=500).data[0].x == pts.x  # deterministic
 
 
-def test_training_curves_one_line_per_mask_and_metric_menu():
-    series = []
+def test_curves_one_line_per_mask_and_metric_menu():
+    groups: dict = {"reward": {}, "loss": {}}
     for run, slope in (("full", 1.0), ("fisher-0.05", 0.5)):
-        series += [{"name": f"reward/{run}", "step": s, "value": slope * s} for s in (2, 0, 1)]
-        series += [{"name": f"loss/{run}", "step": s, "value": -s} for s in range(3)]
-    fig = plots.training_curves({"kind": "train", "series": series})
+        groups["reward"][run] = ([0, 1, 2], [0.0, slope, 2 * slope])
+        groups["loss"][run] = ([0, 1, 2], [0, -1, -2])
+    fig = plots.curves_figure(groups, "Training curves")
     visible = [t for t in fig.data if t.visible]
     assert sorted(t.name for t in visible) == ["fisher-0.05", "full"]
     full = next(t for t in visible if t.name == "full")
@@ -247,7 +247,7 @@ def test_retention_and_diff_figures():
         "heatmaps": [{"name": "retention", "x_labels": ["0.01", "0.1"], "y_labels": ["fisher", "random"],
                       "z": [[0.5, 0.9], [0.1, None]], "meta": {}}]}
     figs = dict(plots.result_figures(ret))
-    assert list(figs) == ["retention_curve", "training", "heatmap:retention"]
+    assert list(figs) == ["retention_curve", "training", "retention"]
     curve = figs["retention_curve"]  # from the series when the summary has no rows
     assert sorted(t.name for t in curve.data if t.visible) == ["fisher", "random"]
     assert curve.layout.xaxis.type == "log" and curve.layout.xaxis.title.text == "density"
@@ -269,7 +269,7 @@ def test_retention_and_diff_figures():
              "meta": {"threshold_label": "equal after casting both to bf16"}},
             {"name": "threshold_profile", "x_labels": ["exact"], "y_labels": ["0"], "z": [[0.1]], "meta": {}}]}
     figs = dict(plots.result_figures(diff))
-    assert list(figs) == ["update_sparsity", "unchanged_curve", "heatmap:threshold_profile"]
+    assert list(figs) == ["update_sparsity", "unchanged_curve", "threshold_profile"]
     assert [t.name for t in figs["update_sparsity"].data] == ["exact equality", "equal after casting both to bf16"]
     assert list(figs["unchanged_curve"].data[0].y) == [0.2, 0.7]
 

@@ -73,7 +73,15 @@ def runs(zoo_home, tmp_path_factory):
 
     from safetensors.torch import save_file
 
-    from compute import run_diff, run_fisher, run_mask, run_retention, run_sweep, run_tokens, run_train
+    from compute import (
+        run_diff,
+        run_fisher,
+        run_mask,
+        run_retention,
+        run_sweep,
+        run_tokens,
+        run_train,
+    )
     from compute.specs import (
         DiffSpec,
         FisherSpec,

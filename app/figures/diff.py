@@ -1,0 +1,88 @@
+"""Figures of a `diff` result: which weights a training run left unchanged (per layer x module,
+per threshold) and how well the Fisher predicts the ones that moved."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import plotly.graph_objects as go
+
+from compute.contract.results import (
+    FISHER_VS_DELTA,
+    THRESHOLD_PROFILE,
+    UNCHANGED_SERIES,
+    UPDATE_SPARSITY,
+    DiffResult,
+    HeatmapData,
+    TypedResult,
+)
+
+from .common import COLORSCALE, curves_figure, empty_figure, finite, fmt, layout, pool_matrix
+from .registry import figure, stored_heatmap
+
+UNCHANGED_LABELS = {"atol": "unchanged (|delta_fp32| <= atol)",
+                    "atol_bf16delta": "unchanged (|delta_bf16| <= atol, published convention)",
+                    "rel_rms": "unchanged (|delta| <= t x rms)"}
+OVERLAP_TITLES = {"fisher_vs_delta_jaccard_lift": "Top-k Fisher vs top-k |delta|: Jaccard / random baseline",
+                  "fisher_vs_delta_auc": "Fisher as a predictor of top-k |delta|: ROC-AUC",
+                  "fisher_vs_delta_precision_at_k": "Top-k Fisher vs top-k |delta|: precision@k"}
+
+
+def _threshold_key(h: HeatmapData) -> tuple[int, float, str]:
+    t = finite(h.meta.get("threshold"))
+    return (0, t, "") if t is not None else (1, 0.0, h.name)
+
+
+def _slider(labels: list[str]) -> dict[str, Any]:
+    steps = [{"label": lab, "method": "update",
+              "args": [{"visible": [j == i for j in range(len(labels))]},
+                       {"title.text": f"Update sparsity: unchanged by {lab}"}]}
+             for i, lab in enumerate(labels)]
+    return {"active": 0, "currentvalue": {"prefix": "threshold: "}, "steps": steps, "pad": {"t": 40}}
+
+
+def update_sparsity_heatmap(r: TypedResult[Any]) -> go.Figure:
+    """Fraction of unchanged coordinates per layer x module, one frame per threshold with a slider
+    (the "update_sparsity_<threshold>" heatmaps, ordered by meta "threshold")."""
+    hms = sorted(r.heatmaps_in(UPDATE_SPARSITY), key=_threshold_key)
+    if not hms:
+        return empty_figure("no update-sparsity heatmaps in this result")
+    fig = go.Figure()
+    labels = []
+    for i, h in enumerate(hms):
+        z, xl, yl = pool_matrix(h.z, h.x_labels, h.y_labels)
+        t = h.meta.get("threshold")
+        label = str(h.meta.get("threshold_label") or (t if t is not None else UPDATE_SPARSITY.part(h.name)))
+        labels.append(label)
+        fig.add_heatmap(
+            z=z, x=xl, y=yl, zmin=0.0, zmax=1.0, colorscale=COLORSCALE, visible=(i == 0), name=label,
+            customdata=[[fmt(v) for v in row] for row in z], colorbar={"title": {"text": "unchanged fraction"}},
+            hovertemplate=f"{label}<br>layer %{{y}}, module %{{x}}<br>unchanged = %{{customdata}}<extra></extra>",
+        )
+    if len(hms) > 1:
+        fig.update_layout(sliders=[_slider(labels)])
+    fig.update_xaxes(title_text="module type", type="category")
+    fig.update_yaxes(title_text="layer", type="category", autorange="reversed")
+    return layout(fig, f"Update sparsity: unchanged by {labels[0]}", height=max(360, 24 * len(hms[0].y_labels) + 200))
+
+
+def unchanged_figure(r: TypedResult[Any]) -> go.Figure:
+    """Unchanged fraction of all coordinates against the threshold, one line per convention."""
+    runs = {name.split("/", 1)[1]: c for name in UNCHANGED_SERIES if (c := r.curve(name))}
+    return curves_figure({run: {run: xy} for run, xy in runs.items()}, "Unchanged fraction by threshold",
+                         x_title="threshold", log_x=True, labels=UNCHANGED_LABELS)
+
+
+@figure("diff", "update_sparsity", title="Update sparsity by layer x module")
+def update_sparsity(r: DiffResult) -> go.Figure | None:
+    return update_sparsity_heatmap(r) if r.heatmaps_in(UPDATE_SPARSITY) else None
+
+
+@figure("diff", "unchanged_curve", title="Unchanged fraction by threshold")
+def unchanged_curve(r: DiffResult) -> go.Figure | None:
+    return unchanged_figure(r) if any(r.curve(n) for n in UNCHANGED_SERIES) else None
+
+
+for _name in FISHER_VS_DELTA:
+    stored_heatmap("diff", _name, title=OVERLAP_TITLES[_name])
+stored_heatmap("diff", THRESHOLD_PROFILE, title="Unchanged fraction by layer and threshold")

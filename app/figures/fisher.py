@@ -1,0 +1,61 @@
+"""Figures and tables of a `fisher` result: where the mass sits (layer x module), per layer,
+how concentrated it is; the exact output-layer check."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import plotly.graph_objects as go
+
+from compute.contract.results import CONCENTRATION, FisherResult, TypedResult
+
+from .common import Table, empty_figure, fmt, layout, rows_table
+from .layers import has_value, layer_module_heatmap, per_layer_bars
+from .registry import figure, table
+
+
+@figure("fisher", "fisher_mean", title="Fisher mean by layer x module")
+def fisher_mean(r: FisherResult) -> go.Figure | None:
+    return layer_module_heatmap(r, "mean") if has_value(r, "mean") else None
+
+
+@figure("fisher", "fisher_share", title="Fisher share of mass by layer x module")
+def fisher_share(r: FisherResult) -> go.Figure | None:
+    return layer_module_heatmap(r, "share") if has_value(r, "share") else None
+
+
+@figure("fisher", "per_layer", title="Fisher share per layer")
+def per_layer(r: FisherResult) -> go.Figure | None:
+    return per_layer_bars(r, "share") if has_value(r, "share") else None
+
+
+@figure("fisher", "concentration", title="Concentration of the Fisher")
+def concentration(r: FisherResult) -> go.Figure | None:
+    return concentration_figure(r) if r.curve(CONCENTRATION) else None
+
+
+def concentration_figure(r: FisherResult) -> go.Figure:
+    """Share of Fisher mass (y) held by the top x fraction of coordinates; diagonal = uniform."""
+    s = r.curve(CONCENTRATION)
+    if not s:
+        return empty_figure("no concentration curve in this result")
+    xs, ys = s
+    fig = go.Figure()
+    fig.add_scatter(x=xs, y=ys, mode="lines+markers", name="Fisher",
+                    hovertemplate="top %{x:.4g} of coordinates hold %{y:.4g} of the mass<extra></extra>")
+    fig.add_scatter(x=[0, 1], y=[0, 1], mode="lines", name="uniform", line={"dash": "dot", "color": "grey"})
+    wide = min(xs) > 0 and max(xs) / max(min(xs), 1e-12) > 100
+    fig.update_xaxes(title_text="fraction of coordinates (top by Fisher)", type="log" if wide else "linear")
+    fig.update_yaxes(title_text="share of Fisher mass", range=[0, 1.02])
+    gini = r.summary.gini
+    return layout(fig, "Concentration of the Fisher" + (f" (Gini {fmt(gini)})" if gini is not None else ""))
+
+
+@table("fisher", "exact_output", title="Exact output-layer check (Monte-Carlo vs closed form)")
+def exact_output_table(r: TypedResult[Any]) -> Table:
+    """Monte-Carlo vs exact output-layer Fisher (a correctness check), one row per parameter."""
+    rows = r.summary.exact_output if isinstance(r, FisherResult) else None
+    if not rows:
+        return [], []
+    return rows_table([{"param": k, **v.model_dump()} for k, v in rows.items()],
+                      ("param", "relative_l1_error", "mc_mass", "exact_mass"))

@@ -1,0 +1,81 @@
+"""Figures of a `train` result: the training curves, the first-step bound check (|g| against
+sqrt(F)), and the stored heatmaps of the bound and of the gradient concentration."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import plotly.graph_objects as go
+
+from compute.contract.results import (
+    BOUND_HIST,
+    BOUND_POINTS,
+    CONCENTRATION_AUC,
+    CONCENTRATION_TARGETS,
+    TRAIN,
+    TrainResult,
+    TypedResult,
+)
+
+from .common import MAX_POINTS, curves_figure, downsample, empty_figure, finite, layout
+from .registry import figure, stored_heatmap
+
+TARGET_TITLES = {"grad_sq_sum": "the run's summed squared gradient (top-k)",
+                 "grad_abs_sum": "the run's summed |gradient| (top-k)",
+                 "abs_delta": "the run's |weight change| (top-k)"}
+
+
+def bound_constant(r: TypedResult[Any]) -> tuple[float | None, float | None]:
+    """(sqrt(E[A^2]), fraction of coordinates where the bound holds) from summary "bound" (or
+    the top level, where results stored before the bound sub-dict kept them)."""
+    s = {**r.raw_summary, **(r.raw_summary.get("bound") or {})}
+    c = finite(s.get("bound_constant") or s.get("bound_rms_advantage"))
+    held = finite(s.get("bound_fraction_holds", s.get("bound_holds_fraction")))
+    return c, held
+
+
+def bound_scatter(r: TypedResult[Any], max_points: int = MAX_POINTS) -> go.Figure:
+    """|gradient| (y) against sqrt(Fisher) (x) per coordinate, downsampled, log-log, with the
+    Cauchy-Schwarz bound line y = sqrt(E[A^2]) x when the summary gives the constant."""
+    s = r.curve(BOUND_POINTS)
+    if not s:
+        return empty_figure("no bound check points in this result")
+    xs, ys = s
+    keep = downsample(len(xs), max_points)
+    x, y = [xs[i] for i in keep], [ys[i] for i in keep]
+    fig = go.Figure()
+    fig.add_scattergl(x=x, y=y, mode="markers", name="coordinates", marker={"size": 4, "opacity": 0.5},
+                      hovertemplate="sqrt(F)=%{x:.4e}<br>|g|=%{y:.4e}<extra></extra>")
+    c, held = bound_constant(r)
+    pos = [v for v in x if v > 0]
+    if c is not None and pos:
+        lo, hi = min(pos), max(pos)
+        fig.add_scatter(x=[lo, hi], y=[c * lo, c * hi], mode="lines", name="bound sqrt(E[A^2]) sqrt(F)",
+                        line={"dash": "dash", "color": "red"})
+    fig.update_xaxes(title_text="sqrt(Fisher)", type="log")
+    fig.update_yaxes(title_text="|gradient|", type="log")
+    note = f" ({len(keep)} of {len(xs)} points)" if len(keep) < len(xs) else ""
+    extra = f"; the bound holds for {100 * held:.4g}% of coordinates" if held is not None else ""
+    return layout(fig, f"Gradient vs Fisher bound{note}{extra}")
+
+
+def training_curves(r: TypedResult[Any], metric: str | None = None) -> go.Figure:
+    """The run's own curves ("train/<metric>"), one metric at a time with a menu."""
+    groups = {m: {"this run": xy} for m, xy in r.curves(TRAIN).items()}
+    return curves_figure(groups, "Training curves", metric=metric)
+
+
+@figure("train", "bound", title="Gradient vs Fisher bound")
+def bound(r: TrainResult) -> go.Figure | None:
+    return bound_scatter(r) if r.curve(BOUND_POINTS) else None
+
+
+@figure("train", "training", title="Training curves")
+def training(r: TrainResult) -> go.Figure | None:
+    return training_curves(r) if r.curves(TRAIN) else None
+
+
+stored_heatmap("train", BOUND_HIST, log=True,
+               title="Coordinates by log10 |gradient| (rows) and log10 sqrt(Fisher) (columns)")
+for _name, _target in zip(CONCENTRATION_AUC, CONCENTRATION_TARGETS, strict=True):
+    stored_heatmap("train", _name, title=f"Initial Fisher as a predictor of {TARGET_TITLES[_target]}: ROC-AUC")
