@@ -7,7 +7,14 @@ from typing import Any
 
 from compute.control import fault_point
 from compute.worker import lifecycle
-from compute.worker.lifecycle import JobProgress, claim, compute_and_store, fail, sessions
+from compute.worker.lifecycle import (
+    JobProgress,
+    claim,
+    compute_and_store,
+    fail,
+    keep_alive,
+    sessions,
+)
 from compute.worker.sharding import fan_out
 
 log = logging.getLogger("fisherlens.worker")
@@ -37,8 +44,9 @@ def execute_job(settings: Any, job_id: int, hostname: str | None = None) -> str:
     fault_point("after_claim", f"job={job_id}")
     kind = taken.kind
     try:
-        spec = _check_refs(settings, kind, parse_spec(kind, taken.spec))
-        n = child_count(kind, spec)
+        with keep_alive(settings, job_id):  # child_count imports the kind's module (torch)
+            spec = _check_refs(settings, kind, parse_spec(kind, taken.spec))
+            n = child_count(kind, spec)
         if n > 1:
             return fan_out(settings, job_id, n)
     except Exception as exc:

@@ -129,9 +129,10 @@ class JobProgress:
 
 
 @contextmanager
-def _heartbeat(settings: Any, job_id: int) -> Iterator[None]:
+def keep_alive(settings: Any, job_id: int) -> Iterator[None]:
     """Touch heartbeat_at every few seconds while the job runs, even inside long calls that do
-    not report progress (model loading), so other workers know this one is alive."""
+    not report progress (model loading, the first import of torch), so other workers know this
+    one is alive. Everything a worker does between a claim and the job's end runs inside one."""
     stop = threading.Event()
     every = max(1.0, min(30.0, settings.job_stale_after_s / 5))
 
@@ -259,7 +260,7 @@ def compute_and_store(
     error, with its text). For a child, the parent's progress is refreshed."""
     try:
         progress = JobProgress(settings, job_id, parent_id=parent_id)
-        with _heartbeat(settings, job_id), _scratch(settings, job_id):
+        with keep_alive(settings, job_id), _scratch(settings, job_id):
             with cancel_scope(progress.check):
                 result, artifacts = _unpack(compute(progress))
             with sessions(settings)() as s:

@@ -18,7 +18,15 @@ from compute.celery_app import FINISH_SHARDS, RUN_SHARD, send_job
 from compute.control import fault_point
 from compute.runners import child_protocol
 from compute.worker import lifecycle
-from compute.worker.lifecycle import Claimed, JobProgress, claim, compute_and_store, fail, sessions
+from compute.worker.lifecycle import (
+    Claimed,
+    JobProgress,
+    claim,
+    compute_and_store,
+    fail,
+    keep_alive,
+    sessions,
+)
 from storage import repo
 from storage.artifacts import ArtifactInfo, ArtifactStore
 from storage.models import FINAL_STATUSES
@@ -107,7 +115,8 @@ def execute_finish(settings: Any, job_id: int, hostname: str | None = None) -> s
         arts = [repo.get_artifact(session=s, job_id=c.id, kind=OUTPUT_KIND) for c in children]
         taken = Claimed(job_id, job.kind, dict(job.spec), None, 0)
     try:
-        spec, protocol, outputs = _load_outputs(settings, taken, children, arts)
+        with keep_alive(settings, job_id):  # imports torch and the kind's module, reads files
+            spec, protocol, outputs = _load_outputs(settings, taken, children, arts)
     except Exception as exc:
         log.exception("finish of job %s failed", job_id)
         fail(settings, job_id, exc)
