@@ -93,20 +93,13 @@ def diff_cmd(base: str, tuned: str, out: str, **options: Any) -> None:
 
         save_file({n: t.contiguous() for n, t in res.tensors["delta"].items()}, str(out_dir / "delta.safetensors"))
     write_html(result, out_dir / "diff.html")
-    layer_rows = [r for r in res.layer_stats if r.group == "layer_module"]
-    by_layer: dict[str, list[float]] = {}
-    for r in layer_rows:
-        key = "-" if r.layer is None else str(r.layer)
-        acc = by_layer.setdefault(key, [0.0, 0.0, 0.0, 0.0])
-        n = r.values["numel"]
-        acc[0] += n
-        acc[1] += r.values["unchanged_exact"] * n
-        acc[2] += r.values["unchanged_bf16"] * n
-        acc[3] += r.values["unchanged_atol_1e-05"] * n
-    order = sorted(by_layer, key=lambda k: (1, 0) if k == "-" else (0, int(k)))
+    from app.figures.labels import layer_name
+    from compute.analysis import aggregate
+
+    by_layer = aggregate([r for r in res.layer_stats if r.group == "layer_module"], by=("layer",))
     click.echo(_table(["layer", "params", "unchanged", "bf16-equal", "|d|<=1e-5"],
-                      [[k, int(by_layer[k][0]), *(v / by_layer[k][0] for v in by_layer[k][1:])]
-                       for k in order]))
+                      [[layer_name(layer), int(c["numel"]), c["unchanged_exact"], c["unchanged_bf16"],
+                        c["unchanged_atol_1e-05"]] for (layer,), c in by_layer.items()]))
     click.echo(f"all: {s['n_params']:,} params; unchanged exactly {s['unchanged_exact']:.4f}, "
                f"bf16-equal {s['unchanged_bf16']:.4f}, |delta_fp32|<=1e-5 {s['unchanged_atol_1e-05']:.4f}, "
                f"|delta_bf16|<=1e-5 (published convention, both loaded in bf16) "

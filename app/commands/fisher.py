@@ -13,24 +13,19 @@ from compute.specs import FisherSpec
 
 
 def _summary_table(result: Any) -> str:
-    """One line per layer: share of Fisher mass, mean, and the module type holding most mass."""
-    rows: dict[Any, dict[str, Any]] = {}
-    for s in result.layer_stats:
-        if s.group != "layer_module":
-            continue
-        r = rows.setdefault(s.layer, {"share": 0.0, "mass": 0.0, "numel": 0, "top": ("", -1.0)})
-        r["share"] += s.values["share"]
-        r["mass"] += s.values["mass"]
-        r["numel"] += s.values["numel"]
-        if s.values["share"] > r["top"][1]:
-            r["top"] = (s.module, s.values["share"])
-    lines = [f"{'layer':>6} {'params':>10} {'share':>7} {'mean':>11}  top module (share)"]
-    for layer in sorted(rows, key=lambda v: (v is None, v or 0)):
-        r = rows[layer]
-        label = "-" if layer is None else str(layer)
-        mean = r["mass"] / r["numel"] if r["numel"] else 0.0
-        lines.append(f"{label:>6} {r['numel']:>10,} {r['share']:>7.1%} {mean:>11.4g}  "
-                     f"{r['top'][0]} ({r['top'][1]:.1%})")
+    """One line per layer: share of Fisher mass, mean, and the module type holding most mass
+    (compute.analysis.aggregate of the layer x module rows; the rows outside the blocks named)."""
+    from app.figures.labels import layer_name
+    from compute.analysis import aggregate
+
+    rows = [s for s in result.layer_stats if s.group == "layer_module"]
+    by_layer = aggregate(rows, by=("layer",))
+    w = max([5, *(len(layer_name(k[0])) for k in by_layer)])
+    lines = [f"{'layer':<{w}} {'params':>10} {'share':>7} {'mean':>11}  top module (share)"]
+    for (layer,), r in by_layer.items():
+        top = max((s for s in rows if s.layer == layer), key=lambda s: s.values["share"])
+        lines.append(f"{layer_name(layer):<{w}} {int(r['numel']):>10,} {r['share']:>7.1%} {r['mean']:>11.4g}  "
+                     f"{top.module} ({top.values['share']:.1%})")
     return "\n".join(lines)
 
 
