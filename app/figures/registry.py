@@ -22,6 +22,7 @@ import plotly.graph_objects as go
 from compute.contract.results import TypedResult, parse_result
 
 from .common import Table, heatmap_figure
+from .labels import name_layers
 
 FigureBuilder = Callable[[Any], go.Figure | None]
 TableBuilder = Callable[[Any], Table]
@@ -91,15 +92,27 @@ def as_typed(result: TypedResult[Any] | Mapping[str, Any]) -> TypedResult[Any]:
     return parse_result(result)
 
 
-def figures_for(result: TypedResult[Any] | Mapping[str, Any]) -> list[tuple[str, go.Figure]]:
-    """(name, figure) for everything this result can show, in registration order."""
+def titled_figures_for(result: TypedResult[Any] | Mapping[str, Any]) -> list[tuple[str, str, go.Figure]]:
+    """(name, title, figure) for everything this result can show, in registration order. Rows
+    and bars outside the transformer blocks carry their names ("embeddings", "final norm",
+    "lm_head"), never "-"; the title is the figure's own (it may carry numbers), else the
+    registered one: a view shows the title, never the internal name."""
     r = as_typed(result)
     out = []
     for e in entries(r.kind):
         fig = e.build(r)
         if fig is not None:
-            out.append((e.name, fig))
+            data = name_layers(fig.to_dict())
+            fig = go.Figure(data, skip_invalid=False)
+            title = fig.layout.title.text if fig.layout.title and fig.layout.title.text else e.title
+            out.append((e.name, str(title), fig))
     return out
+
+
+def figures_for(result: TypedResult[Any] | Mapping[str, Any]) -> list[tuple[str, go.Figure]]:
+    """(name, figure) for everything this result can show, in registration order (as
+    `titled_figures_for`)."""
+    return [(name, fig) for name, _, fig in titled_figures_for(result)]
 
 
 def figure_by_name(result: TypedResult[Any] | Mapping[str, Any], name: str) -> go.Figure | None:
