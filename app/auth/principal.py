@@ -1,0 +1,150 @@
+"""Who is calling: the Principal of a request or UI event, and what it may see."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
+from dataclasses import dataclass
+from typing import Any
+
+
+class Unauthorized(PermissionError):
+    """No signed-in user where one is required (HTTP 401)."""
+
+
+class Forbidden(PermissionError):
+    """Signed in, but not allowed (HTTP 403), e.g. registering a model name as a non-admin."""
+
+
+@dataclass(frozen=True)
+class Principal:
+    """The caller, with the limits that apply to them (None: no limit)."""
+
+    id: int
+    name: str
+    is_admin: bool
+    max_active_jobs: int | None
+    max_job_cost: float | None
+    via: str = "local"  # local | token | session
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"id": self.id, "name": self.name, "is_admin": self.is_admin,
+                "max_active_jobs": self.max_active_jobs, "max_job_cost": self.max_job_cost,
+                "via": self.via}
+
+
+_current: ContextVar[Principal | None] = ContextVar("fisherlens_user", default=None)
+
+
+def principal(user: Any, settings: Any, via: str) -> Principal:
+    """A users row -> Principal with its effective limits (per-user value, else the role's)."""
+    admin = bool(user.is_admin)
+    active = user.max_active_jobs if user.max_active_jobs is not None else (
+        settings.max_active_jobs_admin if admin else settings.max_active_jobs)
+    cost = user.max_job_cost if user.max_job_cost is not None else (
+        settings.max_job_cost_admin if admin else settings.max_job_cost)
+    return Principal(user.id, user.name, admin, active, cost, via)
+
+
+def db_sessions(settings: Any) -> Any:
+    from app import services
+
+    return services.sessions(settings)
+
+
+def local_principal(settings: Any) -> Principal:
+    from storage import users
+
+    with db_sessions(settings)() as s:
+        return principal(users.local_user(session=s), settings, "local")
+
+
+def current_user(settings: Any) -> Principal:
+    """The caller of this request / UI event; the local user in the embedded mode; Unauthorized
+    when AUTH_REQUIRED and nobody signed in."""
+    p = _current.get()
+    if p is not None:
+        return p
+    if not settings.auth_required:
+        return local_principal(settings)
+    raise Unauthorized("sign in first: send 'Authorization: Bearer <token>' or sign in at /login")
+
+
+@contextlib.contextmanager
+def acting_as(p: Principal | None) -> Iterator[None]:
+    """Run a block as `p` (the CLI with direct database access, tests, UI events)."""
+    tok = _current.set(p)
+    try:
+        yield
+    finally:
+        _current.reset(tok)
+
+
+def optional_user(settings: Any) -> Principal | None:
+    """current_user, or None for an anonymous caller (share links) when AUTH_REQUIRED."""
+    try:
+        return current_user(settings)
+    except Unauthorized:
+        return None
+
+
+def can_see(p: Principal | None, owner_id: int | None) -> bool:
+    """Owners and admins see a job; nobody else does (it answers 404 to them)."""
+    return p is not None and (p.is_admin or owner_id == p.id)
+
+
+def can_read_result(settings: Any, job: Any) -> bool:
+    """A result is readable by its owner and admins, and by anyone holding its share link
+    while the owner keeps the link on (`jobs.shared`)."""
+    return bool(job.shared) or can_see(optional_user(settings), job.owner_id)
+
+
+def owner_filter(settings: Any, p: Principal, owner: str | None) -> int | None:
+    """The owner id a job listing is restricted to (None: everyone's). Users see their own
+    jobs; admins see everyone's, or one user's with owner=NAME ('me': their own). The embedded
+    mode lists every job, as before accounts."""
+    if not settings.auth_required:
+        return None  # one local user: every job, as before accounts
+    if not p.is_admin:
+        return p.id
+    if owner in (None, "", "all"):
+        return None
+    if owner == "me" or owner == p.name:
+        return p.id
+    from storage import users
+
+    with db_sessions(settings)() as s:
+        user = users.get_user(session=s, name=owner)
+    return user.id if user is not None else -1  # unknown user: an empty list
+
+
+def check_refs_owned(settings: Any, p: Principal, kind: str, spec: Any) -> None:
+    """A spec may name only jobs its submitter can see (job:N of another user is 'no such
+    job', the same answer as for a job that does not exist)."""
+    from compute.modelref import job_ref_id, spec_job_refs
+    from compute.specs import SpecError
+    from storage import repo
+
+    refs = spec_job_refs(kind, spec)
+    if not refs or p.is_admin:
+        return
+    errors = []
+    with db_sessions(settings)() as s:
+        for field, ref in refs:
+            job = repo.get_job(session=s, job_id=job_ref_id(ref) or -1)
+            if job is None or not can_see(p, job.owner_id):
+                errors.append({"field": field, "message": f"job {job_ref_id(ref)} does not exist; "
+                               "give the id of one of your succeeded jobs"})
+    if errors:
+        raise SpecError(errors)
+
+
+def token_principal(settings: Any, secret: str, kind: str | None = None) -> Principal | None:
+    from storage import users
+
+    with db_sessions(settings)() as s:
+        user = users.user_for_token(session=s, secret=secret, kind=kind)
+        if user is None:
+            return None
+        return principal(user, settings, "session" if kind == "session" else "token")
