@@ -339,3 +339,15 @@ def test_link_turned_off_is_a_404_even_after_a_cached_view(env):
         s.commit()
     assert client.get(f"/r/{token}").status_code == 404
     assert client.get(f"/r/{token}", headers={"If-None-Match": etag}).status_code == 404
+
+
+def test_key_numbers_sweep_and_fisher_read_declared_fields():
+    sweep = keynumbers.key_numbers({"kind": "sweep", "summary": {"points": [
+        {"lr": 1e-5, "optimizer": "adamw", "precision": "bf16-mixed", "unchanged_bf16": 0.98,
+         "fisher_auc_changed": 0.61, "reward_after": 0.3}]}})
+    assert sweep["items"] == [{"label": "Points (lr x optimizer x precision)", "value": "1", "note": ""}]
+    assert sweep["table"]["rows"] == [["bf16-mixed", "adamw", "1e-05", "98%", "0.61", "30%"]]
+    # a batch-estimator Fisher stores split_half_jaccard = None: the verdict says why there is none
+    none = keynumbers.key_numbers({"kind": "fisher", "summary": {"split_half_jaccard": None, "top1%_share": 0.25}})
+    assert none["verdict"]["level"] == "none" and none["items"][0]["value"] == "25%"
+    assert keynumbers.key_numbers({"kind": "x", "summary": {}})["items"] == []
