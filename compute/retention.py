@@ -22,8 +22,12 @@ Statistics (what a reader needs to trust a ratio of two small differences):
   whose denominator is noise is not a finding.
 
 Also reported: update sparsity of each full run (compute.diff) and how well the initial Fisher
-predicts that update. Masks that do not depend on the seed (fisher*, magnitude*) are built once;
-random and gradient masks are rebuilt per seed.
+predicts that update.
+
+This module is the maths and the parts of the grid: `train_arm` trains and evaluates one arm
+(through compute.train's pure `train`), `grid_table` combines the base rewards and the arms into the
+table. compute.run_retention runs the arms as independent units (child jobs when queued) and
+chooses the masks; random and gradient masks depend on the seed, the others do not.
 """
 
 from __future__ import annotations
@@ -31,7 +35,6 @@ from __future__ import annotations
 import copy
 import math
 import statistics
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -338,66 +341,62 @@ def heldout_rewards(model: torch.nn.Module, tokenizer: Any, task: Any, n: int, m
                         dtype=torch.float64)
 
 
-def run_retention(
+def arm_label(key: tuple[str, float] | None) -> str:
+    """'full' or 'selector@density' (the name of an arm's rewards and curves)."""
+    return "full" if key is None else f"{key[0]}@{key[1]:g}"
+
+
+def with_seed(train_config: Any, seed: int) -> Any:
+    """A copy of a TrainConfig with another seed (the paired seed of one arm)."""
+    return type(train_config)(**{**train_config.__dict__, "seed": seed})
+
+
+def train_arm(
     model: torch.nn.Module,
     tokenizer: Any,
     task: Any,
     config: RetentionConfig,
+    seed: int,
+    mask: dict[str, torch.Tensor] | None = None,
     teacher: torch.nn.Module | None = None,
     progress: Callable[[float, str], None] | None = None,
-) -> dict[str, Any]:
-    """Run the whole grid. The model is not modified (each run trains a copy). Seeds are
-    independent: grids over disjoint seed ranges can be merged row by row."""
-    from compute.fisher import estimate_fisher
-    from compute.run_train import build_mask_in_memory, update_sparsity
+) -> tuple[torch.nn.Module, torch.Tensor, list[dict[str, float]]]:
+    """One arm: a copy of `model` trained with the paired seed (full when mask is None), and its
+    (n,) held-out rewards and per-step curve. The caller's model is not modified."""
     from compute.train import train
 
-    prog = progress or (lambda f, m="": None)
-    t0 = time.perf_counter()
-    plan = config.plan()
+    m = copy.deepcopy(model)
+    res = train(m, tokenizer, task, with_seed(config.train, seed), mask=mask, teacher=teacher,
+                evaluate=False, progress=progress)
+    rewards = heldout_rewards(m, tokenizer, task, config.eval_prompts, config.eval_max_new_tokens)
+    return m, rewards, res.curve
 
-    def evaluate(m: torch.nn.Module) -> torch.Tensor:
-        return heldout_rewards(m, tokenizer, task, config.eval_prompts, config.eval_max_new_tokens)
 
-    prog(0.0, "base accuracy")
-    base = evaluate(model)
-    prog(0.01, "initial Fisher")
-    fres = estimate_fisher(model, tokenizer, task, config.fisher)
-    fisher = fres.fisher
-    base_sd = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
-    masks: dict[tuple[str, float, int], dict[str, torch.Tensor]] = {}
-    actual: dict[tuple[str, float], float] = {}
-
-    def get_mask(sel: str, dens: float, seed: int) -> dict[str, torch.Tensor]:
-        key = (sel, dens, seed if sel in SEED_DEPENDENT else -1)
-        if key not in masks:
-            masks[key], info = build_mask_in_memory(
-                model, tokenizer, task, sel, dens, seed, fisher=fisher,
-                gradient_config=_with_seed(config.train, seed), teacher=teacher,
-            )
-            actual[(sel, dens)] = info["actual_density"]
-        return masks[key]
-
+def grid_table(config: RetentionConfig, base: torch.Tensor, arms: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The retention table of a whole grid from its parts: base (n,) held-out rewards and one dict
+    per arm, in plan order: seed, selector/density (None for full), rewards (n,), curve,
+    actual_density (masked arms), update_sparsity and fisher (full arms). Arms are independent
+    (each trained from the base with its own seed), so they may come from different processes."""
     full: dict[int, torch.Tensor] = {}
     masked: dict[tuple[str, float], dict[int, torch.Tensor]] = {}
+    actual: dict[tuple[str, float], float] = {}
     full_sparsity: list[dict[str, Any]] = []
     curves: dict[str, list[list[dict[str, float]]]] = {}
-    for i, (seed, key) in enumerate(plan):
-        label = f"seed {seed} " + ("full" if key is None else f"{key[0]}@{key[1]:g}")
-        mask = None if key is None else get_mask(key[0], key[1], seed)
-        m = copy.deepcopy(model)
-        res = train(m, tokenizer, task, _with_seed(config.train, seed), mask=mask, teacher=teacher,
-                    evaluate=False,
-                    progress=lambda f, msg="", i=i, label=label: prog(0.02 + 0.98 * (i + f) / len(plan), f"{label}: {msg}"))
-        rewards = evaluate(m)
-        curves.setdefault("full" if key is None else f"{key[0]}@{key[1]:g}", []).append(res.curve)
+    fisher_meta: dict[str, Any] = {}
+    for arm in arms:
+        key = None if arm["selector"] is None else (str(arm["selector"]), float(arm["density"]))
+        curves.setdefault(arm_label(key), []).append(arm["curve"])
         if key is None:
-            full[seed] = rewards
-            full_sparsity.append(update_sparsity(base_sd, m, fisher))
+            full[int(arm["seed"])] = arm["rewards"]
+            full_sparsity.append(arm["update_sparsity"])
+            fisher_meta = fisher_meta or dict(arm.get("fisher") or {})
         else:
-            masked.setdefault(key, {})[seed] = rewards
-        del m
+            masked.setdefault(key, {})[int(arm["seed"])] = arm["rewards"]
+            actual[key] = float(arm["actual_density"])
     seeds = config.seed_list
+    missing = [s for s in seeds if s not in full]
+    if missing:
+        raise ValueError(f"arms: no full run for seeds {missing}; every seed needs one (paired seeds)")
     full_t = torch.stack([full[s] for s in seeds])  # (S, n)
     masked_t = {k: torch.stack([v[s] for s in seeds]) for k, v in masked.items()}
     table = build_table(base, full_t, masked_t, config.bootstrap, actual)
@@ -405,20 +404,13 @@ def run_retention(
     table["full_update_sparsity"] = {k: mean_std([float(s[k]) for s in full_sparsity
                                                   if s.get(k) is not None])[0] for k in keys}
     table["full_update_sparsity_per_seed"] = full_sparsity
-    table["fisher"] = {"estimator": fres.estimator, "rows": fres.n_rows, "tokens": fres.n_tokens,
-                       "prompts": config.fisher.prompts, "samples": config.fisher.samples}
+    table["fisher"] = {**fisher_meta, "prompts": config.fisher.prompts, "samples": config.fisher.samples}
     table["per_prompt_rewards"] = {
         "base": base.tolist(), "full": full_t.tolist(),
-        **{f"{sel}@{d:g}": t.tolist() for (sel, d), t in masked_t.items()},
+        **{arm_label(k): t.tolist() for k, t in masked_t.items()},
     }
     table["curves"] = curves
-    table["seconds"] = round(time.perf_counter() - t0, 1)
-    table["runs"] = len(plan)
+    table["runs"] = len(arms)
     table["seeds_used"] = seeds
     table["bootstrap_settings"] = asdict(config.bootstrap)
-    prog(1.0, "done")
     return table
-
-
-def _with_seed(train_config: Any, seed: int) -> Any:
-    return type(train_config)(**{**train_config.__dict__, "seed": seed})

@@ -1,44 +1,62 @@
-"""Job `retention`: the fixed-mask retention grid of compute.retention as a JobResult."""
+"""Job `retention`: the fixed-mask retention grid of compute.retention, run as independent units.
+
+Units (child jobs when queued, so N workers run N units at once; compute.runners' protocol):
+
+- unit 0 evaluates the base model on the held-out prompts (only `combine` needs it);
+- unit 1 + i runs arm i of `RetentionConfig.plan()`: for seed s, the full run or one mask's run,
+  with the same seed s for the full and every masked arm (paired seeds), evaluated on the same
+  held-out prompts (paired prompts).
+
+`combine` builds the table (compute.retention.grid_table) from the units' outputs in index order;
+`run` (the CLI and a job that is not fanned out) is `combine` over every unit run in this process.
+
+Shared prerequisites. A unit may run on another machine, so each one is self-contained: it loads
+the model itself and, when it needs the initial Fisher (full arms, for the update-sparsity AUCs, and
+arms whose mask is chosen from the Fisher), estimates it itself with the fixed seed 0. The estimate
+is deterministic (per-row sampling seeds, compute.sampling), so every unit gets the same Fisher and
+the same Fisher masks (bit for bit on one machine; tests check it). The Fisher is not a first unit
+of its own because every arm would then wait for it (or ship model-sized tensors to `combine`),
+and it is cheap next to an arm: `fisher_prompts x fisher_samples` sampled completions with one
+backward each (256 at the defaults) against `steps x batch x group` completions per arm (12,800).
+In one process, `shared` (a dict handed to every `run_child`) keeps the loaded models, the Fisher and
+the seed-independent masks, so `run` computes each once.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import math
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 from compute.results import Heatmap, JobResult, SeriesPoint, null_progress
 from compute.specs import DEFAULT_TEACHERS, RetentionSpec
 
 SMALL_MODEL_PARAMS = 20_000_000  # below this, CPU runs use one torch thread
+FISHER_SEED = 0  # sampling seed of the initial Fisher: the same in every unit
 
 
-def run(spec: RetentionSpec, progress: Any = null_progress) -> JobResult:
-    import torch
+def teacher_ref(spec: RetentionSpec) -> str | None:
+    if spec.algo != "opd":
+        return spec.teacher
+    ref = spec.teacher or DEFAULT_TEACHERS.get(spec.model)
+    if not ref:
+        raise ValueError("teacher: algo 'opd' needs a teacher model for this --model")
+    return ref
 
-    from compute.distill import check_same_tokenizer
+
+def retention_config(spec: RetentionSpec) -> Any:
+    """The compute.retention.RetentionConfig of a spec (training seed replaced per arm)."""
     from compute.fisher import FisherConfig
-    from compute.models import load_model, resolve_device
-    from compute.retention import BootstrapConfig, RetentionConfig, markdown_table, run_retention
+    from compute.retention import BootstrapConfig, RetentionConfig
     from compute.run_train import config_from_spec
-    from compute.tasks import get_task
 
-    teacher_ref = spec.teacher
-    if spec.algo == "opd" and not teacher_ref:
-        teacher_ref = DEFAULT_TEACHERS.get(spec.model)
-        if not teacher_ref:
-            raise ValueError("teacher: algo 'opd' needs a teacher model for this --model")
-    task = get_task(spec.task)
-    device = resolve_device(spec.device)
-    torch.manual_seed(0)
-    progress(0.0, f"loading {spec.model}")
-    model, tok = load_model(spec.model, device=device, dtype=spec.dtype)
-    teacher = None
-    if spec.algo == "opd":
-        teacher, ttok = load_model(teacher_ref, device=device, dtype=spec.dtype)
-        check_same_tokenizer(tok, ttok)
     config = config_from_spec(spec, seed=0, steps=spec.steps, kl_coef=spec.kl_coef)
     fcfg = FisherConfig(prompts=spec.fisher_prompts, samples=spec.fisher_samples,
-                        max_new_tokens=spec.max_new_tokens, seed=0, device=spec.device)
-    rcfg = RetentionConfig(
+                        max_new_tokens=spec.max_new_tokens, seed=FISHER_SEED, device=spec.device)
+    return RetentionConfig(
         train=config, fisher=fcfg,
         selectors=tuple(dict.fromkeys(spec.selectors)),
         densities=tuple(sorted(set(float(d) for d in spec.densities))),
@@ -46,29 +64,149 @@ def run(spec: RetentionSpec, progress: Any = null_progress) -> JobResult:
         eval_max_new_tokens=config.eval_max_new_tokens,
         bootstrap=BootstrapConfig(replicates=spec.bootstrap, confidence=spec.confidence),
     )
-    threads = torch.get_num_threads()
+
+
+def children(spec: RetentionSpec) -> int:
+    """Units of the grid: the base evaluation and one per arm (seeds x (1 + selectors x densities))."""
+    return 1 + len(retention_config(spec).plan())
+
+
+@dataclass
+class _Loaded:
+    model: Any
+    tokenizer: Any
+    task: Any
+    teacher: Any
+    config: Any
+    small: bool
+
+
+def _load(spec: RetentionSpec, shared: dict[Any, Any], progress: Any) -> _Loaded:
+    if "loaded" in shared:
+        return shared["loaded"]
+    import torch
+
+    from compute.distill import check_same_tokenizer
+    from compute.models import load_model, resolve_device
+    from compute.tasks import get_task
+
+    ref = teacher_ref(spec)
+    device = resolve_device(spec.device)
+    torch.manual_seed(0)
+    progress(0.0, f"loading {spec.model}")
+    model, tok = load_model(spec.model, device=device, dtype=spec.dtype)
+    teacher = None
+    if spec.algo == "opd":
+        assert ref is not None
+        teacher, ttok = load_model(ref, device=device, dtype=spec.dtype)
+        check_same_tokenizer(tok, ttok)
     # A model this small runs several times faster on one CPU thread (measured on arith-base:
     # 100 GRPO steps in ~10 s on 1 thread, ~40 s on 2), and results are the same.
     small = device.type == "cpu" and sum(p.numel() for p in model.parameters()) < SMALL_MODEL_PARAMS
-    if small:
+    shared["loaded"] = _Loaded(model, tok, get_task(spec.task), teacher, retention_config(spec), small)
+    return shared["loaded"]
+
+
+@contextlib.contextmanager
+def _threads(one: bool) -> Iterator[int]:
+    import torch
+
+    before = torch.get_num_threads()
+    if one:
         torch.set_num_threads(1)
     try:
-        table = run_retention(model, tok, task, rcfg, teacher=teacher, progress=progress)
+        yield torch.get_num_threads()
     finally:
-        torch.set_num_threads(threads)
-    table["markdown"] = markdown_table(table)
-    curves = table.pop("curves")
-    per_prompt = table.pop("per_prompt_rewards")  # (S, n) lists: an artifact, not a summary field
-    summary: dict[str, Any] = {
-        "model": spec.model, "task": spec.task, "algo": spec.algo, "teacher": teacher_ref,
-        "settings": {**config.__dict__, "seeds": spec.seeds, "selectors": list(rcfg.selectors),
-                     "densities": list(rcfg.densities), "fisher": fcfg.__dict__,
-                     "torch_threads": 1 if small else threads},
-        "eval": {"split": "test", "prompts": spec.eval_prompts, "eval_se_target": spec.eval_se,
-                 "decoding": "greedy", "max_new_tokens": rcfg.eval_max_new_tokens,
-                 "reward": "task reward of each held-out prompt (accuracy), the same prompts for every model"},
-        **table,
-    }
+        torch.set_num_threads(before)
+
+
+def _fisher(lo: _Loaded, shared: dict[Any, Any], progress: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The initial Fisher (seed FISHER_SEED) and its description, estimated once per `shared`."""
+    if "fisher" not in shared:
+        from compute.fisher import estimate_fisher
+
+        progress(0.0, "initial Fisher")
+        fr = estimate_fisher(lo.model, lo.tokenizer, lo.task, lo.config.fisher)
+        shared["fisher"] = (fr.fisher, {"estimator": fr.estimator, "rows": fr.n_rows, "tokens": fr.n_tokens})
+    return shared["fisher"]
+
+
+def _mask(lo: _Loaded, shared: dict[Any, Any], key: tuple[str, float], seed: int,
+          progress: Any) -> tuple[Any, float]:
+    """The mask of one arm and its actual density; seed-independent masks built once per `shared`."""
+    from compute.retention import SEED_DEPENDENT, with_seed
+    from compute.run_train import FISHER_SELECTORS, build_mask_in_memory
+
+    sel, dens = key
+    cache_key = ("mask", sel, dens, seed if sel in SEED_DEPENDENT else -1)
+    if cache_key not in shared:
+        fisher = _fisher(lo, shared, progress)[0] if sel in FISHER_SELECTORS else None
+        mask, info = build_mask_in_memory(lo.model, lo.tokenizer, lo.task, sel, dens, seed, fisher=fisher,
+                                          gradient_config=with_seed(lo.config.train, seed), teacher=lo.teacher)
+        shared[cache_key] = (mask, float(info["actual_density"]))
+    return shared[cache_key]
+
+
+def run_child(spec: RetentionSpec, index: int, progress: Any = null_progress,
+              shared: dict[Any, Any] | None = None) -> dict[str, Any]:
+    """One unit: 0 -> {"base": (n,) rewards}; 1 + i -> arm i (seed, selector, density, rewards,
+    curve, actual_density; full arms also update_sparsity and the Fisher's description).
+    `shared`: prerequisites kept between units of one process (see the module docstring)."""
+    import torch
+
+    from compute.retention import arm_label, heldout_rewards, train_arm
+    from compute.run_train import update_sparsity
+
+    t0 = time.perf_counter()
+    shared = {} if shared is None else shared
+    lo = _load(spec, shared, progress)
+    plan = lo.config.plan()
+    if not 0 <= index <= len(plan):
+        raise ValueError(f"index: got {index}; accepted range: 0 .. {len(plan)}")
+    with _threads(lo.small) as threads:
+        torch.manual_seed(0)  # each unit alike, whatever ran before it in this process
+        if index == 0:
+            progress(0.0, "base accuracy")
+            base = heldout_rewards(lo.model, lo.tokenizer, lo.task, lo.config.eval_prompts,
+                                   lo.config.eval_max_new_tokens)
+            return {"base": base, "torch_threads": threads, "seconds": time.perf_counter() - t0}
+        seed, key = plan[index - 1]
+        label = f"seed {seed} {arm_label(key)}"
+        mask, actual = (None, None) if key is None else _mask(lo, shared, key, seed, progress)
+        fisher, info = _fisher(lo, shared, progress) if key is None else (None, None)
+
+        def arm_progress(f: float, msg: str = "") -> None:
+            progress(f, f"{label}: {msg}")
+
+        m, rewards, curve = train_arm(lo.model, lo.tokenizer, lo.task, lo.config, seed, mask, lo.teacher,
+                                      progress=arm_progress)
+        out: dict[str, Any] = {"seed": seed, "selector": None if key is None else key[0],
+                               "density": None if key is None else key[1], "rewards": rewards,
+                               "curve": curve, "actual_density": actual, "torch_threads": threads}
+        if key is None:
+            base_sd = {n: p.detach().cpu() for n, p in lo.model.named_parameters()}
+            out["update_sparsity"] = update_sparsity(base_sd, m, fisher)
+            out["fisher"] = info
+        out["seconds"] = time.perf_counter() - t0
+        return out
+
+
+def _sub_progress(progress: Any, i: int, n: int) -> Any:
+    def sub(f: float, m: str = "") -> None:
+        progress((i + min(max(f, 0.0), 1.0)) / n, m)
+
+    return sub
+
+
+def run(spec: RetentionSpec, progress: Any = null_progress) -> JobResult:
+    """The whole grid in this process: `combine` over every unit, prerequisites shared."""
+    n = children(spec)
+    shared: dict[Any, Any] = {}
+    outputs = [run_child(spec, i, _sub_progress(progress, i, n), shared) for i in range(n)]
+    return combine(spec, outputs, progress)
+
+
+def _series(table: dict[str, Any], curves: dict[str, Any]) -> list[SeriesPoint]:
     series = []
     for r in table["rows"]:
         if r["retention"] is not None:
@@ -80,6 +218,35 @@ def run(spec: RetentionSpec, progress: Any = null_progress) -> JobResult:
             vals = [c[i]["reward"] for c in runs if i < len(c) and "reward" in c[i]]
             if vals:
                 series.append(SeriesPoint(f"train_reward/{label}", i + 1, sum(vals) / len(vals)))
+    return series
+
+
+def combine(spec: RetentionSpec, outputs: list[Any], progress: Any = null_progress) -> JobResult:
+    """The retention JobResult from every unit's output, in index order (see `run_child`)."""
+    import torch
+
+    from compute.retention import grid_table, markdown_table
+
+    rcfg = retention_config(spec)
+    if len(outputs) != 1 + len(rcfg.plan()):
+        raise ValueError(f"outputs: got {len(outputs)} units; the grid has {1 + len(rcfg.plan())}")
+    progress(0.99, "bootstrap intervals")
+    table = grid_table(rcfg, outputs[0]["base"], outputs[1:])
+    table["markdown"] = markdown_table(table)
+    table["seconds"] = round(sum(float(o["seconds"]) for o in outputs), 1)
+    curves = table.pop("curves")
+    per_prompt = table.pop("per_prompt_rewards")  # (S, n) lists: an artifact, not a summary field
+    summary: dict[str, Any] = {
+        "model": spec.model, "task": spec.task, "algo": spec.algo, "teacher": teacher_ref(spec),
+        "settings": {**rcfg.train.__dict__, "seeds": spec.seeds, "selectors": list(rcfg.selectors),
+                     "densities": list(rcfg.densities), "fisher": rcfg.fisher.__dict__,
+                     "torch_threads": int(outputs[0]["torch_threads"]), "units": len(outputs)},
+        "seconds_note": "sum of the units' times (less wall time when workers run units in parallel)",
+        "eval": {"split": "test", "prompts": spec.eval_prompts, "eval_se_target": spec.eval_se,
+                 "decoding": "greedy", "max_new_tokens": rcfg.eval_max_new_tokens,
+                 "reward": "task reward of each held-out prompt (accuracy), the same prompts for every model"},
+        **table,
+    }
     z = [[next((r["retention"] for r in table["rows"]
                 if r["selector"] == s and r["density"] == d), None) for d in rcfg.densities]
          for s in rcfg.selectors]
@@ -89,5 +256,6 @@ def run(spec: RetentionSpec, progress: Any = null_progress) -> JobResult:
     heat = Heatmap("retention", [f"{d:g}" for d in rcfg.densities], list(rcfg.selectors), z,
                    meta={"x": "density", "y": "selector", "value": value})
     rewards = {k: torch.tensor(v, dtype=torch.float32) for k, v in per_prompt.items()}
-    return JobResult(kind="retention", summary=summary, heatmaps=[heat], series=series,
+    progress(1.0, "done")
+    return JobResult(kind="retention", summary=summary, heatmaps=[heat], series=_series(table, curves),
                      tensors={"rewards": rewards})

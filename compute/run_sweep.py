@@ -1,11 +1,20 @@
 """Job `sweep`: update sparsity and the Fisher's predictive power across learning rate x optimizer
 x precision (SCIENCE.md section 6).
 
-One initial Fisher is estimated once, from samples independent of every run's training batches
-(or given), and shared by all points. Each grid point is one `train` run (compute.run_train, same
-seed, so every point sees the same prompts) followed by a diff of its stored checkpoint against the
-base's stored checkpoint (both in the precision's stored dtype). Points run one after the other in
-this job, with progress per point; each point records:
+Each grid point is one unit (a child job when queued, so N workers run N points at once;
+compute.runners' protocol): one `train` run (compute.run_train, same seed, so every point sees the
+same prompts) followed by a diff of its stored checkpoint against the base's stored checkpoint (both
+in the precision's stored dtype). `combine` gathers the points in grid order; `run` (the CLI, or a
+job that is not fanned out) is `combine` over every unit run in this process.
+
+The initial Fisher, shared by all points, comes from samples independent of every run's training
+batches (or is given). A unit may run on another machine, so each unit estimates it itself from the
+spec's seed: the estimate is deterministic (per-row sampling seeds, compute.sampling), the same in
+every unit (bit for bit on one machine; tests check it). It is not a first unit of its own, because
+every point would wait for it; it costs `fisher_prompts x fisher_samples` sampled completions with
+one backward each (128 at the defaults) against `steps x batch x group` completions (1,280) and two
+held-out evaluations per point. In one process `shared` keeps it, so `run` estimates it once. Unit 0
+also returns it, so the job's result keeps the Fisher its AUCs used. Each point records:
 
 - `unchanged_exact` (stored dtype), `unchanged_bf16` (both cast to bf16), the published-convention
   `unchanged_bf16delta_atol_1e-05` and the float32-delta `unchanged_atol_1e-05`, and
@@ -23,7 +32,6 @@ from __future__ import annotations
 
 import math
 import shutil
-import time
 from pathlib import Path
 from typing import Any
 
@@ -51,8 +59,8 @@ def grid(spec: SweepSpec) -> list[tuple[str, str, float]]:
 def point_spec(spec: SweepSpec, precision: str, optimizer: str, lr: float) -> TrainSpec:
     """The train spec of one grid point (no bound check: it does not depend on lr)."""
     data = {f: getattr(spec, f) for f in TRAIN_FIELDS}
-    return TrainSpec(**data, lr=lr, optimizer=optimizer, precision=precision, bound=False,
-                     concentration=True)
+    return TrainSpec.model_validate({**data, "lr": lr, "optimizer": optimizer, "precision": precision,
+                                     "bound": False, "concentration": True})
 
 
 def _num(x: Any) -> float | None:
@@ -126,74 +134,116 @@ def _heatmaps(spec: SweepSpec, points: list[dict[str, Any]]) -> list[Heatmap]:
     return out
 
 
-def run(spec: SweepSpec, progress: Any = null_progress) -> JobResult:
+def children(spec: SweepSpec) -> int:
+    """Units of the sweep: one per grid point."""
+    return len(grid(spec))
+
+
+def initial_fisher(spec: SweepSpec, progress: Any = null_progress) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The sweep's initial Fisher and its description: the given file, or estimated from samples
+    independent of the training batches, at the bf16-rounded base when every point starts there
+    (no fp32 point), else at the float32 base. Deterministic: every unit gets the same one."""
     from compute.models import load_model, resolve_device
     from compute.run_mask import load_scores
-    from compute.run_train import independent_fisher, train_job
+    from compute.run_train import independent_fisher
     from compute.tasks import get_task
+    from compute.train import prepare_precision
 
-    t0 = time.perf_counter()
+    if spec.fisher:
+        return load_scores(spec.fisher, "fisher"), {"source": "given", "file": spec.fisher}
+    progress(0.0, "initial Fisher from independent samples")
+    model, tok = load_model(spec.model, device=resolve_device(spec.device), dtype="float32")
+    rounded = "fp32" not in spec.precision
+    if rounded:
+        prepare_precision(model, "bf16-mixed")
+    probe = point_spec(spec, spec.precision[0], spec.optimizers[0], spec.lrs[0])
+    fisher, info = independent_fisher(model, tok, get_task(spec.task), probe, progress)
+    info["base_rounded_to_bf16"] = rounded
+    return fisher, info
+
+
+def run_child(spec: SweepSpec, index: int, progress: Any = null_progress,
+              shared: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One grid point: train + diff. Returns {"row": the point's row (POINT_KEYS), "initial_fisher":
+    its description, "fisher": the Fisher tensors (unit 0, when estimated; else None)}.
+    `shared`: the Fisher kept between units of one process (see the module docstring)."""
+    from compute.run_train import train_job
+
     pts = grid(spec)
-    n = len(pts)
+    if not 0 <= index < len(pts):
+        raise ValueError(f"index: got {index}; accepted range: 0 .. {len(pts) - 1}")
+    prec, opt, lr = pts[index]
+    label = f"point {index + 1}/{len(pts)}: {opt} lr {lr:g} {prec}"
+    shared = {} if shared is None else shared
+    if "fisher" not in shared:
+        shared["fisher"] = initial_fisher(spec, lambda f, m="": progress(0.05 * f, f"{label}: {m}"))
+    fisher, info = shared["fisher"]
+
+    def sub(f: float, m: str = "") -> None:
+        progress(0.05 + 0.95 * min(max(f, 0.0), 1.0), f"{label}: {m}" if m else label)
+
+    res = train_job(point_spec(spec, prec, opt, lr), sub, fisher=fisher, fisher_info=info)
+    folder = res.files.get("model")
+    if folder:
+        shutil.rmtree(Path(folder).parent, ignore_errors=True)
+    row = point_row(prec, opt, lr, res.summary)
+    progress(1.0, f"{label}: unchanged (bf16) {row['unchanged_bf16']}")
+    keep = index == 0 and not spec.fisher
+    return {"row": row, "initial_fisher": dict(info), "fisher": dict(fisher) if keep else None}
+
+
+def run(spec: SweepSpec, progress: Any = null_progress) -> JobResult:
+    """The whole sweep in this process: `combine` over every unit, the Fisher estimated once."""
+    n = children(spec)
+    shared: dict[str, Any] = {}
+
+    def sub(i: int) -> Any:
+        return lambda f, m="": progress((i + min(max(f, 0.0), 1.0)) / n, m)
+
+    return combine(spec, [run_child(spec, i, sub(i), shared) for i in range(n)], progress)
+
+
+DEFINITIONS = {
+    "unchanged_bf16": "fraction of coordinates equal after casting the base's and the run's stored "
+                      "checkpoints to bf16",
+    "unchanged_exact": "fraction bit-identical in the stored dtype (bf16 for bf16-mixed and bf16)",
+    "unchanged_bf16delta_atol_1e-05": "published convention: both in bf16, |delta_bf16| <= 1e-5",
+    "fisher_auc_changed": "ROC-AUC of the initial Fisher for 'stored weight changed'",
+    "fisher_auc_changed_within_binades": "the same AUC over pairs sharing a |w| binade (equal bf16 "
+                                         "ULP): Fisher's power net of the precision effect",
+    "fisher_auc_gradient": "ROC-AUC of the initial Fisher for the top-k% of sum over the run of g^2",
+    "reward_before/after": "held-out greedy accuracy of the base (at the point's precision) and "
+                           "of the trained model",
+    "seconds": "sum of the points' times (less wall time when workers run points in parallel)",
+}
+
+
+def combine(spec: SweepSpec, outputs: list[Any], progress: Any = null_progress) -> JobResult:
+    """The sweep's JobResult from every point's output, in grid order (see `run_child`)."""
+    pts = grid(spec)
+    if len(outputs) != len(pts):
+        raise ValueError(f"outputs: got {len(outputs)} points; the grid has {len(pts)}")
+    points = [dict(o["row"]) for o in outputs]
+    for (prec, opt, lr), p in zip(pts, points, strict=True):
+        if (p["precision"], p["optimizer"], p["lr"]) != (prec, opt, lr):
+            raise ValueError(f"outputs: point {p['optimizer']} lr {p['lr']:g} {p['precision']} is out of "
+                             f"grid order (expected {opt} lr {lr:g} {prec})")
     summary: dict[str, Any] = {"model": spec.model, "task": spec.task, "algo": spec.algo,
                                "grid": {"lrs": list(spec.lrs), "optimizers": list(spec.optimizers),
-                                        "precision": list(spec.precision)}}
+                                        "precision": list(spec.precision)},
+                               "initial_fisher": dict(outputs[0]["initial_fisher"])}
     result = JobResult(kind="sweep", summary=summary)
-    if spec.fisher:
-        fisher = load_scores(spec.fisher, "fisher")
-        info: dict[str, Any] = {"source": "given", "file": spec.fisher}
-    else:
-        progress(0.0, "initial Fisher from independent samples")
-        model, tok = load_model(spec.model, device=resolve_device(spec.device), dtype="float32")
-        # the Fisher at the bf16-rounded base when every point starts there (bf16-mixed / bf16)
-        if "fp32" not in spec.precision:
-            from compute.train import prepare_precision
-
-            prepare_precision(model, "bf16-mixed")
-            rounded = True
-        else:
-            rounded = False
-        probe = point_spec(spec, spec.precision[0], spec.optimizers[0], spec.lrs[0])
-        fisher, info = independent_fisher(model, tok, get_task(spec.task), probe,
-                                          lambda f, m="": progress(0.05 * f, m))
-        info["base_rounded_to_bf16"] = rounded
-        del model
-        result.tensors["fisher"] = fisher
-    summary["initial_fisher"] = info
-    points: list[dict[str, Any]] = []
-    for i, (prec, opt, lr) in enumerate(pts):
-        lo, hi = 0.05 + 0.95 * i / n, 0.05 + 0.95 * (i + 1) / n
-        label = f"point {i + 1}/{n}: {opt} lr {lr:g} {prec}"
-        progress(lo, label)
-
-        def sub(f: float, m: str = "", lo: float = lo, hi: float = hi, label: str = label) -> None:
-            progress(lo + (hi - lo) * min(max(f, 0.0), 1.0), f"{label}: {m}" if m else label)
-
-        res = train_job(point_spec(spec, prec, opt, lr), sub, fisher=fisher, fisher_info=info)
-        folder = res.files.get("model")
-        if folder:
-            shutil.rmtree(Path(folder).parent, ignore_errors=True)
-        row = point_row(prec, opt, lr, res.summary)
-        points.append(row)
+    if outputs[0].get("fisher") is not None:
+        result.tensors["fisher"] = dict(outputs[0]["fisher"])
+    for row in points:
         for key in ("unchanged_bf16", "unchanged_exact", "fisher_auc_changed", "fisher_auc_gradient"):
             if row.get(key) is not None:
-                result.series.append(SeriesPoint(f"sweep/{key}/{opt} {prec}", lr, row[key]))
-        progress(hi, f"{label}: unchanged (bf16) {row['unchanged_bf16']:.3f}")
+                result.series.append(SeriesPoint(f"sweep/{key}/{row['optimizer']} {row['precision']}",
+                                                 row["lr"], row[key]))
     summary["points"] = points
     summary["markdown"] = markdown_table(points)
-    summary["seconds"] = round(time.perf_counter() - t0, 1)
-    summary["definitions"] = {
-        "unchanged_bf16": "fraction of coordinates equal after casting the base's and the run's stored "
-                          "checkpoints to bf16",
-        "unchanged_exact": "fraction bit-identical in the stored dtype (bf16 for bf16-mixed and bf16)",
-        "unchanged_bf16delta_atol_1e-05": "published convention: both in bf16, |delta_bf16| <= 1e-5",
-        "fisher_auc_changed": "ROC-AUC of the initial Fisher for 'stored weight changed'",
-        "fisher_auc_changed_within_binades": "the same AUC over pairs sharing a |w| binade (equal bf16 "
-                                             "ULP): Fisher's power net of the precision effect",
-        "fisher_auc_gradient": "ROC-AUC of the initial Fisher for the top-k% of sum over the run of g^2",
-        "reward_before/after": "held-out greedy accuracy of the base (at the point's precision) and "
-                               "of the trained model",
-    }
+    summary["seconds"] = round(sum(float(p.get("seconds") or 0.0) for p in points), 1)
+    summary["definitions"] = DEFINITIONS
     result.heatmaps += _heatmaps(spec, points)
-    progress(1.0, f"{n} points in {summary['seconds']:.0f} s")
+    progress(1.0, f"{len(points)} points in {summary['seconds']:.0f} s")
     return result

@@ -1,6 +1,7 @@
 """Retention statistics (paired seeds x paired prompts, bootstrap intervals, the no-gain refusal),
-the table, and the grid on a tiny random model (a density-1 mask must reproduce the full run
-exactly: same prompts, same sampling seeds, same optimizer, same held-out prompts)."""
+the table, and the grid on the zoo's arith-base run as independent units (a density-1 mask must
+reproduce the full run exactly: same prompts, same sampling seeds, same optimizer, same held-out
+prompts)."""
 
 from __future__ import annotations
 
@@ -149,37 +150,68 @@ def test_markdown_table_rows() -> None:
     assert "| fisher | 0.05 | 0.375 " in md and "| 0.50 |" in md and "| 1.00, 0.00 |" in md
 
 
-@pytest.mark.slow
-def test_grid_on_tiny_model_density_one_mask_equals_full() -> None:
-    from compute.fisher import FisherConfig
-    from compute.retention import RetentionConfig, run_retention
-    from compute.tasks import get_task
-    from compute.train import TrainConfig
-    from tests.unit.fisher_tiny import char_tokenizer, tiny_model
+def _as_shipped(output: object) -> object:
+    """A unit's output as a worker ships it to the parent: torch.save, then a weights-only load."""
+    import io
 
-    model, tok = tiny_model("qwen3"), char_tokenizer()
-    start = {n: p.detach().clone() for n, p in model.named_parameters()}
-    cfg = RetentionConfig(
-        train=TrainConfig(algo="sft", steps=3, batch=4, lr=3e-2, max_new_tokens=3),
-        fisher=FisherConfig(prompts=2, samples=2, max_new_tokens=3),
-        selectors=("random", "fisher"), densities=(0.2, 1.0), seeds=2, eval_prompts=20,
-        eval_max_new_tokens=3, bootstrap=BootstrapConfig(replicates=200),
-    )
-    table = run_retention(model, tok, get_task("arithmetic-add?digits=1"), cfg)
+    buf = io.BytesIO()
+    torch.save(output, buf)
+    return torch.load(io.BytesIO(buf.getvalue()), weights_only=True, map_location="cpu")
+
+
+def _comparable(result: object) -> dict:
+    import json
+
+    d = json.loads(json.dumps(result.to_dict(), default=str))  # type: ignore[attr-defined]
+    d["summary"].pop("seconds")
+    return d
+
+
+@pytest.mark.slow
+def test_grid_units_apart_equal_the_run_and_density_one_equals_full(zoo_home, monkeypatch) -> None:
+    """The grid as child jobs would run it (base evaluation and every arm as its own unit, each
+    estimating its own Fisher, outputs through torch.save / weights-only load, in reverse order)
+    combines to the in-process run; a density-1 mask reproduces the full run prompt for prompt
+    (paired seeds: same prompts, same sampling seeds, same optimizer, same held-out prompts)."""
+    from compute.models import load_model
+    from compute.run_retention import children, combine, run, run_child
+    from compute.specs import parse_spec
+
+    monkeypatch.setenv("FISHERLENS_HOME", str(zoo_home))
+    spec = parse_spec("retention", {"model": "arith-base", "selectors": ["random", "fisher"],
+                                    "densities": [0.2, 1.0], "seeds": 2, "steps": 2, "eval_prompts": 20,
+                                    "fisher_prompts": 4, "fisher_samples": 2, "bootstrap": 200, "batch": 4,
+                                    "group": 2, "max_new_tokens": 4, "device": "cpu"})
+    n = children(spec)
+    assert n == 1 + 2 * (1 + 4)
+    shared: dict = {}
+    outputs = [run_child(spec, i, shared=shared) for i in range(n)]
+    whole = combine(spec, outputs)
+    apart = {i: _as_shipped(run_child(spec, i)) for i in reversed(range(n))}
+    assert _comparable(combine(spec, [apart[i] for i in range(n)])) == _comparable(whole)
+    assert _comparable(run(spec)) == _comparable(whole)
+    assert [(o["seed"], o["selector"], o["density"]) for o in outputs[1:6]] == \
+        [(0, None, None), (0, "random", 0.2), (0, "random", 1.0), (0, "fisher", 0.2), (0, "fisher", 1.0)]
+    table = whole.summary
     rows = {(r["selector"], r["density"]): r for r in table["rows"]}
     assert len(rows) == 4 and table["runs"] == 2 * (1 + 4)
-    per_prompt = table["per_prompt_rewards"]
+    per_prompt = {k: v.tolist() for k, v in whole.tensors["rewards"].items()}
     assert len(per_prompt["base"]) == 20 and len(per_prompt["full"]) == 2
     # a mask keeping everything is the full run, prompt for prompt, whatever the selector
     assert per_prompt["random@1"] == per_prompt["full"]
     assert per_prompt["fisher@1"] == per_prompt["full"]
     assert rows[("fisher", 1.0)]["rewards"] == table["full_rewards"]
     assert rows[("fisher", 0.2)]["actual_density"] == pytest.approx(0.2, abs=1e-4)
-    us = table["full_update_sparsity"]
-    assert 0.0 <= us["unchanged_exact"] < 0.5  # full SFT moves most coordinates
-    assert "fisher_precision_at_changed" in us
-    for n, p in model.named_parameters():  # the caller's model is untouched
-        assert p.detach().equal(start[n])
+    assert "fisher_precision_at_changed" in table["full_update_sparsity"]
+    assert table["fisher"]["rows"] == 4 * 2
+    fresh, _ = load_model("arith-base", device=torch.device("cpu"), dtype=spec.dtype)
+    start = dict(fresh.named_parameters())
+    for k, p in shared["loaded"].model.named_parameters():  # every arm trained a copy
+        assert p.detach().equal(start[k].detach())
+    with pytest.raises(ValueError, match="index"):
+        run_child(spec, n, shared=shared)
+    with pytest.raises(ValueError, match="outputs"):
+        combine(spec, outputs[:-1])
 
 
 def _result(table: dict) -> dict:

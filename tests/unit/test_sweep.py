@@ -140,14 +140,16 @@ def test_sweep_cli_bad_values_exit_2(tmp_path, fl_home) -> None:
 
 @pytest.mark.slow
 def test_sweep_job_through_the_api_and_the_worker(zoo_home, tmp_path, monkeypatch) -> None:
-    """POST /api/jobs kind 'sweep' -> queued; the worker's execute_job runs it; the stored result
-    has one point per grid cell and the sweep figures."""
+    """POST /api/jobs kind 'sweep' -> queued; the worker fans it out (one child job per point) and
+    combines; the stored result has one point per grid cell and the sweep figures."""
     from fastapi.testclient import TestClient
 
+    from app import services
     from app.plots import result_figures
     from app.web import create_app
     from compute.contract.settings import Settings
-    from compute.worker import execute_job
+    from compute.worker import execute_finish, execute_job, execute_shard
+    from storage import repo
 
     home = tmp_path / "home"
     shutil.copytree(zoo_home / "zoo" / "arith-base", home / "zoo" / "arith-base")
@@ -164,7 +166,14 @@ def test_sweep_job_through_the_api_and_the_worker(zoo_home, tmp_path, monkeypatc
     r = client.post("/api/jobs", json={"kind": "sweep", "spec": spec})
     assert r.status_code == 201, r.text
     job = r.json()
-    assert execute_job(settings, job["id"]) == "succeeded"
+    # two points: two child jobs (compute/runners.py's protocol), one per point, then one combine
+    assert execute_job(settings, job["id"]) == "fanned out 2 children"
+    with services.sessions(settings)() as s:
+        kids = [c.id for c in repo.shard_jobs(session=s, parent_id=job["id"])]
+    assert len(kids) == 2
+    for kid in reversed(kids):
+        assert execute_shard(settings, kid) == "succeeded"
+    assert execute_finish(settings, job["id"]) == "succeeded"
     res = client.get(f"/api/results/{job['share_token']}").json()
     assert res["kind"] == "sweep" and len(res["summary"]["points"]) == 2
     for p in res["summary"]["points"]:
@@ -172,3 +181,59 @@ def test_sweep_job_through_the_api_and_the_worker(zoo_home, tmp_path, monkeypatc
         assert p["unchanged_bf16"] is None or 0 <= p["unchanged_bf16"] <= 1
         assert not (isinstance(p["unchanged_exact"], float) and math.isnan(p["unchanged_exact"]))
     assert [n for n, _ in result_figures(res)][:3] == ["sweep_sparsity", "sweep_auc", "sweep_binades"]
+
+
+def _as_shipped(output: object) -> object:
+    """A unit's output as a worker ships it to the parent: torch.save, then a weights-only load."""
+    import io
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(output, buf)
+    return torch.load(io.BytesIO(buf.getvalue()), weights_only=True, map_location="cpu")
+
+
+def _comparable(result: object) -> dict:
+    d = json.loads(json.dumps(result.to_dict(), default=str))  # type: ignore[attr-defined]
+    for p in d["summary"]["points"]:
+        p.pop("seconds")
+    d["summary"].pop("seconds")
+    d["summary"].pop("markdown")  # holds no seconds, but is checked through the points
+    return d
+
+
+@pytest.mark.slow
+def test_sweep_units_run_apart_combine_to_the_in_process_run(zoo_home, monkeypatch) -> None:
+    """Each point as a child job would run it (own process state, its own Fisher estimate, output
+    through torch.save / weights-only load, any order) combines to the in-process sweep: the
+    Fisher estimate is deterministic, so every unit computes the same one."""
+    import torch
+
+    from compute.run_sweep import children, combine, initial_fisher, run, run_child
+
+    monkeypatch.setenv("FISHERLENS_HOME", str(zoo_home))
+    spec = parse_spec("sweep", {"model": "arith-base", "lrs": [1e-6, 1e-2], "optimizers": ["sgd"],
+                                "precision": ["bf16-mixed"], "steps": 1, "batch": 2, "group": 2,
+                                "max_new_tokens": 4, "eval_prompts": 8, "fisher_prompts": 4,
+                                "fisher_samples": 2, "device": "cpu"})
+    assert children(spec) == 2
+    whole = run(spec)
+    outputs = {i: _as_shipped(run_child(spec, i)) for i in reversed(range(children(spec)))}
+    assert outputs[1]["fisher"] is None  # only unit 0 carries the Fisher to the parent
+    apart = combine(spec, [outputs[i] for i in range(2)])
+    assert _comparable(apart) == _comparable(whole)
+    fisher, info = initial_fisher(spec)
+    assert info["base_rounded_to_bf16"] and info["source"] == "other-prompts"
+    assert set(apart.tensors["fisher"]) == set(fisher)
+    for name, f in fisher.items():
+        assert torch.equal(apart.tensors["fisher"][name], f) and torch.equal(whole.tensors["fisher"][name], f)
+    p_lo, p_hi = apart.summary["points"]
+    assert (p_lo["lr"], p_hi["lr"]) == (1e-6, 1e-2)
+    assert p_lo["stored_dtype"] == p_hi["stored_dtype"] == "bfloat16"
+    with pytest.raises(ValueError, match="index"):
+        run_child(spec, 2)
+    with pytest.raises(ValueError, match="outputs"):
+        combine(spec, [outputs[1], outputs[0]])  # out of grid order
+    with pytest.raises(ValueError, match="outputs"):
+        combine(spec, [outputs[0]])
