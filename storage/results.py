@@ -38,59 +38,35 @@ def save_result(
     for table in (LayerStatRow, HeatmapRow, SeriesRow, ArtifactRow):
         session.execute(delete(table).where(table.job_id == job.id))
     job.summary = json_safe(result.summary or {})
-    for i, s in enumerate(result.layer_stats):
-        session.add(
-            LayerStatRow(
-                job_id=job.id,
-                position=i,
-                param=s.param,
-                module=s.module,
-                layer=s.layer,
-                group=s.group,
-                values=json_safe(s.values),
-            )
-        )
-    for i, h in enumerate(result.heatmaps):
-        session.add(
-            HeatmapRow(
-                job_id=job.id,
-                position=i,
-                name=h.name,
-                x_labels=json_safe(list(h.x_labels)),
-                y_labels=json_safe(list(h.y_labels)),
-                z=json_safe(h.z),
-                meta=json_safe(h.meta or {}),
-            )
-        )
-    for i, p in enumerate(result.series):
-        value = float(p.value)
-        session.add(
-            SeriesRow(
-                job_id=job.id,
-                position=i,
-                name=p.name,
-                step=float(p.step),
-                value=value if math.isfinite(value) else None,
-            )
-        )
-    seen: set[str] = set()
-    for info in infos:
-        if info.kind in seen:
-            continue
-        seen.add(info.kind)
-        session.add(
-            ArtifactRow(
-                job_id=job.id,
-                kind=info.kind,
-                path=info.path,
-                sha256=info.sha256,
-                bytes=info.bytes,
-                is_dir=info.is_dir,
-                created_at=utcnow(),
-            )
-        )
+    session.add_all(_result_rows(job.id, result))
+    first = {info.kind: info for info in reversed(infos)}  # one row per kind: the first given
+    session.add_all(
+        ArtifactRow(job_id=job.id, kind=i.kind, path=i.path, sha256=i.sha256, bytes=i.bytes,
+                    is_dir=i.is_dir, created_at=utcnow())
+        for i in first.values()
+    )
     session.commit()
     session.expire(job)
+
+
+def _result_rows(job_id: int, result: Any) -> list[Any]:
+    """The layer-stat, heatmap and series rows of a JobResult (positions keep its order)."""
+    rows: list[Any] = [
+        LayerStatRow(job_id=job_id, position=i, param=s.param, module=s.module, layer=s.layer,
+                     group=s.group, values=json_safe(s.values))
+        for i, s in enumerate(result.layer_stats)
+    ]
+    rows += [
+        HeatmapRow(job_id=job_id, position=i, name=h.name, x_labels=json_safe(list(h.x_labels)),
+                   y_labels=json_safe(list(h.y_labels)), z=json_safe(h.z),
+                   meta=json_safe(h.meta or {}))
+        for i, h in enumerate(result.heatmaps)
+    ]
+    for i, p in enumerate(result.series):
+        value = float(p.value)
+        rows.append(SeriesRow(job_id=job_id, position=i, name=p.name, step=float(p.step),
+                              value=value if math.isfinite(value) else None))
+    return rows
 
 
 def get_artifact(*, session: Session, job_id: int, kind: str) -> ArtifactRow | None:
