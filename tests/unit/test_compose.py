@@ -80,7 +80,7 @@ def test_environment_names_match_settings_fields(compose: dict) -> None:
         if name in ("postgres", "redis", "flower"):
             continue  # third-party images, their own variables
         unknown = set(env) - fields - NON_SETTINGS_ENV
-        assert not unknown, f"{name}: environment names not in app.settings.Settings: {unknown}"
+        assert not unknown, f"{name}: environment names not in compute.contract.settings.Settings: {unknown}"
         # And Settings accepts the values as given.
         values = {k.lower(): v for k, v in env.items() if k in fields}
         values = {
