@@ -1,0 +1,119 @@
+"""One job form, generated from its spec (app/ui/forms.py): the fields a tab names first, every
+other spec field under "More settings" (blank = the spec default), a cost line, a submit button.
+The per-kind modules (fisher.py, mask.py, train.py, ...) only say which fields come first."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import gradio as gr
+
+from app import limits
+from app.ui import forms
+from app.ui.common import MODEL_FIELDS, NONE_CHOICE, TASKS, submit_and_show
+from app.ui.snippets import errors_html, esc
+from compute.specs import SpecError
+
+ROW = 5  # inputs per row
+REF_KINDS = {"fisher": "fisher", "mask": "mask"}  # reference fields -> the job kind they name
+
+
+@dataclass(frozen=True)
+class FormDef:
+    """What a job form shows first; everything else comes from the spec."""
+
+    kind: str
+    title: str  # the sub-tab's title
+    main: tuple[str, ...]  # shown first, in this order
+    button: str
+    cost: bool = True  # show the cost estimate line
+    values: dict[str, Any] = field(default_factory=dict)  # starting values other than the default
+
+
+@dataclass
+class Form:
+    """The components of a built form; `inputs[i]` holds spec field `names[i]`."""
+
+    d: FormDef
+    names: list[str]
+    inputs: list[Any]
+    button: Any
+    msg: Any
+    cost: Any | None
+    models: list[tuple[Any, bool]]  # model dropdowns, optional?
+    refs: list[tuple[Any, str]]  # reference dropdowns, the job kind they list
+
+
+def field_input(kind: str, name: str, *, blank: bool = False, value: Any = None) -> Any:
+    """The input of one spec field: model and job-reference fields are dropdowns filled later
+    (the models and jobs change), the task a dropdown of the built-in tasks, the rest from the
+    spec metadata."""
+    d = forms.describe(kind, name)
+    eid = f"{kind}-{name.replace('_', '-')}"
+    if name in MODEL_FIELDS:
+        return gr.Dropdown(label=d.label, info=d.help, allow_custom_value=True, elem_id=eid,
+                           choices=[NONE_CHOICE] if d.optional else [])
+    if name in REF_KINDS and d.widget == "text":
+        return gr.Dropdown(label=f"{d.label} (a succeeded {REF_KINDS[name]} job)", info=d.help,
+                           choices=[NONE_CHOICE], value="", allow_custom_value=True, elem_id=eid)
+    if name == "task":
+        return gr.Dropdown(TASKS, value=None if blank else d.default, label=d.label, info=d.help,
+                           allow_custom_value=True, elem_id=eid)
+    return forms.component(d, blank=blank, value=value)
+
+
+def build_form(d: FormDef) -> Form:
+    """The form inside the current gr.Tab context."""
+    comps: dict[str, Any] = {}
+    for i in range(0, len(d.main), ROW):
+        with gr.Row():
+            for name in d.main[i:i + ROW]:
+                comps[name] = field_input(d.kind, name, value=d.values.get(name))
+    rest = [n for n in forms.all_fields(d.kind) if n not in d.main]
+    if rest:
+        with gr.Accordion("More settings (blank = the spec default)", open=False):
+            for i in range(0, len(rest), ROW):
+                with gr.Row():
+                    for name in rest[i:i + ROW]:
+                        comps[name] = field_input(d.kind, name, blank=True)
+    cost = gr.HTML(elem_id=f"{d.kind}-cost") if d.cost else None
+    button = gr.Button(d.button, variant="primary", elem_id=f"{d.kind}-submit")
+    msg = gr.HTML(elem_id=f"{d.kind}-msg")
+    names = list(comps)
+    models = [(comps[n], forms.describe(d.kind, n).optional) for n in names if n in MODEL_FIELDS]
+    refs = [(comps[n], REF_KINDS[n]) for n in names
+            if n in REF_KINDS and forms.describe(d.kind, n).widget == "text"]
+    return Form(d, names, [comps[n] for n in names], button, msg, cost, models, refs)
+
+
+# ---------------------------------------------------------------- handlers
+
+
+def submit(settings: Any, kind: str, names: list[str], *values: Any) -> tuple[Any, Any, Any]:
+    """Updates for (message, view token, tabs) after the submit button."""
+    try:
+        data = forms.form_data(kind, names, values)
+    except SpecError as exc:
+        return errors_html(exc.errors), gr.skip(), gr.skip()
+    return submit_and_show(settings, kind, data)
+
+
+def cost(settings: Any, kind: str, names: list[str], *values: Any) -> str:
+    """The cost line under a form, from the same form -> spec code as its submit button."""
+    try:
+        data = forms.form_data(kind, names, values)
+    except SpecError as exc:  # text that is not a number list: the line says which field to fix
+        return (f"<div class='fl-cost' data-within='unknown'>estimated cost: fix "
+                f"<b>{esc(exc.errors[0]['field'])}</b> first</div>")
+    return limits.form_estimate_html(settings, kind, data)
+
+
+def costs(settings: Any, layout: list[tuple[str, list[str]]], *values: Any) -> list[str]:
+    """The cost lines of several forms at once (one event on page load): `layout` is each form's
+    (kind, field names), `values` all their inputs in that order."""
+    out, i = [], 0
+    for kind, names in layout:
+        out.append(cost(settings, kind, names, *values[i:i + len(names)]))
+        i += len(names)
+    return out
