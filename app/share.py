@@ -319,6 +319,12 @@ def make_share_router(settings: Any) -> APIRouter:
                             headers={**headers, "Content-Encoding": "gzip"})
         return Response(page[0], media_type="text/html; charset=utf-8", headers=headers)
 
+    _add_plotly_route(router)
+    return router
+
+
+def _add_plotly_route(router: APIRouter) -> None:
+    """GET /share-static/plotly-<version>.min.js: the plotly package's own file, immutable."""
     plotly_gz: list[bytes] = []  # gzipped once, on first request (4.8 MB -> about 1.4 MB)
 
     @router.get(PLOTLY_URL, include_in_schema=False)
@@ -330,5 +336,3 @@ def make_share_router(settings: Any) -> APIRouter:
             plotly_gz.append(gzip.compress(PLOTLY_JS.read_bytes(), 6))
         return Response(plotly_gz[0], media_type="text/javascript",
                         headers={**headers, "Content-Encoding": "gzip"})
-
-    return router

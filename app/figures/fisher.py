@@ -9,19 +9,28 @@ import plotly.graph_objects as go
 
 from compute.contract.results import CONCENTRATION, FisherResult, TypedResult
 
-from .common import Table, empty_figure, fmt, layout, rows_table
+from .common import Table, empty_figure, fmt, heatmap_figure, layout, rows_table
 from .layers import has_value, layer_module_heatmap, per_layer_bars
 from .registry import figure, table
 
 
+def _layer_module(r: FisherResult, value: str, title: str) -> go.Figure | None:
+    """From the per-tensor rows (exact, parameter names in the hover); from the stored
+    "fisher/<value>" heatmap when the result has no per-layer rows."""
+    if has_value(r, value):
+        return layer_module_heatmap(r, value)
+    hm = r.heatmap(f"fisher/{value}")
+    return heatmap_figure(hm, f"{title} (log colour scale)", log=True) if hm else None
+
+
 @figure("fisher", "fisher_mean", title="Fisher mean by layer x module")
 def fisher_mean(r: FisherResult) -> go.Figure | None:
-    return layer_module_heatmap(r, "mean") if has_value(r, "mean") else None
+    return _layer_module(r, "mean", "Fisher mean by layer x module")
 
 
 @figure("fisher", "fisher_share", title="Fisher share of mass by layer x module")
 def fisher_share(r: FisherResult) -> go.Figure | None:
-    return layer_module_heatmap(r, "share") if has_value(r, "share") else None
+    return _layer_module(r, "share", "Fisher share of mass by layer x module")
 
 
 @figure("fisher", "per_layer", title="Fisher share per layer")

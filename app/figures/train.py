@@ -12,6 +12,7 @@ from compute.contract.results import (
     BOUND_POINTS,
     CONCENTRATION_AUC,
     CONCENTRATION_TARGETS,
+    EVAL_ACCURACY,
     TRAIN,
     TrainResult,
     TypedResult,
@@ -20,6 +21,7 @@ from compute.contract.results import (
 from .common import MAX_POINTS, curves_figure, downsample, empty_figure, finite, layout
 from .registry import figure, stored_heatmap
 
+HELDOUT_ACCURACY = "held-out accuracy (greedy)"
 TARGET_TITLES = {"grad_sq_sum": "the run's summed squared gradient (top-k)",
                  "grad_abs_sum": "the run's summed |gradient| (top-k)",
                  "abs_delta": "the run's |weight change| (top-k)"}
@@ -60,8 +62,11 @@ def bound_scatter(r: TypedResult[Any], max_points: int = MAX_POINTS) -> go.Figur
 
 
 def training_curves(r: TypedResult[Any], metric: str | None = None) -> go.Figure:
-    """The run's own curves ("train/<metric>"), one metric at a time with a menu."""
+    """The run's own curves ("train/<metric>"), one metric at a time with a menu; the held-out
+    accuracy before and after training ("eval/accuracy") as one more metric."""
     groups = {m: {"this run": xy} for m, xy in r.curves(TRAIN).items()}
+    if (ev := r.curve(EVAL_ACCURACY)) is not None:
+        groups[HELDOUT_ACCURACY] = {"this run": ev}
     return curves_figure(groups, "Training curves", metric=metric)
 
 
@@ -72,7 +77,7 @@ def bound(r: TrainResult) -> go.Figure | None:
 
 @figure("train", "training", title="Training curves")
 def training(r: TrainResult) -> go.Figure | None:
-    return training_curves(r) if r.curves(TRAIN) else None
+    return training_curves(r) if r.curves(TRAIN) or r.curve(EVAL_ACCURACY) else None
 
 
 stored_heatmap("train", BOUND_HIST, log=True,

@@ -228,7 +228,9 @@ def test_train_job_curves_bound_and_eval():
            "summary": {"bound": {"bound_rms_advantage": 2.0, "bound_fraction_holds": 1.0}}}
     fig = plots.training_curves(res)
     assert fig.layout.yaxis.title.text == "reward"
-    assert [b.label for b in fig.layout.updatemenus[0].buttons] == ["reward", "loss"]
+    assert [b.label for b in fig.layout.updatemenus[0].buttons] == ["reward", "held-out accuracy (greedy)", "loss"]
+    held = [t for t in fig.data if t.name == "this run" and list(t.x) == [0, 3]]
+    assert len(held) == 1 and list(held[0].y) == [0.2, 0.5]  # eval/accuracy before and after
     reward = next(t for t in fig.data if t.visible)
     assert list(reward.y) == pytest.approx([0.1, 0.2, 0.3])
     pts, line = plots.bound_scatter(res).data

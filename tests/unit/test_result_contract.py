@@ -142,3 +142,28 @@ def test_runner_output_matches_its_contract_and_draws(runs, kind):
                 "mask": getattr(r.summary, "density", None), "train": getattr(r.summary, "accuracy_after", None),
                 "tokens": getattr(r.summary, "entropy", None)}.get(kind, 0.0)
     assert headline is not None
+
+
+def test_every_declared_heatmap_and_series_is_drawn_by_a_registered_figure():
+    """A name a kind declares and no figure reads would be computed and then ignored: a result
+    holding only that one heatmap (or series) draws a figure."""
+    from app.figures.registry import entries, figures_for
+
+    one = {"x_labels": ["q"], "y_labels": ["0"], "z": [[0.5]], "meta": {}}
+    family_examples = {"update_sparsity": "update_sparsity_exact", "retention": "retention/fisher",
+                       "heldout": "heldout/fisher", "train_reward": "train_reward/full"}
+    family_examples.update({f.prefix: f"{f.prefix}/adamw bf16" for f in C.SWEEP.values()})
+    for kind, c in C.CONTRACTS.items():
+        names = [e.name for e in entries(kind)]
+        assert len(names) == len(set(names)), kind
+        heatmaps = [*c.heatmaps, *(family_examples[f.prefix] for f in c.heatmap_families)]
+        for h in heatmaps:
+            assert figures_for({"kind": kind, "summary": {}, "heatmaps": [{"name": h, **one}]}), (kind, h)
+        series = [*c.series, *(family_examples[f.prefix] for f in c.series_families)]
+        for name in series:
+            # sweep/<metric>/<run> repeat summary.points (the figures read the points) and bound/rhs
+            # is the line sqrt(E[A^2]) sqrt(F) the bound figure draws from the summary's constant
+            if kind == "sweep" or name == C.BOUND_RHS:
+                continue
+            res = {"kind": kind, "summary": {}, "series": [{"name": name, "step": 1e-3, "value": 0.5}]}
+            assert figures_for(res), (kind, name)
