@@ -27,12 +27,17 @@ def _messages(settings) -> list[tuple[str, int]]:
     return sorted(out, key=lambda t: t[1])
 
 
-@pytest.fixture
-def settings(fl_home: Path, monkeypatch: pytest.MonkeyPatch):
+@pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
+def settings(request: pytest.FixtureRequest, fl_home: Path, monkeypatch: pytest.MonkeyPatch):
     import compute.celery_app as ca
     import compute.runners as runners
     from storage.db import upgrade
+    from tests.integration.conftest import _pg_schema
 
+    if request.param == "postgresql":
+        schema = _pg_schema()
+        monkeypatch.setenv("DATABASE_URL", next(schema))
+        request.addfinalizer(lambda: next(schema, None))
     monkeypatch.setenv("FISHERLENS_QUEUE", "fisherlens")
     monkeypatch.setattr(ca, "QUEUE", "fisherlens")
     monkeypatch.setitem(runners.RUNNERS, "sweep", "tests.integration.toy_children:run")
@@ -128,3 +133,31 @@ def test_a_partial_protocol_is_an_error_naming_what_is_missing(monkeypatch) -> N
     with pytest.raises(TypeError, match="missing run_child, combine"):
         runners.child_protocol("tokens")
     assert runners.child_protocol("train") is None
+
+
+def test_two_concurrent_finish_deliveries_combine_once(settings) -> None:
+    """Two finish_shards deliveries at once (two threads, two database connections): exactly
+    one combines (repo.claim_combine), the other does nothing."""
+    import threading
+
+    from compute.worker import execute_finish, execute_job, execute_shard
+
+    for _ in range(5):
+        parent = _parent(settings)
+        execute_job(settings, parent, hostname="p@x")
+        for c in _children(settings, parent):
+            execute_shard(settings, c.id, hostname="a@x")
+        barrier = threading.Barrier(2)
+        outcomes: list[str] = []
+
+        def finish(name: str, parent: int = parent, barrier=barrier, outcomes=outcomes) -> None:
+            barrier.wait()
+            outcomes.append(execute_finish(settings, parent, hostname=name))
+
+        threads = [threading.Thread(target=finish, args=(f"f{i}@x",)) for i in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sorted(outcomes) in (["claimed elsewhere", "succeeded"], ["skipped", "succeeded"])
+        assert services.result_by_id(settings, parent)["job"]["status"] == "succeeded"
