@@ -179,3 +179,39 @@ def test_fault_points_are_off_unless_testing(tmp_path: Path, monkeypatch: pytest
     assert fault_point("after_claim", "job=1") is True
     assert (tmp_path / "after_claim.reached").read_text().startswith(f"pid={os.getpid()}")
     assert fault_point("after_claim") is False  # one-shot
+
+
+def test_reconcile_resends_a_lost_or_orphaned_combine_once(settings) -> None:
+    """A parent whose children all succeeded: combine 'queued' but its finish message lost ->
+    re-sent once per period; 'running' under a dead combiner -> released to 'queued' and
+    re-sent once; 'running' under a live combiner -> left alone."""
+    from compute.worker import default_worker_name, reconcile
+
+    long_ago = utcnow() - timedelta(seconds=settings.reconcile_queued_after_s + 5)
+
+    def parent(s, state: str, worker: str | None) -> int:
+        p = repo.create_job(session=s, kind="fisher", spec={}, spec_hash="h")
+        repo.claim_job(session=s, job_id=p.id, worker="p@x", stale_after_s=0)
+        for c in repo.create_children(session=s, parent_id=p.id, n=2):
+            repo.claim_job(session=s, job_id=c.id, worker="c@x", stale_after_s=0)
+            repo.mark_succeeded(session=s, job_id=c.id)
+        assert repo.request_combine(session=s, parent_id=p.id)
+        if state == "running":
+            assert repo.claim_combine(session=s, parent_id=p.id, worker=worker, stale_after_s=0)
+        row = repo.get_job(session=s, job_id=p.id)
+        row.heartbeat_at = long_ago  # requested (or last heard of) long ago
+        s.commit()
+        return p.id
+
+    with services.sessions(settings)() as s:
+        lost = parent(s, "queued", None)
+        orphan = parent(s, "running", default_worker_name(pid=_dead_pid()))
+        live = parent(s, "running", default_worker_name())  # this process: alive
+        repo.heartbeat(session=s, job_id=live)
+    assert dict(reconcile(settings)) == {lost: "finishing", orphan: "finishing"}
+    assert _queued(settings) == [("fisherlens.finish_shards", lost),
+                                 ("fisherlens.finish_shards", orphan)]
+    with services.sessions(settings)() as s:
+        states = {j: repo.get_job(session=s, job_id=j).combine_state for j in (lost, orphan, live)}
+    assert states == {lost: "queued", orphan: "queued", live: "running"}
+    assert reconcile(settings) == []  # the messages now wait in the queue: nothing more
