@@ -2,9 +2,9 @@
 id, or `job:N` (the saved output of a succeeded job, read from the artifact store).
 
 `resolve_job_ref` is the one resolver of `job:N`: the API/UI validation (app.services), the CLI's
-direct commands (through resolve_model / compute.run_mask.resolve_artifact) and the worker
-(compute.worker._resolve_refs) all call it, so a reference accepted at submit time is the file the
-worker reads. Error messages name the field and never a server path.
+direct commands (through resolve_model / compute.artifacts.resolve_artifact) and the worker
+(check_spec_refs, from compute.worker.execute) all call it, so a reference accepted at submit time
+is the file the worker reads. Error messages name the field and never a server path.
 
 No torch here: the web process validates model references with this module.
 """
@@ -92,7 +92,6 @@ def resolve_job_ref(
     (JOB_REF_TARGETS) and that its artifact is present and matches its recorded sha256 (folders
     are re-hashed only when a file changed). ValueError "<field>: ..." otherwise."""
     from storage import repo
-    from storage.artifacts import ArtifactError, ArtifactStore
 
     job_id = job_ref_id(ref)
     if job_id is None:
@@ -122,14 +121,27 @@ def resolve_job_ref(
     art = repo.get_artifact(session=session, job_id=job.id, kind=art_kind)
     if art is None:
         raise ValueError(f"{field}: job {job_id} has no {art_kind} artifact")
+    path = _verified_path(settings, art, f"{field}: the {art_kind} of job {job_id}", job_id)
+    label = (
+        trained_model_label(job.id, dict(job.spec or {}))
+        if art_kind == "model"
+        else f"#{job.id} {job.kind}"
+    )
+    return JobArtifact(job.id, job.kind, art_kind, path, art.sha256, label)
+
+
+def _verified_path(settings: Any, art: Any, what: str, job_id: int) -> Path:
+    """The absolute path of artifact row `art`, checked against its sha256 (folders re-hashed
+    only when a file changed); ValueError starting with `what` when missing or changed."""
+    from storage.artifacts import ArtifactError, ArtifactStore
+
     store = ArtifactStore(settings.artifacts_dir)
     try:
         path = store.resolve(art.path)
         key = (str(path), art.sha256)
         if not path.exists():
             raise ValueError(
-                f"{field}: the {art_kind} of job {job_id} is missing from the artifact store "
-                f"(deleted?); re-run job {job_id}"
+                f"{what} is missing from the artifact store (deleted?); re-run job {job_id}"
             )
         fp = _fingerprint(path)
         if _verified.get(key) != fp:
@@ -137,15 +149,9 @@ def resolve_job_ref(
             _verified[key] = fp
     except ArtifactError:
         raise ValueError(
-            f"{field}: the {art_kind} of job {job_id} does not match its recorded sha256 "
-            f"(corrupt or changed); re-run job {job_id}"
+            f"{what} does not match its recorded sha256 (corrupt or changed); re-run job {job_id}"
         ) from None
-    label = (
-        trained_model_label(job.id, dict(job.spec or {}))
-        if art_kind == "model"
-        else f"#{job.id} {job.kind}"
-    )
-    return JobArtifact(job.id, job.kind, art_kind, path, art.sha256, label)
+    return path
 
 
 def _settings(settings: Any | None) -> Any:
@@ -256,7 +262,12 @@ def model_revision(ref: str, settings: Any | None = None) -> str:
     resolved = resolve_model(ref, settings)
     if is_hub_id(resolved):
         return resolved
-    folder = Path(resolved)
+    return folder_revision(Path(resolved))
+
+
+def folder_revision(folder: Path) -> str:
+    """sha256 hex over (name, sha256) of a model folder's config, tokenizer and weight files:
+    the revision model_revision reports (and the zoo manifest records)."""
     files = sorted(
         p
         for p in folder.iterdir()

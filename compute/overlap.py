@@ -167,13 +167,7 @@ def score_vs_target(
     a = topk_mask({n: score[n] for n in names}, k)
     b = dict(target_set) if target_set is not None else topk_mask({n: target[n] for n in names}, k)
     sampled = total > cap
-    samples: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-    for n in names:
-        s, t, lab = score[n].flatten(), target[n].flatten(), b[n].flatten()
-        if sampled:
-            idx = _sample_index(n, s.numel(), round_half_up_ratio(cap, s.numel(), total), seed, s.device)
-            s, t, lab = s[idx], t.to(s.device)[idx], lab.to(s.device)[idx]
-        samples[n] = (s.float(), t.float(), lab.bool())
+    samples = _rank_samples(score, target, b, cap if sampled else None, seed)
     out: dict[str, Any] = {
         "settings": {
             "fraction": fraction,
@@ -191,22 +185,53 @@ def score_vs_target(
         groups: dict[str, list[str]] = {}
         for n in names:
             groups.setdefault(group_key(n, grouping), []).append(n)
-        res: dict[str, dict[str, float]] = {}
-        for g, members in groups.items():
-            n_g = sum(score[n].numel() for n in members)
-            n_a = sum(int(a[n].sum()) for n in members)
-            n_b = sum(int(b[n].sum()) for n in members)
-            n_ab = sum(int((a[n] & b[n].to(a[n].device)).sum()) for n in members)
-            m = set_overlap(n_g, n_a, n_b, n_ab)
-            m["precision_at_k"] = m["overlap_frac_a"] if n_a else float("nan")
-            s = torch.cat([samples[n][0] for n in members])
-            t = torch.cat([samples[n][1].to(s.device) for n in members])
-            lab = torch.cat([samples[n][2].to(s.device) for n in members])
-            m["auc"] = roc_auc(s, lab)
-            m["spearman"] = spearman(s, t)
-            res[g] = m
-        out[grouping] = res
+        out[grouping] = {g: _group_metrics(members, a, b, samples) for g, members in groups.items()}
     return out
+
+
+Sample = tuple[torch.Tensor, torch.Tensor, torch.Tensor]  # (score, target, in B), each (m,)
+
+
+def _rank_samples(
+    score: Mapping[str, torch.Tensor],
+    target: Mapping[str, torch.Tensor],
+    b: Mapping[str, torch.Tensor],
+    cap: int | None,
+    seed: int,
+) -> dict[str, Sample]:
+    """Per tensor, the coordinates the rank statistics see: all of them (cap None), or a seeded
+    sample of about cap * numel / total (the cap spread proportionally over the tensors)."""
+    total = sum(score[n].numel() for n in score)
+    samples: dict[str, Sample] = {}
+    for n in score:
+        s, t, lab = score[n].flatten(), target[n].flatten(), b[n].flatten()
+        if cap is not None:
+            idx = _sample_index(n, s.numel(), round_half_up_ratio(cap, s.numel(), total), seed, s.device)
+            s, t, lab = s[idx], t.to(s.device)[idx], lab.to(s.device)[idx]
+        samples[n] = (s.float(), t.float(), lab.bool())
+    return samples
+
+
+def _group_metrics(
+    members: list[str],
+    a: Mapping[str, torch.Tensor],
+    b: Mapping[str, torch.Tensor],
+    samples: Mapping[str, Sample],
+) -> dict[str, float]:
+    """set_overlap(A, B) on the group's coordinates, precision_at_k, and on the sampled
+    coordinates the score's roc_auc for membership in B and spearman(score, target)."""
+    n_g = sum(a[n].numel() for n in members)
+    n_a = sum(int(a[n].sum()) for n in members)
+    n_b = sum(int(b[n].sum()) for n in members)
+    n_ab = sum(int((a[n] & b[n].to(a[n].device)).sum()) for n in members)
+    m = set_overlap(n_g, n_a, n_b, n_ab)
+    m["precision_at_k"] = m["overlap_frac_a"] if n_a else float("nan")
+    s = torch.cat([samples[n][0] for n in members])
+    t = torch.cat([samples[n][1].to(s.device) for n in members])
+    lab = torch.cat([samples[n][2].to(s.device) for n in members])
+    m["auc"] = roc_auc(s, lab)
+    m["spearman"] = spearman(s, t)
+    return m
 
 
 def round_half_up_ratio(cap: int, numel: int, total: int) -> int:

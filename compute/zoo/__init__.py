@@ -33,53 +33,42 @@ recipe, families), ``folders`` (atomic zoo folders, listing), ``shipped`` (manif
 checks, install), ``build`` (training from scratch, ``ship``), ``real`` (the GGUF conversion).
 """
 
-from compute.modelref import REAL_MODEL_NAMES, ZOO_NAMES
+from compute.modelref import REAL_MODEL_NAMES, ZOO_NAMES, file_sha256, folder_revision
 from compute.zoo.build import build_zoo, ship
 from compute.zoo.folders import INFO_FILE
 from compute.zoo.real import (
     REAL_INSTALL_HINT,
     REAL_MODELS,
-    RealModel,
     add_real_model,
     real_gguf_path,
 )
-from compute.zoo.recipe import DEEP_RECIPE, FAMILIES, ZooRecipe, build_model, family_of
+from compute.zoo.recipe import FAMILIES, ZooRecipe, build_model
 from compute.zoo.registry import zoo_list
 from compute.zoo.shipped import (
-    MANIFEST_FILE,
     SHIPPED_FILES,
     WEIGHTS_DIR,
-    file_sha256,
-    folder_revision,
     install_shipped,
     read_manifest,
 )
-from compute.zoo.vocab import CHARS, SPECIAL_TOKENS, build_tokenizer, is_val, sft_tensors
+from compute.zoo.vocab import build_tokenizer, sft_tensors
 
 __all__ = [
-    "CHARS",
-    "DEEP_RECIPE",
     "FAMILIES",
     "INFO_FILE",
-    "MANIFEST_FILE",
     "REAL_INSTALL_HINT",
     "REAL_MODELS",
     "REAL_MODEL_NAMES",
     "SHIPPED_FILES",
-    "SPECIAL_TOKENS",
     "WEIGHTS_DIR",
     "ZOO_NAMES",
-    "RealModel",
     "ZooRecipe",
     "add_real_model",
     "build_model",
     "build_tokenizer",
     "build_zoo",
-    "family_of",
     "file_sha256",
     "folder_revision",
     "install_shipped",
-    "is_val",
     "read_manifest",
     "real_gguf_path",
     "sft_tensors",

@@ -11,15 +11,15 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from compute.modelref import ZOO_NAMES
+from compute.modelref import ZOO_NAMES, file_sha256, folder_revision
 from compute.models import greedy_generate
+from compute.results import Progress
 from compute.tasks import get_task
 from compute.zoo.folders import INFO_FILE, is_built, save
 from compute.zoo.recipe import FAMILIES, ZooRecipe, build_model, family_of
@@ -27,8 +27,6 @@ from compute.zoo.shipped import (
     MANIFEST_FILE,
     SHIPPED_FILES,
     WEIGHTS_DIR,
-    file_sha256,
-    folder_revision,
     install_shipped,
     read_manifest,
 )
@@ -38,7 +36,6 @@ ZOO_TASK = "arithmetic"
 # Fixed, since float reductions depend on it. One thread: the model is so small that a second
 # thread barely helps, and it keeps the build fast on a busy machine.
 BUILD_THREADS = 1
-Progress = Callable[[float, str], None]
 # The recorded info copied into the manifest entry of each shipped model.
 MANIFEST_INFO_KEYS = (
     "params",
@@ -127,7 +124,7 @@ def _train_families(
             def fam_report(fraction: float, message: str, k: int = k) -> None:
                 report((k + fraction) / len(fams), message)
 
-            run = _SFTRun.start(zoo_dir, recipe or fam_recipe, seed, fam_report)
+            run = _SFTRun(zoo_dir, recipe or fam_recipe, seed, fam_report)
             results.update(
                 run.train_family(base, teacher, [n for n in todo if n in (base, teacher)])
             )
@@ -149,53 +146,26 @@ def _cpu_capability() -> str:
         return platform.machine()
 
 
-@dataclass
 class _SFTRun:
     """One family's SFT run: the model, its optimiser, the SFT pool and the validation set."""
 
-    zoo_dir: Path
-    recipe: ZooRecipe
-    seed: int
-    report: Progress
-    task: Any
-    tokenizer: Any
-    model: Any
-    opt: torch.optim.Optimizer
-    pool: tuple[torch.Tensor, ...]  # (input_ids, attention_mask, labels), each (N, L)
-    val: list[Any]
-    gen: torch.Generator
-    history: list[tuple[int, float]] = field(default_factory=list)
-    t0: float = field(default_factory=time.perf_counter)
-    c0: float = field(default_factory=time.process_time)
-
-    @classmethod
-    def start(cls, zoo_dir: Path, recipe: ZooRecipe, seed: int, report: Progress) -> _SFTRun:
-        t0, c0 = time.perf_counter(), time.process_time()
-        task = get_task(ZOO_TASK)
-        tokenizer = build_tokenizer()
-        model = build_model(tokenizer, recipe, seed)
-        model.train()
-        opt = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=recipe.weight_decay)
-        # SFT pool and validation set: disjoint parts of the train split (test stays unseen).
-        draws = task.examples(40_000, seed=seed, split="train")
-        pool = sft_tensors(tokenizer, [e for e in draws if not is_val(e.prompt)])
-        val = [e for e in draws if is_val(e.prompt)][: recipe.val_prompts]
-        gen = torch.Generator().manual_seed(seed)
-        return cls(
-            zoo_dir=zoo_dir,
-            recipe=recipe,
-            seed=seed,
-            report=report,
-            task=task,
-            tokenizer=tokenizer,
-            model=model,
-            opt=opt,
-            pool=pool,
-            val=val,
-            gen=gen,
-            t0=t0,
-            c0=c0,
+    def __init__(self, zoo_dir: Path, recipe: ZooRecipe, seed: int, report: Progress):
+        self.t0, self.c0 = time.perf_counter(), time.process_time()
+        self.zoo_dir, self.recipe, self.seed, self.report = zoo_dir, recipe, seed, report
+        self.task = get_task(ZOO_TASK)
+        self.tokenizer = build_tokenizer()
+        self.model = build_model(self.tokenizer, recipe, seed)
+        self.model.train()
+        self.opt = torch.optim.AdamW(
+            self.model.parameters(), lr=recipe.lr, weight_decay=recipe.weight_decay
         )
+        # SFT pool and validation set: disjoint parts of the train split (test stays unseen).
+        draws = self.task.examples(40_000, seed=seed, split="train")
+        # (input_ids, attention_mask, labels), each (N, L)
+        self.pool = sft_tensors(self.tokenizer, [e for e in draws if not is_val(e.prompt)])
+        self.val = [e for e in draws if is_val(e.prompt)][: recipe.val_prompts]
+        self.gen = torch.Generator().manual_seed(seed)
+        self.history: list[tuple[int, float]] = []
 
     def step(self, step: int, lr: float) -> float:
         """One AdamW step at `lr` (after linear warmup) on a random batch; returns the loss."""

@@ -2,51 +2,26 @@
 
 from __future__ import annotations
 
-import hashlib
 import json
 import shutil
 from pathlib import Path
 from typing import Any
 
+from compute.modelref import file_sha256
 from compute.zoo.folders import INFO_FILE, atomic_folder, replace_folder
 
 # compute/zoo_weights, next to this package (package data, see pyproject.toml).
 WEIGHTS_DIR = Path(__file__).resolve().parent.parent / "zoo_weights"
 MANIFEST_FILE = "manifest.json"
-# Files that define the model's behaviour, hashed the way compute.modelref.model_revision does.
-REVISION_FILES = (
+# The files of a zoo folder that are shipped (and hashed in the manifest).
+SHIPPED_FILES = (
     "config.json",
     "generation_config.json",
     "model.safetensors",
     "tokenizer.json",
     "tokenizer_config.json",
+    INFO_FILE,
 )
-# The files of a zoo folder that are shipped (and hashed in the manifest).
-SHIPPED_FILES = (*REVISION_FILES, INFO_FILE)
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def folder_revision(folder: Path) -> str:
-    """The content revision compute.modelref.model_revision reports for this folder."""
-    h = hashlib.sha256()
-    for name in sorted(
-        p.name
-        for p in folder.iterdir()
-        if p.is_file()
-        and (
-            p.name in REVISION_FILES
-            or p.name.endswith((".safetensors", ".bin", ".pt", ".pth", ".gguf"))
-        )
-    ):
-        h.update(f"{name}\0{file_sha256(folder / name)}\n".encode())
-    return h.hexdigest()
 
 
 def read_manifest(weights_dir: str | Path | None = None) -> dict[str, Any]:
