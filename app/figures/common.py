@@ -16,6 +16,8 @@ import plotly.graph_objects as go
 
 from compute.contract.results import HeatmapData
 
+from .labels import name_layers
+
 MAX_CELLS = 40_000  # heatmap cells a browser renders smoothly
 MAX_AXIS = 200  # longest heatmap axis after pooling
 MAX_POINTS = 3_000  # scatter points after downsampling
@@ -158,6 +160,12 @@ def share_colour_range(a: go.Figure, b: go.Figure) -> None:
 # ---------------------------------------------------------------- a stored heatmap
 
 
+def named_cells(trace: dict[str, Any]) -> dict[str, Any]:
+    """A heatmap trace's arrays (x, y, z, customdata) with the "-" row (parameters outside the
+    blocks) split into named rows ("embeddings", "final norm", "lm_head"); numbers unchanged."""
+    return name_layers({"data": [{"type": "heatmap", **trace}]})["data"][0]
+
+
 def _canonical_columns(hm: HeatmapData) -> HeatmapData:
     """Module-type columns in the canonical order (embed, q, k, v, ..., lm_head)."""
     x = list(hm.x_labels)
@@ -189,8 +197,9 @@ def heatmap_figure(hm: HeatmapData, title: str, log: bool | None = None) -> go.F
     use_log = bool(meta.get("log", False)) if log is None else log
     zz = [[log10_or_none(v) for v in row] for row in z] if use_log else z
     unit = str(meta.get("units") or meta.get("value") or "value")
+    cells = named_cells({"z": zz, "x": xl, "y": yl, "customdata": [[fmt(v) for v in row] for row in z]})
     trace = go.Heatmap(
-        z=zz, x=xl, y=yl, customdata=[[fmt(v) for v in row] for row in z],
+        z=cells["z"], x=cells["x"], y=cells["y"], customdata=cells["customdata"],
         colorscale=meta.get("colorscale", COLORSCALE),
         colorbar=log_colorbar(zz, f"log10 {unit}") if use_log else {"title": {"text": unit}},
         hoverongaps=False,

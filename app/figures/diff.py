@@ -17,7 +17,16 @@ from compute.contract.results import (
     TypedResult,
 )
 
-from .common import COLORSCALE, curves_figure, empty_figure, finite, fmt, layout, pool_matrix
+from .common import (
+    COLORSCALE,
+    curves_figure,
+    empty_figure,
+    finite,
+    fmt,
+    layout,
+    named_cells,
+    pool_matrix,
+)
 from .registry import figure, stored_heatmap
 
 UNCHANGED_LABELS = {"atol": "unchanged (|delta_fp32| <= atol)",
@@ -54,9 +63,10 @@ def update_sparsity_heatmap(r: TypedResult[Any]) -> go.Figure:
         t = h.meta.get("threshold")
         label = str(h.meta.get("threshold_label") or (t if t is not None else UPDATE_SPARSITY.part(h.name)))
         labels.append(label)
+        cells = named_cells({"z": z, "x": xl, "y": yl, "customdata": [[fmt(v) for v in row] for row in z]})
         fig.add_heatmap(
-            z=z, x=xl, y=yl, zmin=0.0, zmax=1.0, colorscale=COLORSCALE, visible=(i == 0), name=label,
-            customdata=[[fmt(v) for v in row] for row in z], colorbar={"title": {"text": "unchanged fraction"}},
+            **cells, zmin=0.0, zmax=1.0, colorscale=COLORSCALE, visible=(i == 0), name=label,
+            colorbar={"title": {"text": "unchanged fraction"}},
             hovertemplate=f"{label}<br>layer %{{y}}, module %{{x}}<br>unchanged = %{{customdata}}<extra></extra>",
         )
     if len(hms) > 1:

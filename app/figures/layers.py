@@ -24,7 +24,9 @@ from .common import (
     layout,
     log10_or_none,
     log_colorbar,
+    named_cells,
 )
+from .labels import name_layers
 
 Cells = dict[tuple[Any, str], dict[str, Any]]
 HOVER_KEYS = ("mean", "share", "mass", "max", "density", "numel")
@@ -102,8 +104,9 @@ def layer_module_heatmap(r: TypedResult[Any], value: str = "mean", log: bool = T
         return empty_figure(f"no per-layer '{value}' statistics in this result")
     layers, modules = grid(cells)
     z, text = _cell_matrix(cells, layers, modules, value, log)
+    named = named_cells({"z": z, "x": modules, "y": [layer_label(v) for v in layers], "customdata": text})
     fig = go.Figure(go.Heatmap(
-        z=z, x=modules, y=[layer_label(v) for v in layers], customdata=text, colorscale=COLORSCALE,
+        **named, colorscale=COLORSCALE,
         colorbar=log_colorbar(z, f"log10 {value}") if log else {"title": {"text": value}},
         hoverongaps=False, hovertemplate="layer %{y}, module %{x}<br>%{customdata}<extra></extra>",
     ))
@@ -111,7 +114,7 @@ def layer_module_heatmap(r: TypedResult[Any], value: str = "mean", log: bool = T
     fig.update_xaxes(title_text="module type", type="category")
     scale = " (log colour scale)" if log else ""
     return layout(fig, title or f"Fisher {value} by layer x module{scale}",
-                  height=max(300, 28 * len(layers) + 140))
+                  height=max(300, 28 * len(named["y"]) + 140))
 
 
 def per_layer_bars(r: TypedResult[Any], value: str = "share") -> go.Figure:
@@ -125,8 +128,9 @@ def per_layer_bars(r: TypedResult[Any], value: str = "share") -> go.Figure:
         ys = [cells.get((layer, m), {}).get(value) for layer in layers]
         if all(y is None for y in ys):
             continue
-        fig.add_bar(name=m, x=[layer_label(v) for v in layers], y=[0.0 if y is None else y for y in ys],
-                    hovertemplate=f"layer %{{x}}, {m}: %{{y:.4g}}<extra></extra>")
+        bar = {"type": "bar", "name": m, "x": [layer_label(v) for v in layers], "y": [0.0 if y is None else y for y in ys]}
+        named = name_layers({"data": [bar]})["data"][0]  # "-" -> the module's name, or dropped
+        fig.add_bar(name=m, x=named["x"], y=named["y"], hovertemplate=f"layer %{{x}}, {m}: %{{y:.4g}}<extra></extra>")
     fig.update_layout(barmode="stack", legend_title_text="module")
     fig.update_xaxes(title_text="layer", type="category")
     fig.update_yaxes(title_text=value)

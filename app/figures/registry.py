@@ -22,7 +22,7 @@ import plotly.graph_objects as go
 from compute.contract.results import TypedResult, parse_result
 
 from .common import Table, heatmap_figure
-from .labels import name_layers
+from .labels import NO_LAYER, name_layers
 
 FigureBuilder = Callable[[Any], go.Figure | None]
 TableBuilder = Callable[[Any], Table]
@@ -92,6 +92,10 @@ def as_typed(result: TypedResult[Any] | Mapping[str, Any]) -> TypedResult[Any]:
     return parse_result(result)
 
 
+def _has_unnamed_layer(fig: go.Figure) -> bool:
+    return any(NO_LAYER in list(getattr(tr, ax, None) or ()) for tr in fig.data for ax in ("x", "y"))
+
+
 def titled_figures_for(result: TypedResult[Any] | Mapping[str, Any]) -> list[tuple[str, str, go.Figure]]:
     """(name, title, figure) for everything this result can show, in registration order. Rows
     and bars outside the transformer blocks carry their names ("embeddings", "final norm",
@@ -102,8 +106,8 @@ def titled_figures_for(result: TypedResult[Any] | Mapping[str, Any]) -> list[tup
     for e in entries(r.kind):
         fig = e.build(r)
         if fig is not None:
-            data = name_layers(fig.to_dict())
-            fig = go.Figure(data, skip_invalid=False)
+            if _has_unnamed_layer(fig):  # rare: rebuilt from its JSON with the rows named
+                fig = go.Figure(name_layers(fig.to_dict()))
             title = fig.layout.title.text if fig.layout.title and fig.layout.title.text else e.title
             out.append((e.name, str(title), fig))
     return out

@@ -49,7 +49,7 @@ def test_fisher_heatmap_log_scale_axes_and_hover(fisher_result):
     (tr,) = fig.data
     assert tr.type == "heatmap"
     assert list(tr.x) == ["embed", "q", "up"]  # canonical module order
-    assert list(tr.y) == ["0", "1", "-"]  # layers, then non-layer parameters
+    assert list(tr.y) == ["0", "1", "embeddings"]  # layers, then the parameters outside the blocks, named
     z = [list(r) for r in tr.z]
     assert z[0][1] == pytest.approx(math.log10(1.0))  # layer 0, q: mean 1.0
     assert z[1][1] == pytest.approx(math.log10(3.0))
@@ -81,8 +81,9 @@ def test_per_layer_bars_stack_by_module(fisher_result):
     fig = plots.per_layer_bars(fisher_result, "share")
     by_name = {t.name: t for t in fig.data}
     assert set(by_name) == {"embed", "q", "up"}
-    assert list(by_name["q"].x) == ["0", "1", "-"]
-    assert list(by_name["q"].y) == pytest.approx([0.2, 0.3, 0.0])
+    assert list(by_name["q"].x) == ["0", "1"]  # a block module has nothing outside the blocks
+    assert list(by_name["q"].y) == pytest.approx([0.2, 0.3])
+    assert list(by_name["embed"].x) == ["0", "1", "embeddings"] and by_name["embed"].y[2] == pytest.approx(0.5)
     assert fig.layout.barmode == "stack"
 
 
@@ -292,7 +293,10 @@ def test_generic_heatmap_axes_order_and_titles():
           "z": [[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]], "meta": {"x_title": "module type", "y_title": "layer"}}
     fig = plots.heatmap_figure(hm)
     tr = fig.data[0]
-    assert list(tr.x) == ["embed", "q", "lm_head"] and [list(r) for r in tr.z] == [[3.0, 2.0, 1.0], [6.0, 5.0, 4.0]]
+    assert list(tr.x) == ["embed", "q", "lm_head"]
+    # the row outside the blocks is split into one named row per filled module, numbers unchanged
+    assert list(tr.y) == ["0", "embeddings", "q (outside the blocks)", "lm_head"]
+    assert [list(r) for r in tr.z] == [[3.0, 2.0, 1.0], [6.0, None, None], [None, 5.0, None], [None, None, 4.0]]
     assert fig.layout.yaxis.autorange == "reversed" and fig.layout.xaxis.title.text == "module type"
     assert "ROC-AUC" in fig.layout.title.text
     hist = {"name": "bound_log_hist", "x_labels": ["-2.0", "-1.0"], "y_labels": ["-2.0", "-1.0"],
