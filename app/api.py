@@ -231,12 +231,21 @@ def _download_name(result: dict[str, Any], suffix: str) -> str:
 def make_router(settings: Any) -> APIRouter:
     """All /api routes for `settings` (no module-level state: each app has its own router)."""
     r = APIRouter(prefix="/api", responses=responses(401, 403, 422, 500))
+    _add_job_routes(r, settings)
+    _add_result_routes(r, settings)
+    _add_model_routes(r, settings)
+    return r
 
-    def result_or_404(token: str) -> dict[str, Any]:
-        res = services.result_by_token(settings, token)
-        if res is None:
-            raise _not_found(f"token: no result with share token {token!r}")
-        return services.without_error(res)  # the traceback is operator-only
+
+def _result_or_404(settings: Any, token: str) -> dict[str, Any]:
+    res = services.result_by_token(settings, token)
+    if res is None:
+        raise _not_found(f"token: no result with share token {token!r}")
+    return services.without_error(res)  # the traceback is operator-only
+
+
+def _add_job_routes(r: APIRouter, settings: Any) -> None:
+    """/jobs: submit, list, get, cancel, rerun."""
 
     @r.post("/jobs", status_code=201, tags=["jobs"], summary="Submit a job",
             responses=responses(413, 429, 503))
@@ -298,6 +307,13 @@ def make_router(settings: Any) -> APIRouter:
         except RuntimeError as exc:
             raise HTTPException(status_code=503, detail=str(exc)) from None
 
+
+def _add_result_routes(r: APIRouter, settings: Any) -> None:
+    """/results/{token}: the result, its statistics (CSV, JSON) and artifact downloads."""
+
+    def result_or_404(token: str) -> dict[str, Any]:
+        return _result_or_404(settings, token)
+
     @r.get("/results/{token}", tags=["results"], summary="A stored result (JSON) by share token",
            responses=responses(404))
     def get_result(token: str) -> Any:
@@ -346,6 +362,10 @@ def make_router(settings: Any) -> APIRouter:
         return FileResponse(path, media_type="application/octet-stream",
                             filename=_download_name(res, path.name))
 
+
+def _add_model_routes(r: APIRouter, settings: Any) -> None:
+    """/models (list, register) and /health."""
+
     @r.get("/models", tags=["models"], summary="Zoo, registered and trained (job:N) models")
     def list_models() -> Any:
         return all_models(settings)
@@ -362,5 +382,3 @@ def make_router(settings: Any) -> APIRouter:
     @r.get("/health", tags=["meta"], include_in_schema=False)
     def health(request: Request) -> Any:
         return {"ok": True}
-
-    return r

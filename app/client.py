@@ -169,25 +169,22 @@ def list_jobs(settings: Any, limit: int = 100, **filters: Any) -> list[dict[str,
     return list(payload)
 
 
-def cancel(settings: Any, job_id: int) -> dict[str, Any]:
+def _job_action(action: str, job_id: int) -> dict[str, Any]:
+    """services.<action>(job_id) in this process, or POST /api/jobs/<id>/<action>."""
     r = remote()
     if r is None:
         from app import services
 
         with _local_user() as s:
-            return services.cancel(s, job_id)
-    status, payload = request("POST", r[0], r[1], f"/api/jobs/{int(job_id)}/cancel")
+            return dict(getattr(services, action)(s, job_id))
+    status, payload = request("POST", r[0], r[1], f"/api/jobs/{int(job_id)}/{action}")
     _raise_for(status, payload, job_id)
     return dict(payload)
+
+
+def cancel(settings: Any, job_id: int) -> dict[str, Any]:
+    return _job_action("cancel", job_id)
 
 
 def rerun(settings: Any, job_id: int) -> dict[str, Any]:
-    r = remote()
-    if r is None:
-        from app import services
-
-        with _local_user() as s:
-            return services.rerun(s, job_id)
-    status, payload = request("POST", r[0], r[1], f"/api/jobs/{int(job_id)}/rerun")
-    _raise_for(status, payload, job_id)
-    return dict(payload)
+    return _job_action("rerun", job_id)

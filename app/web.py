@@ -31,11 +31,8 @@ def _field(loc: tuple[Any, ...] | list[Any]) -> str:
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     """FastAPI app for `settings` (default: from the environment). Migrates the database."""
-    import gradio as gr
-
     from app.api import make_router
     from app.share import make_share_router
-    from app.ui import build_ui
 
     settings = settings or get_settings()
     services.sessions(settings)  # apply migrations now, not on the first request
@@ -49,19 +46,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         openapi_url="/api/openapi.json",
     )
 
-    @app.exception_handler(RequestValidationError)
-    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = [{"field": _field(e.get("loc", ())), "message": e.get("msg", "invalid value")}
-                  for e in exc.errors()]
-        return JSONResponse(status_code=422, content={"detail": errors})
-
-    # accounts (app/auth.py): 401/403 from services, /login, /logout, /api/me, sharing, estimates
+    # accounts (app/auth/): 401/403 from services, /login, /logout, /api/me, sharing, estimates
     from app import auth
 
-    @app.exception_handler(PermissionError)
-    async def _denied(request: Request, exc: PermissionError) -> JSONResponse:
-        return auth.login_required_response(exc)
-
+    _add_error_handlers(app)
     app.add_middleware(auth.AccessGuard, settings=settings)  # body limit, cross-site, sign-in
     app.include_router(auth.make_auth_router(settings))
     app.include_router(make_router(settings))
@@ -72,6 +60,23 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.mount("/fisherlens-static", StaticFiles(directory=str(ASSETS)), name="assets")
     _offline_docs(app)
     _document_errors(app)
+    _mount_ui(app, settings)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """422 as {detail: [{field, message}]}, 401/403 from accounts, 500 naming no server path."""
+    from app import auth
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = [{"field": _field(e.get("loc", ())), "message": e.get("msg", "invalid value")}
+                  for e in exc.errors()]
+        return JSONResponse(status_code=422, content={"detail": errors})
+
+    @app.exception_handler(PermissionError)
+    async def _denied(request: Request, exc: PermissionError) -> JSONResponse:
+        return auth.login_required_response(exc)
 
     @app.exception_handler(Exception)
     async def _server_error(request: Request, exc: Exception) -> JSONResponse:
@@ -81,6 +86,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             status_code=500,
             content={"detail": "internal error; the server log has the details"},
         )
+
+
+def _mount_ui(app: FastAPI, settings: Settings) -> None:
+    """The Gradio UI at /, every event run as the signed-in user, 4 events at a time."""
+    import gradio as gr
+
+    from app import auth
+    from app.ui import build_ui
 
     blocks = build_ui(settings)
     auth.bind_gradio_users(blocks, settings)  # UI events run as the signed-in user
@@ -99,7 +112,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         mcp_server=False,
         auth_dependency=auth.gradio_user(settings),
     )
-    return app
 
 
 def _document_errors(app: FastAPI) -> None:
