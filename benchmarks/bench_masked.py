@@ -63,7 +63,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
 
     from compute.masks import random_mask
-    from compute.sampling import build_rollout
+    from compute.sampling import build_rollout, token_logprobs
     from compute.sft import sft_loss
     from compute.tasks import get_task
     from compute.train import (
@@ -71,7 +71,6 @@ def main() -> None:
         clip_grad_norm,
         mask_gradients,
         prepare_masked_params,
-        rollout_logprobs,
     )
     from compute.zoo import ZooRecipe, build_model, build_tokenizer
 
@@ -90,7 +89,7 @@ def main() -> None:
 
             def step() -> None:
                 opt.zero_grad(set_to_none=True)
-                lp, _ = rollout_logprobs(model, roll.input_ids, roll.attention_mask)
+                lp = token_logprobs(model, roll.input_ids, roll.attention_mask)[:, 1:]
                 sft_loss(lp, cm).backward()
                 torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 opt.step()
@@ -105,7 +104,7 @@ def main() -> None:
 
         def step() -> None:
             opt.zero_grad()
-            lp, _ = rollout_logprobs(model, roll.input_ids, roll.attention_mask)
+            lp = token_logprobs(model, roll.input_ids, roll.attention_mask)[:, 1:]
             sft_loss(lp, cm).backward()
             mask_gradients(params)
             clip_grad_norm(params, 1.0)

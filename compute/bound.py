@@ -22,13 +22,13 @@ holding when lhs <= rhs * (1 + rtol) + atol. Sums are accumulated in float64.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from compute.results import Heatmap, SeriesPoint
+from compute.results import Heatmap, Progress, SeriesPoint
 
 
 @dataclass
@@ -70,14 +70,14 @@ def accumulate_sample_grads(
     attention_mask: torch.Tensor,
     completion_mask: torch.Tensor,
     advantages: torch.Tensor,
-    progress: Callable[[float, str], None] | None = None,
+    progress: Progress | None = None,
 ) -> BoundResult:
     """Per-sample gradients of the summed completion log-prob, one backward per row (N small).
 
     input_ids, attention_mask, completion_mask: (N, L) right-padded rows; advantages: (N,).
     Memory: two float64 buffers per parameter.
     """
-    from compute.train import rollout_logprobs
+    from compute.sampling import token_logprobs
 
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     sum_ag = {n: torch.zeros(p.shape, dtype=torch.float64, device=p.device) for n, p in params.items()}
@@ -90,7 +90,7 @@ def accumulate_sample_grads(
         for i in range(N):
             width = int(attention_mask[i].sum())
             ids, am = input_ids[i : i + 1, :width], attention_mask[i : i + 1, :width]
-            lp, _ = rollout_logprobs(model, ids, am)  # (1, width-1)
+            lp = token_logprobs(model, ids, am)[:, 1:]  # (1, width-1)
             seq = (lp * completion_mask[i : i + 1, 1:width].to(lp.dtype)).sum()
             grads = torch.autograd.grad(seq, list(params.values()), allow_unused=True)
             for (n, _p), g in zip(params.items(), grads, strict=True):
@@ -288,7 +288,7 @@ def first_step_bound(
     seed: int = 0,
     scale_std: bool = True,
     temperature: float = 1.0,
-    progress: Callable[[float, str], None] | None = None,
+    progress: Progress | None = None,
 ) -> BoundResult:
     """Sample the first GRPO batch (train prompts 0..prompts-1, seed as in compute.train), compute
     group advantages from the task reward, and accumulate the per-sample bound terms."""

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,7 @@ import torch
 
 from compute.masks import group_key
 from compute.naming import layer_index, module_type
+from compute.results import Progress
 
 ATOLS = (1e-8, 1e-7, 1e-6, 1e-5, 1e-4)
 REL_TOLS = (1e-4, 1e-3, 1e-2)
@@ -47,7 +48,6 @@ RANK_RTOL_DOC = "max(m, n) * eps(float32) * s_max (numpy.linalg.matrix_rank's de
 SVD_MAX_NUMEL = 16_000_000
 GROUPINGS = ("global", "layer", "module", "layer_module")
 
-Progress = Callable[[float, str], None]
 
 
 # ---------------------------------------------------------------------------------------------

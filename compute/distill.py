@@ -14,38 +14,13 @@ Teacher and student must share the tokenizer: the same token ids mean the same s
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from compute.grpo import AGGREGATIONS, aggregate
+from compute.grpo import aggregate
 
 ESTIMATORS = ("full", "sampled")
-
-
-@dataclass
-class DistillConfig:
-    estimator: str = field(
-        default="full",
-        metadata={"help": "'full': exact reverse KL over the vocabulary per position; "
-                  "'sampled': log p_s(y) - log p_t(y) on the sampled token as a policy-gradient cost"},
-    )
-    samples: int = field(default=4, metadata={"help": "student completions sampled per prompt"})
-    aggregation: str = field(
-        default="token", metadata={"help": "'token' or 'sequence' mean of the per-token loss"}
-    )
-    temperature: float = field(default=1.0, metadata={"help": "student sampling temperature"})
-
-    def __post_init__(self) -> None:
-        if self.estimator not in ESTIMATORS:
-            raise ValueError(f"estimator: got {self.estimator!r}; accepted: {', '.join(ESTIMATORS)}")
-        if self.samples < 1:
-            raise ValueError(f"samples: got {self.samples}; must be >= 1")
-        if self.aggregation not in AGGREGATIONS:
-            raise ValueError(f"aggregation: got {self.aggregation!r}; accepted: {', '.join(AGGREGATIONS)}")
-        if not self.temperature > 0:
-            raise ValueError(f"temperature: got {self.temperature}; must be > 0")
 
 
 def reverse_kl_full(student_logits: torch.Tensor, teacher_logits: torch.Tensor) -> torch.Tensor:

@@ -1,6 +1,7 @@
 """GRPO maths: group-normalised advantages and the clipped importance-ratio loss.
 
-Free functions on tensors; `compute.train` orchestrates sampling, rewards and the optimizer.
+Free functions on tensors; `compute.train.objectives.grpo` builds the batches, `compute.train`
+runs the optimizer. Knobs (group, clip_eps, kl_coef, ...) are TrainSpec fields.
 
 For prompt x with G sampled completions y_1..y_G and rewards r_j:
 
@@ -16,49 +17,9 @@ The std is the unbiased sample std within each group (as TRL does); recorded in 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
 AGGREGATIONS = ("token", "sequence")
-
-
-@dataclass
-class GRPOConfig:
-    group: int = field(default=8, metadata={"help": "completions sampled per prompt (G >= 2)"})
-    clip_eps: float = field(default=0.2, metadata={"help": "PPO clip range e: ratio in [1-e, 1+e]"})
-    kl_coef: float = field(
-        default=0.0, metadata={"help": "beta of the k3 KL to the frozen reference (0 = no reference)"}
-    )
-    scale_std: bool = field(
-        default=True, metadata={"help": "divide advantages by the group std (False: mean-centre only)"}
-    )
-    eps: float = field(default=1e-4, metadata={"help": "added to the group std before dividing"})
-    aggregation: str = field(
-        default="token",
-        metadata={"help": "'token': mean over all completion tokens of the batch; "
-                  "'sequence': mean over sequences of each sequence's token mean"},
-    )
-    inner_steps: int = field(
-        default=1, metadata={"help": "optimizer updates per sampled batch (>1 makes the ratio matter)"}
-    )
-    temperature: float = field(default=1.0, metadata={"help": "sampling temperature of the policy"})
-
-    def __post_init__(self) -> None:
-        if self.group < 2:
-            raise ValueError(f"group: got {self.group}; need >= 2 completions per prompt")
-        if not self.clip_eps > 0:
-            raise ValueError(f"clip_eps: got {self.clip_eps}; must be > 0 (e.g. 0.2)")
-        if self.kl_coef < 0:
-            raise ValueError(f"kl_coef: got {self.kl_coef}; must be >= 0")
-        if not self.eps > 0:
-            raise ValueError(f"eps: got {self.eps}; must be > 0 (e.g. 1e-4)")
-        if self.aggregation not in AGGREGATIONS:
-            raise ValueError(f"aggregation: got {self.aggregation!r}; accepted: {', '.join(AGGREGATIONS)}")
-        if self.inner_steps < 1:
-            raise ValueError(f"inner_steps: got {self.inner_steps}; must be >= 1")
-        if not self.temperature > 0:
-            raise ValueError(f"temperature: got {self.temperature}; must be > 0")
 
 
 def group_advantages(

@@ -1,5 +1,5 @@
-"""Parameter masks: selection at an exact density, save/load, density statistics, and applying a
-mask to a model (gradients zeroed, frozen coordinates restored).
+"""Parameter masks: selection at an exact density, save/load, density statistics. Training with a
+mask (gradients zeroed, frozen coordinates bit-identical) is compute.train.optimizers.
 
 A mask is `dict[str, BoolTensor]` keyed by parameter name, each the shape of its parameter;
 True = the coordinate is trainable (kept). Density = kept coordinates / all coordinates of the
@@ -30,8 +30,7 @@ from __future__ import annotations
 
 import math
 import zlib
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -362,43 +361,3 @@ def density_by(mask: Mapping[str, torch.Tensor], by: str = "tensor") -> dict[str
         g[1] += m.numel()
     return {k: {"kept": float(a), "total": float(t), "density": a / t if t else 0.0}
             for k, (a, t) in acc.items()}
-
-
-# ---------------------------------------------------------------------------------------------
-# Applying a mask
-# ---------------------------------------------------------------------------------------------
-
-
-def mask_gradients(params: Any, mask: Mapping[str, torch.Tensor]) -> None:
-    """Zero the gradient of every excluded coordinate, in place (call before clipping/optimizer).
-
-    Parameters not in the mask are left alone (fully trainable)."""
-    for n, p in trainable_params(params).items():
-        if n in mask and p.grad is not None:
-            p.grad.mul_(mask[n].to(device=p.grad.device, dtype=p.grad.dtype))
-
-
-def restore_frozen(params: Any, mask: Mapping[str, torch.Tensor],
-                   reference: Mapping[str, torch.Tensor]) -> None:
-    """Copy `reference` values back into excluded coordinates (in place, bit-exact)."""
-    with torch.no_grad():
-        for n, p in trainable_params(params).items():
-            if n in mask:
-                keep = mask[n].to(p.device)
-                p.copy_(torch.where(keep, p, reference[n].to(device=p.device, dtype=p.dtype)))
-
-
-@contextmanager
-def masked_gradients(model: torch.nn.Module, mask: Mapping[str, torch.Tensor]) -> Iterator[None]:
-    """Inside the block, backward passes produce gradients already zeroed outside the mask
-    (tensor hooks on the parameters, removed on exit)."""
-    handles = []
-    try:
-        for n, p in trainable_params(model).items():
-            if n in mask:
-                m = mask[n].to(device=p.device, dtype=p.dtype)
-                handles.append(p.register_hook(lambda g, m=m: g * m))
-        yield
-    finally:
-        for h in handles:
-            h.remove()

@@ -7,7 +7,6 @@ reads the setting itself, so a library user cannot switch it on by accident.
 
 from __future__ import annotations
 
-import inspect
 import os
 from typing import Any
 
@@ -78,7 +77,6 @@ def load_model(
     return model, tokenizer
 
 
-@torch.no_grad()
 def greedy_generate(
     model: Any,
     tokenizer: Any,
@@ -88,64 +86,12 @@ def greedy_generate(
 ) -> list[str]:
     """Greedy completions (decoded, special tokens dropped), stopping each row at eos.
 
-    Batched with left padding and a KV cache; works for any HF causal LM (position ids are
-    passed explicitly, so left padding is safe for Qwen3, Llama and GPT-2).
+    Batched with left padding and a KV cache (compute.sampling's one generation loop); position
+    ids are passed explicitly, so left padding is safe for Qwen3, Llama and GPT-2.
     """
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens: {max_new_tokens} must be >= 1")
-    device = next(model.parameters()).device
-    eos_id = tokenizer.eos_token_id
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
-    # transformers >= 5.2x renamed `past_key_values` to `cache`; remote-code models may not have.
-    params = inspect.signature(model.forward).parameters
-    cache_kw = "cache" if "cache" in params else "past_key_values"
-    was_training = model.training
-    model.eval()
-    out: list[str] = []
-    try:
-        for lo in range(0, len(prompts), batch_size):
-            chunk = prompts[lo : lo + batch_size]
-            enc = tokenizer(list(chunk))["input_ids"]
-            width = max(len(ids) for ids in enc)
-            ids = torch.full((len(enc), width), pad_id, dtype=torch.long)
-            mask = torch.zeros((len(enc), width), dtype=torch.long)
-            for i, row in enumerate(enc):  # left padding
-                ids[i, width - len(row) :] = torch.tensor(row, dtype=torch.long)
-                mask[i, width - len(row) :] = 1
-            ids, mask = ids.to(device), mask.to(device)
-            pos = (mask.cumsum(-1) - 1).clamp(min=0)  # (B, T)
-            done = torch.zeros(len(enc), dtype=torch.bool, device=device)
-            generated = []
-            past = None
-            step_ids, step_pos = ids, pos
-            for _ in range(max_new_tokens):
-                kv = {cache_kw: past} if past is not None else {}
-                res = model(
-                    input_ids=step_ids,
-                    attention_mask=mask,
-                    position_ids=step_pos,
-                    use_cache=True,
-                    **kv,
-                )
-                past = res.get(cache_kw)
-                nxt = res.logits[:, -1].argmax(-1)  # (B,)
-                nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)
-                generated.append(nxt)
-                if eos_id is not None:
-                    done = done | (nxt == eos_id)
-                if bool(done.all()):
-                    break
-                step_ids = nxt[:, None]  # (B, 1)
-                step_pos = step_pos[:, -1:] + 1
-                mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-            gen = torch.stack(generated, dim=1).tolist()  # (B, new)
-            for row in gen:
-                if eos_id is not None and eos_id in row:
-                    row = row[: row.index(eos_id)]
-                out.append(tokenizer.decode(row, skip_special_tokens=True))
-    finally:
-        model.train(was_training)
-    return out
+    from compute.sampling import greedy_completions
+
+    return greedy_completions(model, tokenizer, prompts, max_new_tokens, batch_size)
 
 
 def greedy_accuracy(

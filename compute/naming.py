@@ -48,3 +48,8 @@ def module_type(name: str) -> str:
 
 def layer_label(layer: int | None) -> str:
     return "-" if layer is None else str(layer)
+
+
+def layer_sort_key(label: str) -> tuple[int, int, str]:
+    """Order of layer labels: blocks by index, then the named rest (embeddings, final norm, ...)."""
+    return (0, int(label), "") if label.isdigit() else (1, 0, label)

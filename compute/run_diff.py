@@ -5,10 +5,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from compute.artifacts import load_scores
 from compute.diff import ATOLS, REL_TOLS, diff_checkpoints, open_checkpoint, threshold_labels
 from compute.naming import layer_index, module_type
+from compute.naming import layer_sort_key as _layer_sort
 from compute.results import Heatmap, JobResult, LayerStat, SeriesPoint, null_progress
-from compute.run_mask import _layer_sort, layer_module_heatmap, load_scores
+from compute.run_mask import layer_module_heatmap
 from compute.specs import DiffSpec
 
 OVERLAP_KEYS = ("precision_at_k", "auc", "jaccard", "jaccard_baseline", "jaccard_lift", "spearman",

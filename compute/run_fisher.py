@@ -11,7 +11,6 @@ shards ran on one worker or many.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -24,10 +23,8 @@ from compute.fisher import (
     exact_output_fisher,
     relative_error,
 )
-from compute.results import JobResult, null_progress
+from compute.results import JobResult, Progress, null_progress
 from compute.specs import FisherSpec
-
-Progress = Callable[[float, str], None]
 
 
 def shard_range(spec: FisherSpec, shard_index: int) -> tuple[int, int]:

@@ -1,73 +1,26 @@
 """Job `mask`: build a parameter mask from a Fisher (or weights, gradient, random) at a density.
 
-Also home of `resolve_artifact` (plain paths; 'job:<id>' references are resolved by the worker
-through `set_artifact_resolver`) and of the layer x module heatmap helper the diff job reuses.
+Also home of the layer x module heatmap helper the diff job reuses. Artifact files (paths and
+'job:<id>' references) are read through compute.artifacts.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from pathlib import Path
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 
 from compute.analysis import ratio_heatmap
+from compute.artifacts import load_scores
 from compute.masks import density_by, select_mask
 from compute.naming import layer_index, module_type
 from compute.results import Heatmap, JobResult, LayerStat, null_progress
 from compute.specs import MaskSpec
 
-_RESOLVER: Callable[[str, str], str | Path] | None = None
-
-
-def set_artifact_resolver(fn: Callable[[str, str], str | Path] | None) -> None:
-    """Install the worker's resolver for 'job:<id>' references: fn(ref, kind) -> file path."""
-    global _RESOLVER
-    _RESOLVER = fn
-
-
-def resolve_artifact(ref: str, kind: str) -> Path:
-    """A plain path to an existing file, or a 'job:<id>' reference through the worker's resolver.
-
-    kind is the artifact kind and the field name in errors ("fisher", "mask", "gradient")."""
-    ref = str(ref).strip()
-    if ref.startswith("job:"):
-        if _RESOLVER is not None:
-            return Path(_RESOLVER(ref, kind))
-        from compute.modelref import resolve_job_ref  # the one resolver of job:N (DB + store)
-
-        return resolve_job_ref(ref, kind).path
-    path = Path(ref).expanduser()
-    if path.is_dir() and (path / f"{kind}.safetensors").is_file():
-        path = path / f"{kind}.safetensors"
-    if not path.is_file():
-        raise ValueError(f"{kind}: file not found: {ref}")
-    return path
-
-
-def load_scores(ref: str, kind: str = "fisher") -> dict[str, torch.Tensor]:
-    """name -> float32 tensor from a safetensors file (path or 'job:<id>')."""
-    from safetensors.torch import load_file
-
-    path = resolve_artifact(ref, kind)
-    try:
-        data = load_file(str(path))
-    except Exception as exc:  # noqa: BLE001 - any parse error is a user error about this file
-        raise ValueError(f"{kind}: cannot read {path} as safetensors ({type(exc).__name__}: {exc})") from None
-    out = {n: t.float() for n, t in data.items() if t.is_floating_point()}
-    if not out:
-        raise ValueError(f"{kind}: {path} holds no floating-point tensors")
-    return out
-
-
 # ---------------------------------------------------------------------------------------------
 # Heatmap helper (also used by run_diff)
 # ---------------------------------------------------------------------------------------------
-
-
-def _layer_sort(label: str) -> tuple[int, int]:
-    return (1, 0) if label == "-" else (0, int(label))
 
 
 def layer_module_heatmap(

@@ -21,22 +21,10 @@ FISHER_SELECTORS = ("fisher", "fisher-tensor", "fisher-bottom")
 
 
 def config_from_spec(spec: Any, seed: int | None = None, **over: Any) -> Any:
-    """TrainConfig from a TrainSpec (or any object with the same field names)."""
+    """compute.train.TrainConfig of a spec (TrainSpec, RetentionSpec, ...), seed and `over` replaced."""
     from compute.train import TrainConfig
 
-    kw = dict(
-        algo=spec.algo, optimizer=spec.optimizer, lr=spec.lr, weight_decay=spec.weight_decay,
-        steps=spec.steps, batch=spec.batch, group=spec.group, max_new_tokens=spec.max_new_tokens,
-        eval_prompts=spec.eval_prompts, seed=spec.seed if seed is None else seed,
-    )
-    for name in ("momentum", "grad_clip", "temperature", "distill_estimator", "kl_coef", "clip_eps",
-                 "sft_source", "precision"):
-        if hasattr(spec, name):
-            kw[name] = getattr(spec, name)
-    if "precision" not in kw and getattr(spec, "dtype", "auto") == "bfloat16":
-        kw["precision"] = "bf16"  # a spec without a precision field: keep the weights as loaded
-    kw.update(over)
-    return TrainConfig(**kw)
+    return TrainConfig.from_spec(spec, **({} if seed is None else {"seed": seed}), **over)
 
 
 def build_mask_in_memory(
@@ -149,15 +137,15 @@ def independent_fisher(
 
 
 def _concentration_heatmaps(conc: dict[str, Any]) -> list[Any]:
+    from compute.naming import layer_sort_key
     from compute.results import Heatmap
-    from compute.run_mask import _layer_sort
 
     out = []
     for label in ("grad_sq_sum", "grad_abs_sum", "abs_delta"):
         cells = conc.get(label, {}).get("layer_module")
         if not cells:
             continue
-        layers = sorted({k.split("/")[0] for k in cells}, key=_layer_sort)
+        layers = sorted({k.split("/")[0] for k in cells}, key=layer_sort_key)
         mods: list[str] = []
         for k in cells:
             if k.split("/")[1] not in mods:
@@ -203,12 +191,12 @@ def train_job(
     (e.g. once for a whole sweep) instead of spec.fisher or a fresh independent estimate."""
     import copy
 
+    from compute.artifacts import load_scores, resolve_artifact
     from compute.bound import first_step_bound, summarize
     from compute.distill import check_same_tokenizer
     from compute.fisher import FisherConfig
     from compute.masks import load_mask
     from compute.overlap import concentration
-    from compute.run_mask import load_scores, resolve_artifact
     from compute.tasks import get_task
     from compute.train import prepare_precision, save_output, stored_state, train
 

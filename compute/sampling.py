@@ -15,8 +15,9 @@ column); the returned `Rollout` is repacked right-padded: prompt tokens, then th
 from __future__ import annotations
 
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -148,12 +149,13 @@ def _out_cache(out):
 
 
 @torch.no_grad()
-def _generate_batch(
-    model, prompt_ids: list[list[int]], keys: list[tuple[int, int]], max_new_tokens: int,
-    temperature: float, top_k: int | None, top_p: float | None, seed: int, eos_id: int | None,
-    pad_id: int,
+def generate_tokens(
+    model, prompt_ids: list[list[int]], max_new_tokens: int, pick: Callable[[torch.Tensor, int], torch.Tensor],
+    eos_id: int | None, pad_id: int, fault: str | None = None,
 ) -> list[list[int]]:
-    """Generated token ids per row (ending with eos if the row stopped)."""
+    """The KV-cache generation loop (sampling and greedy decoding): left-padded prompts, next
+    token = pick(logits (B, V), step) -> (B,) ids; each row stops after eos or max_new_tokens.
+    Returns the generated ids per row (ending with eos if the row stopped)."""
     device = _model_device(model)
     B = len(prompt_ids)
     P = max(len(p) for p in prompt_ids)
@@ -164,20 +166,19 @@ def _generate_batch(
         am[i, P - len(p):] = 1
     ids, am = ids.to(device), am.to(device)
     pos = (am.cumsum(1) - 1).clamp(min=0)  # (B, P)
-    u = _row_uniforms(keys, seed, max_new_tokens).to(device)  # (B, steps)
 
     cache_kw = _cache_kwarg(model)
     cancel_point()  # a cancelled job stops between forward steps, not only between jobs' phases
     out = model(input_ids=ids, attention_mask=am, position_ids=pos, use_cache=True)
-    fault_point("sampling")  # tests only (compute.control)
+    if fault:
+        fault_point(fault)  # tests only (compute.control)
     past = _out_cache(out)
     next_logits = out.logits[:, -1]  # (B, V)
     last_pos = pos[:, -1]  # (B,)
     done = torch.zeros(B, dtype=torch.bool, device=device)
     generated = []
     for step in range(max_new_tokens):
-        probs = filter_probs(next_logits, temperature, top_k, top_p)
-        tok = sample_from_probs(probs, u[:, step])  # (B,)
+        tok = pick(next_logits, step)  # (B,)
         tok = torch.where(done, torch.full_like(tok, pad_id), tok)
         generated.append(tok)
         if eos_id is not None:
@@ -203,6 +204,43 @@ def _generate_batch(
                 break
         rows.append(row)
     return rows
+
+
+def _generate_batch(
+    model, prompt_ids: list[list[int]], keys: list[tuple[int, int]], max_new_tokens: int,
+    temperature: float, top_k: int | None, top_p: float | None, seed: int, eos_id: int | None,
+    pad_id: int,
+) -> list[list[int]]:
+    """Sampled token ids per row: inverse-CDF draws from each row's own uniforms."""
+    u = _row_uniforms(keys, seed, max_new_tokens).to(_model_device(model))  # (B, steps)
+
+    def pick(logits: torch.Tensor, step: int) -> torch.Tensor:
+        return sample_from_probs(filter_probs(logits, temperature, top_k, top_p), u[:, step])
+
+    return generate_tokens(model, prompt_ids, max_new_tokens, pick, eos_id, pad_id, fault="sampling")
+
+
+def greedy_completions(
+    model, tokenizer, prompts: Sequence[str], max_new_tokens: int = 8, batch_size: int = 256,
+) -> list[str]:
+    """Greedy completions (decoded, special tokens and eos dropped), batched, same loop as sampling."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens: {max_new_tokens} must be >= 1")
+    eos_id = tokenizer.eos_token_id
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id
+    prompt_ids = [_encode(tokenizer, p, special=True) for p in prompts]
+    was_training = model.training
+    model.eval()
+    out: list[str] = []
+    try:
+        for lo in range(0, len(prompt_ids), batch_size):
+            rows = generate_tokens(model, prompt_ids[lo : lo + batch_size], max_new_tokens,
+                                   lambda logits, _step: logits.argmax(-1), eos_id, pad)
+            out += [tokenizer.decode([t for t in r if t != eos_id] if eos_id is not None else r,
+                                     skip_special_tokens=True) for r in rows]
+    finally:
+        model.train(was_training)
+    return out
 
 
 def _pack(
@@ -301,21 +339,26 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
 
 def token_logprobs(
     model, input_ids: torch.Tensor, attention_mask: torch.Tensor, chunk_size: int | None = None,
-) -> torch.Tensor:
+    return_logits: bool = False,
+) -> Any:
     """(N, L) float32: log p(token t | tokens < t) under the model; 0 at t = 0 and on padding.
 
-    Differentiable (no no_grad here); wrap in torch.no_grad() when only values are needed."""
+    The one token log-prob function (training, the bound, gradient masks). With return_logits:
+    (log-probs, float32 logits (N, L-1, V) that predicted tokens 1..L-1). Differentiable (no
+    no_grad here); wrap in torch.no_grad() when only values are needed."""
     N = input_ids.shape[0]
     cs = chunk_size or N
-    outs = []
+    outs, all_logits = [], []
     for s in range(0, N, max(1, cs)):
         cancel_point()
         ids, am = input_ids[s : s + cs], attention_mask[s : s + cs]
         logits = model(
             input_ids=ids, attention_mask=am, position_ids=position_ids_from_mask(am)
-        ).logits.float()  # (n, L, V)
-        lp = logits[:, :-1].log_softmax(-1)  # (n, L-1, V)
-        tok = lp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)  # (n, L-1)
+        ).logits[:, :-1].float()  # (n, L-1, V)
+        tok = logits.log_softmax(-1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)  # (n, L-1)
         tok = torch.cat([torch.zeros_like(tok[:, :1]), tok], dim=1)  # (n, L)
         outs.append(tok * am.to(tok.dtype))
-    return torch.cat(outs, dim=0)
+        if return_logits:
+            all_logits.append(logits)
+    lp = torch.cat(outs, dim=0)
+    return (lp, torch.cat(all_logits, dim=0)) if return_logits else lp

@@ -4,34 +4,9 @@ form of SCIENCE.md section 3 with A = reward)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 
-from compute.grpo import AGGREGATIONS, aggregate
-
-SOURCES = ("gold", "self")
-
-
-@dataclass
-class SFTConfig:
-    source: str = field(
-        default="gold",
-        metadata={"help": "'gold': the task's answers; 'self': the model's own samples with reward 1"},
-    )
-    samples: int = field(default=4, metadata={"help": "'self': completions sampled per prompt"})
-    aggregation: str = field(default="token", metadata={"help": "'token' or 'sequence' mean of the NLL"})
-    temperature: float = field(default=1.0, metadata={"help": "'self': sampling temperature"})
-
-    def __post_init__(self) -> None:
-        if self.source not in SOURCES:
-            raise ValueError(f"source: got {self.source!r}; accepted: {', '.join(SOURCES)}")
-        if self.samples < 1:
-            raise ValueError(f"samples: got {self.samples}; must be >= 1")
-        if self.aggregation not in AGGREGATIONS:
-            raise ValueError(f"aggregation: got {self.aggregation!r}; accepted: {', '.join(AGGREGATIONS)}")
-        if not self.temperature > 0:
-            raise ValueError(f"temperature: got {self.temperature}; must be > 0")
+from compute.grpo import aggregate
 
 
 def sft_loss(logp: torch.Tensor, mask: torch.Tensor, aggregation: str = "token") -> torch.Tensor:

@@ -36,7 +36,7 @@ negative removed part means the tokens' sensitivities point apart and similarity
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -44,8 +44,7 @@ import torch
 
 from compute.device import default_budget_mb
 from compute.naming import layer_index
-
-Progress = Callable[[float, str], None]
+from compute.results import Progress
 
 
 @dataclass(frozen=True)

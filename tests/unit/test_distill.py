@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from compute.distill import DistillConfig, check_same_tokenizer, distill_loss, reverse_kl_full
+from compute.distill import check_same_tokenizer, distill_loss, reverse_kl_full
+from compute.train import TrainConfig
 
 
 def test_full_reverse_kl_hand_value() -> None:
@@ -59,7 +60,7 @@ def test_tokenizer_check() -> None:
 
 
 def test_config_validation() -> None:
-    with pytest.raises(ValueError, match="^estimator:"):
-        DistillConfig(estimator="forward")
-    with pytest.raises(ValueError, match="^samples:"):
-        DistillConfig(samples=0)
+    with pytest.raises(ValueError, match="^distill_estimator: got 'forward'; accepted: full, sampled"):
+        TrainConfig(algo="opd", distill_estimator="forward")
+    with pytest.raises(ValueError, match="^group: got 0; accepted range: >= 2, <= 64"):
+        TrainConfig(algo="opd", group=0)

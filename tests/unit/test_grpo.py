@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from compute.grpo import GRPOConfig, aggregate, group_advantages, grpo_loss, k3_kl
+from compute.grpo import aggregate, group_advantages, grpo_loss, k3_kl
+from compute.train import TrainConfig
 
 
 def test_group_advantages_hand_values() -> None:
@@ -74,7 +75,9 @@ def test_aggregate_sequence_skips_empty_rows() -> None:
 
 
 @pytest.mark.parametrize("kw,field", [({"group": 1}, "group"), ({"clip_eps": 0}, "clip_eps"),
-                                      ({"kl_coef": -1}, "kl_coef"), ({"aggregation": "x"}, "aggregation")])
+                                      ({"kl_coef": -1}, "kl_coef"), ({"aggregation": "x"}, "aggregation"),
+                                      ({"inner_steps": 0}, "inner_steps")])
 def test_config_validation(kw: dict, field: str) -> None:
+    """GRPO's knobs are TrainSpec fields: the training config refuses what the spec refuses."""
     with pytest.raises(ValueError, match=f"^{field}:"):
-        GRPOConfig(**kw)
+        TrainConfig(algo="grpo", **kw)

@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from compute.sft import SFTConfig, keep_rewarded, sft_loss
+from compute.sft import keep_rewarded, sft_loss
+from compute.train import TrainConfig
 
 
 def test_sft_nll_hand_value() -> None:
@@ -24,5 +25,5 @@ def test_keep_rewarded() -> None:
 
 
 def test_config_validation() -> None:
-    with pytest.raises(ValueError, match="^source:"):
-        SFTConfig(source="teacher")
+    with pytest.raises(ValueError, match="^sft_source: got 'teacher'; accepted: gold, self"):
+        TrainConfig(algo="sft", sft_source="teacher")

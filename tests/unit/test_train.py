@@ -132,6 +132,41 @@ def test_train_config_validation() -> None:
         TrainConfig(optimizer="adam")
 
 
+def test_train_config_takes_defaults_and_ranges_from_the_spec() -> None:
+    from dataclasses import fields
+
+    from compute.specs import RetentionSpec, TrainSpec
+
+    spec = TrainSpec(model="arith-base")
+    cfg = TrainConfig()
+    shared = [f.name for f in fields(TrainConfig) if f.name in TrainSpec.model_fields]
+    assert len(shared) >= 15 and all(getattr(cfg, n) == getattr(spec, n) for n in shared)
+    assert cfg.lr == 2e-4 and cfg.clip_eps == 0.2  # one default, the spec's
+    with pytest.raises(ValueError, match=r"^lr: got 11.0; accepted range: > 0.0, <= 10.0"):
+        TrainConfig(lr=11.0)
+    tuned = TrainSpec(model="arith-base", lr=1e-3, clip_eps=0.3, sft_source="self", precision="bf16-mixed")
+    c = TrainConfig.from_spec(tuned, steps=3)
+    assert (c.lr, c.clip_eps, c.sft_source, c.precision, c.steps) == (1e-3, 0.3, "self", "bf16-mixed", 3)
+    # a spec without a precision field whose weights load in bf16 trains them in bf16
+    r = TrainConfig.from_spec(RetentionSpec(dtype="bfloat16", steps=7))
+    assert r.precision == "bf16" and r.steps == 7 and r.batch == 16
+
+
+def test_requires_grad_restored_when_training_fails() -> None:
+    model = tiny_model("qwen3")
+    names = [n for n, _ in model.named_parameters()]
+    model.get_parameter(names[1]).requires_grad_(False)  # the mask trains it: True during training
+
+    class Boom:
+        def examples(self, *a, **k):
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        train(model, char_tokenizer(), Boom(), _cfg("sft"), mask=_random_mask(model, 0.5), evaluate=False)
+    # names[0] was frozen by the mask (all False), names[1] unfrozen: both back as they were
+    assert [p.requires_grad for p in model.parameters()] == [n != names[1] for n in names]
+
+
 def _cfg(algo: str, **kw) -> TrainConfig:
     base = dict(algo=algo, steps=2, batch=2, group=3, max_new_tokens=4, eval_prompts=4,
                 lr=1e-2, weight_decay=0.1, eval_max_new_tokens=4)

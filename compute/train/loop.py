@@ -1,0 +1,203 @@
+"""The training loop: any objective (compute.train.objectives), the mask-aware optimizer, the
+gradient sums, the evaluation before and after. Algorithm-specific work is in the objectives.
+
+Prompts of step s are train-split items s*batch .. (s+1)*batch-1 of task.examples(seed=seed);
+sampling is seeded by (seed, step), so a masked and a full run with the same config see the same
+prompts and (until the policies diverge) the same random numbers.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from compute.results import Progress, null_progress
+from compute.train.config import TrainConfig
+from compute.train.objectives import Batch, Objective, make_objective
+from compute.train.optimizers import (
+    MaskedOptimizer,
+    clip_grad_norm,
+    mask_gradients,
+    prepare_masked_params,
+    prepare_precision,
+    stored_dtype,
+)
+
+Params = list[tuple[str, torch.nn.Parameter, torch.Tensor | None]]
+GradHook = Callable[[int, Params], None]
+
+
+@dataclass
+class TrainResult:
+    curve: list[dict[str, float]]  # one row per step: reward, loss, grad_norm, ... (+ accuracy)
+    accuracy_before: float
+    accuracy_after: float
+    settings: dict[str, Any]
+    seconds: float
+    trainable_fraction: float
+    updates: int = 0  # optimizer updates taken (steps x inner steps, minus skipped steps)
+    # with config.track_gradients: per coordinate sum over updates of g^2 and of |g|, where g is
+    # the masked, unclipped gradient of the training loss (float32, CPU)
+    grad_sq_sum: dict[str, torch.Tensor] | None = None
+    grad_abs_sum: dict[str, torch.Tensor] | None = None
+
+
+class _Step:
+    """One optimizer update of an objective on a batch: backward, mask, gradient sums, hook,
+    clip, step. Holds what stays fixed over the run."""
+
+    def __init__(self, model: torch.nn.Module, params: Params, config: TrainConfig,
+                 grad_hook: GradHook | None):
+        c = config
+        self.params, self.clip, self.hook = params, c.grad_clip, grad_hook
+        self.opt = MaskedOptimizer(params, c.optimizer, c.lr, c.weight_decay, (c.beta1, c.beta2),
+                                   c.adam_eps, c.momentum)
+        self.updates = 0
+        self.sq: dict[str, torch.Tensor] | None = None
+        self.abs: dict[str, torch.Tensor] | None = None
+        if c.track_gradients:  # one float32 buffer each, for every parameter (frozen ones stay 0)
+            self.sq = {n: torch.zeros(p.shape, dtype=torch.float32, device=p.device)
+                       for n, p in model.named_parameters()}
+            self.abs = {n: torch.zeros_like(t) for n, t in self.sq.items()}
+
+    def __call__(self, objective: Objective, model: torch.nn.Module, batch: Batch, step: int) -> dict[str, float]:
+        self.opt.zero_grad()
+        loss, stats = objective.loss(model, batch)
+        loss.backward()
+        mask_gradients(self.params)
+        if self.sq is not None and self.abs is not None:
+            with torch.no_grad():
+                for n, p, _m in self.params:
+                    if p.grad is not None:
+                        g = p.grad.detach().float()
+                        self.sq[n].addcmul_(g, g)
+                        self.abs[n].add_(g.abs())
+        self.updates += 1
+        if self.hook is not None:
+            self.hook(step, self.params)
+        grad_norm = clip_grad_norm(self.params, self.clip)
+        self.opt.step()
+        return {"grad_norm": grad_norm, "loss": float(loss.detach()), **{k: float(v) for k, v in stats.items()}}
+
+
+def train(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    task: Any,
+    config: TrainConfig,
+    mask: Mapping[str, torch.Tensor] | None = None,
+    teacher: torch.nn.Module | None = None,
+    teacher_tokenizer: Any = None,
+    progress: Progress | None = None,
+    evaluate: bool = True,
+    grad_hook: GradHook | None = None,
+) -> TrainResult:
+    """Train `model` in place on `task` with config.algo's objective; returns curves and accuracies.
+
+    mask: name -> bool (True = trainable); frozen coordinates stay bit-identical. grad_hook(step,
+    params) sees the masked, unclipped gradients before each optimizer step. Each parameter's
+    requires_grad is restored on return, also when training fails."""
+    progress = progress or null_progress
+    torch.manual_seed(config.seed)
+    prepare_precision(model, config.precision)
+    flags = {n: p.requires_grad for n, p in model.named_parameters()}
+    try:
+        objective = make_objective(config, model, tokenizer, task, teacher, teacher_tokenizer)
+        params = prepare_masked_params(model, mask)
+        update = _Step(model, params, config, grad_hook)
+        t0 = time.perf_counter()
+        before = _accuracy(model, tokenizer, task, config) if evaluate else math.nan
+        curve: list[dict[str, float]] = []
+        for step in range(config.steps):
+            model.train()
+            batch = objective.make_batch(model, step)
+            row: dict[str, float] = {"step": step + 1, **batch.metrics}
+            for _ in range(objective.updates if len(batch) else 0):  # no rows: nothing to learn
+                row.update(update(objective, model, batch, step))
+            if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < config.steps:
+                row["accuracy"] = _accuracy(model, tokenizer, task, config)
+            curve.append(row)
+            progress((step + 1) / config.steps, _message(row, step, config.steps, len(batch)))
+        model.eval()
+        after = _accuracy(model, tokenizer, task, config) if evaluate else math.nan
+    finally:
+        for n, p in model.named_parameters():
+            p.requires_grad_(flags[n])
+    return _result(model, config, mask, params, update, curve, before, after, time.perf_counter() - t0)
+
+
+def _accuracy(model: torch.nn.Module, tokenizer: Any, task: Any, config: TrainConfig) -> float:
+    from compute.models import greedy_accuracy
+
+    return greedy_accuracy(model, tokenizer, task, n=config.eval_prompts, split="test", seed=0,
+                           max_new_tokens=config.eval_max_new_tokens)
+
+
+def _message(row: dict[str, float], step: int, steps: int, rows: int) -> str:
+    if not rows:
+        return f"step {step + 1}/{steps}: no rewarded sample"
+    return f"step {step + 1}/{steps}" + (f" reward {row['reward']:.3f}" if "reward" in row else "")
+
+
+def _result(model: torch.nn.Module, config: TrainConfig, mask: Any, params: Params, update: _Step,
+            curve: list[dict[str, float]], before: float, after: float, seconds: float) -> TrainResult:
+    n_total = sum(p.numel() for p in model.parameters())
+    n_train = sum(int(m.sum()) if m is not None else p.numel() for _, p, m in params)
+    settings = asdict(config)
+    settings["masked"] = mask is not None
+    settings["compute_dtype"] = "bfloat16" if config.precision == "bf16" else "float32"
+    settings["stored_dtype"] = str(stored_dtype(config.precision)).replace("torch.", "")
+    settings["optimizer_state_dtype"] = "float32"
+    res = TrainResult(curve, before, after, settings, seconds, n_train / max(1, n_total), update.updates)
+    if update.sq is not None and update.abs is not None:
+        res.grad_sq_sum = {n: t.cpu() for n, t in update.sq.items()}
+        res.grad_abs_sum = {n: t.cpu() for n, t in update.abs.items()}
+    return res
+
+
+def save_output(
+    model: torch.nn.Module, tokenizer: Any, out_dir: str | Path, metrics: Mapping[str, Any],
+    precision: str = "fp32",
+) -> Path:
+    """Write the trained model + tokenizer (HF format) and metrics.json into out_dir.
+
+    precision 'bf16-mixed' / 'bf16' save the weights in bfloat16 (as published checkpoints are)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if precision != "fp32":
+        stored = copy.deepcopy(model).to(stored_dtype(precision))
+        stored.save_pretrained(out)
+        del stored
+    else:
+        model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    (out / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True, default=str))
+    return out
+
+
+def objective_gradient(
+    model: torch.nn.Module, tokenizer: Any, task: Any, config: TrainConfig,
+    teacher: torch.nn.Module | None = None,
+) -> dict[str, torch.Tensor]:
+    """|gradient| (float32, CPU) of the training objective on the first batch at the start
+    (for the 'gradient' mask selector). The model is not changed (a copy takes the step)."""
+    captured: dict[str, torch.Tensor] = {}
+
+    def hook(step: int, params: list[tuple[str, torch.nn.Parameter, torch.Tensor | None]]) -> None:
+        if step == 0 and not captured:
+            for n, p, _m in params:
+                g = p.grad
+                captured[n] = (g.detach().abs().float().cpu() if g is not None
+                               else torch.zeros(p.shape, dtype=torch.float32))
+
+    cfg = replace(config, steps=1)
+    train(copy.deepcopy(model), tokenizer, task, cfg, teacher=teacher, evaluate=False, grad_hook=hook)
+    return captured
