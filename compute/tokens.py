@@ -36,12 +36,12 @@ negative removed part means the tokens' sensitivities point apart and similarity
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from compute import tokens_measure as tm
 from compute.device import default_budget_mb
 from compute.naming import layer_index
 from compute.results import Progress
@@ -164,23 +164,6 @@ def scope_parameters(model: torch.nn.Module, layer: int | None) -> dict[str, tor
     return chosen
 
 
-def _chunks(params: Mapping[str, torch.Tensor], rows: int, budget_bytes: int) -> list[list[str]]:
-    """Groups of parameter names whose (rows x numel) float32 matrix fits the budget."""
-    out: list[list[str]] = []
-    cur: list[str] = []
-    size = 0
-    for n, p in params.items():
-        b = rows * p.numel() * 4
-        if cur and size + b > budget_bytes:
-            out.append(cur)
-            cur, size = [], 0
-        cur.append(n)
-        size += b
-    if cur:
-        out.append(cur)
-    return out
-
-
 def covered_tokens(probs: torch.Tensor, cfg: TokensConfig) -> tuple[list[int], bool]:
     """Token ids enumerated for the Fisher trace (most likely first) and whether that is all of V."""
     V = probs.numel()
@@ -206,25 +189,25 @@ def token_sets(probs: torch.Tensor, cfg: TokensConfig) -> tuple[list[int], list[
     return top, rnd, low
 
 
-def next_token_logits(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
-    """Logits (V,) at the last position of one context (1, L), with the graph kept."""
-    out = model(input_ids=input_ids, attention_mask=torch.ones_like(input_ids), use_cache=False)
-    return out.logits[0, -1]  # (V,)
-
-
 def token_mechanism(
     model: torch.nn.Module,
     input_ids: torch.Tensor,
     cfg: TokensConfig | None = None,
     keep_fisher: bool = False,
     progress: Progress | None = None,
+    method: str = "auto",
 ) -> TokensResult:
     """Sensitivities, cosine similarities and Fisher shares of the next tokens after one context.
 
     input_ids: (1, L) or (L,) long on the model's device. The model is used in eval mode (no
     dropout) and its parameters' .grad are left untouched (autograd.grad is used).
+    method: "auto" = the factored path (one vmapped backward over activations for all tokens,
+    checked against autograd's gbar; the per-token loop when it does not apply or keep_fisher),
+    "loop" = one backward per token (the reference).
     """
     cfg = cfg or TokensConfig()
+    if method not in ("auto", "loop"):
+        raise ValueError(f"method: got {method!r}; accepted: auto, loop")
     if input_ids.dim() == 1:
         input_ids = input_ids[None]
     if input_ids.shape[0] != 1 or input_ids.shape[1] < 1:
@@ -238,38 +221,26 @@ def token_mechanism(
     model.eval()
     try:
         with torch.enable_grad():
-            z = next_token_logits(model, input_ids).float()  # (V,)
+            z, calls = tm.forward(model, input_ids, params, method == "auto" and not keep_fisher)
             probs = torch.softmax(z.detach().double(), -1)  # (V,) float64
             covered, exact = covered_tokens(probs, cfg)
             top, rnd, low = token_sets(probs, cfg)
             display = list(dict.fromkeys([*top, *rnd, *low]))
-            union = list(dict.fromkeys([*covered, *display]))
             p_cov = probs[covered].to(torch.float64)  # (C,)
-            gbar_obj = (probs.to(z.dtype).detach() * z).sum()  # its gradient is gbar
-            if (len(union) + 1) * n_params * 4 <= budget:
-                # Everything in one (R, D) matrix: Gram of all rows, Fisher from the same rows.
-                mode = "gram"
-                rows = union
-                gram, tensor_fisher, pos_fisher, n_chunks = _gram(
-                    z, params, rows, gbar_obj, budget, progress, fisher=(covered, p_cov), keep_fisher=keep_fisher)
-                row = {v: i for i, v in enumerate(rows)}
-                deviation = _deviation(gram)
-                cov_idx = torch.tensor([row[v] for v in covered])
-                dev_cov = deviation[cov_idx]
-                gvv_cov = gram.diagonal()[cov_idx]
+            fast = (tm.measure_fast(z, probs, params, calls, covered, display, budget, progress)
+                    if calls is not None else "")
+            if isinstance(fast, tm.Measured):
+                m = fast
             else:
-                # Large scope: Fisher of the covered tokens by streaming one full gradient at a
-                # time (memory ~ 3 x scope), Gram of the displayed tokens by parameter chunks.
-                mode = "stream"
-                dev_cov, gvv_cov, tensor_fisher, pos_fisher = _stream_fisher(
-                    z, params, covered, p_cov, gbar_obj, keep_fisher, progress)
-                rows = display
-                gram, _, _, n_chunks = _gram(z, params, rows, gbar_obj, budget, progress)
-                row = {v: i for i, v in enumerate(rows)}
-                deviation = _deviation(gram)
+                m = tm.measure_loop(z, probs, params, covered, display, budget, keep_fisher,
+                                  progress)
+                m.note = fast
     finally:
         model.train(was_training)
 
+    gram, deviation, row = m.gram, m.deviation, {v: i for i, v in enumerate(m.rows)}
+    dev_cov, gvv_cov, tensor_fisher, pos_fisher = m.dev_cov, m.gvv_cov, m.tensor_fisher, m.pos_fisher
+    n_chunks, mode = m.n_chunks, m.mode
     R = gram.shape[0]
     gbar_sq = float(gram[R - 1, R - 1])
     trace = float((p_cov * dev_cov).sum())
@@ -315,101 +286,11 @@ def token_mechanism(
             "max_tokens": cfg.max_tokens, "memory_budget_mb": budget_mb,
             "parameter_chunks": n_chunks,
             "mode": mode,
+            **({"fast_path_skipped": m.note} if m.note else {}),
             "random_tokens_from": "uniform over tokens outside the top-k",
         },
         similarity=similarity,
     )
-
-
-def _deviation(gram: torch.Tensor) -> torch.Tensor:
-    """||g_v - gbar||^2 for each row of a Gram matrix whose last row/column is gbar. (R-1,)"""
-    R = gram.shape[0]
-    diag = gram.diagonal()[:-1]  # ||g_v||^2
-    cross = gram[:-1, R - 1]  # g_v . gbar
-    return (diag - 2 * cross + gram[R - 1, R - 1]).clamp_min(0.0)
-
-
-def _gram(
-    z: torch.Tensor, params: dict[str, torch.nn.Parameter], rows: list[int], gbar_obj: torch.Tensor,
-    budget: int, progress: Progress | None,
-    fisher: tuple[list[int], torch.Tensor] | None = None, keep_fisher: bool = False,
-) -> tuple[torch.Tensor, dict[str, float], dict[str, torch.Tensor], int]:
-    """Gram matrix (R+1, R+1) float64 of g_v for v in rows plus gbar (last), accumulated over
-    parameter chunks of at most `budget` bytes of (R+1, D_chunk) float32. With fisher=(ids, p),
-    ids a subset of rows, also the per-coordinate sum_v p_v (g_v - gbar)^2 per tensor."""
-    R = len(rows) + 1
-    pos = {v: i for i, v in enumerate(rows)}
-    gram = torch.zeros(R, R, dtype=torch.float64)
-    tensor_fisher: dict[str, float] = {}
-    pos_fisher: dict[str, torch.Tensor] = {}
-    chunks = _chunks(params, R, budget)
-    steps, done = len(chunks) * R, 0
-    for chunk in chunks:
-        inputs = [params[n] for n in chunk]
-        sizes = [p.numel() for p in inputs]
-        J = torch.empty(R, sum(sizes), dtype=torch.float32, device=z.device)  # (R, D_chunk)
-        for v in rows:
-            gs = torch.autograd.grad(z[v], inputs, retain_graph=True, allow_unused=True)
-            J[pos[v]] = _flat(gs, inputs)
-            done += 1
-            if progress and done % 8 == 0:
-                progress(done / steps, f"token sensitivities {done}/{steps}")
-        J[R - 1] = _flat(torch.autograd.grad(gbar_obj, inputs, retain_graph=True, allow_unused=True), inputs)
-        done += 1
-        gram += (J.double() @ J.double().T).cpu()
-        if fisher is not None:
-            ids, p_ids = fisher
-            idx = torch.tensor([pos[v] for v in ids], device=J.device)
-            dev = J[idx].double() - J[R - 1].double()  # (C, D_chunk)
-            f = (p_ids.to(J.device)[:, None] * dev.pow(2)).sum(0)  # (D_chunk,)
-            for n, part, p in zip(chunk, torch.split(f, sizes), inputs, strict=True):
-                tensor_fisher[n] = float(part.sum())
-                if keep_fisher:
-                    pos_fisher[n] = part.float().view_as(p).cpu()
-            del dev, f
-        del J
-    return gram, tensor_fisher, pos_fisher, len(chunks)
-
-
-def _stream_fisher(
-    z: torch.Tensor, params: dict[str, torch.nn.Parameter], covered: list[int], p_cov: torch.Tensor,
-    gbar_obj: torch.Tensor, keep_fisher: bool, progress: Progress | None,
-) -> tuple[torch.Tensor, torch.Tensor, dict[str, float], dict[str, torch.Tensor]]:
-    """||g_v - gbar||^2 and ||g_v||^2 for each covered token (C,) and F = sum_v p_v (g_v - gbar)^2
-    per tensor, one full gradient at a time (gbar, F and one gradient in memory)."""
-    names = list(params)
-    inputs = [params[n] for n in names]
-    gbar = [g.float() if g is not None else torch.zeros_like(p, dtype=torch.float32)
-            for g, p in zip(torch.autograd.grad(gbar_obj, inputs, retain_graph=True, allow_unused=True),
-                            inputs, strict=True)]
-    F = [torch.zeros_like(g) for g in gbar]
-    dev_cov = torch.zeros(len(covered), dtype=torch.float64)
-    gvv_cov = torch.zeros(len(covered), dtype=torch.float64)
-    for j, v in enumerate(covered):
-        gs = torch.autograd.grad(z[v], inputs, retain_graph=True, allow_unused=True)
-        pv = float(p_cov[j])
-        total, norm = 0.0, 0.0
-        for t, (g, gb) in enumerate(zip(gs, gbar, strict=True)):
-            gv = g.float() if g is not None else torch.zeros_like(gb)
-            d = gv - gb
-            total += float(d.double().pow(2).sum())
-            norm += float(gv.double().pow(2).sum())
-            F[t].add_(d.pow(2), alpha=pv)
-        dev_cov[j] = total
-        gvv_cov[j] = norm
-        if progress and j % 8 == 0:
-            progress(j / max(1, len(covered)), f"Fisher over covered tokens {j}/{len(covered)}")
-    tensor_fisher = {n: float(f.double().sum()) for n, f in zip(names, F, strict=True)}
-    pos_fisher = {n: f.cpu() for n, f in zip(names, F, strict=True)} if keep_fisher else {}
-    return dev_cov, gvv_cov, tensor_fisher, pos_fisher
-
-
-def _flat(grads: tuple[torch.Tensor | None, ...], inputs: list[torch.Tensor]) -> torch.Tensor:
-    """Concatenate gradients (None = zero, e.g. a parameter the logit does not depend on)."""
-    return torch.cat([
-        (g if g is not None else torch.zeros_like(p)).reshape(-1).float()
-        for g, p in zip(grads, inputs, strict=True)
-    ])
 
 
 def encode_context(tokenizer: Any, context: str, device: torch.device | str = "cpu") -> torch.Tensor:

@@ -113,9 +113,12 @@ def test_layer_scope_and_chunking_agree() -> None:
     assert full.fisher_trace == pytest.approx(float(F.sum()), rel=1e-5)
     # a tiny memory budget splits the parameters into many chunks: same numbers
     # a tiny memory budget: streamed Fisher, Gram over many parameter chunks; same numbers
-    small = token_mechanism(model, ids, TokensConfig(top_k=4, layer=1, memory_budget_mb=0.01))
-    assert small.settings["mode"] == "stream" and full.settings["mode"] == "gram"
-    assert small.settings["parameter_chunks"] > 3 and full.settings["parameter_chunks"] == 1
+    small = token_mechanism(model, ids, TokensConfig(top_k=4, layer=1, memory_budget_mb=0.01),
+                            method="loop")
+    loop = token_mechanism(model, ids, TokensConfig(top_k=4, layer=1), method="loop")
+    assert small.settings["mode"] == "stream" and loop.settings["mode"] == "gram"
+    assert full.settings["mode"] == "factored"
+    assert small.settings["parameter_chunks"] > 3 and loop.settings["parameter_chunks"] == 1
     assert small.fisher_trace == pytest.approx(full.fisher_trace, rel=1e-6)
     for a, b in ((small.top, full.top), (small.random, full.random), (small.low, full.low)):
         assert a.ids == b.ids
@@ -285,3 +288,69 @@ def test_zoo_tokens(zoo_home, monkeypatch) -> None:
     assert s["top_tokens"][0]["prob"] >= s["top_tokens"][-1]["prob"]
     assert {r["token"] for r in s["top_tokens"]} & set("0123456789")  # digits follow "="
     assert -1.0 <= s["mean_cosine_top"] <= 1.0
+
+
+def _assert_same_result(a, b, rel: float = 1e-5) -> None:
+    """Two TokensResults agree (float tolerance): sets, cosines, contributions, Fisher."""
+    assert a.covered_ids == b.covered_ids and a.exact == b.exact
+    assert a.fisher_trace == pytest.approx(b.fisher_trace, rel=rel)
+    assert a.gbar_norm == pytest.approx(b.gbar_norm, rel=rel)
+    for x, y in ((a.top, b.top), (a.random, b.random), (a.low, b.low)):
+        assert x.ids == y.ids
+        torch.testing.assert_close(x.cosine, y.cosine, rtol=rel, atol=1e-6)
+        assert x.contrib == pytest.approx(y.contrib, rel=rel, abs=1e-12)
+        assert x.deviation == pytest.approx(y.deviation, rel=rel, abs=1e-12)
+        assert x.grad_norm == pytest.approx(y.grad_norm, rel=rel, abs=1e-12)
+    assert a.tensor_fisher == pytest.approx(b.tensor_fisher, rel=rel, abs=1e-10 * b.fisher_trace)
+    for k, v in b.similarity.items():
+        if isinstance(v, float):
+            assert a.similarity[k] == pytest.approx(v, rel=rel, abs=1e-9 * b.fisher_trace), k
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gpt2"])  # gpt2: tied embeddings, Conv1D
+@pytest.mark.parametrize("cfg", [
+    TokensConfig(top_k=4, random_k=3, low_k=2),
+    TokensConfig(top_k=3, full_vocab_max=4, mass_target=0.8, max_tokens=50),  # not enumerated
+    TokensConfig(top_k=4, layer=1),
+])
+def test_factored_path_equals_the_per_token_loop(arch: str, cfg: TokensConfig) -> None:
+    model = _model(arch)
+    ids = torch.tensor([[3, 5, 7, 2]])
+    fast = token_mechanism(model, ids, cfg)
+    loop = token_mechanism(model, ids, cfg, method="loop")
+    assert fast.settings["mode"] == "factored" and "fast_path_skipped" not in fast.settings
+    assert loop.settings["mode"] == "gram"
+    _assert_same_result(fast, loop)
+
+
+class _DoubledHead(torch.nn.Linear):
+    """A head whose weight is transformed inside forward: the factors (C^T x) do not model it."""
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, 2 * self.weight)
+
+
+def test_factored_path_falls_back_when_autograd_disagrees() -> None:
+    model = _model("qwen3")
+    head = _DoubledHead(16, VOCAB, bias=False)
+    head.weight = model.lm_head.weight
+    model.lm_head = head
+    ids = torch.tensor([[3, 5, 7, 2]])
+    res = token_mechanism(model, ids, TokensConfig(top_k=4))
+    assert res.settings["mode"] == "gram"
+    assert "lm_head.weight" in res.settings["fast_path_skipped"]
+    _assert_same_result(res, token_mechanism(model, ids, TokensConfig(top_k=4), method="loop"))
+
+
+def test_factored_path_equals_the_loop_on_a_zoo_model(zoo_home) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = zoo_home / "zoo" / "arith-base"
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(path)
+    ids = torch.tensor([tok("12+34=")["input_ids"]])
+    for cfg in (TokensConfig(top_k=4, random_k=4, low_k=4),
+                TokensConfig(top_k=3, full_vocab_max=4, mass_target=0.9, max_tokens=6)):
+        fast = token_mechanism(model, ids, cfg)
+        assert fast.settings["mode"] == "factored"
+        _assert_same_result(fast, token_mechanism(model, ids, cfg, method="loop"))
