@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,7 +37,6 @@ from typing import Any
 import torch
 
 from compute.masks import group_key
-from compute.naming import layer_index, module_type
 from compute.results import Progress
 
 ATOLS = (1e-8, 1e-7, 1e-6, 1e-5, 1e-4)
@@ -309,13 +308,7 @@ def diff_checkpoints(
     check_same_architecture(src_b, src_t)
     names = src_b.names()
     if fisher is not None:
-        missing = [n for n in sorted(fisher) if n not in set(names)]
-        if missing:
-            raise ValueError(f"fisher: parameter {missing[0]!r} is not in the checkpoints")
-        for n in sorted(fisher):
-            if tuple(fisher[n].shape) != tuple(src_b.shape(n)):
-                raise ValueError(f"fisher: parameter {n!r} has shape {list(fisher[n].shape)} "
-                                 f"but {list(src_b.shape(n))} in the checkpoints")
+        _check_fisher_fits(fisher, src_b, names)
     per_tensor: dict[str, dict[str, float]] = {}
     raw: dict[str, dict[str, float]] = {}
     skipped: dict[str, str] = {}
@@ -339,6 +332,33 @@ def diff_checkpoints(
             base_w[n] = tb
         if keep_delta:
             deltas[n] = delta
+    groups = _group_fractions(raw)
+    fisher_res = None
+    if fisher is not None:
+        if progress:
+            progress(0.92, "Fisher vs |delta| overlap")
+        fisher_res = fisher_vs_delta(fisher, abs_delta, topk_percent)
+        fisher_res["changed_by_weight_binade"] = fisher_auc_by_weight_binade(
+            fisher, {n: d > 0 for n, d in abs_delta.items()}, base_w)
+    settings = _diff_settings(svd_max_numel, topk_percent)
+    return DiffResult(per_tensor, groups, skipped, fisher_res, deltas if keep_delta else None, settings)
+
+
+def _check_fisher_fits(fisher: Mapping[str, torch.Tensor], src: Any, names: list[str]) -> None:
+    """ValueError naming the first Fisher tensor that is not in the checkpoints or has another
+    shape there."""
+    missing = [n for n in sorted(fisher) if n not in set(names)]
+    if missing:
+        raise ValueError(f"fisher: parameter {missing[0]!r} is not in the checkpoints")
+    for n in sorted(fisher):
+        if tuple(fisher[n].shape) != tuple(src.shape(n)):
+            raise ValueError(f"fisher: parameter {n!r} has shape {list(fisher[n].shape)} "
+                             f"but {list(src.shape(n))} in the checkpoints")
+
+
+def _group_fractions(raw: Mapping[str, dict[str, float]]) -> dict[str, dict[str, dict[str, float]]]:
+    """grouping -> group -> fractions, from the per-tensor counts summed over the group
+    (max_abs: the maximum)."""
     groups: dict[str, dict[str, dict[str, float]]] = {}
     for grouping in GROUPINGS:
         acc: dict[str, dict[str, float]] = {}
@@ -350,14 +370,12 @@ def diff_checkpoints(
                 elif k == "max_abs":
                     a[k] = max(a.get(k, 0.0), v)
         groups[grouping] = {g: _fractions(c) for g, c in acc.items()}
-    fisher_res = None
-    if fisher is not None:
-        if progress:
-            progress(0.92, "Fisher vs |delta| overlap")
-        fisher_res = fisher_vs_delta(fisher, abs_delta, topk_percent)
-        fisher_res["changed_by_weight_binade"] = fisher_auc_by_weight_binade(
-            fisher, {n: d > 0 for n, d in abs_delta.items()}, base_w)
-    settings = {
+    return groups
+
+
+def _diff_settings(svd_max_numel: int, topk_percent: float) -> dict[str, Any]:
+    """The conventions a diff result was computed with (stored with it, shown in reports)."""
+    return {
         "atols": list(ATOLS),
         "rel_tols": list(REL_TOLS),
         "rel_tol_reference": "rms of the base tensor",
@@ -375,7 +393,6 @@ def diff_checkpoints(
         "energy_top_percent": list(ENERGY_TOP_PERCENT),
         "topk_percent": topk_percent,
     }
-    return DiffResult(per_tensor, groups, skipped, fisher_res, deltas if keep_delta else None, settings)
 
 
 def fisher_vs_delta(fisher: Mapping[str, torch.Tensor], abs_delta: Mapping[str, torch.Tensor],
@@ -401,12 +418,6 @@ def fisher_vs_delta(fisher: Mapping[str, torch.Tensor], abs_delta: Mapping[str, 
     else:
         res["changed"] = {"n_changed": n_changed, "auc": float("nan"), "precision_at_n_changed": float("nan")}
     return res
-
-
-def iter_rows(result: DiffResult) -> Iterator[tuple[str, int | None, str, dict[str, float]]]:
-    """(param, layer, module, values) per tensor."""
-    for n, v in result.per_tensor.items():
-        yield n, layer_index(n), module_type(n), v
 
 
 def fisher_auc_by_weight_binade(

@@ -12,11 +12,9 @@ from typing import Any
 
 import torch
 
-from compute.device import DTYPES, resolve_device, resolve_dtype
+# every device/dtype decision lives in compute.device (resolve_dtype is re-exported for callers)
+from compute.device import resolve_device, resolve_dtype
 from compute.modelref import is_hub_id, resolve_model
-
-# every device/dtype decision lives in compute.device; re-exported here for existing callers
-_DTYPES = DTYPES
 
 
 def _offline() -> bool:

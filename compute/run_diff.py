@@ -61,6 +61,24 @@ def run(spec: DiffSpec, progress: Any = null_progress) -> JobResult:
                            progress=progress)
     progress(0.95, "summarising")
     g = res.groups["global"]["all"]
+    summary = _summary(spec, res)
+    heatmaps: list[Heatmap] = []
+    if res.fisher is not None:
+        summary.update(_fisher_summary(spec, res.fisher))
+        heatmaps += _fisher_heatmaps(res.fisher, spec.topk_percent)
+    heatmaps += _sparsity_heatmaps(res)
+    series = [SeriesPoint("unchanged/atol", a, g[f"unchanged_atol_{a:g}"]) for a in ATOLS]
+    series += [SeriesPoint("unchanged/atol_bf16delta", a, g[f"unchanged_bf16delta_atol_{a:g}"]) for a in ATOLS]
+    series += [SeriesPoint("unchanged/rel_rms", r, g[f"unchanged_rel_{r:g}"]) for r in REL_TOLS]
+    tensors = {"delta": res.delta} if res.delta is not None else {}
+    progress(1.0, "done")
+    return JobResult(kind="diff", summary=summary, layer_stats=_layer_rows(res), heatmaps=heatmaps,
+                     series=series, tensors=tensors)
+
+
+def _summary(spec: DiffSpec, res: Any) -> dict[str, Any]:
+    """The key numbers of a diff: update sparsity at every threshold, per module, ranks."""
+    g = res.groups["global"]["all"]
     summary: dict[str, Any] = {
         "base": spec.base,
         "tuned": spec.tuned,
@@ -85,51 +103,68 @@ def run(spec: DiffSpec, progress: Any = null_progress) -> JobResult:
     ranks = [(n, v) for n, v in res.per_tensor.items() if "rank" in v]
     if ranks:
         summary["mean_relative_rank"] = sum(v["rank"] / v["rank_max"] for _, v in ranks) / len(ranks)
-    heatmaps: list[Heatmap] = []
-    if res.fisher is not None:
-        fr = res.fisher
-        gl = fr["global"]["all"]
-        summary["overlap"] = _overlap_rows(fr, spec.topk_percent)
-        summary["fisher"] = spec.fisher
-        summary["precision_at_k"] = gl["precision_at_k"]
-        summary["auc"] = gl["auc"]
-        summary["jaccard"] = gl["jaccard"]
-        summary["jaccard_random"] = gl["jaccard_baseline"]
-        summary["spearman"] = gl["spearman"]
-        summary["changed_auc"] = fr["changed"]["auc"]
-        summary["changed_precision"] = fr["changed"]["precision_at_n_changed"]
-        summary["changed_auc_within_weight_binades"] = fr["changed_by_weight_binade"]["pooled_auc"]
-        summary["changed_auc_by_weight_binade"] = fr["changed_by_weight_binade"]["bins"]
-        summary["overlap_settings"] = fr["settings"]
-        for metric in ("jaccard_lift", "auc", "precision_at_k"):
-            cells = fr["layer_module"]
-            layers = sorted({k.split("/")[0] for k in cells}, key=_layer_sort)
-            mods = []
-            for k in cells:
-                if k.split("/")[1] not in mods:
-                    mods.append(k.split("/")[1])
-            z = [[_finite(cells[f"{lay}/{m}"][metric]) if f"{lay}/{m}" in cells else None for m in mods]
-                 for lay in layers]
-            heatmaps.append(Heatmap(name=f"fisher_vs_delta_{metric}", x_labels=mods, y_labels=layers, z=z,
-                                    meta={"x_title": "module type", "y_title": "layer",
-                                          "units": metric, "topk_percent": spec.topk_percent}))
+    return summary
+
+
+def _fisher_summary(spec: DiffSpec, fr: dict[str, Any]) -> dict[str, Any]:
+    """Fisher vs |delta|: overlap rows, global metrics, AUC for "changed" within weight binades."""
+    gl = fr["global"]["all"]
+    return {
+        "overlap": _overlap_rows(fr, spec.topk_percent),
+        "fisher": spec.fisher,
+        "precision_at_k": gl["precision_at_k"],
+        "auc": gl["auc"],
+        "jaccard": gl["jaccard"],
+        "jaccard_random": gl["jaccard_baseline"],
+        "spearman": gl["spearman"],
+        "changed_auc": fr["changed"]["auc"],
+        "changed_precision": fr["changed"]["precision_at_n_changed"],
+        "changed_auc_within_weight_binades": fr["changed_by_weight_binade"]["pooled_auc"],
+        "changed_auc_by_weight_binade": fr["changed_by_weight_binade"]["bins"],
+        "overlap_settings": fr["settings"],
+    }
+
+
+def _fisher_heatmaps(fr: dict[str, Any], topk_percent: float) -> list[Heatmap]:
+    """layer x module heatmaps of the Fisher-vs-|delta| metrics."""
+    cells = fr["layer_module"]
+    layers = sorted({k.split("/")[0] for k in cells}, key=_layer_sort)
+    mods: list[str] = []
+    for k in cells:
+        if k.split("/")[1] not in mods:
+            mods.append(k.split("/")[1])
+    out = []
+    for metric in ("jaccard_lift", "auc", "precision_at_k"):
+        z = [[_finite(cells[f"{lay}/{m}"][metric]) if f"{lay}/{m}" in cells else None for m in mods]
+             for lay in layers]
+        out.append(Heatmap(name=f"fisher_vs_delta_{metric}", x_labels=mods, y_labels=layers, z=z,
+                           meta={"x_title": "module type", "y_title": "layer",
+                                 "units": metric, "topk_percent": topk_percent}))
+    return out
+
+
+def _sparsity_heatmaps(res: Any) -> list[Heatmap]:
+    """Unchanged fraction per layer x module at each threshold, and per layer across thresholds."""
     numel = {n: v["numel"] for n, v in res.per_tensor.items()}
+    out = []
     for lab in threshold_labels():
         key = f"unchanged_{lab}"
-        heatmaps.append(layer_module_heatmap(
+        out.append(layer_module_heatmap(
             f"update_sparsity_{lab}", {n: (v[key] * numel[n], numel[n]) for n, v in res.per_tensor.items()},
             {"units": "unchanged fraction", "zmin": 0.0, "zmax": 1.0, **_threshold_meta(lab)},
         ))
     layers = sorted(res.groups["layer"], key=_layer_sort)
-    heatmaps.append(Heatmap(
+    out.append(Heatmap(
         name="threshold_profile", x_labels=threshold_labels(), y_labels=layers,
         z=[[res.groups["layer"][lay][f"unchanged_{lab}"] for lab in threshold_labels()] for lay in layers],
         meta={"x_title": "threshold", "y_title": "layer", "units": "unchanged fraction",
               "zmin": 0.0, "zmax": 1.0},
     ))
-    series = [SeriesPoint("unchanged/atol", a, g[f"unchanged_atol_{a:g}"]) for a in ATOLS]
-    series += [SeriesPoint("unchanged/atol_bf16delta", a, g[f"unchanged_bf16delta_atol_{a:g}"]) for a in ATOLS]
-    series += [SeriesPoint("unchanged/rel_rms", r, g[f"unchanged_rel_{r:g}"]) for r in REL_TOLS]
+    return out
+
+
+def _layer_rows(res: Any) -> list[LayerStat]:
+    """One row per tensor, then one per layer x module group."""
     rows = [LayerStat(param=n, module=module_type(n), layer=layer_index(n),
                       values={k: float(v) for k, v in vals.items()})
             for n, vals in res.per_tensor.items()]
@@ -137,7 +172,4 @@ def run(spec: DiffSpec, progress: Any = null_progress) -> JobResult:
         lay, mod = key.split("/")
         rows.append(LayerStat(param="", module=mod, layer=None if lay == "-" else int(lay),
                               values={k: float(v) for k, v in vals.items()}, group="layer_module"))
-    tensors = {"delta": res.delta} if res.delta is not None else {}
-    progress(1.0, "done")
-    return JobResult(kind="diff", summary=summary, layer_stats=rows, heatmaps=heatmaps, series=series,
-                     tensors=tensors)
+    return rows
