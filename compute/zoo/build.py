@@ -11,6 +11,7 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,6 @@ import torch
 
 from compute.modelref import ZOO_NAMES, file_sha256, folder_revision
 from compute.models import greedy_generate
-from compute.results import Progress
 from compute.tasks import get_task
 from compute.zoo.folders import INFO_FILE, is_built, save
 from compute.zoo.recipe import FAMILIES, ZooRecipe, build_model, family_of
@@ -71,7 +71,9 @@ def _check_build_args(
 def build_zoo(
     zoo_dir: str | Path,
     names: list[str] | tuple[str, ...] | None = None,
-    progress: Progress | None = None,
+    # any f(fraction, message): compute.results.Progress is a nominal class a plain function
+    # (the CLI's progress bar) is not an instance of
+    progress: Callable[[float, str], None] | None = None,
     seed: int = 0,
     force: bool = True,
     recipe: ZooRecipe | None = None,
@@ -109,7 +111,7 @@ def _train_families(
     zoo_dir: Path,
     todo: list[str],
     results: dict[str, Any],
-    report: Progress,
+    report: Callable[[float, str], None],
     seed: int,
     recipe: ZooRecipe | None,
 ) -> None:
@@ -149,7 +151,9 @@ def _cpu_capability() -> str:
 class _SFTRun:
     """One family's SFT run: the model, its optimiser, the SFT pool and the validation set."""
 
-    def __init__(self, zoo_dir: Path, recipe: ZooRecipe, seed: int, report: Progress):
+    def __init__(
+        self, zoo_dir: Path, recipe: ZooRecipe, seed: int, report: Callable[[float, str], None]
+    ):
         self.t0, self.c0 = time.perf_counter(), time.process_time()
         self.zoo_dir, self.recipe, self.seed, self.report = zoo_dir, recipe, seed, report
         self.task = get_task(ZOO_TASK)
