@@ -87,9 +87,13 @@ def component(d: FieldDesc, *, blank: bool = False, value: Any = None, **kw: Any
     if value is None:
         value = None if blank else d.default
     kw = {"label": d.label, "info": d.info, "elem_id": f"{d.kind}-{d.name.replace('_', '-')}", **kw}
+    if d.widget in ("int", "float") and value is None:
+        # a blank number is text: a mounted gr.Number sends 0 for "empty", which is not "the default"
+        hint = "blank = none" if d.default is None else f"blank = {d.default}"
+        return gr.Textbox("", placeholder=hint, **kw)
     if d.widget in ("int", "float"):
         # no precision: a fraction for an int field reaches the spec check (never rounded)
-        return gr.Number(value, placeholder=None if d.default is None else f"default {d.default}", **kw)
+        return gr.Number(value, **kw)
     if d.widget == "bool":
         return gr.Checkbox(bool(value if value is not None else d.default), **kw)
     if d.widget == "choice":
@@ -159,11 +163,14 @@ def clean_spec(values: dict[str, Any]) -> dict[str, Any]:
 
 def form_data(kind: str, names: list[str], values: tuple[Any, ...] | list[Any]) -> dict[str, Any]:
     """The spec dict of a submitted form (`names[i]` holds `values[i]`): comma lists parsed,
-    blanks dropped. Raises SpecError (naming the field) for text that is not a number list."""
+    blanks dropped. Raises SpecError (naming the field) for text that is not a number (list)."""
     data: dict[str, Any] = {}
     for name, value in zip(names, values, strict=True):
-        if describe(kind, name).widget == "floats":
+        widget = describe(kind, name).widget
+        if widget == "floats":
             value = parse_float_list(value, name)
+        elif widget in ("int", "float") and isinstance(value, str):  # a blank-able number box
+            value = opt_number(value, name, integer=widget == "int")
         data[name] = value
     return clean_spec(data)
 

@@ -154,7 +154,8 @@ def _wire_forms(demo: gr.Blocks, settings: Any, p: Page, built: list[Form], kt: 
 def _wire_tabs(settings: Any, p: Page, rt: result.ResultTab, jt: jobs.JobsTab, kt: tokens.TokensTab,
                ct: compare.CompareTab, mt: models.ModelsTab) -> None:
     """The result tab's buttons, the jobs tab, compare, models, and the one poll per tick."""
-    rt.pick.input(result.pick_result, inputs=rt.pick, outputs=p.view_token, **FAST)
+    rt.pick.input(bind(result.pick_view, settings), inputs=[rt.pick, p.readonly],
+                  outputs=[p.view_token, *result.outputs(rt, p.url_box, p.view_sig)], **FAST)
     rt.refresh.click(bind(result.result_choices, settings), inputs=p.view_token, outputs=rt.pick, **FAST)
     rt.copy.click(None, inputs=rt.share, js=COPY_JS)
     rt.cancel.click(bind(result.cancel_current, settings), inputs=p.view_token, outputs=rt.note)

@@ -150,8 +150,10 @@ def result_choices(settings: Any, token: str) -> Any:
     return gr.Dropdown(choices=choices, value=token if token in {c[1] for c in choices} else None)
 
 
-def pick_result(token: str | None) -> str:
-    return token or ""
+def pick_view(settings: Any, token: str | None, readonly: bool) -> list[Any]:
+    """A result picked in the dropdown: the new view token and its view in one round trip (the
+    token's change event then finds the view already drawn)."""
+    return [token or "", *result_view(settings, token or "", "", readonly, force=True)]
 
 
 def cancel_current(settings: Any, token: str) -> str:

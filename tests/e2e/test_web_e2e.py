@@ -217,8 +217,8 @@ def test_token_explorer_runs_a_job_and_clicking_a_token_extends_the_context(brow
                            "#tokens-context input'); return i && i.value === '12+34='; }")
     page.wait_for_timeout(500)
     page.click("#tokens-submit")
-    page.wait_for_selector("#tokens-bars .js-plotly-plot", timeout=JOB_TIMEOUT_MS)
-    bars = _plot_data(page, "#tokens-bars")
+    page.wait_for_selector("#tokens-fig-0 .js-plotly-plot", timeout=JOB_TIMEOUT_MS)
+    bars = _plot_data(page, "#tokens-fig-0")  # the stored figures: next tokens first
     assert bars["type"] == "bar" and len(bars["x"]) >= 2 and 0 < sum(bars["y"]) <= 1 + 1e-6
     first = page.locator("#tokens-choice label").first
     token_label = first.inner_text()

@@ -49,9 +49,11 @@ def test_every_spec_field_gets_an_input_with_the_spec_default_and_range(kind):
         for op, v in bounds.items():  # the hint states every declared bound
             assert f"{dict(ge='>=', gt='>', le='<=', lt='<')[op]} {v}" in d.info, (kind, name, d.info)
         comp = forms.component(d)
-        if d.widget in ("int", "float"):
+        if d.widget in ("int", "float") and d.default is not None:
             assert isinstance(comp, gr.Number) and comp.precision is None  # never rounded
             assert comp.value == d.default
+        elif d.widget in ("int", "float"):  # blank means "not given": text (a Number sends 0)
+            assert isinstance(comp, gr.Textbox) and comp.value == ""
         elif d.widget == "choice":
             assert isinstance(comp, gr.Dropdown)
             values = [c[1] for c in comp.choices]
@@ -71,6 +73,15 @@ def test_default_forms_submit_valid_specs_and_blank_advanced_fields_mean_the_def
     with pytest.raises(SpecError) as err:
         forms.form_data("sweep", names, ["arith-base", "1e-4, x", [], None])
     assert err.value.errors[0]["field"] == "lrs"
+    # blank-able number boxes: blank -> the default, text -> a number, else an error naming the field
+    names = ["model", "mask_density", "fisher_prompts"]
+    assert forms.form_data("train", names, ["m", " ", "64"]) == {"model": "m", "fisher_prompts": 64}
+    with pytest.raises(SpecError) as err:
+        forms.form_data("train", names, ["m", "a lot", ""])
+    assert err.value.errors == [{"field": "mask_density", "message": "got 'a lot'; give a number or leave it blank"}]
+    with pytest.raises(SpecError) as err:
+        forms.form_data("train", names, ["m", "", "1.5"])
+    assert err.value.errors[0]["field"] == "fisher_prompts"
 
 
 def test_out_of_range_form_value_is_refused_naming_the_field_and_both_ends():
