@@ -13,6 +13,7 @@ from fastapi.testclient import TestClient
 
 from compute.contract.settings import Settings
 from compute.results import Heatmap, JobResult, LayerStat, SeriesPoint
+from tests.pg import pg_schema_url
 
 
 def _hf_folder(path: Path, layers: int = 2) -> Path:
@@ -284,11 +285,7 @@ def test_ids_out_of_range_are_404_not_500(env, job_id):
 
 @pytest.mark.postgres
 def test_ids_out_of_range_are_404_on_postgresql(tmp_path):
-    from tests.unit.test_storage import _pg_schema_url
-
-    gen = _pg_schema_url()
-    url = next(gen)
-    try:
+    with pg_schema_url() as url:
         _hf_folder(tmp_path / "zoo" / "arith-base")
         settings = Settings(fisherlens_home=tmp_path, database_url=url, redis_url=None)
         from app.web import create_app
@@ -297,8 +294,6 @@ def test_ids_out_of_range_are_404_on_postgresql(tmp_path):
         for url_ in ("/api/jobs/2147483648", "/api/jobs/2147483648/cancel", "/api/jobs/2147483648/rerun"):
             r = client.get(url_) if url_.count("/") == 3 else client.post(url_)
             assert r.status_code == 404, (url_, r.status_code, r.text)
-    finally:
-        gen.close()
 
 
 def test_over_long_names_and_paths_are_422_without_server_paths(env):

@@ -10,8 +10,6 @@ queue 429, with nothing queued. Without it (the embedded default) nothing needs 
 from __future__ import annotations
 
 import json
-import os
-import secrets
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,48 +17,13 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 from fastapi.testclient import TestClient
-from sqlalchemy import text
 
 from compute.contract.settings import Settings
+from tests.pg import pg_schema_url
 
-PG_URL = os.environ.get(
-    "FISHERLENS_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
-)
 ORIGIN = {"Origin": "http://testserver"}
 EVIL = "http://evil.example"
 PARAMS = 1_000_000  # the fake zoo model's parameter count (fisherlens.json)
-
-
-def _missing(reason: str) -> None:
-    if os.environ.get("CI", "").lower() == "true" or os.environ.get("FISHERLENS_REQUIRE_SERVICES"):
-        pytest.fail(f"{reason} (required under CI)", pytrace=False)
-    pytest.skip(reason)
-
-
-def _pg_schema_url() -> Iterator[str]:
-    from storage.db import make_engine
-
-    try:
-        admin = make_engine(PG_URL, connect_args={"connect_timeout": 3})
-        with admin.connect() as conn:
-            conn.execute(text("SELECT 1"))
-    except Exception as exc:  # noqa: BLE001
-        _missing(f"PostgreSQL not reachable at {PG_URL} ({type(exc).__name__}); "
-                 "set FISHERLENS_TEST_PG_URL")
-    schema = f"fl_auth_{secrets.token_hex(6)}"
-    with admin.begin() as conn:
-        conn.execute(text(f'CREATE SCHEMA "{schema}"'))
-    sep = "&" if "?" in PG_URL else "?"
-    try:
-        yield f"{PG_URL}{sep}options=-csearch_path%3D{schema}"
-    finally:
-        from storage.db import _engines
-
-        for url in [u for u in _engines if schema in u]:
-            _engines.pop(url).dispose()
-        with admin.begin() as conn:
-            conn.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
-        admin.dispose()
 
 
 def _model_folder(path: Path, params: int = PARAMS) -> Path:
@@ -132,12 +95,8 @@ def env(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
     if request.param == "sqlite":
         yield _make_env(tmp_path_factory, None, auth=True)
     else:
-        gen = _pg_schema_url()
-        url = next(gen)
-        try:
+        with pg_schema_url("fl_auth") as url:
             yield _make_env(tmp_path_factory, url, auth=True)
-        finally:
-            next(gen, None)
 
 
 @pytest.fixture(scope="module")

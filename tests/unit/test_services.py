@@ -15,6 +15,7 @@ from compute.celery_app import RUN_JOB
 from compute.contract.settings import get_settings
 from compute.specs import SpecError
 from storage import repo
+from tests.pg import pg_schema_url
 
 
 @pytest.fixture
@@ -257,11 +258,7 @@ def test_jsonl_tasks_inside_the_allowed_roots_are_checked_line_by_line(fl_home, 
 def test_long_revisions_on_postgresql(fl_home, tmp_path, monkeypatch) -> None:
     """On PostgreSQL a diff of two models with a Fisher answered 500 (the joined revisions did
     not fit String(128)); now it is stored as a digest with its parts."""
-    from tests.unit.test_storage import _pg_schema_url
-
-    gen = _pg_schema_url()
-    url = next(gen)
-    try:
+    with pg_schema_url() as url:
         monkeypatch.setenv("DATABASE_URL", url)
         monkeypatch.setenv("FISHERLENS_QUEUE", "fisherlens")
         for name in ("arith-base", "arith-teacher"):
@@ -279,8 +276,6 @@ def test_long_revisions_on_postgresql(fl_home, tmp_path, monkeypatch) -> None:
         opd = services.submit(settings, "train", {"model": "arith-base", "algo": "opd",
                                                   "teacher": "arith-teacher"})
         assert opd["status"] == "queued"
-    finally:
-        gen.close()
 
 
 def test_cancel_and_rerun(settings) -> None:
