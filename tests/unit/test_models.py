@@ -144,29 +144,12 @@ def _tiny(arch: str, vocab: int) -> torch.nn.Module:
     )
 
     torch.manual_seed(0)
+    shape = {"vocab_size": vocab, "hidden_size": 32, "intermediate_size": 64,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}
     if arch == "qwen3":
-        return Qwen3ForCausalLM(
-            Qwen3Config(
-                vocab_size=vocab,
-                hidden_size=32,
-                intermediate_size=64,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-                head_dim=8,
-            )
-        )
+        return Qwen3ForCausalLM(Qwen3Config(**shape, head_dim=8))
     if arch == "llama":
-        return LlamaForCausalLM(
-            LlamaConfig(
-                vocab_size=vocab,
-                hidden_size=32,
-                intermediate_size=64,
-                num_hidden_layers=2,
-                num_attention_heads=4,
-                num_key_value_heads=2,
-            )
-        )
+        return LlamaForCausalLM(LlamaConfig(**shape))
     return GPT2LMHeadModel(
         GPT2Config(vocab_size=vocab, n_embd=32, n_layer=2, n_head=4, n_positions=64)
     )
