@@ -13,10 +13,11 @@ one backward per completion token (its naive cost; the batched engine is faster)
 from __future__ import annotations
 
 import json
-import struct
+import math
 from pathlib import Path
 from typing import Any
 
+from app.services.compat import safetensors_header
 from compute.specs import SpecError
 
 COST_PROMPT_TOKENS = 64
@@ -36,21 +37,16 @@ def _errors(*items: dict[str, Any]) -> Any:
 
 
 def safetensors_numel(path: Path) -> int:
-    """Number of elements stored in one .safetensors file, read from its JSON header only."""
-    with open(path, "rb") as fh:
-        (n,) = struct.unpack("<Q", fh.read(8))
-        if n > 100_000_000:
-            raise ValueError(f"{path.name}: safetensors header of {n} bytes is not plausible")
-        header = json.loads(fh.read(n))
-    total = 0
-    for name, entry in header.items():
-        if name == "__metadata__":
-            continue
-        numel = 1
-        for d in entry.get("shape", []):
-            numel *= int(d)
-        total += numel
-    return total
+    """Number of elements stored in one .safetensors file, read from its JSON header only;
+    ValueError when it is not one."""
+    header = safetensors_header(path)
+    if not isinstance(header, dict):
+        raise ValueError("is not a safetensors file (its header is not a JSON object)")
+    return sum(
+        math.prod(int(d) for d in entry.get("shape", []))
+        for name, entry in header.items()
+        if name != "__metadata__" and isinstance(entry, dict)
+    )
 
 
 def count_params(folder: Path) -> int | None:
@@ -70,7 +66,7 @@ def count_params(folder: Path) -> int | None:
         return None
     try:
         return sum(safetensors_numel(f) for f in files)
-    except (OSError, ValueError, struct.error, json.JSONDecodeError):
+    except ValueError:
         return None
 
 
