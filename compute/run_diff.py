@@ -5,12 +5,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from compute.analysis import cells_heatmap, ratio_heatmap
 from compute.artifacts import load_scores
 from compute.diff import ATOLS, REL_TOLS, diff_checkpoints, open_checkpoint, threshold_labels
 from compute.naming import layer_index, module_type
 from compute.naming import layer_sort_key as _layer_sort
 from compute.results import Heatmap, JobResult, LayerStat, SeriesPoint, null_progress
-from compute.run_mask import layer_module_heatmap
 from compute.specs import DiffSpec
 
 OVERLAP_KEYS = ("precision_at_k", "auc", "jaccard", "jaccard_baseline", "jaccard_lift", "spearman",
@@ -126,21 +126,21 @@ def _fisher_summary(spec: DiffSpec, fr: dict[str, Any]) -> dict[str, Any]:
 
 
 def _fisher_heatmaps(fr: dict[str, Any], topk_percent: float) -> list[Heatmap]:
-    """layer x module heatmaps of the Fisher-vs-|delta| metrics."""
-    cells = fr["layer_module"]
-    layers = sorted({k.split("/")[0] for k in cells}, key=_layer_sort)
-    mods: list[str] = []
-    for k in cells:
-        if k.split("/")[1] not in mods:
-            mods.append(k.split("/")[1])
-    out = []
-    for metric in ("jaccard_lift", "auc", "precision_at_k"):
-        z = [[_finite(cells[f"{lay}/{m}"][metric]) if f"{lay}/{m}" in cells else None for m in mods]
-             for lay in layers]
-        out.append(Heatmap(name=f"fisher_vs_delta_{metric}", x_labels=mods, y_labels=layers, z=z,
-                           meta={"x_title": "module type", "y_title": "layer",
-                                 "units": metric, "topk_percent": topk_percent}))
-    return out
+    """layer x module heatmaps of the Fisher-vs-|delta| metrics (compute.analysis.cells_heatmap
+    over the overlap's "layer/module" groups)."""
+    cells = {_layer_module(k): v for k, v in fr["layer_module"].items()}
+    cells = dict(sorted(cells.items(), key=lambda kv: (kv[0][0] is None, kv[0][0] or 0)))
+    return [
+        cells_heatmap(f"fisher_vs_delta_{metric}", cells, lambda c, m=metric: _finite(c[m]),
+                      {"units": metric, "topk_percent": topk_percent})
+        for metric in ("jaccard_lift", "auc", "precision_at_k")
+    ]
+
+
+def _layer_module(key: str) -> tuple[int | None, str]:
+    """'3/q' -> (3, 'q'); '-/embed' -> (None, 'embed') (compute.masks.group_key's labels)."""
+    lay, mod = key.split("/")
+    return (None if lay == "-" else int(lay)), mod
 
 
 def _sparsity_heatmaps(res: Any) -> list[Heatmap]:
@@ -149,7 +149,7 @@ def _sparsity_heatmaps(res: Any) -> list[Heatmap]:
     out = []
     for lab in threshold_labels():
         key = f"unchanged_{lab}"
-        out.append(layer_module_heatmap(
+        out.append(ratio_heatmap(
             f"update_sparsity_{lab}", {n: (v[key] * numel[n], numel[n]) for n, v in res.per_tensor.items()},
             {"units": "unchanged fraction", "zmin": 0.0, "zmax": 1.0, **_threshold_meta(lab)},
         ))
@@ -169,7 +169,7 @@ def _layer_rows(res: Any) -> list[LayerStat]:
                       values={k: float(v) for k, v in vals.items()})
             for n, vals in res.per_tensor.items()]
     for key, vals in res.groups["layer_module"].items():
-        lay, mod = key.split("/")
-        rows.append(LayerStat(param="", module=mod, layer=None if lay == "-" else int(lay),
+        lay, mod = _layer_module(key)
+        rows.append(LayerStat(param="", module=mod, layer=lay,
                               values={k: float(v) for k, v in vals.items()}, group="layer_module"))
     return rows
