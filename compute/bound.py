@@ -220,32 +220,11 @@ def summarize(
         "grad_sqrt_fisher_same_spearman": spearman(lhs[corr_idx], sqf_same[corr_idx]),
         "bound_independent": fisher is not None,
     }
-    sqf = sqf_same
+    sqf, rhs_plot = sqf_same, rhs_same
     if fisher is not None:
-        missing = [n for n in names if n not in fisher]
-        if missing:
-            raise ValueError(f"fisher: parameter {missing[0]!r} of the gradient is not in the Fisher")
-        sqf = torch.cat([fisher[n].flatten().cpu().double().clamp(min=0) for n in names]).sqrt()
-        rhs = res.rms_advantage * sqf
-        st = ratio_stats(lhs, rhs, rtol)
-        summary.update({
-            "bound_fisher": dict(fisher_info or {}),
-            "bound_fraction_holds": st["fraction_holds"],
-            "bound_violations": st["violations"],
-            "bound_violation_fraction": st["violation_fraction"],
-            "bound_zero_fisher_violations": st["zero_rhs_violations"],
-            "bound_ratio_quantiles": st.get("ratio_quantiles", {}),
-            "bound_max_ratio": st.get("ratio_max", float("nan")),
-            "bound_median_ratio": st.get("ratio_quantiles", {}).get("p50", float("nan")),
-            "bound_mean_ratio": st.get("ratio_mean", float("nan")),
-            "bound_ratio_above_0.5": st.get("ratio_above_0.5", float("nan")),
-            "bound_ratio_histogram": st.get("ratio_histogram", {}),
-            "grad_sqrt_fisher_pearson": pearson(lhs[corr_idx], sqf[corr_idx]),
-            "grad_sqrt_fisher_spearman": spearman(lhs[corr_idx], sqf[corr_idx]),
-        })
-        rhs_plot = rhs
-    else:
-        rhs_plot = rhs_same
+        sqf = _sqrt_fisher(fisher, names)
+        rhs_plot = res.rms_advantage * sqf
+        summary.update(_independent_summary(lhs, rhs_plot, sqf, corr_idx, rtol, fisher_info))
     live = sqf > 0
     pick = torch.randperm(len(lhs), generator=gen)[:max_points]
     pick = pick[torch.argsort(sqf[pick])]
@@ -253,6 +232,35 @@ def summarize(
     series += [SeriesPoint("bound/rhs", float(sqf[i]), float(rhs_plot[i])) for i in pick.tolist()]
     heatmaps = [_log_hist(lhs[live], sqf[live], fisher is not None)] if bool(live.any()) else []
     return summary, series, heatmaps
+
+
+def _sqrt_fisher(fisher: Mapping[str, torch.Tensor], names: list[str]) -> torch.Tensor:
+    """sqrt of the (independent) Fisher, flattened in the gradient's parameter order."""
+    missing = [n for n in names if n not in fisher]
+    if missing:
+        raise ValueError(f"fisher: parameter {missing[0]!r} of the gradient is not in the Fisher")
+    return torch.cat([fisher[n].flatten().cpu().double().clamp(min=0) for n in names]).sqrt()
+
+
+def _independent_summary(lhs: torch.Tensor, rhs: torch.Tensor, sqf: torch.Tensor, corr_idx: torch.Tensor,
+                         rtol: float, fisher_info: Mapping[str, Any] | None) -> dict[str, Any]:
+    """The headline check |g| <= sqrt(E A^2) sqrt(F_indep): violations, ratios, correlations."""
+    st = ratio_stats(lhs, rhs, rtol)
+    return {
+        "bound_fisher": dict(fisher_info or {}),
+        "bound_fraction_holds": st["fraction_holds"],
+        "bound_violations": st["violations"],
+        "bound_violation_fraction": st["violation_fraction"],
+        "bound_zero_fisher_violations": st["zero_rhs_violations"],
+        "bound_ratio_quantiles": st.get("ratio_quantiles", {}),
+        "bound_max_ratio": st.get("ratio_max", float("nan")),
+        "bound_median_ratio": st.get("ratio_quantiles", {}).get("p50", float("nan")),
+        "bound_mean_ratio": st.get("ratio_mean", float("nan")),
+        "bound_ratio_above_0.5": st.get("ratio_above_0.5", float("nan")),
+        "bound_ratio_histogram": st.get("ratio_histogram", {}),
+        "grad_sqrt_fisher_pearson": pearson(lhs[corr_idx], sqf[corr_idx]),
+        "grad_sqrt_fisher_spearman": spearman(lhs[corr_idx], sqf[corr_idx]),
+    }
 
 
 def _log_hist(lhs: torch.Tensor, sqf: torch.Tensor, independent: bool = False, bins: int = 24) -> Heatmap:

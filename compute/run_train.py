@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import tempfile
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -105,8 +106,6 @@ def _load(ref: str, spec: Any) -> tuple[Any, Any]:
     return load_model(ref, device=resolve_device(spec.device), dtype=getattr(spec, "dtype", "auto"))
 
 
-PRECISION_DTYPES = {"fp32": ("auto", "float32"), "bf16-mixed": ("auto", "float32", "bfloat16"),
-                    "bf16": ("auto", "bfloat16")}
 INDEPENDENT_SEED_OFFSET = 777_767  # sampling seed offset of the independent Fisher's completions
 
 
@@ -188,128 +187,183 @@ def train_job(
     fisher: Mapping[str, torch.Tensor] | None = None, fisher_info: Mapping[str, Any] | None = None,
 ) -> JobResult:
     """One training run (the `train` job). fisher/fisher_info: an initial Fisher already estimated
-    (e.g. once for a whole sweep) instead of spec.fisher or a fresh independent estimate."""
+    (e.g. once for a whole sweep) instead of spec.fisher or a fresh independent estimate.
+    The spec's cross-field rules (mask xor mask_select, opd teacher, dtype vs precision) hold by
+    construction (compute.specs.TrainSpec)."""
     import copy
 
-    from compute.artifacts import load_scores, resolve_artifact
-    from compute.bound import first_step_bound, summarize
+    from compute.train import save_output, stored_state, train
+
+    run = _start(spec, progress)
+    model = run.model
+    mask = _mask(run)
+    # float32 twin for the Fisher and the bound when the weights are bf16 (same values, exact)
+    probe = copy.deepcopy(model).float() if spec.precision == "bf16" else model
+    fisher, fisher_info = _initial_fisher(run, probe, fisher, fisher_info)
+    stored_base = stored_state(model, spec.precision)
+    master_base = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+    if spec.algo == "grpo" and spec.bound:
+        _bound(run, probe, fisher, fisher_info)
+    del probe
+    res = train(model, run.tok, run.task, run.config, mask=mask, teacher=run.teacher,
+                progress=lambda f, m="": progress(0.15 + 0.75 * f, m))
+    progress(0.92, "update sparsity")
+    _record_run(run, res)
+    run.summary["update_sparsity"] = update_sparsity(stored_base, stored_state(model, spec.precision), fisher)
+    run.summary["update_sparsity"]["stored_dtype"] = res.settings["stored_dtype"]
+    if spec.concentration and res.grad_sq_sum is not None and res.grad_abs_sum is not None:
+        progress(0.95, "gradient concentration")
+        _concentration(run, res, fisher, master_base)
+    out = Path(tempfile.mkdtemp(prefix="fisherlens-train-")) / "model"
+    metrics = {"curve": res.curve, **run.summary, "spec": spec.model_dump(mode="json")}
+    save_output(model, run.tok, out, metrics, precision=spec.precision)
+    run.result.files["model"] = str(out)
+    progress(1.0, f"accuracy {res.accuracy_before:.3f} -> {res.accuracy_after:.3f}")
+    return run.result
+
+
+@dataclass
+class _Run:
+    """What the phases of one train job share."""
+
+    spec: TrainSpec
+    progress: Any
+    model: Any
+    tok: Any
+    task: Any
+    teacher: Any
+    config: Any
+    result: JobResult
+
+    @property
+    def summary(self) -> dict[str, Any]:
+        return self.result.summary
+
+
+def _start(spec: TrainSpec, progress: Any) -> _Run:
+    """Load the task, the model at the training precision and (opd) the teacher."""
     from compute.distill import check_same_tokenizer
-    from compute.fisher import FisherConfig
-    from compute.masks import load_mask
-    from compute.overlap import concentration
     from compute.tasks import get_task
-    from compute.train import prepare_precision, save_output, stored_state, train
+    from compute.train import prepare_precision
 
     task = get_task(spec.task)
-    if spec.mask and spec.mask_select:
-        raise ValueError("mask: give either mask (a file) or mask_select + mask_density, not both")
-    if spec.mask_select and spec.mask_density is None:
-        raise ValueError("mask_density: needed with mask_select (e.g. 0.05)")
-    if spec.algo == "opd" and not spec.teacher:
-        raise ValueError("teacher: algo 'opd' needs a teacher model (e.g. arith-teacher)")
-    if spec.dtype not in PRECISION_DTYPES[spec.precision]:
-        raise ValueError(f"dtype: {spec.dtype!r} conflicts with precision {spec.precision!r}; accepted: "
-                         f"{', '.join(PRECISION_DTYPES[spec.precision])} (precision sets the training dtype)")
     torch.manual_seed(spec.seed)
     progress(0.0, f"loading {spec.model}")
     model, tok = _load(spec.model, spec)
     prepare_precision(model, spec.precision)
     teacher = None
     if spec.algo == "opd":
-        teacher, ttok = _load(spec.teacher, spec)
+        teacher, ttok = _load(str(spec.teacher), spec)
         check_same_tokenizer(tok, ttok)
     config = config_from_spec(spec, track_gradients=spec.concentration)
-    summary: dict[str, Any] = {"model": spec.model, "task": spec.task, "algo": spec.algo,
-                               "precision": spec.precision}
-    mask = None
-    result = JobResult(kind="train", summary=summary)
+    summary = {"model": spec.model, "task": spec.task, "algo": spec.algo, "precision": spec.precision}
+    return _Run(spec, progress, model, tok, task, teacher, config, JobResult(kind="train", summary=summary))
+
+
+def _mask(run: _Run) -> dict[str, torch.Tensor] | None:
+    """The given mask file, or one built in the job (spec.mask_select), or None (full training)."""
+    from compute.artifacts import resolve_artifact
+    from compute.fisher import FisherConfig
+    from compute.masks import load_mask
+
+    spec = run.spec
     if spec.mask:
-        mask = load_mask(resolve_artifact(spec.mask, "mask"), model=model,
-                         device=next(model.parameters()).device)
-        summary["mask"] = {"file": spec.mask}
-    elif spec.mask_select:
-        fcfg = FisherConfig(prompts=spec.fisher_prompts, samples=spec.fisher_samples,
-                            max_new_tokens=spec.max_new_tokens, seed=spec.seed, device=spec.device)
-        mask, info = build_mask_in_memory(
-            model, tok, task, spec.mask_select, float(spec.mask_density or 0), spec.seed,
-            fisher_config=fcfg, gradient_config=config, teacher=teacher,
-            progress=lambda f, m="": progress(0.1 * f, m),
-        )
-        summary["mask"] = info
-        result.tensors["mask"] = {n: m.cpu() for n, m in mask.items()}
-    # float32 twin for the Fisher and the bound when the weights are bf16 (same values, exact)
-    probe = copy.deepcopy(model).float() if spec.precision == "bf16" else model
+        run.summary["mask"] = {"file": spec.mask}
+        return load_mask(resolve_artifact(spec.mask, "mask"), model=run.model,
+                         device=next(run.model.parameters()).device)
+    if not spec.mask_select:
+        return None
+    fcfg = FisherConfig(prompts=spec.fisher_prompts, samples=spec.fisher_samples,
+                        max_new_tokens=spec.max_new_tokens, seed=spec.seed, device=spec.device)
+    mask, info = build_mask_in_memory(
+        run.model, run.tok, run.task, spec.mask_select, float(spec.mask_density or 0), spec.seed,
+        fisher_config=fcfg, gradient_config=run.config, teacher=run.teacher,
+        progress=lambda f, m="": run.progress(0.1 * f, m),
+    )
+    run.summary["mask"] = info
+    run.result.tensors["mask"] = {n: m.cpu() for n, m in mask.items()}
+    return mask
+
+
+def _initial_fisher(
+    run: _Run, probe: Any, fisher: Mapping[str, torch.Tensor] | None, info: Mapping[str, Any] | None,
+) -> tuple[Mapping[str, torch.Tensor] | None, dict[str, Any] | None]:
+    """The initial Fisher: the caller's, the spec's file, or estimated from independent samples
+    when the concentration or the bound needs one."""
+    from compute.artifacts import load_scores
+
+    spec = run.spec
+    out_info: dict[str, Any] | None = None
     if fisher is not None:
-        fisher_info = dict(fisher_info or {"source": "given by the caller"})
+        out_info = dict(info or {"source": "given by the caller"})
     elif spec.fisher:
         fisher = load_scores(spec.fisher, "fisher")
-        fisher_info = {"source": "given", "file": spec.fisher}
+        out_info = {"source": "given", "file": spec.fisher}
     elif spec.concentration or (spec.algo == "grpo" and spec.bound):
-        progress(0.1, f"initial Fisher from independent samples ({spec.independent_fisher})")
-        fisher, fisher_info = independent_fisher(probe, tok, task, spec,
-                                                 lambda f, m="": progress(0.1 + 0.03 * f, m))
-        result.tensors["fisher"] = fisher
+        run.progress(0.1, f"initial Fisher from independent samples ({spec.independent_fisher})")
+        fisher, out_info = independent_fisher(probe, run.tok, run.task, spec,
+                                              lambda f, m="": run.progress(0.1 + 0.03 * f, m))
+        run.result.tensors["fisher"] = dict(fisher)
     if fisher is not None:
-        summary["initial_fisher"] = fisher_info
-    stored_base = stored_state(model, spec.precision)
-    master_base = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
-    if spec.algo == "grpo" and spec.bound:
-        progress(0.13, "bound check on the first GRPO batch")
-        b = first_step_bound(probe, tok, task, prompts=spec.batch, group=spec.group,
-                             max_new_tokens=spec.max_new_tokens, seed=spec.seed,
-                             temperature=spec.temperature)
-        bsum, bseries, bheat = summarize(b, fisher=fisher, fisher_info=fisher_info if fisher else None,
-                                         aggregation=config.aggregation)
-        summary["bound"] = {**bsum, "mean_reward": b.summary.get("bound_mean_reward")}
-        result.series += bseries
-        result.heatmaps += bheat
-        del b
-    if probe is not model:
-        del probe
-    res = train(model, tok, task, config, mask=mask, teacher=teacher,
-                progress=lambda f, m="": progress(0.15 + 0.75 * f, m))
-    progress(0.92, "update sparsity")
-    summary.update(
+        run.summary["initial_fisher"] = out_info
+    return fisher, out_info
+
+
+def _bound(run: _Run, probe: Any, fisher: Any, fisher_info: dict[str, Any] | None) -> None:
+    """The Cauchy-Schwarz bound on the first GRPO batch (compute.bound), into the result."""
+    from compute.bound import first_step_bound, summarize
+
+    spec = run.spec
+    run.progress(0.13, "bound check on the first GRPO batch")
+    b = first_step_bound(probe, run.tok, run.task, prompts=spec.batch, group=spec.group,
+                         max_new_tokens=spec.max_new_tokens, seed=spec.seed, temperature=spec.temperature)
+    bsum, bseries, bheat = summarize(b, fisher=fisher, fisher_info=fisher_info if fisher else None,
+                                     aggregation=run.config.aggregation)
+    run.summary["bound"] = {**bsum, "mean_reward": b.summary.get("bound_mean_reward")}
+    run.result.series += bseries
+    run.result.heatmaps += bheat
+
+
+def _record_run(run: _Run, res: Any) -> None:
+    """Accuracies, reward window, settings and the per-step series of a finished run."""
+    s = run.summary
+    s.update(
         accuracy_before=res.accuracy_before, accuracy_after=res.accuracy_after,
         accuracy_gain=res.accuracy_after - res.accuracy_before, seconds=round(res.seconds, 2),
         trainable_fraction=res.trainable_fraction, settings=res.settings,
-        eval={"split": "test", "prompts": spec.eval_prompts, "decoding": "greedy"},
+        eval={"split": "test", "prompts": run.spec.eval_prompts, "decoding": "greedy"},
     )
     rewards = [row["reward"] for row in res.curve if "reward" in row]
     if rewards:
         k = max(1, min(5, len(rewards) // 2))
-        summary["reward_first"] = sum(rewards[:k]) / k
-        summary["reward_last"] = sum(rewards[-k:]) / k
-        summary["reward_window"] = k
-    stored_tuned = stored_state(model, spec.precision)
-    summary["update_sparsity"] = update_sparsity(stored_base, stored_tuned, fisher)
-    summary["update_sparsity"]["stored_dtype"] = res.settings["stored_dtype"]
-    if spec.concentration and res.grad_sq_sum is not None and res.grad_abs_sum is not None:
-        progress(0.95, "gradient concentration")
-        result.tensors["grad_sq_sum"] = res.grad_sq_sum
-        result.tensors["grad_abs_sum"] = res.grad_abs_sum
-        summary["gradient_updates"] = res.updates
-        if fisher is not None:
-            abs_delta = {n: (p.detach().cpu().float() - master_base[n].float()).abs()
-                         for n, p in model.named_parameters()}
-            conc = concentration(fisher, {"grad_sq_sum": res.grad_sq_sum, "grad_abs_sum": res.grad_abs_sum,
-                                          "abs_delta": abs_delta}, spec.topk_percent / 100.0)
-            summary["concentration"] = {
-                **concentration_summary(conc),
-                "gradient": "masked, unclipped gradient of the training loss, summed over "
-                            f"{res.updates} updates",
-                "delta": "master weights (float32 for fp32/bf16-mixed, the bf16 weights for bf16)",
-            }
-            result.heatmaps += _concentration_heatmaps(conc)
+        s["reward_first"] = sum(rewards[:k]) / k
+        s["reward_last"] = sum(rewards[-k:]) / k
+        s["reward_window"] = k
+    series = run.result.series
     for row in res.curve:
         for k in ("reward", "loss", "accuracy", "reverse_kl", "kl", "grad_norm"):
             if k in row and not math.isnan(row[k]):
-                result.series.append(SeriesPoint(f"train/{k}", row["step"], row[k]))
-    result.series.append(SeriesPoint("eval/accuracy", 0, res.accuracy_before))
-    result.series.append(SeriesPoint("eval/accuracy", spec.steps, res.accuracy_after))
-    out = Path(tempfile.mkdtemp(prefix="fisherlens-train-")) / "model"
-    metrics = {"curve": res.curve, **summary, "spec": spec.model_dump(mode="json")}
-    save_output(model, tok, out, metrics, precision=spec.precision)
-    result.files["model"] = str(out)
-    progress(1.0, f"accuracy {res.accuracy_before:.3f} -> {res.accuracy_after:.3f}")
-    return result
+                series.append(SeriesPoint(f"train/{k}", row["step"], row[k]))
+    series.append(SeriesPoint("eval/accuracy", 0, res.accuracy_before))
+    series.append(SeriesPoint("eval/accuracy", run.spec.steps, res.accuracy_after))
+
+
+def _concentration(run: _Run, res: Any, fisher: Any, master_base: dict[str, torch.Tensor]) -> None:
+    """The gradient sums over the run, and (with an initial Fisher) how well it predicted them."""
+    from compute.overlap import concentration
+
+    run.result.tensors["grad_sq_sum"] = res.grad_sq_sum
+    run.result.tensors["grad_abs_sum"] = res.grad_abs_sum
+    run.summary["gradient_updates"] = res.updates
+    if fisher is None:
+        return
+    abs_delta = {n: (p.detach().cpu().float() - master_base[n].float()).abs()
+                 for n, p in run.model.named_parameters()}
+    conc = concentration(fisher, {"grad_sq_sum": res.grad_sq_sum, "grad_abs_sum": res.grad_abs_sum,
+                                  "abs_delta": abs_delta}, run.spec.topk_percent / 100.0)
+    run.summary["concentration"] = {
+        **concentration_summary(conc),
+        "gradient": f"masked, unclipped gradient of the training loss, summed over {res.updates} updates",
+        "delta": "master weights (float32 for fp32/bf16-mixed, the bf16 weights for bf16)",
+    }
+    run.result.heatmaps += _concentration_heatmaps(conc)
