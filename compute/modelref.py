@@ -166,18 +166,18 @@ def _looks_like_path(ref: str) -> bool:
     return ref.startswith(("/", "./", "../", "~", "\\")) or ref in (".", "..") or "\\" in ref
 
 
-def _inside(path: Path, roots: list[Path]) -> bool:
-    return any(path == root or path.is_relative_to(root) for root in roots)
+def inside_roots(path: Path, roots: list[Path]) -> bool:
+    """Whether resolved `path` is one of `roots` (resolved here) or below one."""
+    return any(path.is_relative_to(Path(r).expanduser().resolve()) for r in roots)
 
 
 def _local_dir(ref: str, roots: list[Path]) -> str:
     raw = Path(ref).expanduser()
-    resolved_roots = [Path(r).expanduser().resolve() for r in roots]
     # Messages never list the roots: they are server paths (the operator knows them).
     if ".." in raw.parts:
         raise ValueError(f"model: {ref!r} contains '..'; give a path inside the allowed model roots")
     resolved = raw.resolve()  # follows symlinks, so a link inside a root to outside is rejected
-    if not _inside(resolved, resolved_roots):
+    if not inside_roots(resolved, roots):
         raise ValueError(
             f"model: local directory {ref!r} is outside the allowed model roots; "
             "the operator can add folders with ALLOWED_MODEL_ROOTS=/a:/b"

@@ -16,6 +16,7 @@ from compute.modelref import (
     ARTIFACT_FIELDS,
     MODEL_FIELDS,
     file_sha256,
+    inside_roots,
     job_ref_id,
     model_revision,
     resolve_job_ref,
@@ -168,10 +169,6 @@ def _check_layer(settings: Any, s: Any, ref: str, layer: int) -> None:
         raise ValueError(f"layer: got {layer}; accepted range: >= 0, <= {n - 1} (the model has {n} blocks)")
 
 
-def _inside(path: Path, roots: list[Path]) -> bool:
-    return any(path.is_relative_to(Path(r).expanduser().resolve()) for r in roots)
-
-
 def _artifact_revision(settings: Any, s: Any, field: str, ref: str, path: Path) -> str:
     """The revision part of a fisher/mask/gradient reference ('job:<id>' or a file)."""
     if ref.strip().startswith("job:"):
@@ -190,7 +187,7 @@ def _artifact_file(settings: Any, s: Any, field: str, ref: str, local: bool) -> 
         raise ValueError(f"{ref!r}: give an absolute path, or job:<id> of a {field} job")
     try:
         resolved = path.resolve()
-        if not local and not _inside(resolved, [settings.artifacts_dir, *settings.model_roots]):
+        if not local and not inside_roots(resolved, [settings.artifacts_dir, *settings.model_roots]):
             raise ValueError(
                 f"{ref!r} is outside the artifact store and the allowed model roots; "
                 f"use job:<id> of a {field} job"
@@ -217,7 +214,7 @@ def _check_jsonl(settings: Any, task: str, local: bool) -> None:
         raise ValueError(f"jsonl file {raw!r}: give an absolute path")
     try:
         resolved = path.resolve()
-        if not local and not _inside(resolved, list(settings.model_roots)):
+        if not local and not inside_roots(resolved, list(settings.model_roots)):
             raise ValueError(
                 f"jsonl file {raw!r} is outside the allowed roots; the operator can add folders "
                 "with ALLOWED_MODEL_ROOTS=/a:/b"
