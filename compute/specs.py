@@ -96,22 +96,43 @@ Device = Annotated[
 ]
 
 
+# Knobs several specs share: the accepted range is written once here (each spec sets its default).
+Seed = Annotated[int, Field(ge=0, le=2**31 - 1)]
+Steps = Annotated[int, Field(ge=1, le=100_000)]
+Batch = Annotated[int, Field(ge=1, le=1024)]
+Group = Annotated[int, Field(ge=2, le=64)]
+MaxNewTokens = Annotated[int, Field(ge=1, le=1024)]
+Temperature = Annotated[float, Field(gt=0.0, le=5.0)]
+Lr = Annotated[float, Field(gt=0.0, le=10.0)]
+WeightDecay = Annotated[float, Field(ge=0.0, le=10.0)]
+Momentum = Annotated[float, Field(ge=0.0, lt=1.0)]
+KlCoef = Annotated[float, Field(ge=0.0, le=100.0)]
+ClipEps = Annotated[float, Field(gt=0.0, le=10.0)]
+FisherPrompts = Annotated[int, Field(ge=1, le=4096)]
+FisherSamples = Annotated[int, Field(ge=1, le=64)]
+TopkPercent = Annotated[float, Field(gt=0.0, le=100.0)]
+Optimizer = Literal["adamw", "sgd"]
+SftSource = Literal["gold", "self"]
+DistillEstimator = Literal["full", "sampled"]
+IndependentFisher = Literal["other-prompts", "other-completions"]
+
+
 class FisherSpec(_Spec):
     model: ModelRef
     task: TaskRef = "arithmetic"
-    prompts: int = Field(16, ge=1, le=4096, description="number of task prompts")
-    samples: int = Field(4, ge=1, le=64, description="sampled completions per prompt")
+    prompts: FisherPrompts = Field(16, description="number of task prompts")
+    samples: FisherSamples = Field(4, description="sampled completions per prompt")
     estimator: Estimator = Field("sequence",
         description="sequence | token | empirical | batch (which Fisher is estimated)")
-    seed: int = Field(0, ge=0, le=2**31 - 1, description="seed of prompts and samples")
-    max_new_tokens: int = Field(16, ge=1, le=1024, description="completion length limit")
-    temperature: float = Field(1.0, gt=0.0, le=5.0,
+    seed: Seed = Field(0, description="seed of prompts and samples")
+    max_new_tokens: MaxNewTokens = Field(16, description="completion length limit")
+    temperature: Temperature = Field(1.0,
         description="sampling temperature; 1.0 = the model's distribution")
     top_k: int | None = Field(None, ge=1, le=100_000, description="None = full distribution")
     top_p: float | None = Field(None, gt=0.0, le=1.0, description="None = full distribution")
     prompt_start: int = Field(0, ge=0, le=1_000_000, description="first prompt index (sharding)")
     shards: int = Field(1, ge=1, le=64, description="split the prompts over this many workers")
-    topk_percent: float = Field(1.0, gt=0.0, le=100.0, description="top-k% used for split-half stability")
+    topk_percent: TopkPercent = Field(1.0, description="top-k% used for split-half stability")
     exact_output: bool = Field(True, description="also compute the exact output-layer Fisher")
     dtype: Dtype = Field("auto", description="weights dtype while estimating")
     device: Device = "auto"
@@ -139,7 +160,7 @@ class MaskSpec(_Spec):
     model: ModelRef | None = Field(None,
         description="weights for magnitude*, shapes for random, gradients for gradient")
     task: TaskRef = Field("arithmetic", description="task of the gradient selector")
-    seed: int = Field(0, ge=0, le=2**31 - 1, description="seed of the random selector")
+    seed: Seed = Field(0, description="seed of the random selector")
     prompts: int = Field(16, ge=1, le=4096, description="prompts for the 'gradient' selector")
     gradient: str | None = Field(
         None, max_length=1000,
@@ -170,32 +191,32 @@ class TrainSpec(_Spec):
     mask: str | None = Field(None, max_length=1000, description="mask.safetensors path or 'job:<id>'")
     mask_select: Selector | None = Field(None, description="build a mask in the job with this selector")
     mask_density: float | None = Field(None, gt=0.0, le=1.0, description="density of mask_select")
-    optimizer: Literal["adamw", "sgd"] = Field("adamw", description="optimizer of the trained coordinates")
-    lr: float = Field(
-        2e-4, gt=0.0, le=10.0, description="AdamW 1e-3 collapses GRPO on arith-base; 2e-4 is stable"
+    optimizer: Optimizer = Field("adamw", description="optimizer of the trained coordinates")
+    lr: Lr = Field(
+        2e-4, description="AdamW 1e-3 collapses GRPO on arith-base; 2e-4 is stable"
     )
-    weight_decay: float = Field(0.0, ge=0.0, le=10.0,
+    weight_decay: WeightDecay = Field(0.0,
         description="decoupled weight decay (masked coordinates only)")
-    steps: int = Field(30, ge=1, le=100_000, description="optimizer steps")
-    batch: int = Field(8, ge=1, le=1024, description="prompts per step")
-    group: int = Field(8, ge=2, le=64, description="GRPO completions per prompt")
-    kl_coef: float = Field(0.0, ge=0.0, le=100.0, description="GRPO KL to the reference")
-    clip_eps: float = Field(0.2, gt=0.0, le=10.0, description="GRPO ratio clip")
-    sft_source: Literal["gold", "self"] = Field("gold",
+    steps: Steps = Field(30, description="optimizer steps")
+    batch: Batch = Field(8, description="prompts per step")
+    group: Group = Field(8, description="GRPO completions per prompt")
+    kl_coef: KlCoef = Field(0.0, description="GRPO KL to the reference")
+    clip_eps: ClipEps = Field(0.2, description="GRPO ratio clip")
+    sft_source: SftSource = Field("gold",
         description="SFT targets: the task's gold answers or the model's own correct samples")
-    max_new_tokens: int = Field(16, ge=1, le=1024, description="sampled completion length")
+    max_new_tokens: MaxNewTokens = Field(16, description="sampled completion length")
     eval_prompts: int = Field(200, ge=1, le=100_000, description="held-out prompts for greedy accuracy")
-    seed: int = Field(0, ge=0, le=2**31 - 1, description="seed of prompts, sampling and selectors")
+    seed: Seed = Field(0, description="seed of prompts, sampling and selectors")
     dtype: Dtype = Field("auto", description="dtype the model is loaded in")
     device: Device = "auto"
-    momentum: float = Field(0.0, ge=0.0, lt=1.0, description="SGD momentum")
+    momentum: Momentum = Field(0.0, description="SGD momentum")
     grad_clip: float | None = Field(1.0, gt=0.0, le=1e6, description="max grad norm; None = off")
-    temperature: float = Field(1.0, gt=0.0, le=5.0, description="sampling temperature")
-    distill_estimator: Literal["full", "sampled"] = Field(
+    temperature: Temperature = Field(1.0, description="sampling temperature")
+    distill_estimator: DistillEstimator = Field(
         "full", description="OPD reverse KL: exact over the vocabulary, or sampled-token estimate"
     )
-    fisher_prompts: int = Field(32, ge=1, le=4096, description="prompts of the Fisher for mask_select")
-    fisher_samples: int = Field(4, ge=1, le=64, description="samples per prompt of that Fisher")
+    fisher_prompts: FisherPrompts = Field(32, description="prompts of the Fisher for mask_select")
+    fisher_samples: FisherSamples = Field(4, description="samples per prompt of that Fisher")
     bound: bool = Field(True, description="GRPO: check the Cauchy-Schwarz bound on the first batch "
                         "against a Fisher from independent samples")
     precision: Precision = Field(
@@ -204,12 +225,12 @@ class TrainSpec(_Spec):
     fisher: str | None = Field(
         None, max_length=1000, description="initial Fisher (fisher.safetensors path or 'job:<id>') for the "
         "gradient-concentration and bound checks; default: estimated from independent samples")
-    independent_fisher: Literal["other-prompts", "other-completions"] = Field(
+    independent_fisher: IndependentFisher = Field(
         "other-prompts", description="samples of the estimated initial Fisher: train prompts after the "
         "ones training uses, or other completions of the first training prompts")
     concentration: bool = Field(
         True, description="accumulate sum g^2 and sum |g| over all steps and compare with the initial Fisher")
-    topk_percent: float = Field(1.0, gt=0.0, le=100.0, description="top-k% of the concentration overlap")
+    topk_percent: TopkPercent = Field(1.0, description="top-k% of the concentration overlap")
 
     @model_validator(mode="after")
     def _cross_field(self) -> TrainSpec:
@@ -240,39 +261,39 @@ class SweepSpec(_Spec):
     task: TaskRef = "arithmetic"
     algo: Algo = Field("grpo", description="post-training algorithm")
     teacher: ModelRef | None = Field(None, description="teacher model for opd (same tokenizer)")
-    lrs: list[Annotated[float, Field(gt=0.0, le=10.0)]] = Field(
+    lrs: list[Lr] = Field(
         default_factory=lambda: [1e-6, 1e-5, 1e-4, 1e-3], min_length=1, max_length=16,
         description="learning rates of the grid")
-    optimizers: list[Literal["adamw", "sgd"]] = Field(
+    optimizers: list[Optimizer] = Field(
         description="optimizers of the grid",
         default_factory=lambda: ["adamw", "sgd"], min_length=1, max_length=2)
     precision: list[Precision] = Field(
         default_factory=lambda: ["bf16-mixed"], min_length=1, max_length=3,
         description="training precisions of the grid (fp32, bf16-mixed, bf16)")
-    steps: int = Field(20, ge=1, le=100_000, description="optimizer steps per point")
-    batch: int = Field(8, ge=1, le=1024, description="prompts per step")
-    group: int = Field(8, ge=2, le=64, description="completions per prompt")
-    max_new_tokens: int = Field(16, ge=1, le=1024, description="sampled completion length")
+    steps: Steps = Field(20, description="optimizer steps per point")
+    batch: Batch = Field(8, description="prompts per step")
+    group: Group = Field(8, description="completions per prompt")
+    max_new_tokens: MaxNewTokens = Field(16, description="sampled completion length")
     eval_prompts: int = Field(200, ge=1, le=100_000, description="held-out prompts for greedy accuracy")
-    seed: int = Field(0, ge=0, le=2**31 - 1, description="seed of prompts and sampling")
-    weight_decay: float = Field(0.0, ge=0.0, le=10.0, description="decoupled weight decay")
-    momentum: float = Field(0.0, ge=0.0, lt=1.0, description="SGD momentum")
+    seed: Seed = Field(0, description="seed of prompts and sampling")
+    weight_decay: WeightDecay = Field(0.0, description="decoupled weight decay")
+    momentum: Momentum = Field(0.0, description="SGD momentum")
     grad_clip: float | None = Field(1.0, gt=0.0, le=1e6, description="max grad norm; None = off")
-    temperature: float = Field(1.0, gt=0.0, le=5.0, description="sampling temperature")
-    kl_coef: float = Field(0.0, ge=0.0, le=100.0, description="GRPO KL to the reference")
-    clip_eps: float = Field(0.2, gt=0.0, le=10.0, description="GRPO ratio clip")
-    sft_source: Literal["gold", "self"] = Field("gold",
+    temperature: Temperature = Field(1.0, description="sampling temperature")
+    kl_coef: KlCoef = Field(0.0, description="GRPO KL to the reference")
+    clip_eps: ClipEps = Field(0.2, description="GRPO ratio clip")
+    sft_source: SftSource = Field("gold",
         description="SFT targets: gold answers or the model's own correct samples")
-    distill_estimator: Literal["full", "sampled"] = Field("full",
+    distill_estimator: DistillEstimator = Field("full",
         description="OPD reverse KL: exact over the vocabulary, or sampled-token estimate")
     fisher: str | None = Field(
         None, max_length=1000, description="initial Fisher (path or 'job:<id>'); default: estimated once "
         "from independent samples")
-    independent_fisher: Literal["other-prompts", "other-completions"] = Field("other-prompts",
+    independent_fisher: IndependentFisher = Field("other-prompts",
         description="samples of the estimated initial Fisher")
-    fisher_prompts: int = Field(32, ge=1, le=4096, description="prompts of the initial Fisher")
-    fisher_samples: int = Field(4, ge=1, le=64, description="samples per prompt of the initial Fisher")
-    topk_percent: float = Field(1.0, gt=0.0, le=100.0, description="top-k% of the Fisher/gradient overlap")
+    fisher_prompts: FisherPrompts = Field(32, description="prompts of the initial Fisher")
+    fisher_samples: FisherSamples = Field(4, description="samples per prompt of the initial Fisher")
+    topk_percent: TopkPercent = Field(1.0, description="top-k% of the Fisher/gradient overlap")
     device: Device = "auto"
 
     @model_validator(mode="after")
@@ -306,11 +327,11 @@ class RetentionSpec(_Spec):
         default_factory=lambda: ["fisher", "random", "magnitude"], min_length=1, max_length=8
     )
     seeds: int = Field(3, ge=1, le=16, description="paired seeds: each runs full training and every mask")
-    steps: int = Field(100, ge=1, le=100_000, description="optimizer steps per run")
-    lr: float = Field(2e-4, gt=0.0, le=10.0, description="learning rate")
-    optimizer: Literal["adamw", "sgd"] = Field("adamw", description="optimizer of every run")
-    fisher_prompts: int = Field(64, ge=1, le=4096, description="prompts of the initial Fisher")
-    fisher_samples: int = Field(4, ge=1, le=64, description="samples per prompt of the initial Fisher")
+    steps: Steps = Field(100, description="optimizer steps per run")
+    lr: Lr = Field(2e-4, description="learning rate")
+    optimizer: Optimizer = Field("adamw", description="optimizer of every run")
+    fisher_prompts: FisherPrompts = Field(64, description="prompts of the initial Fisher")
+    fisher_samples: FisherSamples = Field(4, description="samples per prompt of the initial Fisher")
     eval_prompts: int = Field(
         2500, ge=2, le=100_000, description="held-out prompts (the same for every model); when not "
         "given: ceil(0.25 / eval_se^2), so every model's mean reward has standard error <= eval_se")
@@ -320,14 +341,14 @@ class RetentionSpec(_Spec):
     bootstrap: int = Field(2000, ge=100, le=100_000, description="bootstrap replicates of the intervals")
     confidence: float = Field(0.95, ge=0.5, lt=1.0, description="confidence level of the intervals")
     device: Device = "auto"
-    batch: int = Field(16, ge=1, le=1024, description="prompts per step")
-    group: int = Field(8, ge=2, le=64, description="completions sampled per prompt")
-    max_new_tokens: int = Field(6, ge=1, le=1024, description="sampled completion length")
-    weight_decay: float = Field(0.0, ge=0.0, le=10.0, description="decoupled weight decay")
-    momentum: float = Field(0.0, ge=0.0, lt=1.0, description="SGD momentum")
-    temperature: float = Field(1.0, gt=0.0, le=5.0, description="sampling temperature")
-    kl_coef: float = Field(0.0, ge=0.0, le=100.0, description="GRPO KL to the reference")
-    distill_estimator: Literal["full", "sampled"] = Field("full",
+    batch: Batch = Field(16, description="prompts per step")
+    group: Group = Field(8, description="completions sampled per prompt")
+    max_new_tokens: MaxNewTokens = Field(6, description="sampled completion length")
+    weight_decay: WeightDecay = Field(0.0, description="decoupled weight decay")
+    momentum: Momentum = Field(0.0, description="SGD momentum")
+    temperature: Temperature = Field(1.0, description="sampling temperature")
+    kl_coef: KlCoef = Field(0.0, description="GRPO KL to the reference")
+    distill_estimator: DistillEstimator = Field("full",
         description="OPD reverse KL: exact over the vocabulary, or sampled-token estimate")
     dtype: Dtype = Field("auto", description="dtype the models are loaded in")
 
@@ -356,7 +377,7 @@ class DiffSpec(_Spec):
     base: ModelRef
     tuned: ModelRef
     fisher: str | None = Field(None, max_length=1000, description="fisher.safetensors path or 'job:<id>'")
-    topk_percent: float = Field(1.0, gt=0.0, le=100.0,
+    topk_percent: TopkPercent = Field(1.0,
         description="top-k% used for the Fisher/|delta| overlap")
     store_delta: bool = Field(False, description="also store the full float32 delta as an artifact (large)")
     svd_max_numel: int = Field(
@@ -370,7 +391,7 @@ class TokensSpec(_Spec):
     top_k: int = Field(8, ge=2, le=64, description="number of top next tokens")
     layer: int | None = Field(None, ge=0, le=1000, description="None = whole model")
     random_k: int = Field(8, ge=0, le=64, description="random tokens for contrast")
-    seed: int = Field(0, ge=0, le=2**31 - 1, description="seed of the random tokens")
+    seed: Seed = Field(0, description="seed of the random tokens")
     low_k: int = Field(8, ge=0, le=64, description="least likely tokens for contrast")
     full_vocab_max: int = Field(1024, ge=1, le=1_000_000, description="enumerate the whole vocabulary up to this size")
     mass_target: float = Field(0.99, gt=0.0, le=1.0, description="probability mass covered for larger vocabularies")
