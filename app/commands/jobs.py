@@ -231,21 +231,7 @@ def up_cmd(host: str | None, port: int | None, no_worker: bool) -> None:
     upgrade(settings.db_url)
     click.echo(f"database: {_safe_url(settings.db_url)}")
     click.echo(f"queue: {settings.redis_url or f'filesystem {settings.queue_dir}'}")
-    from compute.modelref import ZOO_NAMES
-
-    missing = [n for n in ZOO_NAMES if not (settings.zoo_dir / n / "config.json").is_file()]
-    if missing:
-        click.echo(f"building the model zoo in {settings.zoo_dir} (first start only) ...")
-        from compute.zoo import build_zoo
-
-        last = [0.0]
-
-        def show(fraction: float, message: str = "") -> None:
-            if time.monotonic() - last[0] > 2.0 or fraction >= 1.0:
-                last[0] = time.monotonic()
-                click.echo(f"  zoo {fraction:4.0%} {message}")
-
-        build_zoo(settings.zoo_dir, progress=show, force=False)
+    _ensure_zoo(settings.zoo_dir)
     supervisor = (
         None if no_worker else WorkerSupervisor(f"embedded-{os.getpid()}@{socket.gethostname()}")
     )
@@ -277,6 +263,26 @@ def up_cmd(host: str | None, port: int | None, no_worker: bool) -> None:
         if supervisor is not None:
             supervisor.stop()
         click.echo("fisherlens stopped")
+
+
+def _ensure_zoo(zoo_dir: Any) -> None:
+    """Build the shipped model zoo on first start (missing models only), with a progress line
+    at most every 2 s."""
+    from compute.modelref import ZOO_NAMES
+
+    if all((zoo_dir / n / "config.json").is_file() for n in ZOO_NAMES):
+        return
+    click.echo(f"building the model zoo in {zoo_dir} (first start only) ...")
+    from compute.zoo import build_zoo
+
+    last = [0.0]
+
+    def show(fraction: float, message: str = "") -> None:
+        if time.monotonic() - last[0] > 2.0 or fraction >= 1.0:
+            last[0] = time.monotonic()
+            click.echo(f"  zoo {fraction:4.0%} {message}")
+
+    build_zoo(zoo_dir, progress=show, force=False)
 
 
 class WorkerSupervisor:
