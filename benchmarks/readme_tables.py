@@ -224,6 +224,8 @@ register("bench_fisher", "benchmarks/results/bench_fisher.json", render_bench_fi
 register("bench_masked", "benchmarks/results/bench_masked.json", render_bench_masked)
 register("sweep_bf16_mixed", "benchmarks/results/sweep_arith_base_bf16_mixed/sweep.json", render_sweep)
 register("sweep_precision", "benchmarks/results/sweep_arith_base_precision/sweep.json", render_sweep)
+register("sweep_deep_adamw", "benchmarks/results/sweep_arith_deep_base_adamw/sweep.json", render_sweep)
+register("sweep_deep_sgd", "benchmarks/results/sweep_arith_deep_base_sgd/sweep.json", render_sweep)
 register("bench_share", "benchmarks/results/bench_share-*.json", render_share)
 
 
