@@ -33,9 +33,15 @@ def model_names(settings: Any) -> list[tuple[str, str]]:
 def model_dropdown(models: list[tuple[str, str]], value: Any, optional: bool) -> Any:
     """Fresh choices for one model dropdown, keeping what is selected; optional ones (teacher,
     tuned, a mask's model) start at '(none)', required ones at the first model."""
+    chosen = chosen_model(models, value, optional)
+    return gr.Dropdown(choices=[NONE_CHOICE, *models] if optional else models, value=chosen)
+
+
+def chosen_model(models: list[tuple[str, str]], value: Any, optional: bool) -> Any:
+    """What a model dropdown shows after a refresh: the selection, else '(none)' / the first."""
     if optional:
-        return gr.Dropdown(choices=[NONE_CHOICE, *models], value=value or "")
-    return gr.Dropdown(choices=models, value=value or (models[0][1] if models else None))
+        return value or ""
+    return value or (models[0][1] if models else None)
 
 
 def job_choices(settings: Any, kind: str | None = None, succeeded_only: bool = False) -> list[tuple[str, str]]:

@@ -30,8 +30,17 @@ from app.ui import (
 )
 from app.ui.common import who_am_i
 from app.ui.figs import PLOTLY_HEAD
-from app.ui.formtab import Form, build_form, cost, costs, submit
-from app.ui.page import COPY_JS, URL_JS, bind, on_load, poll_all, refresh_models, refresh_refs
+from app.ui.formtab import Form, build_form, cost, submit
+from app.ui.page import (
+    COPY_JS,
+    URL_JS,
+    bind,
+    models_and_costs,
+    on_load,
+    poll_all,
+    refresh_models,
+    refresh_refs,
+)
 
 POLL_S = 1.5
 FORMS = (fisher.FORM, mask.FORM, train.FORM, retention.FORM, sweep.FORM, diff.FORM)
@@ -134,10 +143,12 @@ def _wire_forms(demo: gr.Blocks, settings: Any, p: Page, built: list[Form], kt: 
     costed = [f for f in built if f.cost is not None]
     model_boxes = [(c, opt) for f in built for c, opt in f.models] + [(kt.model, False)]
     boxes = [c for c, _ in model_boxes]
-    refresh = bind(refresh_models, settings, [opt for _, opt in model_boxes])
-    demo.load(refresh, inputs=boxes, outputs=boxes, **FAST).then(
-        bind(costs, settings, [(f.d.kind, f.names) for f in costed]),
-        inputs=[c for f in costed for c in f.inputs], outputs=[f.cost for f in costed], **FAST)
+    optional = [opt for _, opt in model_boxes]
+    refresh = bind(refresh_models, settings, optional)
+    cost_inputs = [c for f in costed for c in f.inputs]
+    slots = [(pos, boxes.index(c)) for pos, c in enumerate(cost_inputs) if c in boxes]
+    demo.load(bind(models_and_costs, settings, optional, [(f.d.kind, f.names) for f in costed], slots),
+              inputs=[*boxes, *cost_inputs], outputs=[*boxes, *[f.cost for f in costed if f.cost is not None]], **FAST)
     for tab in (p.tab_new, p.tab_tokens):  # a model trained meanwhile appears
         tab.select(refresh, inputs=boxes, outputs=boxes, **FAST)
     refs = [(c, kind) for f in built for c, kind in f.refs]

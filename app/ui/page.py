@@ -12,7 +12,8 @@ from typing import Any
 import gradio as gr
 
 from app.ui import compare, jobs, result, tokens
-from app.ui.common import model_dropdown, model_names, ref_choices
+from app.ui.common import chosen_model, model_dropdown, model_names, ref_choices
+from app.ui.formtab import costs
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,21 @@ def refresh_models(settings: Any, optional: list[bool], *current: Any) -> list[A
     is selected; `optional[i]`: dropdown i may stay '(none)'."""
     models = model_names(settings)
     return [model_dropdown(models, v, opt) for v, opt in zip(current, optional, strict=True)]
+
+
+def models_and_costs(settings: Any, optional: list[bool], layout: list[tuple[str, list[str]]],
+                     slots: list[tuple[int, int]], *values: Any) -> list[Any]:
+    """Page load: the model dropdowns (`values` starts with their current values) and the cost
+    lines of the forms (`layout`, their inputs follow), in ONE event, so a cost line is never
+    computed from older values than the form shows. `slots`: (position among the form inputs,
+    model dropdown index) of the inputs that are model dropdowns."""
+    boxes, inputs = values[:len(optional)], list(values[len(optional):])
+    models = model_names(settings)
+    chosen = [chosen_model(models, v, opt) for v, opt in zip(boxes, optional, strict=True)]
+    for pos, box in slots:
+        inputs[pos] = chosen[box]
+    return [*[model_dropdown(models, v, opt) for v, opt in zip(boxes, optional, strict=True)],
+            *costs(settings, layout, *inputs)]
 
 
 def refresh_refs(settings: Any, kinds: list[str]) -> list[Any]:

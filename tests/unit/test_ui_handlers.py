@@ -92,6 +92,20 @@ def test_out_of_range_form_value_is_refused_naming_the_field_and_both_ends():
     assert forms.describe("fisher", "prompts").info.endswith("accepted: >= 1, <= 4096")
 
 
+def test_page_load_sets_models_and_cost_lines_in_one_event(settings):
+    """The cost lines are computed from the model each dropdown will show (here: no models in
+    this home, so the line asks for one), never from older values than the form shows."""
+    layout = [("fisher", ["model", "prompts"]), ("train", ["steps", "model"])]
+    out = page.models_and_costs(settings, [False, True], layout, [(0, 0), (3, 0)],
+                                "", "", None, 8.0, 2.0, None)
+    assert len(out) == 2 + 2
+    assert all("fix <b>model</b> first" in line for line in out[2:])
+    out = page.models_and_costs(settings, [False], [("fisher", ["model", "prompts"])], [(0, 0)],
+                                "arith-base", None, 4.0)
+    # 4 prompts x 16 (assumed prompt) + ... token-passes: computed for the chosen model and form
+    assert "data-within='yes'" in out[1] and "token-passes" in out[1]
+
+
 def test_cost_line_names_the_field_to_fix_for_text_that_is_not_numbers(settings):
     out = formtab.cost(settings, "retention", ["model", "densities"], "arith-base", "0.1, many")
     assert "fix <b>densities</b> first" in out
