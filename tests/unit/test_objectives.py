@@ -84,3 +84,10 @@ def test_opd_full_loss_is_the_exact_reverse_kl_per_completion_token() -> None:
     assert stats["reverse_kl_full"] == pytest.approx(total / count, rel=1e-5)
     with pytest.raises(ValueError, match="^teacher:"):
         make_objective(cfg, student, tok, task)
+
+
+def test_every_algorithm_of_the_spec_has_one_objective() -> None:
+    from compute.train import ALGOS
+    from compute.train.objectives import OBJECTIVES
+
+    assert set(OBJECTIVES) == set(ALGOS) == {"grpo", "opd", "sft"}
