@@ -102,7 +102,7 @@ def test_page_load_sets_models_and_cost_lines_in_one_event(settings):
     assert all("fix <b>model</b> first" in line for line in out[2:])
     out = page.models_and_costs(settings, [False], [("fisher", ["model", "prompts"])], [(0, 0)],
                                 "arith-base", None, 4.0)
-    # 4 prompts x 16 (assumed prompt) + ... token-passes: computed for the chosen model and form
+    # computed for the chosen model (no zoo in this home: token-passes only, no parameter count)
     assert "data-within='yes'" in out[1] and "token-passes" in out[1]
 
 
