@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import math
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -165,10 +166,12 @@ def initial_fisher(spec: SweepSpec, progress: Any = null_progress) -> tuple[dict
 def run_child(spec: SweepSpec, index: int, progress: Any = null_progress,
               shared: dict[str, Any] | None = None) -> dict[str, Any]:
     """One grid point: train + diff. Returns {"row": the point's row (POINT_KEYS), "initial_fisher":
-    its description, "fisher": the Fisher tensors (unit 0, when estimated; else None)}.
+    its description, "fisher": the Fisher tensors (unit 0, when estimated; else None), "seconds":
+    the unit's wall time}.
     `shared`: the Fisher kept between units of one process (see the module docstring)."""
     from compute.run_train import train_job
 
+    t0 = time.perf_counter()
     pts = grid(spec)
     if not 0 <= index < len(pts):
         raise ValueError(f"index: got {index}; accepted range: 0 .. {len(pts) - 1}")
@@ -187,9 +190,11 @@ def run_child(spec: SweepSpec, index: int, progress: Any = null_progress,
     if folder:
         shutil.rmtree(Path(folder).parent, ignore_errors=True)
     row = point_row(prec, opt, lr, res.summary)
-    progress(1.0, f"{label}: unchanged (bf16) {row['unchanged_bf16']}")
+    un = row["unchanged_bf16"]
+    progress(1.0, f"{label}: unchanged (bf16) {'-' if un is None else f'{un:.3f}'}")
     keep = index == 0 and not spec.fisher
-    return {"row": row, "initial_fisher": dict(info), "fisher": dict(fisher) if keep else None}
+    return {"row": row, "initial_fisher": dict(info), "fisher": dict(fisher) if keep else None,
+            "seconds": time.perf_counter() - t0}
 
 
 def run(spec: SweepSpec, progress: Any = null_progress) -> JobResult:
@@ -214,7 +219,8 @@ DEFINITIONS = {
     "fisher_auc_gradient": "ROC-AUC of the initial Fisher for the top-k% of sum over the run of g^2",
     "reward_before/after": "held-out greedy accuracy of the base (at the point's precision) and "
                            "of the trained model",
-    "seconds": "sum of the points' times (less wall time when workers run points in parallel)",
+    "seconds": "sum of the units' wall times, Fisher and evaluations included (less wall time when "
+               "workers run points in parallel); a point's own seconds: its training loop",
 }
 
 
@@ -242,7 +248,7 @@ def combine(spec: SweepSpec, outputs: list[Any], progress: Any = null_progress) 
                                                  row["lr"], row[key]))
     summary["points"] = points
     summary["markdown"] = markdown_table(points)
-    summary["seconds"] = round(sum(float(p.get("seconds") or 0.0) for p in points), 1)
+    summary["seconds"] = round(sum(float(o.get("seconds") or 0.0) for o in outputs), 1)
     summary["definitions"] = DEFINITIONS
     result.heatmaps += _heatmaps(spec, points)
     progress(1.0, f"{len(points)} points in {summary['seconds']:.0f} s")
