@@ -127,7 +127,8 @@ class Accumulator:
         self._add_squares(name, rows, grads, in_place=False)
 
     def _add_squares(self, name: str, rows: slice, grads: torch.Tensor, in_place: bool) -> None:
-        self.store.add_check(name, grads.sum(0))
+        if self.store.check is not None:
+            self.store.add_check(name, grads.sum(0))
         if len(self.selections) == 1:
             self.store.add(name, self.selections[0][0], ps.square_sum(grads, in_place=in_place))
             return
@@ -193,9 +194,12 @@ def _linear(acc: Accumulator, call: Call) -> None:
             continue
         pos = ps.single_positions(gf)
         if acc.shared(name):  # per-row gradients until every use arrived
-            ps.linear_row_grads(x=xf, g=gf, conv1d=conv, pos=pos, out=acc.row_buffer(name))
+            # the first use writes the buffer (no zero-fill), later ones add into it
+            rows = ps.linear_row_grads(x=xf, g=gf, conv1d=conv, pos=pos, out=acc.rows.get(name))
+            acc.rows[name] = rows.to(acc.store.dtype)
             continue
-        acc.store.add_check(name, ps.linear_grad_sum(x=xf, g=gf, conv1d=conv))
+        if acc.store.check is not None:
+            acc.store.add_check(name, ps.linear_grad_sum(x=xf, g=gf, conv1d=conv))
         for k, sel in acc.selections:
             acc.store.add(name, k, ps.linear_square_sum(x=_pick(xf, sel), g=_pick(gf, sel),
                                                         conv1d=conv, pos=_pick(pos, sel)))

@@ -64,7 +64,12 @@ def single_positions(g: torch.Tensor) -> torch.Tensor | None:
     when some row has several (rows with none get position 0: their gradient is zero anyway)."""
     if g.shape[1] == 1:
         return torch.zeros(g.shape[0], dtype=torch.long, device=g.device)
-    nz = g.abs().amax(-1) != 0  # (B, T)
+    def nonzero(t: torch.Tensor) -> torch.Tensor:  # (..., T) positions with a non-zero g
+        return torch.linalg.vector_norm(t, ord=float("inf"), dim=-1) != 0  # no |g| copy
+
+    if int(nonzero(g[0]).sum()) > 1:  # cheap exit (the `sequence` estimator): one row only
+        return None
+    nz = nonzero(g)  # (B, T)
     if bool((nz.sum(1) > 1).any()):
         return None
     return nz.to(torch.uint8).argmax(1)
@@ -117,7 +122,7 @@ def linear_square_sum(*, x: torch.Tensor, g: torch.Tensor, conv1d: bool = False,
         return linear_rank1_square_sum(x=x, g=g, pos=pos, conv1d=conv1d)
     B = g.shape[0]
     if B * x.shape[-1] * g.shape[-1] <= SMALL_BATCHED:
-        return linear_row_grads(x=x, g=g, conv1d=conv1d).square().sum(0)
+        return linear_row_grads(x=x, g=g, conv1d=conv1d).square_().sum(0)  # fresh: in place
     a, b = (g.transpose(1, 2), x) if not conv1d else (x.transpose(1, 2), g)
     buf = torch.empty((a.shape[1], b.shape[2]), dtype=g.dtype, device=g.device)
     out = torch.mm(a[0], b[0]).square_()
