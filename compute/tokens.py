@@ -217,52 +217,19 @@ def token_mechanism(
     budget_mb = default_budget_mb(device) if cfg.memory_budget_mb is None else cfg.memory_budget_mb
     budget = int(budget_mb * 2**20)
     n_params = sum(p.numel() for p in params.values())
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.enable_grad():
-            z, calls = tm.forward(model, input_ids, params, method == "auto" and not keep_fisher)
-            probs = torch.softmax(z.detach().double(), -1)  # (V,) float64
-            covered, exact = covered_tokens(probs, cfg)
-            top, rnd, low = token_sets(probs, cfg)
-            display = list(dict.fromkeys([*top, *rnd, *low]))
-            p_cov = probs[covered].to(torch.float64)  # (C,)
-            fast = (tm.measure_fast(z, probs, params, calls, covered, display, budget, progress)
-                    if calls is not None else "")
-            if isinstance(fast, tm.Measured):
-                m = fast
-            else:
-                m = tm.measure_loop(z, probs, params, covered, display, budget, keep_fisher,
-                                  progress)
-                m.note = fast
-    finally:
-        model.train(was_training)
-
-    gram, deviation, row = m.gram, m.deviation, {v: i for i, v in enumerate(m.rows)}
-    dev_cov, gvv_cov, tensor_fisher, pos_fisher = m.dev_cov, m.gvv_cov, m.tensor_fisher, m.pos_fisher
-    n_chunks, mode = m.n_chunks, m.mode
-    R = gram.shape[0]
-    gbar_sq = float(gram[R - 1, R - 1])
-    trace = float((p_cov * dev_cov).sum())
+    probs, covered, exact, (top, rnd, low), m = _measure(
+        model, input_ids, params, cfg, budget, keep_fisher, progress, method == "auto")
+    p_cov = probs[covered].to(torch.float64)  # (C,)
+    gram, row = m.gram, {v: i for i, v in enumerate(m.rows)}
+    gbar_sq = float(gram[-1, -1])
+    trace = float((p_cov * m.dev_cov).sum())
 
     def tset(ids: list[int]) -> TokenSet:
-        idx = torch.tensor([row[v] for v in ids], dtype=torch.long)
-        g = gram[idx][:, idx]  # (n, n)
-        norms = g.diagonal().clamp_min(0.0).sqrt()
-        denom = norms[:, None] * norms[None, :]
-        cos = torch.where(denom > 0, g / denom.clamp_min(1e-300), torch.zeros_like(g))
-        pr = probs[ids].tolist() if ids else []
-        dv = deviation[idx].tolist() if ids else []
-        contrib = [p * d for p, d in zip(pr, dv, strict=True)]
-        return TokenSet(
-            ids=list(ids), probs=pr, contrib=contrib,
-            share=[c / trace if trace > 0 else float("nan") for c in contrib],
-            deviation=dv, grad_norm=norms.tolist(), cosine=cos.float(),
-        )
+        return _token_set(ids, [row[v] for v in ids], gram, m.deviation, probs, trace)
 
     ent = float(-(probs * torch.log(probs.clamp_min(1e-300))).sum())
     top_idx = torch.tensor([row[v] for v in top], dtype=torch.long)
-    similarity = counterfactual_orthogonal(p_cov, gvv_cov, gbar_sq, exact, trace, probs[top],
+    similarity = counterfactual_orthogonal(p_cov, m.gvv_cov, gbar_sq, exact, trace, probs[top],
                                            gram[top_idx][:, top_idx])
     return TokensResult(
         context_ids=input_ids[0].tolist(),
@@ -278,18 +245,61 @@ def token_mechanism(
         gbar_norm=math.sqrt(max(gbar_sq, 0.0)),
         n_params=n_params,
         scope="model" if cfg.layer is None else f"layer {cfg.layer}",
-        tensor_fisher=tensor_fisher,
-        position_fisher=pos_fisher if keep_fisher else None,
+        tensor_fisher=m.tensor_fisher,
+        position_fisher=m.pos_fisher if keep_fisher else None,
         settings={
             "top_k": cfg.top_k, "random_k": cfg.random_k, "low_k": cfg.low_k, "seed": cfg.seed,
             "full_vocab_max": cfg.full_vocab_max, "mass_target": cfg.mass_target,
             "max_tokens": cfg.max_tokens, "memory_budget_mb": budget_mb,
-            "parameter_chunks": n_chunks,
-            "mode": mode,
+            "parameter_chunks": m.n_chunks,
+            "mode": m.mode,
             **({"fast_path_skipped": m.note} if m.note else {}),
             "random_tokens_from": "uniform over tokens outside the top-k",
         },
         similarity=similarity,
+    )
+
+
+def _measure(model: torch.nn.Module, input_ids: torch.Tensor, params: dict[str, torch.nn.Parameter],
+             cfg: TokensConfig, budget: int, keep_fisher: bool, progress: Progress | None,
+             factored: bool) -> tuple[torch.Tensor, list[int], bool, tuple, tm.Measured]:
+    """probs (V,) float64, covered ids, whether that is the whole vocabulary, (top, random, low)
+    ids and the measured gradients (factored path, or the per-token loop with the reason)."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.enable_grad():
+            z, calls = tm.forward(model, input_ids, params, factored and not keep_fisher)
+            probs = torch.softmax(z.detach().double(), -1)  # (V,) float64
+            covered, exact = covered_tokens(probs, cfg)
+            sets = token_sets(probs, cfg)
+            display = list(dict.fromkeys([*sets[0], *sets[1], *sets[2]]))
+            fast = (tm.measure_fast(z, probs, params, calls, covered, display, budget, progress)
+                    if calls is not None else "")
+            if isinstance(fast, tm.Measured):
+                return probs, covered, exact, sets, fast
+            m = tm.measure_loop(z, probs, params, covered, display, budget, keep_fisher, progress)
+            m.note = fast
+            return probs, covered, exact, sets, m
+    finally:
+        model.train(was_training)
+
+
+def _token_set(ids: list[int], idx_list: list[int], gram: torch.Tensor, deviation: torch.Tensor,
+               probs: torch.Tensor, trace: float) -> TokenSet:
+    """The TokenSet of `ids`, whose rows in gram / deviation are idx_list."""
+    idx = torch.tensor(idx_list, dtype=torch.long)
+    g = gram[idx][:, idx]  # (n, n)
+    norms = g.diagonal().clamp_min(0.0).sqrt()
+    denom = norms[:, None] * norms[None, :]
+    cos = torch.where(denom > 0, g / denom.clamp_min(1e-300), torch.zeros_like(g))
+    pr = probs[ids].tolist() if ids else []
+    dv = deviation[idx].tolist() if ids else []
+    contrib = [p * d for p, d in zip(pr, dv, strict=True)]
+    return TokenSet(
+        ids=list(ids), probs=pr, contrib=contrib,
+        share=[c / trace if trace > 0 else float("nan") for c in contrib],
+        deviation=dv, grad_norm=norms.tolist(), cosine=cos.float(),
     )
 
 
