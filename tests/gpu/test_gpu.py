@@ -99,3 +99,23 @@ def test_masked_step_in_bf16_keeps_frozen_weights_bit_identical(device):
 def test_auto_dtype_is_the_one_decision(device):
     want = torch.bfloat16 if device == "cuda" and torch.cuda.is_bf16_supported() else torch.float32
     assert resolve_dtype("auto", torch.device(device)) == want
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_token_mechanism_factored_path_on_device(device):
+    """compute.tokens: the factored path equals the per-token loop in float32 on the device, and
+    in bf16 it is taken (not skipped) and stays within bf16 drift of the float32 numbers."""
+    from compute.tokens import TokensConfig, token_mechanism
+
+    cfg = TokensConfig(top_k=4, random_k=3, low_k=2)
+    ids = torch.tensor([[3, 5, 7, 2, 9]], device=device)
+    model32 = tiny_model("gpt2", hidden=32, tied=True, seed=4).to(device).eval()
+    fast = token_mechanism(model32, ids, cfg)
+    loop = token_mechanism(model32, ids, cfg, method="loop")
+    assert fast.settings["mode"] == "factored" and "fast_path_skipped" not in fast.settings
+    assert fast.fisher_trace == pytest.approx(loop.fisher_trace, rel=1e-5)
+    torch.testing.assert_close(fast.top.cosine, loop.top.cosine, rtol=1e-5, atol=1e-6)
+    model16 = tiny_model("gpt2", hidden=32, tied=True, seed=4, dtype=torch.bfloat16).to(device)
+    half = token_mechanism(model16.eval(), ids, cfg)
+    assert half.settings["mode"] == "factored", half.settings.get("fast_path_skipped")
+    assert half.fisher_trace == pytest.approx(loop.fisher_trace, rel=BF16_GLOBAL_TOL)
