@@ -33,7 +33,7 @@ from app.figures.store import FIGURES_KEY, store_for
 PLOTLY_JS = Path(plotly.__file__).resolve().parent / "package_data" / "plotly.min.js"
 PLOTLY_URL = f"/share-static/plotly-{plotly.__version__}.min.js"
 PAGE_KEY = FIGURES_KEY + "." + hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:8]
-# Finished results never change, but an owner may turn a link off (jobs.shared, app/auth.py):
+# Finished results never change, but an owner may turn a link off (jobs.shared, app/auth/):
 # caches keep the page and revalidate each view with its ETag (a 304 costs one indexed read).
 FINISHED_CACHE = "public, no-cache"
 FINAL = ("succeeded", "failed", "cancelled")

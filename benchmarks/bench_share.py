@@ -289,7 +289,7 @@ def machine() -> dict[str, Any]:
 
 
 def run_backend(name: str, results: list[Any], args: argparse.Namespace) -> dict[str, Any]:
-    from app.settings import Settings
+    from compute.contract.settings import Settings
 
     home = Path(tempfile.mkdtemp(prefix=f"bench-share-{name}-"))
     db_url = fresh_pg_database() if name == "postgresql" else None

@@ -119,12 +119,6 @@ def figures_for(result: TypedResult[Any] | Mapping[str, Any]) -> list[tuple[str,
     return [(name, fig) for name, _, fig in titled_figures_for(result)]
 
 
-def figure_by_name(result: TypedResult[Any] | Mapping[str, Any], name: str) -> go.Figure | None:
-    r = as_typed(result)
-    e = next((e for e in entries(r.kind) if e.name == name), None)
-    return e.build(r) if e else None
-
-
 def tables_for(result: TypedResult[Any] | Mapping[str, Any]) -> list[tuple[str, Table]]:
     """(title, (headers, rows)) for every registered table with rows, in registration order."""
     r = as_typed(result)

@@ -77,7 +77,7 @@ def submit_and_show(settings: Any, kind: str, data: dict[str, Any]) -> tuple[Any
 
 
 def who_am_i(settings: Any) -> tuple[str, Any]:
-    """The signed-in user in the header; the owner filter for admins (app/auth.py)."""
+    """The signed-in user in the header; the owner filter for admins (app/auth/)."""
     user = auth.current_user(settings)
     return (auth.user_header_html(settings),
             gr.Dropdown(visible=settings.auth_required and user.is_admin))

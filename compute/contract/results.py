@@ -26,7 +26,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 Kind = Literal["fisher", "mask", "train", "sweep", "retention", "diff", "tokens"]
 KINDS: tuple[str, ...] = ("fisher", "mask", "train", "sweep", "retention", "diff", "tokens")
 Group = Literal["tensor", "layer_module"]
-PRECISIONS = ("fp32", "bf16-mixed", "bf16")  # compute.train.PRECISION_DTYPES (a test checks)
+PRECISIONS = ("fp32", "bf16-mixed", "bf16")  # compute.specs.PRECISION_DTYPES (a test checks)
 Curve = tuple[list[float], list[float]]  # (xs sorted ascending, ys); points without a value left out
 
 

@@ -64,7 +64,7 @@ class Settings(BaseSettings):
         "consumer for less than this) is re-sent by the reconciler.",
     )
 
-    # -- accounts and limits (app/auth.py, app/limits.py) -------------------------------------
+    # -- accounts and limits (app/auth/, app/limits.py) -------------------------------------
     auth_required: bool = Field(
         default=False,
         description="Shared-server mode: every API call and UI page except share links and "

@@ -263,6 +263,8 @@ def compute_and_store(
         with keep_alive(settings, job_id), _scratch(settings, job_id):
             with cancel_scope(progress.check):
                 result, artifacts = _unpack(compute(progress))
+            if parent_id is None:  # a child's partial output has no result schema of its own
+                result.to_dict()  # checks the kind's result contract; a ContractError fails the job
             with sessions(settings)() as s:
                 store = ArtifactStore(settings.artifacts_dir)
                 repo.save_result(
