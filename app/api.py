@@ -20,7 +20,7 @@ from pydantic import BaseModel, Field
 from starlette.background import BackgroundTask
 
 from app import plots, services
-from compute.specs import SPECS, SpecError
+from compute.contract.specs import SPECS, SpecError
 from storage.models import JOB_STATUSES
 
 ZOO_INFO_FILE = "fisherlens.json"  # written by compute.zoo next to each zoo model (no torch here)
@@ -165,7 +165,7 @@ def register_local_model(settings: Any, path: str, name: str | None = None) -> d
     """Register a local HF folder (must be inside the allowed model roots) or a trained model
     (`job:N` of a succeeded train job) under a name. SpecError naming `path` otherwise. The
     stored source (the resolved path, or job:N) is usable as a job's `model`."""
-    from compute.modelref import job_ref_id, model_revision, resolve_job_ref, resolve_model
+    from compute.contract.modelref import job_ref_id, model_revision, resolve_job_ref, resolve_model
     from storage import repo
 
     try:

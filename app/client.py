@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from compute.specs import SpecError
+from compute.contract.specs import SpecError
 
 
 def credentials_path() -> Path:

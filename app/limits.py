@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from app.services.compat import safetensors_header
-from compute.specs import SpecError
+from compute.contract.specs import SpecError
 
 COST_PROMPT_TOKENS = 64
 MODEL_FIELDS = ("model", "teacher", "base", "tuned")
@@ -73,7 +73,7 @@ def count_params(folder: Path) -> int | None:
 def model_params(settings: Any, ref: str) -> int | None:
     """Parameter count of a spec's model reference (zoo name, local folder, job:N), or None
     when it cannot be counted here (hub ids, folders without safetensors, bad references)."""
-    from compute.modelref import resolve_model
+    from compute.contract.modelref import resolve_model
 
     try:
         resolved = resolve_model(ref, settings)
@@ -106,7 +106,7 @@ def _train_passes(algo: str, steps: int, batch: int, group: int, max_new_tokens:
 
 
 def token_passes(kind: str, spec: Any) -> int | None:
-    """Token-passes of a validated spec (compute.specs), as described at the top; None for a
+    """Token-passes of a validated spec (compute.contract.specs), as described at the top; None for a
     job kind this module does not know (its cost is then unknown, never taken as zero)."""
     s = spec
     if kind == "fisher":
@@ -269,7 +269,7 @@ def form_estimate_html(settings: Any, kind: str, data: dict[str, Any]) -> str:
     import html
 
     from app import auth
-    from compute.specs import parse_spec
+    from compute.contract.specs import parse_spec
 
     try:
         spec = parse_spec(kind, data)

@@ -2,7 +2,7 @@
 and the one layer x module aggregation every reader uses (`aggregate`).
 
 Input everywhere: `fisher: dict[str, Tensor]` (name -> non-negative values of the param shape).
-Outputs are plain floats / lists, and helpers turn them into compute.results rows.
+Outputs are plain floats / lists, and helpers turn them into compute.contract.jobresult rows.
 No torch import at module level: `aggregate` and `cells_heatmap` are pure Python, imported by
 the web process (app/figures) and the CLI; the tensor functions import torch when called.
 """
@@ -14,8 +14,8 @@ import operator
 from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from compute.contract.jobresult import Heatmap, LayerStat, SeriesPoint
 from compute.naming import MODULE_TYPES, layer_index, layer_label, module_type
-from compute.results import Heatmap, LayerStat, SeriesPoint
 
 if TYPE_CHECKING:
     import torch
@@ -227,7 +227,7 @@ def summary(fisher: dict[str, torch.Tensor]) -> dict:
     }
 
 
-# ---- compute.results rows --------------------------------------------------------------------
+# ---- compute.contract.jobresult rows --------------------------------------------------------------------
 
 
 def to_layer_stats(fisher: dict[str, torch.Tensor]) -> list[LayerStat]:

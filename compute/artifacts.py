@@ -1,5 +1,5 @@
 """Artifact files named in specs: a plain path (or a folder holding `<kind>.safetensors`) or a
-'job:<id>' reference (compute.modelref resolves those: database + artifact store), and the
+'job:<id>' reference (compute.contract.modelref resolves those: database + artifact store), and the
 float tensors they hold. Used by the mask, train, diff and sweep jobs."""
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ def resolve_artifact(ref: str, kind: str) -> Path:
     kind is the artifact kind and the field name in errors ("fisher", "mask", "gradient")."""
     ref = str(ref).strip()
     if ref.startswith("job:"):
-        from compute.modelref import resolve_job_ref  # the one resolver of job:N (DB + store)
+        from compute.contract.modelref import (
+            resolve_job_ref,  # the one resolver of job:N (DB + store)
+        )
 
         return resolve_job_ref(ref, kind).path
     path = Path(ref).expanduser()

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from compute.results import Heatmap, Progress, SeriesPoint
+from compute.contract.jobresult import Heatmap, Progress, SeriesPoint
 
 
 @dataclass

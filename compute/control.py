@@ -4,7 +4,7 @@ no celery, so every compute module may call them).
 cancel_point(): called between sampling steps, forward chunks and around model loading. Outside a
 `cancel_scope` it does nothing. Inside one (the worker opens it around each job) it calls the
 scope's check, which reads the job's cancel flag (throttled) and raises
-compute.results.JobCancelled, so a cancel takes effect within one chunk, not only between training
+compute.contract.jobresult.JobCancelled, so a cancel takes effect within one chunk, not only between training
 steps.
 
 fault_point(name): the hook the fault-injection tests use to stop a worker at a named moment

@@ -36,8 +36,8 @@ from typing import Any
 
 import torch
 
+from compute.contract.jobresult import Progress
 from compute.masks import group_key
-from compute.results import Progress
 
 ATOLS = (1e-8, 1e-7, 1e-6, 1e-5, 1e-4)
 REL_TOLS = (1e-4, 1e-3, 1e-2)
@@ -114,7 +114,7 @@ class Checkpoint:
 
 def open_checkpoint(ref: str | Path, label: str = "model", settings: Any | None = None) -> Checkpoint:
     """A zoo name, an allowed local HF directory or a training output folder -> Checkpoint."""
-    from compute.modelref import is_hub_id, resolve_model
+    from compute.contract.modelref import is_hub_id, resolve_model
 
     try:
         resolved = resolve_model(str(ref), settings)

@@ -12,9 +12,10 @@ from typing import Any
 
 import torch
 
+from compute.contract.modelref import is_hub_id, resolve_model
+
 # every device/dtype decision lives in compute.device (resolve_dtype is re-exported for callers)
 from compute.device import resolve_device, resolve_dtype
-from compute.modelref import is_hub_id, resolve_model
 
 
 def _offline() -> bool:

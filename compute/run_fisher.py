@@ -16,6 +16,8 @@ from typing import Any
 import torch
 
 from compute import analysis
+from compute.contract.jobresult import JobResult, Progress, null_progress
+from compute.contract.specs import FisherSpec
 from compute.fisher import (
     ExactOutputUnsupported,
     FisherConfig,
@@ -23,8 +25,6 @@ from compute.fisher import (
     exact_output_fisher,
     relative_error,
 )
-from compute.results import JobResult, Progress, null_progress
-from compute.specs import FisherSpec
 
 
 def shard_range(spec: FisherSpec, shard_index: int) -> tuple[int, int]:
@@ -37,7 +37,7 @@ def shard_range(spec: FisherSpec, shard_index: int) -> tuple[int, int]:
 
 
 def _load(spec: FisherSpec) -> tuple[Any, Any]:
-    from compute.modelref import resolve_model
+    from compute.contract.modelref import resolve_model
     from compute.models import load_model
 
     return load_model(resolve_model(spec.model), device=spec.device, dtype=spec.dtype)

@@ -13,10 +13,10 @@ import torch
 
 from compute.analysis import ratio_heatmap
 from compute.artifacts import load_scores
+from compute.contract.jobresult import Heatmap, JobResult, LayerStat, null_progress
+from compute.contract.specs import MaskSpec
 from compute.masks import density_by, select_mask
 from compute.naming import layer_index, module_type
-from compute.results import Heatmap, JobResult, LayerStat, null_progress
-from compute.specs import MaskSpec
 
 # ---------------------------------------------------------------------------------------------
 # Heatmap helper (also used by run_diff)

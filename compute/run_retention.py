@@ -31,8 +31,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from compute.results import Heatmap, JobResult, SeriesPoint, null_progress
-from compute.specs import DEFAULT_TEACHERS, RetentionSpec
+from compute.contract.jobresult import Heatmap, JobResult, SeriesPoint, null_progress
+from compute.contract.specs import DEFAULT_TEACHERS, RetentionSpec
 
 SMALL_MODEL_PARAMS = 20_000_000  # below this, CPU runs use one torch thread
 FISHER_SEED = 0  # sampling seed of the initial Fisher: the same in every unit

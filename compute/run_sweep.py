@@ -36,8 +36,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from compute.results import Heatmap, JobResult, SeriesPoint, null_progress
-from compute.specs import SweepSpec, TrainSpec
+from compute.contract.jobresult import Heatmap, JobResult, SeriesPoint, null_progress
+from compute.contract.specs import SweepSpec, TrainSpec
 
 POINT_KEYS = (
     "lr", "optimizer", "precision", "unchanged_exact", "unchanged_bf16", "unchanged_bf16delta_atol_1e-05",

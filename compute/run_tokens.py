@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from compute.contract.jobresult import Heatmap, JobResult, LayerStat, null_progress
+from compute.contract.specs import TokensSpec
 from compute.naming import layer_index, module_type
-from compute.results import Heatmap, JobResult, LayerStat, null_progress
-from compute.specs import TokensSpec
 from compute.tokens import TokensConfig, TokenSet, decode_token, encode_context, token_mechanism
 
 

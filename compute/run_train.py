@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 
-from compute.results import JobResult, SeriesPoint, null_progress
-from compute.specs import TrainSpec
+from compute.contract.jobresult import JobResult, SeriesPoint, null_progress
+from compute.contract.specs import TrainSpec
 
 FISHER_SELECTORS = ("fisher", "fisher-tensor", "fisher-bottom")
 
@@ -136,8 +136,8 @@ def independent_fisher(
 
 
 def _concentration_heatmaps(conc: dict[str, Any]) -> list[Any]:
+    from compute.contract.jobresult import Heatmap
     from compute.naming import layer_sort_key
-    from compute.results import Heatmap
 
     out = []
     for label in ("grad_sq_sum", "grad_abs_sum", "abs_delta"):
@@ -189,7 +189,7 @@ def train_job(
     """One training run (the `train` job). fisher/fisher_info: an initial Fisher already estimated
     (e.g. once for a whole sweep) instead of spec.fisher or a fresh independent estimate.
     The spec's cross-field rules (mask xor mask_select, opd teacher, dtype vs precision) hold by
-    construction (compute.specs.TrainSpec)."""
+    construction (compute.contract.specs.TrainSpec)."""
     import copy
 
     from compute.train import save_output, stored_state, train

@@ -4,7 +4,7 @@ Every kind's module (RUNNERS below) has the entry point
 
     run(spec, progress) -> JobResult
 
-where `spec` is the matching pydantic model of `compute.specs`, `progress(fraction, message)`
+where `spec` is the matching pydantic model of `compute.contract.specs`, `progress(fraction, message)`
 reports a fraction in [0, 1] and may raise `JobCancelled` (the user cancelled), and JobResult is
 the kind's typed result. `run` does the whole job in this process: the CLI's direct commands
 call it, and so does the worker when a job has no child units.

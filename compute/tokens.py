@@ -42,9 +42,9 @@ from typing import Any
 import torch
 
 from compute import tokens_measure as tm
+from compute.contract.jobresult import Progress
 from compute.device import default_budget_mb
 from compute.naming import layer_index
-from compute.results import Progress
 
 
 @dataclass(frozen=True)

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 import torch
 
+from compute.contract.jobresult import Progress
 from compute.device import check_tolerance
 from compute.fisher import rowgram as rg
-from compute.results import Progress
 
 
 def next_token_logits(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:

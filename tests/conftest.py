@@ -104,7 +104,7 @@ def zoo_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
     Set FISHERLENS_TEST_ZOO to an existing home to reuse a zoo built earlier.
     """
-    from compute.modelref import ZOO_NAMES
+    from compute.contract.modelref import ZOO_NAMES
 
     cached = os.environ.get("FISHERLENS_TEST_ZOO")
     if cached and all((Path(cached) / "zoo" / n / "config.json").exists() for n in ZOO_NAMES):

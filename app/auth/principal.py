@@ -122,8 +122,8 @@ def owner_filter(settings: Any, p: Principal, owner: str | None) -> int | None:
 def check_refs_owned(settings: Any, p: Principal, kind: str, spec: Any) -> None:
     """A spec may name only jobs its submitter can see (job:N of another user is 'no such
     job', the same answer as for a job that does not exist)."""
-    from compute.modelref import job_ref_id, spec_job_refs
-    from compute.specs import SpecError
+    from compute.contract.modelref import job_ref_id, spec_job_refs
+    from compute.contract.specs import SpecError
     from storage import repo
 
     refs = spec_job_refs(kind, spec)

@@ -12,7 +12,7 @@ from typing import Any, NoReturn
 
 import click
 
-from compute.specs import SpecError, parse_spec
+from compute.contract.specs import SpecError, parse_spec
 
 
 def fail(message: str, code: int = 2) -> NoReturn:
@@ -36,8 +36,8 @@ def spec_from_options(kind: str, options: dict[str, Any]) -> Any:
     except SpecError as exc:
         _flag_errors(exc)
     from app import services
+    from compute.contract.modelref import MODEL_FIELDS
     from compute.contract.settings import get_settings
-    from compute.modelref import MODEL_FIELDS
 
     allow_local_dirs(*(getattr(spec, f, None) for f in MODEL_FIELDS))
     try:

@@ -22,7 +22,7 @@ from app.commands.common import (
     write_json,
 )
 from app.commands.options import spec_options
-from compute.specs import DiffSpec, MaskSpec, RetentionSpec, TokensSpec
+from compute.contract.specs import DiffSpec, MaskSpec, RetentionSpec, TokensSpec
 
 
 def _num(x: Any, digits: int = 4) -> str:
@@ -164,7 +164,7 @@ def provenance(spec: Any, seconds_wall: float, cpu_seconds: float, command: str)
     import platform
     import subprocess
 
-    from compute.modelref import file_sha256, is_hub_id, model_revision, resolve_model
+    from compute.contract.modelref import file_sha256, is_hub_id, model_revision, resolve_model
 
     models: dict[str, Any] = {}
     for ref in (getattr(spec, "model", None), getattr(spec, "teacher", None)):

@@ -9,7 +9,7 @@ import click
 
 from app.commands.common import fail, run_job, spec_from_options, write_json
 from app.commands.options import spec_options
-from compute.specs import FisherSpec
+from compute.contract.specs import FisherSpec
 
 
 def _summary_table(result: Any) -> str:
@@ -36,7 +36,7 @@ def fisher(out: str, **options: Any) -> None:
     """Estimate the diagonal Fisher; write OUT/fisher.safetensors and OUT/stats.json."""
     spec = spec_from_options("fisher", options)
     # cheap checks first: a bad model or task name fails before torch loads anything heavy
-    from compute.modelref import resolve_model
+    from compute.contract.modelref import resolve_model
     from compute.tasks import get_task
 
     try:

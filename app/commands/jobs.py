@@ -54,7 +54,7 @@ def _load_spec(text: str) -> dict[str, Any]:
 def submit_cmd(kind: str, spec_text: str, no_reuse: bool, wait: bool, timeout: float) -> None:
     """Queue a job of KIND (fisher, mask, train, retention, diff, tokens) for the workers."""
     from app import client as services  # HTTP with a token, or in-process (app/client.py)
-    from compute.specs import SpecError
+    from compute.contract.specs import SpecError
 
     settings = get_settings()
     data = _load_spec(spec_text)
@@ -268,7 +268,7 @@ def up_cmd(host: str | None, port: int | None, no_worker: bool) -> None:
 def _ensure_zoo(zoo_dir: Any) -> None:
     """Build the shipped model zoo on first start (missing models only), with a progress line
     at most every 2 s."""
-    from compute.modelref import ZOO_NAMES
+    from compute.contract.modelref import ZOO_NAMES
 
     if all((zoo_dir / n / "config.json").is_file() for n in ZOO_NAMES):
         return

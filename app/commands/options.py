@@ -1,4 +1,4 @@
-"""Click options generated from a spec model's fields (compute.specs.describe_fields).
+"""Click options generated from a spec model's fields (compute.contract.specs.describe_fields).
 
 One list of fields, in the spec: the flag (`max_new_tokens` -> `--max-new-tokens`), the help
 text, the default and the accepted range shown in `--help` all come from it. Values are not
@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import click
 
 from app.commands.common import fail
-from compute.specs import FieldInfo, describe_fields
+from compute.contract.specs import FieldInfo, describe_fields
 
 F = TypeVar("F", bound=Callable[..., Any])
 

@@ -20,7 +20,7 @@ from app.commands.common import (
     write_json,
 )
 from app.commands.options import spec_options
-from compute.specs import SweepSpec, TrainSpec
+from compute.contract.specs import SweepSpec, TrainSpec
 
 
 def _fmt(x: Any) -> str:
@@ -94,7 +94,7 @@ def _weights_sha256(ref: str) -> str | None:
     """sha256 of a local model's weights file(s) (what the sweep started from), None if not local."""
     import hashlib
 
-    from compute.modelref import resolve_model
+    from compute.contract.modelref import resolve_model
 
     try:
         folder = Path(resolve_model(ref))

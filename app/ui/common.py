@@ -11,7 +11,7 @@ import gradio as gr
 
 from app import api, auth, services
 from app.ui.snippets import errors_html, esc, job_label, note_html
-from compute.specs import SpecError
+from compute.contract.specs import SpecError
 
 log = logging.getLogger(__name__)
 

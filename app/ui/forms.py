@@ -1,7 +1,7 @@
-"""Job form fields generated from the spec models (compute/specs.py), so the form, the CLI and the
+"""Job form fields generated from the spec models (compute/contract/specs.py), so the form, the CLI and the
 spec never disagree on a default, a range or a choice.
 
-`describe(kind, name)` reads the spec's field metadata (compute.specs.describe_fields: type,
+`describe(kind, name)` reads the spec's field metadata (compute.contract.specs.describe_fields: type,
 default, description, ge/gt/le/lt bounds, Literal choices, as the CLI options do); `component(...)` maps it to a Gradio input with the label,
 the help text and the accepted range; `form_data(kind, names, values)` turns the submitted values
 back into a spec dict. Validation stays in one place: `services.submit` -> `parse_spec`, whose
@@ -16,8 +16,8 @@ from typing import Any, Literal
 
 import gradio as gr
 
-from compute.spec_fields import FieldInfo
-from compute.specs import SPECS, SpecError, describe_fields
+from compute.contract.spec_fields import FieldInfo
+from compute.contract.specs import SPECS, SpecError, describe_fields
 
 Widget = Literal["int", "float", "bool", "choice", "choices", "floats", "text"]
 NONE_LABEL = "(none)"  # the blank choice of an optional dropdown; submitted as "" (= the default)
@@ -32,7 +32,7 @@ class FieldDesc:
     widget: Widget
     default: Any
     help: str
-    source: FieldInfo  # what compute.specs.describe_fields says about it
+    source: FieldInfo  # what compute.contract.specs.describe_fields says about it
     choices: tuple[str, ...]
     optional: bool  # None is accepted (blank means "not given")
 
@@ -68,7 +68,7 @@ def _fields(kind: str) -> dict[str, FieldInfo]:
 
 
 def describe(kind: str, name: str) -> FieldDesc:
-    """The form description of field `name` of job `kind`'s spec (compute.specs.describe_fields:
+    """The form description of field `name` of job `kind`'s spec (compute.contract.specs.describe_fields:
     the same metadata the CLI options are generated from)."""
     f = _fields(kind)[name]
     return FieldDesc(kind=kind, name=name, widget=_widget(f), default=f.default, help=f.help or "",

@@ -13,7 +13,7 @@ from app import limits
 from app.ui import forms
 from app.ui.common import MODEL_FIELDS, NONE_CHOICE, TASKS, submit_and_show
 from app.ui.snippets import errors_html, esc
-from compute.specs import SpecError
+from compute.contract.specs import SpecError
 
 ROW = 5  # inputs per row
 REF_KINDS = {"fisher": "fisher", "mask": "mask"}  # reference fields -> the job kind they name

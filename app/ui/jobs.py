@@ -10,7 +10,7 @@ import gradio as gr
 
 from app import services
 from app.ui.snippets import esc, jobs_table_html, note_html
-from compute.specs import SPECS
+from compute.contract.specs import SPECS
 from storage.models import JOB_STATUSES
 
 

@@ -9,7 +9,7 @@ import gradio as gr
 
 from app import api
 from app.ui.snippets import errors_html, esc, note_html
-from compute.specs import SpecError
+from compute.contract.specs import SpecError
 
 HEADERS = ["name", "source", "architecture", "n_params", "n_layers", "hidden_size", "vocab_size", "note", "path"]
 

@@ -16,7 +16,7 @@ from app.ui.figs import figures_box, figures_html
 from app.ui.formtab import field_input
 from app.ui.result import job_by_token, stored_payload
 from app.ui.snippets import downloads_html, errors_html, progress_html
-from compute.specs import SpecError
+from compute.contract.specs import SpecError
 
 FIELDS = ("model", "context", "top_k", "layer", "random_k")
 

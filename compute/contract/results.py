@@ -1,6 +1,6 @@
 """One typed result schema per job kind: the contract between compute and every reader.
 
-A result is the dict of `compute.results.JobResult.to_dict()` (and of `GET /api/results/{token}`,
+A result is the dict of `compute.contract.jobresult.JobResult.to_dict()` (and of `GET /api/results/{token}`,
 which adds "job" and "artifacts"): {"kind", "summary", "layer_stats", "heatmaps", "series"}.
 Each kind declares here, once:
 - its summary fields (typed; the headline numbers readers show),
@@ -26,7 +26,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationEr
 Kind = Literal["fisher", "mask", "train", "sweep", "retention", "diff", "tokens"]
 KINDS: tuple[str, ...] = ("fisher", "mask", "train", "sweep", "retention", "diff", "tokens")
 Group = Literal["tensor", "layer_module"]
-PRECISIONS = ("fp32", "bf16-mixed", "bf16")  # compute.specs.PRECISION_DTYPES (a test checks)
+PRECISIONS = ("fp32", "bf16-mixed", "bf16")  # compute.contract.specs.PRECISION_DTYPES (a test checks)
 Curve = tuple[list[float], list[float]]  # (xs sorted ascending, ys); points without a value left out
 
 

@@ -1,7 +1,7 @@
 """Deployment settings: one pydantic-settings class, read from env vars and `.env`.
 
 Experiment knobs do not live here; they live in the per-algorithm config dataclasses in
-`compute/` and in the job specs (`compute/specs.py`).
+`compute/` and in the job specs (`compute/contract/specs.py`).
 """
 
 from __future__ import annotations

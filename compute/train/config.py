@@ -1,4 +1,4 @@
-"""The training loop's configuration, derived from the user-facing spec (compute.specs.TrainSpec).
+"""The training loop's configuration, derived from the user-facing spec (compute.contract.specs.TrainSpec).
 
 Every knob a user can set is a TrainSpec field: its default, range and help live there only, and
 `TrainConfig` takes them from it (`TrainConfig.from_spec`, or the spec's defaults). The few knobs
@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from compute.contract.spec_fields import describe_fields
+from compute.contract.specs import TrainSpec
 from compute.grpo import AGGREGATIONS
-from compute.spec_fields import describe_fields
-from compute.specs import TrainSpec
 
 _SPEC = {f.name: f for f in describe_fields(TrainSpec)}
 ALGOS: tuple[str, ...] = _SPEC["algo"].choices or ()

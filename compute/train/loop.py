@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from compute.results import Progress, null_progress
+from compute.contract.jobresult import Progress, null_progress
 from compute.train.config import TrainConfig
 from compute.train.objectives import Batch, Objective, make_objective
 from compute.train.optimizers import (

@@ -22,9 +22,9 @@ log = logging.getLogger("fisherlens.worker")
 
 def _check_refs(settings: Any, kind: str, spec: Any) -> Any:
     """Check every 'job:<id>' of the spec (model, teacher, base, tuned, fisher, mask) with
-    compute.modelref, the resolver the API validated it with; the spec keeps the references
+    compute.contract.modelref, the resolver the API validated it with; the spec keeps the references
     (the compute code resolves them again where it reads the files)."""
-    from compute.modelref import check_spec_refs
+    from compute.contract.modelref import check_spec_refs
 
     with sessions(settings)() as s:
         return check_spec_refs(kind, spec, settings, s)
@@ -33,8 +33,8 @@ def _check_refs(settings: Any, kind: str, spec: Any) -> Any:
 def execute_job(settings: Any, job_id: int, hostname: str | None = None) -> str:
     """Run one job to a final state, or fan it out when its kind's children(spec) > 1.
     Returns what happened (for logs and tests)."""
+    from compute.contract.specs import parse_spec
     from compute.runners import child_count, get_runner
-    from compute.specs import parse_spec
 
     worker = hostname or lifecycle.hostname()
     fault_point("after_receive", f"job={job_id}")  # tests only (compute.control)

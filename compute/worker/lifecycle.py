@@ -20,8 +20,8 @@ from datetime import datetime, timedelta
 from pathlib import Path
 from typing import Any
 
+from compute.contract.jobresult import JobCancelled
 from compute.control import cancel_scope, fault_point
-from compute.results import JobCancelled
 from storage import repo
 from storage.artifacts import ArtifactStore
 from storage.db import session_factory

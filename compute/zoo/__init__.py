@@ -33,7 +33,7 @@ recipe, families), ``folders`` (atomic zoo folders, listing), ``shipped`` (manif
 checks, install), ``build`` (training from scratch, ``ship``), ``real`` (the GGUF conversion).
 """
 
-from compute.modelref import REAL_MODEL_NAMES, ZOO_NAMES, file_sha256, folder_revision
+from compute.contract.modelref import REAL_MODEL_NAMES, ZOO_NAMES, file_sha256, folder_revision
 from compute.zoo.build import build_zoo, ship
 from compute.zoo.folders import INFO_FILE
 from compute.zoo.real import (

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from compute.modelref import ZOO_NAMES, file_sha256, folder_revision
+from compute.contract.modelref import ZOO_NAMES, file_sha256, folder_revision
 from compute.models import greedy_generate
 from compute.tasks import get_task
 from compute.zoo.folders import INFO_FILE, is_built, save
@@ -71,7 +71,7 @@ def _check_build_args(
 def build_zoo(
     zoo_dir: str | Path,
     names: list[str] | tuple[str, ...] | None = None,
-    # any f(fraction, message): compute.results.Progress is a nominal class a plain function
+    # any f(fraction, message): compute.contract.jobresult.Progress is a nominal class a plain function
     # (the CLI's progress bar) is not an instance of
     progress: Callable[[float, str], None] | None = None,
     seed: int = 0,
@@ -301,7 +301,7 @@ def ship(names: list[str] | None = None, weights_dir: str | Path | None = None) 
             manifest["models"][info["name"]] = _manifest_entry(dst, info)
     manifest["about"] = (
         "Shipped zoo weights: sha256 of every file, the content revision (as "
-        "compute.modelref.model_revision computes it) and the held-out accuracy measured by the "
+        "compute.contract.modelref.model_revision computes it) and the held-out accuracy measured by the "
         "build (greedy, test split). Written by `python -m compute.zoo ship`."
     )
     manifest["models"] = dict(sorted(manifest["models"].items()))

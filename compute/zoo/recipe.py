@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from compute.modelref import ZOO_NAMES
+from compute.contract.modelref import ZOO_NAMES
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from compute.modelref import REAL_MODEL_NAMES, ZOO_NAMES
+from compute.contract.modelref import REAL_MODEL_NAMES, ZOO_NAMES
 from compute.zoo.folders import read_info
 from compute.zoo.real import REAL_MODELS
 

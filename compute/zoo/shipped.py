@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-from compute.modelref import file_sha256
+from compute.contract.modelref import file_sha256
 from compute.zoo.folders import INFO_FILE, atomic_folder, replace_folder
 
 # compute/zoo_weights, next to this package (package data, see pyproject.toml).

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from compute.results import JobResult, LayerStat, SeriesPoint
+from compute.contract.jobresult import JobResult, LayerStat, SeriesPoint
 from tests.browser import ARTIFACTS, CHROMIUM
 from tests.browser import free_port as _free_port
 

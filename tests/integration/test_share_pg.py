@@ -10,7 +10,7 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import text
 
-from compute.results import JobResult, SeriesPoint
+from compute.contract.jobresult import JobResult, SeriesPoint
 from tests.integration.conftest import PG_URL, _pg_schema
 
 

@@ -10,7 +10,7 @@ import pytest
 from sqlalchemy import func, select
 
 from app import services
-from compute.specs import SpecError
+from compute.contract.specs import SpecError
 from storage import repo
 from storage.artifacts import ArtifactStore
 from storage.models import ArtifactRow, HeatmapRow, LayerStatRow, SeriesRow
@@ -149,8 +149,8 @@ def test_sharded_fisher_over_two_workers_equals_one_worker(redis_stack) -> None:
     the stored Fisher equals the same spec computed start to end in one process."""
     import torch
 
+    from compute.contract.specs import parse_spec
     from compute.run_fisher import run
-    from compute.specs import parse_spec
 
     stack = redis_stack
     stack.start_worker("w1@test")

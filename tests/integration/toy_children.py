@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from compute.results import JobResult, null_progress
+from compute.contract.jobresult import JobResult, null_progress
 
 
 def children(spec: Any) -> int:

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 from fastapi.testclient import TestClient
 
+from compute.contract.jobresult import Heatmap, JobResult, LayerStat, SeriesPoint
 from compute.contract.settings import Settings
-from compute.results import Heatmap, JobResult, LayerStat, SeriesPoint
 from tests.pg import pg_schema_url
 
 
@@ -240,7 +240,7 @@ def test_web_process_does_not_import_torch(tmp_path):
 
 def test_ui_form_values_become_valid_specs_and_html_is_escaped():
     from app import ui
-    from compute.specs import parse_spec
+    from compute.contract.specs import parse_spec
 
     forms = {
         "fisher": dict(model="arith-base", task="arithmetic", prompts=8.0, samples=2.0, estimator="sequence",
@@ -425,7 +425,7 @@ def test_ui_refuses_fractions_for_integers_like_the_api(env):
     import gradio as gr
 
     from app import services, ui
-    from compute.specs import SpecError
+    from compute.contract.specs import SpecError
 
     settings, _, _ = env
     demo = ui.build_ui(settings)
@@ -439,7 +439,7 @@ def test_ui_refuses_fractions_for_integers_like_the_api(env):
 def test_model_lists_offer_trained_models_as_job_refs(env, tmp_path):
     settings, client, _ = env
     from app import services
-    from compute.results import JobResult
+    from compute.contract.jobresult import JobResult
     from storage import repo
     from storage.artifacts import ArtifactStore
 

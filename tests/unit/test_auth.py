@@ -118,7 +118,7 @@ def _submit(c: TestClient, seed: int, **extra: Any) -> dict[str, Any]:
 def _finish(env: Env, job_id: int) -> None:
     """Store a small result for a job and mark it succeeded (what a worker would do)."""
     from app import services
-    from compute.results import JobResult, LayerStat
+    from compute.contract.jobresult import JobResult, LayerStat
     from storage import repo
 
     result = JobResult(kind="fisher", summary={"n_samples": 2, "gini": 0.5},

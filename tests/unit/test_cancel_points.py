@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from compute.contract.jobresult import JobCancelled
 from compute.control import cancel_scope
-from compute.results import JobCancelled
 from compute.sampling import sample_completions, token_logprobs
 from tests.unit.fisher_tiny import char_tokenizer, tiny_model
 

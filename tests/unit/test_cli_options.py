@@ -12,7 +12,14 @@ from click.testing import CliRunner
 from app.cli import main
 from app.commands.common import spec_command
 from app.commands.options import flag, spec_options
-from compute.specs import SPECS, RetentionSpec, SweepSpec, TrainSpec, describe_fields, parse_spec
+from compute.contract.specs import (
+    SPECS,
+    RetentionSpec,
+    SweepSpec,
+    TrainSpec,
+    describe_fields,
+    parse_spec,
+)
 
 # command -> (spec kind, fields given as arguments instead of options)
 COMMANDS = {"fisher": ("fisher", ()), "mask": ("mask", ()), "train": ("train", ()), "sweep": ("sweep", ()),

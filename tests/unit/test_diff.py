@@ -154,8 +154,8 @@ def pair(tmp_path, monkeypatch):
 
 
 def test_run_diff_job(pair) -> None:
+    from compute.contract.specs import DiffSpec
     from compute.run_diff import run
-    from compute.specs import DiffSpec
 
     root, model = pair
     total = sum(p.numel() for p in model.parameters())

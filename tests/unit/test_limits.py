@@ -61,7 +61,7 @@ def test_parameter_count_from_safetensors_headers(tmp_path: Path) -> None:
 
 def test_token_passes_by_hand() -> None:
     from app.limits import token_passes
-    from compute.specs import parse_spec
+    from compute.contract.specs import parse_spec
 
     length = 64 + 6  # assumed prompt + max_new_tokens
     base = {"model": "m", "steps": 10, "batch": 4, "group": 2, "max_new_tokens": 6, "eval_prompts": 5}

@@ -207,8 +207,8 @@ def model_dir(tmp_path, monkeypatch):
 
 
 def test_run_mask_fisher_and_magnitude(model_dir) -> None:
+    from compute.contract.specs import MaskSpec
     from compute.run_mask import run
-    from compute.specs import MaskSpec
 
     root, model, fisher = model_dir
     res = run(MaskSpec(fisher=str(root / "fisher.safetensors"), select="fisher", density=0.1,
@@ -230,8 +230,8 @@ def test_run_mask_fisher_and_magnitude(model_dir) -> None:
 
 def test_run_mask_gradient_and_errors(model_dir) -> None:
     from compute.artifacts import resolve_artifact
+    from compute.contract.specs import MaskSpec
     from compute.run_mask import run, sft_gradient
-    from compute.specs import MaskSpec
 
     root, model, fisher = model_dir
     res = run(MaskSpec(select="gradient", density=0.05, model=str(root / "base"), prompts=4))
@@ -239,7 +239,7 @@ def test_run_mask_gradient_and_errors(model_dir) -> None:
     assert sum(float(g.sum()) for g in grad.values()) > 0
     want = select_mask("gradient", 0.05, scores=grad)
     assert all(torch.equal(res.tensors["mask"][n], want[n]) for n in want)
-    with pytest.raises(ValueError, match=r"fisher: job 12 does not exist"):  # via compute.modelref
+    with pytest.raises(ValueError, match=r"fisher: job 12 does not exist"):  # via compute.contract.modelref
         run(MaskSpec(fisher="job:12", select="fisher"))
     with pytest.raises(ValueError, match="fisher: file not found"):
         run(MaskSpec(fisher=str(root / "nope.safetensors")))

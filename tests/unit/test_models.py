@@ -1,4 +1,4 @@
-"""compute.modelref and compute.models: allowed roots, revisions, loading, device/dtype, greedy."""
+"""compute.contract.modelref and compute.models: allowed roots, revisions, loading, device/dtype, greedy."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from compute.contract.modelref import model_revision, resolve_model
 from compute.contract.settings import Settings
-from compute.modelref import model_revision, resolve_model
 from compute.models import (
     greedy_generate,
     load_model,

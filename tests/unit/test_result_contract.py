@@ -10,11 +10,11 @@ import typing
 import pytest
 
 from compute.contract import results as C
-from compute.results import Heatmap, JobResult, LayerStat, SeriesPoint
+from compute.contract.jobresult import Heatmap, JobResult, LayerStat, SeriesPoint
 
 
 def test_every_kind_has_a_contract_and_precisions_match_the_spec():
-    from compute.specs import PRECISION_DTYPES, Precision
+    from compute.contract.specs import PRECISION_DTYPES, Precision
 
     assert set(C.CONTRACTS) == set(C.KINDS) == set(typing.get_args(C.Kind))
     assert C.PRECISIONS == typing.get_args(Precision) and set(C.PRECISIONS) == set(PRECISION_DTYPES)
@@ -82,7 +82,7 @@ def runs(zoo_home, tmp_path_factory):
         run_tokens,
         run_train,
     )
-    from compute.specs import (
+    from compute.contract.specs import (
         DiffSpec,
         FisherSpec,
         MaskSpec,

@@ -13,7 +13,7 @@ import torch
 from app import services
 from compute.celery_app import RUN_JOB
 from compute.contract.settings import get_settings
-from compute.specs import SpecError
+from compute.contract.specs import SpecError
 from storage import repo
 from tests.pg import pg_schema_url
 
@@ -108,7 +108,7 @@ def test_job_references_must_be_succeeded_jobs_of_the_right_kind(settings) -> No
 
 
 def _store_result(settings, job_id: int, **kw) -> None:
-    from compute.results import JobResult
+    from compute.contract.jobresult import JobResult
     from storage.artifacts import ArtifactStore
 
     with services.sessions(settings)() as s:
@@ -133,7 +133,7 @@ def test_trained_model_is_a_model_everywhere(settings, tmp_path: Path) -> None:
     """job:N of a succeeded train job is accepted as model, teacher, base and tuned; the trained
     folder lives in the artifact store (outside the allowed model roots), is verified by sha256,
     and errors name the field without server paths."""
-    from compute.modelref import resolve_job_ref, resolve_model
+    from compute.contract.modelref import resolve_job_ref, resolve_model
 
     trained = _trained(settings, tmp_path, mask_select="fisher", mask_density=0.1)
     ref = f"job:{trained['id']}"

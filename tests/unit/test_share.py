@@ -20,8 +20,8 @@ from fastapi.testclient import TestClient
 
 from app.figures import keynumbers, labels
 from app.figures.store import FIGURES_KEY, FigureStore, build_payload
+from compute.contract.jobresult import Heatmap, JobResult, LayerStat, SeriesPoint
 from compute.contract.settings import Settings
-from compute.results import Heatmap, JobResult, LayerStat, SeriesPoint
 
 TRACEBACK = ('Traceback (most recent call last):\n  File "/srv/fisherlens/compute/run_fisher.py", '
              'line 12, in run\nValueError: secret internals')

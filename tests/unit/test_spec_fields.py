@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from pydantic import BaseModel
 
-from compute.specs import (
+from compute.contract.specs import (
     SPECS,
     FieldInfo,
     MaskSpec,

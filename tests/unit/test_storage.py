@@ -17,7 +17,7 @@ import pytest
 import torch
 from sqlalchemy import func, inspect, select, text
 
-from compute.results import Heatmap, JobResult, LayerStat, SeriesPoint
+from compute.contract.jobresult import Heatmap, JobResult, LayerStat, SeriesPoint
 from storage import repo
 from storage.artifacts import ArtifactError, ArtifactStore
 from storage.db import current_revision, make_engine, make_session_factory, upgrade

@@ -9,7 +9,7 @@ import shutil
 
 import pytest
 
-from compute.specs import SpecError, parse_spec
+from compute.contract.specs import SpecError, parse_spec
 
 
 def test_sweep_spec_validation_names_the_field() -> None:

@@ -169,6 +169,6 @@ def test_jsonl_missing_file_and_bad_option(tmp_path: Path) -> None:
 
 
 def test_tasks_and_modelref_do_not_import_torch() -> None:
-    code = "import sys, compute.tasks, compute.modelref; print('torch' in sys.modules)"
+    code = "import sys, compute.tasks, compute.contract.modelref; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

@@ -236,8 +236,8 @@ def test_run_tokens_job_and_cli(model_dir, tmp_path) -> None:
     from click.testing import CliRunner
 
     from app.cli import main
+    from compute.contract.specs import TokensSpec
     from compute.run_tokens import run
-    from compute.specs import TokensSpec
 
     path, model, tok = model_dir
     res = run(TokensSpec(model=str(path), context="12+3", top_k=4, random_k=3, low_k=2, device="cpu"))
@@ -278,8 +278,8 @@ def test_run_tokens_job_and_cli(model_dir, tmp_path) -> None:
 
 @pytest.mark.slow
 def test_zoo_tokens(zoo_home, monkeypatch) -> None:
+    from compute.contract.specs import TokensSpec
     from compute.run_tokens import run
-    from compute.specs import TokensSpec
 
     monkeypatch.setenv("FISHERLENS_HOME", str(zoo_home))
     res = run(TokensSpec(model="arith-base", context="12+34=", top_k=4, random_k=4, low_k=4, device="cpu"))

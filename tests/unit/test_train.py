@@ -135,7 +135,7 @@ def test_train_config_validation() -> None:
 def test_train_config_takes_defaults_and_ranges_from_the_spec() -> None:
     from dataclasses import fields
 
-    from compute.specs import RetentionSpec, TrainSpec
+    from compute.contract.specs import RetentionSpec, TrainSpec
 
     spec = TrainSpec(model="arith-base")
     cfg = TrainConfig()

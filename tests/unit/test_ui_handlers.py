@@ -14,7 +14,7 @@ import pytest
 
 from app.ui import compare, forms, formtab, jobs, page, result, tokens
 from app.ui.figs import figures_html, same_colour_range
-from compute.specs import SPECS, SpecError, parse_spec
+from compute.contract.specs import SPECS, SpecError, parse_spec
 from tests.unit.test_share import _fisher_result, _job
 
 

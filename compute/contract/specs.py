@@ -24,9 +24,9 @@ from pydantic import (
 )
 
 # FieldInfo and describe_fields are re-exported: generators import them from here with the specs
-from compute.spec_fields import BOUND_KEYS, constraints
-from compute.spec_fields import FieldInfo as FieldInfo
-from compute.spec_fields import describe_fields as describe_fields
+from compute.contract.spec_fields import BOUND_KEYS, constraints
+from compute.contract.spec_fields import FieldInfo as FieldInfo
+from compute.contract.spec_fields import describe_fields as describe_fields
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Estimator = Literal["sequence", "token", "empirical", "batch"]
