@@ -23,7 +23,7 @@ def save_result(
     store: ArtifactStore | None = None,
     artifacts: list[ArtifactInfo] | None = None,
 ) -> None:
-    """Store a compute.results.JobResult for a job, replacing whatever an earlier delivery of the
+    """Store a compute.contract.jobresult.JobResult for a job, replacing whatever an earlier delivery of the
     same job stored (idempotent: rows are never duplicated). Tensors go to `store` as safetensors,
     `result.files` are moved under the job's artifact folder; `artifacts` adds prepared ones."""
     job = must_get(session, job_id)
@@ -77,7 +77,7 @@ def get_artifact(*, session: Session, job_id: int, kind: str) -> ArtifactRow | N
 
 def result_dict(*, session: Session, job: Job) -> dict[str, Any]:
     """The JSON of GET /api/results/{token}: job metadata plus every stored result row, in the
-    same shape as compute.results.JobResult.to_dict() (so plot builders take either)."""
+    same shape as compute.contract.jobresult.JobResult.to_dict() (so plot builders take either)."""
     job_id = job.id
     stats = session.scalars(
         select(LayerStatRow).where(LayerStatRow.job_id == job_id).order_by(LayerStatRow.position)
