@@ -245,7 +245,7 @@ def _result_or_404(settings: Any, token: str) -> dict[str, Any]:
 
 
 def _add_job_routes(r: APIRouter, settings: Any) -> None:
-    """/jobs: submit, list, get, cancel, rerun."""
+    """/jobs: submit, list, get, cancel, rerun (one route group: five short route functions)."""
 
     @r.post("/jobs", status_code=201, tags=["jobs"], summary="Submit a job",
             responses=responses(413, 429, 503))

@@ -46,12 +46,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         openapi_url="/api/openapi.json",
     )
 
-    # accounts (app/auth/): 401/403 from services, /login, /logout, /api/me, sharing, estimates
-    from app import auth
+    # accounts (app/auth/ + app/accounts.py): 401/403 from services, /login, /logout, /api/me,
+    # sharing, estimates
+    from app import accounts, auth
 
     _add_error_handlers(app)
     app.add_middleware(auth.AccessGuard, settings=settings)  # body limit, cross-site, sign-in
-    app.include_router(auth.make_auth_router(settings))
+    app.include_router(accounts.make_auth_router(settings))
     app.include_router(make_router(settings))
 
     # /r/<token>: the server-rendered share page (app/share.py), outside the Gradio queue
@@ -66,7 +67,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
 def _add_error_handlers(app: FastAPI) -> None:
     """422 as {detail: [{field, message}]}, 401/403 from accounts, 500 naming no server path."""
-    from app import auth
+    from app import accounts
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -76,7 +77,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(PermissionError)
     async def _denied(request: Request, exc: PermissionError) -> JSONResponse:
-        return auth.login_required_response(exc)
+        return accounts.login_required_response(exc)
 
     @app.exception_handler(Exception)
     async def _server_error(request: Request, exc: Exception) -> JSONResponse:

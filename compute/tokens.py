@@ -198,6 +198,7 @@ def token_mechanism(
     method: str = "auto",
 ) -> TokensResult:
     """Sensitivities, cosine similarities and Fisher shares of the next tokens after one context.
+    (Over 60 lines only because it fills the TokensResult record field by field.)
 
     input_ids: (1, L) or (L,) long on the model's device. The model is used in eval mode (no
     dropout) and its parameters' .grad are left untouched (autograd.grad is used).

@@ -70,6 +70,19 @@ def session_factory(url: str) -> sessionmaker[Session]:
         return _factories[url]
 
 
+_upgraded: set[str] = set()
+_upgrade_lock = threading.Lock()
+
+
+def migrated_session_factory(url: str) -> sessionmaker[Session]:
+    """session_factory(url), after upgrading the schema to head once per process (web, CLI)."""
+    with _upgrade_lock:
+        if url not in _upgraded:
+            upgrade(url)
+            _upgraded.add(url)
+    return session_factory(url)
+
+
 def alembic_config(url: str) -> Any:
     from alembic.config import Config
 

@@ -20,8 +20,8 @@ need no extra parameter. Gradio events run in Gradio's queue, not in the request
 named for that session.
 
 Modules: ``principal`` (the caller and what it may see), ``guard`` (credentials, the same-site
-rule, the middleware, the open-bind refusal), ``routes`` (sign-in pages and account routes),
-``gradio_users`` (UI events run as the signed-in user).
+rule, the middleware, the open-bind refusal), ``gradio_users`` (UI events run as the signed-in user). The
+sign-in pages and account routes are `app/accounts.py` (they call services; services call auth).
 """
 
 from app.auth.gradio_users import bind_gradio_users, gradio_user, user_header_html
@@ -53,12 +53,6 @@ from app.auth.principal import (
     principal,
     token_principal,
 )
-from app.auth.routes import (
-    EstimateRequest,
-    ShareRequest,
-    login_required_response,
-    make_auth_router,
-)
 
 __all__ = [
     "PUBLIC_EXACT",
@@ -66,10 +60,8 @@ __all__ = [
     "SAFE_METHODS",
     "SESSION_COOKIE",
     "AccessGuard",
-    "EstimateRequest",
     "Forbidden",
     "Principal",
-    "ShareRequest",
     "Unauthorized",
     "acting_as",
     "bearer",
@@ -83,8 +75,6 @@ __all__ = [
     "gradio_user",
     "is_loopback",
     "local_principal",
-    "login_required_response",
-    "make_auth_router",
     "optional_user",
     "own_origins",
     "owner_filter",

@@ -48,9 +48,9 @@ def principal(user: Any, settings: Any, via: str) -> Principal:
 
 
 def db_sessions(settings: Any) -> Any:
-    from app import services
+    from storage.db import migrated_session_factory
 
-    return services.sessions(settings)
+    return migrated_session_factory(settings.db_url)
 
 
 def local_principal(settings: Any) -> Principal:

@@ -3,25 +3,16 @@
 from __future__ import annotations
 
 import re
-import threading
 from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from storage.db import session_factory, upgrade
-
-_upgraded: set[str] = set()
-_upgrade_lock = threading.Lock()
+from storage.db import migrated_session_factory
 
 
 def sessions(settings: Any) -> sessionmaker[Session]:
     """The session factory for settings.db_url, migrating the schema once per process."""
-    url = settings.db_url
-    with _upgrade_lock:
-        if url not in _upgraded:
-            upgrade(url)
-            _upgraded.add(url)
-    return session_factory(url)
+    return migrated_session_factory(settings.db_url)
 
 
 def share_url(settings: Any, token: str) -> str:

@@ -19,6 +19,7 @@ TS = sa.DateTime(timezone=True)
 
 
 def upgrade() -> None:
+    # One create_table per table of the first schema: long by nature, one statement each.
     op.create_table(
         "models",
         sa.Column("id", sa.Integer(), primary_key=True),
