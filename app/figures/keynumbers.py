@@ -9,10 +9,10 @@ Pure: the same result dict as `GET /api/results/{token}` (or `JobResult.to_dict(
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from app.figures.common import finite
 from compute.contract.results import (
     KINDS,
     TRAIN,
@@ -38,18 +38,8 @@ FAIR_JACCARD = 0.5
 Item = dict[str, str]
 
 
-def _num(v: Any) -> float | None:
-    if isinstance(v, bool) or v is None:
-        return None
-    try:
-        f = float(v)
-    except (TypeError, ValueError):
-        return None
-    return f if math.isfinite(f) else None
-
-
 def fmt(v: Any) -> str:
-    f = _num(v)
+    f = finite(v)
     if f is None:
         return "n/a"
     if f == 0:
@@ -60,7 +50,7 @@ def fmt(v: Any) -> str:
 
 
 def pct(v: Any) -> str:
-    f = _num(v)
+    f = finite(v)
     if f is None:
         return "n/a"
     return f"{100 * f:.3g}%" if abs(100 * f) >= 0.01 or f == 0 else f"{100 * f:.2e}%"
@@ -93,20 +83,20 @@ def jaccard_verdict(jaccard: float | None, topk_percent: float | None) -> dict[s
 def _fisher(r: FisherResult, out: dict[str, Any]) -> None:
     s = r.summary
     items = out["items"]
-    if _num(s.top1_share) is not None:
+    if finite(s.top1_share) is not None:
         items.append(_item("Fisher mass in the top 1% of coordinates", pct(s.top1_share), "uniform would be 1%"))
-    if _num(s.top10_share) is not None:
+    if finite(s.top10_share) is not None:
         items.append(_item("Fisher mass in the top 10%", pct(s.top10_share)))
-    if _num(s.gini) is not None:
+    if finite(s.gini) is not None:
         items.append(_item("Gini coefficient", fmt(s.gini), "0 = uniform, 1 = one coordinate"))
-    k, jac = _num(s.split_half_topk_percent), _num(s.split_half_jaccard)
+    k, jac = finite(s.split_half_topk_percent), finite(s.split_half_jaccard)
     if jac is not None:
         items.append(_item(f"Split-half top-{fmt(k)}% Jaccard", fmt(jac), "two independent halves of the samples"))
     if "split_half_jaccard" in s.model_fields_set:
         out["verdict"] = jaccard_verdict(jac, k)
     if s.n_samples is not None:
         items.append(_item("Samples", fmt(s.n_samples), str(s.estimator or "")))
-    errs = [e for v in (s.exact_output or {}).values() if (e := _num(v.relative_l1_error)) is not None]
+    errs = [e for v in (s.exact_output or {}).values() if (e := finite(v.relative_l1_error)) is not None]
     if errs:
         items.append(_item("Output layer: relative L1 error vs exact", fmt(max(errs)),
                            "largest over the output-layer tensors"))
@@ -115,7 +105,7 @@ def _fisher(r: FisherResult, out: dict[str, Any]) -> None:
 def _train(r: TrainResult, out: dict[str, Any]) -> None:
     s = r.summary
     items = out["items"]
-    before, after = _num(s.accuracy_before), _num(s.accuracy_after)
+    before, after = finite(s.accuracy_before), finite(s.accuracy_after)
     if before is not None and after is not None:
         n = (s.eval or {}).get("prompts")
         note = f"greedy, {n} held-out prompts" if n else "greedy, held-out prompts"
@@ -129,10 +119,10 @@ def _train(r: TrainResult, out: dict[str, Any]) -> None:
         (xs, ys) = curve
         items.append(_item("Sample reward, first -> last step", f"{fmt(ys[0])} -> {fmt(ys[-1])}",
                            f"steps {fmt(xs[0])} and {fmt(xs[-1])}"))
-    if _num(s.trainable_fraction) is not None:
+    if finite(s.trainable_fraction) is not None:
         items.append(_item("Trainable fraction (mask density)", pct(s.trainable_fraction)))
     us = s.update_sparsity or {}
-    if _num(us.get("unchanged_exact")) is not None:
+    if finite(us.get("unchanged_exact")) is not None:
         items.append(_item("Weights exactly unchanged", pct(us["unchanged_exact"])))
 
 
@@ -175,15 +165,15 @@ def _unchanged_table(s: DiffSummary) -> dict[str, Any] | None:
 def _diff(r: DiffResult, out: dict[str, Any]) -> None:
     s = r.summary
     items = out["items"]
-    if _num(s.unchanged_exact) is not None:
+    if finite(s.unchanged_exact) is not None:
         items.append(_item("Weights exactly unchanged", pct(s.unchanged_exact), "every threshold in the table below"))
-    if _num(s.auc) is not None:
+    if finite(s.auc) is not None:
         k = (s.overlap_settings or {}).get("topk_percent") or next(
             (row.get("k_percent") for row in s.overlap or [] if row.get("k_percent")), None)
         top = f"top-{fmt(k)}%" if k is not None else "top-k"
         items.append(_item(f"Fisher AUC for the {top} |delta| coordinates", fmt(s.auc),
                            "0.5 = chance, 1 = the Fisher ranks them all first"))
-    if _num(s.changed_auc) is not None:
+    if finite(s.changed_auc) is not None:
         items.append(_item("Fisher AUC for changed-at-all coordinates", fmt(s.changed_auc), "0.5 = chance"))
     if "auc" not in s.model_fields_set:
         items.append(_item("Fisher AUC", "not computed", "the diff was run without a Fisher"))
@@ -192,7 +182,7 @@ def _diff(r: DiffResult, out: dict[str, Any]) -> None:
 
 def _retention_warning(r: RetentionResult, out: dict[str, Any]) -> None:
     s = r.summary
-    base, full, spread = _num(s.base_reward), _num(s.full_reward_mean), _num(s.full_reward_std)
+    base, full, spread = finite(s.base_reward), finite(s.full_reward_mean), finite(s.full_reward_std)
     if s.retention_valid is False and s.warning:  # compute.retention's own test
         out["warnings"].append(f"No retention reported: {s.warning}")
     elif base is not None and full is not None:
@@ -230,7 +220,7 @@ def _retention_table(rows: list[RetentionRow], confidence: float | None) -> dict
 
 def _retention(r: RetentionResult, out: dict[str, Any]) -> None:
     s = r.summary
-    base, full, spread = _num(s.base_reward), _num(s.full_reward_mean), _num(s.full_reward_std)
+    base, full, spread = finite(s.base_reward), finite(s.full_reward_mean), finite(s.full_reward_std)
     if base is not None:
         out["items"].append(_item("Base model held-out reward", fmt(base)))
     if full is not None:
@@ -243,19 +233,19 @@ def _retention(r: RetentionResult, out: dict[str, Any]) -> None:
 
 def _mask(r: MaskResult, out: dict[str, Any]) -> None:
     s = r.summary
-    if _num(s.density) is not None:
+    if finite(s.density) is not None:
         out["items"].append(_item("Kept fraction", pct(s.density),
                                   f"selector {s.select}, asked {pct(s.density_requested)}"))
-    if _num(s.fisher_mass_kept) is not None:
+    if finite(s.fisher_mass_kept) is not None:
         out["items"].append(_item("Fisher mass kept", pct(s.fisher_mass_kept)))
 
 
 def _tokens(r: TokensResult, out: dict[str, Any]) -> None:
     s = r.summary
     if s.top_tokens:
-        best = max(s.top_tokens, key=lambda t: _num(t.prob) or 0.0)
+        best = max(s.top_tokens, key=lambda t: finite(t.prob) or 0.0)
         out["items"].append(_item("Most likely next token", repr(best.token), f"p = {fmt(best.prob)}"))
-    if _num(s.entropy) is not None:
+    if finite(s.entropy) is not None:
         out["items"].append(_item("Next-token entropy", fmt(s.entropy), "nats"))
 
 

@@ -29,6 +29,7 @@ from typing import Any
 import pytest
 
 from tests.conftest import require_service
+from tests.pg import pg_schema_url
 
 ROOT = Path(__file__).resolve().parents[2]
 REDIS_URL = os.environ.get("FISHERLENS_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
@@ -52,29 +53,8 @@ def _redis_or_skip(url: str = REDIS_URL) -> None:
 def _pg_schema() -> Iterator[str]:
     """A fresh PostgreSQL schema URL (dropped afterwards); no PostgreSQL is a skip, or under CI
     a failure. Never a silent SQLite stand-in."""
-    from sqlalchemy import text
-
-    from storage.db import make_engine
-
-    try:
-        admin = make_engine(PG_URL, connect_args={"connect_timeout": 3})
-        with admin.connect() as conn:
-            conn.execute(text("SELECT 1"))
-    except Exception as exc:  # noqa: BLE001
-        require_service(
-            f"PostgreSQL not reachable at {PG_URL} ({type(exc).__name__}); "
-            "set FISHERLENS_TEST_PG_URL"
-        )
-    schema = f"fl_it_{secrets.token_hex(6)}"
-    with admin.begin() as conn:
-        conn.execute(text(f'CREATE SCHEMA "{schema}"'))
-    sep = "&" if "?" in PG_URL else "?"
-    try:
-        yield f"{PG_URL}{sep}options=-csearch_path%3D{schema}"
-    finally:
-        with admin.begin() as conn:
-            conn.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
-        admin.dispose()
+    with pg_schema_url("fl_it") as url:
+        yield url
 
 
 @dataclass

@@ -7,7 +7,6 @@ so concurrent runs on the shared `test` database do not collide.
 from __future__ import annotations
 
 import os
-import secrets
 import threading
 from collections.abc import Iterator
 from datetime import timedelta
@@ -22,7 +21,7 @@ from storage import repo
 from storage.artifacts import ArtifactError, ArtifactStore
 from storage.db import current_revision, make_engine, make_session_factory, upgrade
 from storage.models import ArtifactRow, HeatmapRow, Job, LayerStatRow, SeriesRow, utcnow
-from tests.conftest import require_service  # a skip on a laptop, a failure under CI
+from tests.pg import pg_schema_url
 
 PG_URL = os.environ.get(
     "FISHERLENS_TEST_PG_URL", "postgresql+psycopg://postgres@127.0.0.1:5432/test"
@@ -30,24 +29,8 @@ PG_URL = os.environ.get(
 
 
 def _pg_schema_url() -> Iterator[str]:
-    try:
-        admin = make_engine(PG_URL, connect_args={"connect_timeout": 3})
-        with admin.connect() as conn:
-            conn.execute(text("SELECT 1"))
-    except Exception as exc:  # noqa: BLE001
-        require_service(
-            f"PostgreSQL not reachable at {PG_URL} ({type(exc).__name__}); set FISHERLENS_TEST_PG_URL"
-        )
-    schema = f"fl_test_{secrets.token_hex(6)}"
-    with admin.begin() as conn:
-        conn.execute(text(f'CREATE SCHEMA "{schema}"'))
-    sep = "&" if "?" in PG_URL else "?"
-    try:
-        yield f"{PG_URL}{sep}options=-csearch_path%3D{schema}"
-    finally:
-        with admin.begin() as conn:
-            conn.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
-        admin.dispose()
+    with pg_schema_url("fl_test") as url:
+        yield url
 
 
 @pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
