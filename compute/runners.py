@@ -107,3 +107,23 @@ def child_count(kind: str, spec: Any) -> int:
     """How many child units `spec` fans out into when queued (0 or 1: it runs inline)."""
     protocol = child_protocol(kind)
     return int(protocol.children(spec)) if protocol is not None else 0
+
+
+def dump_output(output: Any) -> bytes:
+    """A child's output as the worker ships it to its parent (torch.save bytes)."""
+    import io
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(output, buf)
+    return buf.getvalue()
+
+
+def load_output(blob: bytes) -> Any:
+    """dump_output's bytes back, weights-only (plain python and tensors; no pickled code)."""
+    import io
+
+    import torch
+
+    return torch.load(io.BytesIO(blob), weights_only=True, map_location="cpu")

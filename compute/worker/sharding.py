@@ -10,13 +10,12 @@ implements compute/runners.py's child protocol (children / run_child / combine).
 
 from __future__ import annotations
 
-import io
 import logging
 from typing import Any
 
 from compute.celery_app import FINISH_SHARDS, RUN_SHARD, send_job
 from compute.control import fault_point
-from compute.runners import child_protocol
+from compute.runners import child_protocol, dump_output, load_output
 from compute.worker import lifecycle
 from compute.worker.lifecycle import (
     Claimed,
@@ -64,12 +63,8 @@ def maybe_finish(settings: Any, parent_id: int) -> bool:
 
 
 def _save_output(settings: Any, job_id: int, output: Any) -> ArtifactInfo:
-    import torch
-
-    buf = io.BytesIO()
-    torch.save(output, buf)
     store = ArtifactStore(settings.artifacts_dir)
-    return store.save_bytes(job_id, OUTPUT_FILE, buf.getvalue(), kind=OUTPUT_KIND)
+    return store.save_bytes(job_id, OUTPUT_FILE, dump_output(output), kind=OUTPUT_KIND)
 
 
 def execute_shard(settings: Any, job_id: int, hostname: str | None = None) -> str:
@@ -128,8 +123,6 @@ def execute_finish(settings: Any, job_id: int, hostname: str | None = None) -> s
 
 def _load_outputs(settings: Any, taken: Claimed, children: list[Any], arts: list[Any]) -> Any:
     """(spec, protocol, [output of child 0, 1, ...]) read back from the children's artifacts."""
-    import torch
-
     from compute.contract.specs import parse_spec
 
     protocol = child_protocol(taken.kind)
@@ -142,5 +135,5 @@ def _load_outputs(settings: Any, taken: Claimed, children: list[Any], arts: list
         if art is None:
             raise ValueError(f"child {child.shard_index} (job {child.id}): its output is missing")
         blob = store.verify(art.path, art.sha256).read_bytes()
-        outputs.append(torch.load(io.BytesIO(blob), weights_only=True, map_location="cpu"))
+        outputs.append(load_output(blob))
     return spec, protocol, outputs

@@ -184,14 +184,10 @@ def test_sweep_job_through_the_api_and_the_worker(zoo_home, tmp_path, monkeypatc
 
 
 def _as_shipped(output: object) -> object:
-    """A unit's output as a worker ships it to the parent: torch.save, then a weights-only load."""
-    import io
+    """A unit's output as a worker ships it to the parent (the worker's own dump/load)."""
+    from compute.runners import dump_output, load_output
 
-    import torch
-
-    buf = io.BytesIO()
-    torch.save(output, buf)
-    return torch.load(io.BytesIO(buf.getvalue()), weights_only=True, map_location="cpu")
+    return load_output(dump_output(output))
 
 
 def _comparable(result: object) -> dict:
