@@ -135,13 +135,21 @@ def _g(x: Any, spec: str = ".4g") -> str:
     return "n/a" if x is None else format(x, spec)
 
 
+def _covered(s: dict[str, Any]) -> str:
+    """`all 79` when the vocabulary was enumerated, else `1024 of 49152 (0.994)`: the bounds'
+    slack is the uncovered probability's unknown share of the trace."""
+    if s["fisher_exact"]:
+        return f"all {s['vocab_size']}"
+    return f"{s['covered_tokens']} of {s['vocab_size']} ({s['covered_mass']:.3f})"
+
+
 def render_tokens(data: dict[str, Any]) -> str:
     """Per context: trace F against F_orth (sensitivities made mutually orthogonal), exact when
     the vocabulary was enumerated, bounds otherwise (compute.tokens)."""
     lines = [
         "| model | context | top-1 (p) | mean cos top-k | mean cos random | trace F | F_orth "
-        "| F_orth - F (share of F_orth) | top-k pairs only |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+        "| F_orth - F (share of F_orth) | top-k pairs only | tokens enumerated (p covered) |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for c in data["contexts"]:
         s = c["summary"]
@@ -157,7 +165,7 @@ def render_tokens(data: dict[str, Any]) -> str:
         lines.append(
             f"| {c['model']}{'' if s.get('scope', 'model') == 'model' else ' (' + s['scope'] + ')'} | `{ctx}` | `{t['token'].strip() or repr(t['token'])}` ({t['prob']:.2f}) "
             f"| {_g(s.get('mean_cosine_top'), '+.3f')} | {_g(s.get('mean_cosine_random'), '+.3f')} | {f} | {fo} "
-            f"| {removed} | {_g(sim['removed_top'], '+.4g')} |")
+            f"| {removed} | {_g(sim['removed_top'], '+.4g')} | {_covered(s)} |")
     return "\n".join(lines) + "\n"
 
 
