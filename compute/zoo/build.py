@@ -4,6 +4,7 @@ continuation), and `ship` them back into compute/zoo_weights with their manifest
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import platform
@@ -49,6 +50,7 @@ MANIFEST_INFO_KEYS = (
     "seed",
     "torch_version",
     "cpu_capability",
+    "cpu_fingerprint",
     "build_seconds",
 )
 
@@ -148,6 +150,26 @@ def _cpu_capability() -> str:
         return platform.machine()
 
 
+def cpu_fingerprint() -> str:
+    """What decides the float results of a CPU build beyond torch's SIMD level: the CPU's vector
+    and matrix extensions (MKL picks its GEMM kernels by them: an AMX machine and an AVX512 one
+    without it train different bytes at the same `cpu_capability`) and the BLAS build. A short
+    sha256, recorded by `ship` so the reproduction test knows when it can compare."""
+    flags = ""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+        line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+        keep = sorted(f for f in line.split(":", 1)[-1].split()
+                      if f.startswith(("avx", "amx", "fma", "f16c", "sse", "ssse")))
+        flags = " ".join(keep)
+    except OSError:
+        flags = platform.processor()
+    blas = next((ln.strip() for ln in torch.__config__.show().splitlines() if "Math Kernel" in ln
+                 or "OpenBLAS" in ln), "")
+    raw = f"{platform.machine()}|{_cpu_capability()}|{flags}|{blas}"
+    return hashlib.sha256(raw.encode()).hexdigest()[:16]
+
+
 class _SFTRun:
     """One family's SFT run: the model, its optimiser, the SFT pool and the validation set."""
 
@@ -223,6 +245,7 @@ class _SFTRun:
             "torch_threads": torch.get_num_threads(),
             "torch_version": torch.__version__,
             "cpu_capability": _cpu_capability(),
+            "cpu_fingerprint": cpu_fingerprint(),
             "tied_embeddings": False,
             "recipe": asdict(recipe),
             "val_history": list(self.history),
