@@ -145,7 +145,7 @@ def _table(headers: list[str], rows: list[list[Any]], caption: str = "") -> str:
     return f"<div class='fl-scroll'><table>{cap}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>"
 
 
-def _key_section(numbers: dict[str, Any]) -> str:
+def key_section(numbers: dict[str, Any]) -> str:
     parts = ["<section id='fl-key' class='fl-key'><h2>Key numbers</h2>"]
     v = numbers.get("verdict")
     if v:
@@ -203,7 +203,7 @@ def result_page(head: dict[str, Any], token: str, payload: dict[str, Any] | None
                      "from the database.</p>")
     else:
         parts.append(_meta_line(job))
-        parts.append(_key_section(payload.get("numbers") or {}))
+        parts.append(key_section(payload.get("numbers") or {}))
         figs = payload.get("figures") or []
         if figs:
             parts.append("<section id='fl-figures'><h2>Figures</h2>")

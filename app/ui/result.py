@@ -11,6 +11,7 @@ import gradio as gr
 
 from app import auth, services
 from app.figures.store import store_for
+from app.share import key_section
 from app.ui.common import job_choices
 from app.ui.figs import figures_box, figures_html
 from app.ui.snippets import (
@@ -107,11 +108,13 @@ def _missing(token: str, sig: str, force: bool) -> list[Any]:
 
 
 def _figures(payload: dict[str, Any] | None) -> tuple[str, str, str]:
-    """(figures html, tables html, note) of a stored payload."""
+    """(key numbers + figures html, tables html, note) of a stored payload: the numbers a
+    researcher came for first, as on the share page."""
     figures = (payload or {}).get("figures") or []
     tables = (payload or {}).get("tables") or []
     note = "" if figures or tables else note_html("This result has no figures or tables.")
-    return figures_html(figures[:MAX_FIGS], "fl-fig"), tables_html(tables), note
+    numbers = key_section((payload or {}).get("numbers") or {}) if payload else ""
+    return numbers + figures_html(figures[:MAX_FIGS], "fl-fig"), tables_html(tables), note
 
 
 def result_view(settings: Any, token: str, sig: str, readonly: bool, force: bool = False) -> list[Any]:

@@ -119,6 +119,8 @@ def test_result_view_draws_the_stored_figures_with_named_layers(settings):
     out = result.result_view(settings, token, "", readonly=False, force=True)
     assert len(out) == result.N_OUT == len(result.outputs(result.ResultTab(*[None] * 14), None, None))
     assert "data-status='succeeded'" in out[0]
+    # the key numbers come first, then the figures (as on the share page)
+    assert out[7].index("Key numbers") < out[7].index("fl-fig")
     figs = _figs(out[7])
     assert figs and "Fisher" in json.dumps(figs[0]["layout"]["title"])
     heat = next(f for f in figs if f["data"][0].get("type") == "heatmap")
