@@ -212,6 +212,18 @@ def render_share(data: dict[str, Any]) -> str:
         lines.append(
             f"| {r['db']} | {r['requests']} | {r['throughput_rps']:.0f} | {r['p50_ms']:.0f} "
             f"| {r['p95_ms']:.0f} | {r['p99_ms']:.0f} | {errors} | {r['machine_before']['loadavg'][0]:.1f} |")
+    browser = [r for r in data["runs"] if r.get("browser")]
+    if browser:
+        lines += ["", "In headless Chromium (seconds, median (max) of the openings; 'explorer' is the "
+                  "result tab of the Gradio app):", "",
+                  "| database | share page: all figures drawn | explorer reopen, page load included "
+                  "| explorer: header -> all figures | explorer: switch result |",
+                  "|---|---:|---:|---:|---:|"]
+        for r in browser:
+            b = r["browser"]
+            cell = [f"{b[k + '_median_s']:.2f} ({b[k + '_max_s']:.2f})"
+                    for k in ("share_page", "ui_result_tab", "ui_header_to_figures", "ui_switch")]
+            lines.append(f"| {r['db']} | " + " | ".join(cell) + " |")
     return "\n".join(lines) + "\n"
 
 
