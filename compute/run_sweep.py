@@ -144,8 +144,8 @@ def initial_fisher(spec: SweepSpec, progress: Any = null_progress) -> tuple[dict
     """The sweep's initial Fisher and its description: the given file, or estimated from samples
     independent of the training batches, at the bf16-rounded base when every point starts there
     (no fp32 point), else at the float32 base. Deterministic: every unit gets the same one."""
+    from compute.artifacts import load_scores
     from compute.models import load_model, resolve_device
-    from compute.run_mask import load_scores
     from compute.run_train import independent_fisher
     from compute.tasks import get_task
     from compute.train import prepare_precision

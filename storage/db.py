@@ -46,12 +46,6 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
     return create_engine(url, **kwargs)
 
 
-def get_engine(url: str) -> Engine:
-    """One shared Engine per URL in this process (engines are pools; build them once)."""
-    with _lock:
-        return _get_engine_unlocked(url)
-
-
 def _get_engine_unlocked(url: str) -> Engine:
     if url not in _engines:
         _engines[url] = make_engine(url)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import re
 import secrets
-from datetime import datetime, timedelta
+from datetime import timedelta
 from functools import lru_cache
 from typing import Any
 
@@ -144,22 +144,6 @@ def _must_user(session: Session, name: str) -> User:
     return user
 
 
-def user_dict(user: User, active_jobs: int | None = None) -> dict[str, Any]:
-    out: dict[str, Any] = {
-        "id": user.id,
-        "name": user.name,
-        "is_admin": user.is_admin,
-        "disabled": user.disabled,
-        "has_password": bool(user.password_hash),
-        "max_active_jobs": user.max_active_jobs,
-        "max_job_cost": user.max_job_cost,
-        "created_at": user.created_at.isoformat() if user.created_at else None,
-    }
-    if active_jobs is not None:
-        out["active_jobs"] = active_jobs
-    return out
-
-
 # -- tokens and sessions ----------------------------------------------------------------------
 def issue_token(
     *,
@@ -251,22 +235,6 @@ def list_tokens(*, session: Session, user: User | None = None, kind: str = "api"
     if user is not None:
         q = q.where(ApiToken.user_id == user.id)
     return list(session.scalars(q.order_by(ApiToken.id)))
-
-
-def token_dict(tok: ApiToken) -> dict[str, Any]:
-    def iso(dt: datetime | None) -> str | None:
-        return dt.isoformat() if dt else None
-
-    return {
-        "id": tok.id,
-        "user_id": tok.user_id,
-        "prefix": tok.prefix,
-        "kind": tok.kind,
-        "label": tok.label,
-        "created_at": iso(tok.created_at),
-        "last_used_at": iso(tok.last_used_at),
-        "expires_at": iso(tok.expires_at),
-    }
 
 
 # -- ownership --------------------------------------------------------------------------------
