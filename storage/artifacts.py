@@ -171,3 +171,34 @@ class ArtifactStore:
 
     def remove_job(self, job_id: int) -> None:
         shutil.rmtree(self.job_dir(job_id), ignore_errors=True)
+
+    # -- reading for compute ----------------------------------------------------------------
+    def fetch(self, rel_path: str, sha256: str) -> Path:
+        """A verified local path of a stored artifact (file or folder), for code that reads it
+        with ordinary file APIs (safetensors, from_pretrained). The folder backend verifies the
+        file in place, re-hashing only when a file changed since its last verification; other
+        backends (object storage) return a verified copy in their local cache.
+        ArtifactError when it is missing or does not match `sha256`."""
+        full = self.resolve(rel_path)
+        if not full.exists():
+            raise ArtifactError(f"artifact {rel_path!r} is missing from the artifact store")
+        key = (str(full), sha256)
+        fp = _fingerprint(full)
+        if _VERIFIED.get(key) != fp:
+            self.verify(rel_path, sha256)
+            _VERIFIED[key] = fp
+        return full
+
+
+_VERIFIED: dict[tuple[str, str], tuple[Any, ...]] = {}  # (path, sha256) -> file fingerprint
+
+
+def _fingerprint(path: Path) -> tuple[Any, ...]:
+    files = sorted(path.rglob("*")) if path.is_dir() else [path]
+    return tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file())
+
+
+def open_store(settings: Any) -> ArtifactStore:
+    """The artifact store the settings name: the one constructor every reader and writer uses
+    (web, worker, CLI), so that the backend is chosen in one place."""
+    return ArtifactStore(settings.artifacts_dir)
