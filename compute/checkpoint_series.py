@@ -1,0 +1,610 @@
+"""A run folder as a series: update sparsity over training, step to step, and what a sparse
+synchronisation of each step would send.
+
+A run folder is what TRL and the HF Trainer write with `save_steps` (and `fisherlens train
+--save-steps N`): RUN_DIR/checkpoint-<step>/ with model.safetensors (or shards and
+model.safetensors.index.json), config.json, trainer_state.json, optimizer.pt, ... For every
+checkpoint, in step order, and for two pairs of weights:
+
+- `vs_base`: the checkpoint against the base model (the cumulative update);
+- `vs_prev`: the checkpoint against the previous one (the base for the first): one step's update,
+
+per tensor, then summed per layer, module type, layer x module and globally (compute.masks.group_key),
+the counts of compute.diff with the same names and definitions (SCIENCE.md section 6):
+
+- `unchanged_exact`: equal in the stored dtype (`update_sparsity` is its fraction);
+- `unchanged_bf16`: equal after casting both to bfloat16;
+- `unchanged_atol_<a>`: |delta_fp32| <= a, delta = cur.float32 - ref.float32;
+- `unchanged_bf16delta_atol_<a>`: the published convention (sparsity_in_rl, arXiv 2505.11711): both
+  loaded in bfloat16, |cur_bf16 - ref_bf16| <= a computed in bfloat16;
+- `delta_rms`, `max_abs_delta` of the float32 delta;
+
+and what synchronising that update would send (bytes; the receiver holds the previous weights):
+
+- `dense_bytes` = numel x itemsize of the checkpoint's dtype;
+- `sparse_bytes` = changed x (index bytes + itemsize): indices + values of the changed coordinates,
+  an int32 flat index per coordinate (int64 for tensors of 2^31 or more elements);
+
+With a Fisher (the initial one: of the base, or of the run's start), its global top-k
+(`support_percent` of its coordinates, compute.masks.topk_mask: exact k, ties by position) is a fixed
+support S both sides know, chosen once:
+
+- `support_bytes` = |S| x itemsize: values only, on S, every step;
+- `support_changed` = |S & changed|; `precision_at_k` = |S & changed| / |S| (compute.overlap's
+  precision@k with the changed set as target); `captured_count_share` = |S & changed| / |changed|
+  and `captured_sq_share` = sum_S delta^2 / sum delta^2: the share of the step's update, by count
+  and by squared mass, that a values-only sync on S carries (the rest is lost);
+- `auc`: ROC-AUC of the Fisher for "changed" (compute.overlap.roc_auc, ties one half), on a seeded
+  sample of `auc_cap` coordinates when the Fisher is larger, exactly as compute.overlap.score_vs_target
+  samples them.
+
+Memory: one tensor name at a time (the base's, the previous checkpoint's and the current one's,
+streamed from safetensors) plus float32 work buffers of the largest tensor's size, the support's
+flat indices (|S| int64) and the AUC sample (<= auc_cap coordinates). Time: a few passes over each
+tensor pair in preallocated buffers (benchmarks/bench_series.py measures it against reading).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from compute.contract.jobresult import null_progress
+from compute.masks import group_key, n_keep, topk_mask
+from compute.overlap import DEFAULT_CAP, _sample_index, midranks, round_half_up_ratio
+
+CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+GROUPINGS = ("global", "layer", "module", "layer_module")
+PAIRS = ("vs_base", "vs_prev")
+_CHUNK = 1 << 20  # elements per float32 dot product of the squared sum (float64 across chunks)
+
+
+@dataclass(frozen=True)
+class SeriesConfig:
+    atol: float = field(default=1e-5, metadata={
+        "help": "absolute tolerance of the two delta conventions (|delta| <= atol counts as unchanged)"})
+    support_percent: float = field(default=1.0, metadata={
+        "help": "Fisher top-k% that forms the fixed sync support (and precision@k)"})
+    auc_cap: int = field(default=DEFAULT_CAP, metadata={
+        "help": "coordinates the Fisher AUC ranks; above it a seeded sample (compute.overlap)"})
+    seed: int = field(default=0, metadata={"help": "seed of the AUC sample"})
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.atol, (int, float)) and 0 < self.atol <= 1):
+            raise ValueError(f"atol: got {self.atol!r}; accepted range: > 0, <= 1")
+        if not 0 < self.support_percent <= 100:
+            raise ValueError(f"support_percent: got {self.support_percent!r}; accepted range: > 0, <= 100")
+        if not 1000 <= self.auc_cap <= 100_000_000:
+            raise ValueError(f"auc_cap: got {self.auc_cap!r}; accepted range: 1000 .. 100000000")
+
+
+# ---------------------------------------------------------------------------------------------
+# The run folder
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class RunCheckpoint:
+    step: int
+    folder: Path
+    source: Any  # compute.diff.Checkpoint (or any object with names/shape/dtype/get)
+    trainer: dict[str, Any] = field(default_factory=dict)  # global_step, the step's log entry
+
+    @property
+    def name(self) -> str:
+        return self.folder.name
+
+
+def find_checkpoints(run_dir: str | Path) -> list[tuple[int, Path]]:
+    """(step, folder) of every checkpoint-<step> subfolder, by step. ValueError (naming `run_dir`)
+    for a missing folder, no checkpoint, a checkpoint-* entry that is not a checkpoint-<digits>
+    folder, or two folders of one step."""
+    root = Path(run_dir)
+    if not root.is_dir():
+        raise ValueError(f"run_dir: {run_dir} is not a directory")
+    found: dict[int, Path] = {}
+    for entry in sorted(root.iterdir()):
+        if not entry.name.startswith("checkpoint-"):
+            continue
+        m = CHECKPOINT_RE.match(entry.name)
+        if not m:
+            raise ValueError(f"run_dir: {entry.name!r} in {run_dir} is not a checkpoint-<step> folder "
+                             "(step in digits); rename or remove it")
+        if not entry.is_dir():
+            raise ValueError(f"run_dir: {entry.name} in {run_dir} is a file, not a checkpoint folder")
+        step = int(m.group(1))
+        if step in found:
+            raise ValueError(f"run_dir: {found[step].name} and {entry.name} in {run_dir} are both step {step}")
+        found[step] = entry
+    if not found:
+        others = sorted(e.name for e in root.iterdir())[:8]
+        raise ValueError(f"run_dir: no checkpoint-<step> folder in {run_dir} (a TRL / HF Trainer output_dir "
+                         f"saved with save_steps, or fisherlens train --save-steps); it holds: "
+                         f"{', '.join(others) if others else 'nothing'}")
+    return sorted(found.items())
+
+
+def _trainer_info(folder: Path, step: int) -> dict[str, Any]:
+    """global_step and the numbers logged at this step, from trainer_state.json (when present)."""
+    f = folder / "trainer_state.json"
+    if not f.is_file():
+        return {}
+    try:
+        state = json.loads(f.read_text())
+    except (OSError, ValueError) as exc:
+        raise ValueError(f"run_dir: {folder.name}/trainer_state.json is not JSON ({exc})") from None
+    out: dict[str, Any] = {"global_step": state.get("global_step")}
+    log: dict[str, float] = {}
+    for entry in state.get("log_history", []):
+        if entry.get("step") == step:
+            log.update({k: float(v) for k, v in entry.items()
+                        if isinstance(v, (int, float)) and not isinstance(v, bool) and k != "step"})
+    out["log"] = log
+    if out["global_step"] is not None and out["global_step"] != step:
+        out["note"] = f"trainer_state.json says global_step {out['global_step']}, the folder says {step}"
+    return out
+
+
+def open_run(run_dir: str | Path) -> list[RunCheckpoint]:
+    """Every checkpoint of a run folder, its weights' headers read (not the tensors)."""
+    from compute.diff import Checkpoint
+
+    out = []
+    for step, folder in find_checkpoints(run_dir):
+        try:
+            src = Checkpoint(folder, f"run_dir: {folder.name}")
+        except ValueError as exc:
+            raise ValueError(str(exc)) from None
+        out.append(RunCheckpoint(step, folder, src, _trainer_info(folder, step)))
+    return out
+
+
+def check_run_fits(base: Any, run: Sequence[RunCheckpoint]) -> list[str]:
+    """The float tensor names shared by the base and every checkpoint; ValueError naming the first
+    checkpoint and parameter missing on one side or of another shape."""
+    names = set(base.names())
+    for ck in run:
+        other = set(ck.source.names())
+        for n in sorted(names | other):
+            if n not in other:
+                raise ValueError(f"run_dir: {ck.name}: parameter {n!r} is in the base but not in this "
+                                 "checkpoint (another architecture, or the base is not this run's start)")
+            if n not in names:
+                raise ValueError(f"run_dir: {ck.name}: parameter {n!r} is in this checkpoint but not in "
+                                 "the base (another architecture, or the base is not this run's start)")
+            if tuple(base.shape(n)) != tuple(ck.source.shape(n)):
+                raise ValueError(f"run_dir: {ck.name}: parameter {n!r} has shape {list(ck.source.shape(n))} "
+                                 f"but {list(base.shape(n))} in the base")
+    return sorted(names)
+
+
+# ---------------------------------------------------------------------------------------------
+# A lazily read Fisher
+# ---------------------------------------------------------------------------------------------
+
+
+class LazyTensors(Mapping[str, torch.Tensor]):
+    """The floating tensors of a safetensors file, read (as float32) on each access."""
+
+    def __init__(self, path: str | Path, label: str = "fisher"):
+        from safetensors import safe_open
+
+        self.path, self.label = Path(path), label
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        try:
+            with safe_open(str(self.path), framework="pt") as h:
+                for n in h.keys():  # noqa: SIM118 - safe_open handles are not dicts
+                    sl = h.get_slice(n)
+                    if str(sl.get_dtype()).upper().startswith(("F", "BF")):
+                        self._shapes[n] = tuple(sl.get_shape())
+        except Exception as exc:  # noqa: BLE001 - any parse error is a user error about this file
+            raise ValueError(f"{label}: cannot read {path} as safetensors ({type(exc).__name__}: {exc})") from None
+        if not self._shapes:
+            raise ValueError(f"{label}: {path} holds no floating-point tensors")
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        if name not in self._shapes:
+            raise KeyError(name)
+        with safe_open(str(self.path), framework="pt") as h:
+            return h.get_tensor(name).float()
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._shapes)
+
+    def __len__(self) -> int:
+        return len(self._shapes)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._shapes[name]
+
+
+def _fisher_shape(fisher: Mapping[str, torch.Tensor], name: str) -> tuple[int, ...]:
+    return fisher.shape(name) if isinstance(fisher, LazyTensors) else tuple(fisher[name].shape)
+
+
+@dataclass
+class _FisherPlan:
+    """What the series needs of the Fisher, computed once: the support's flat indices per tensor,
+    the AUC sample's indices per tensor (None = every coordinate) and the Fisher's mid-ranks per
+    group of the sample (the score is fixed, only the labels change from point to point)."""
+
+    names: list[str]
+    k: int
+    total: int
+    support: dict[str, torch.Tensor]  # name -> int64 flat indices of S in that tensor
+    sample: dict[str, torch.Tensor | None]
+    ranks: dict[str, dict[str, torch.Tensor]]  # grouping -> group -> float64 mid-ranks
+    members: dict[str, dict[str, list[str]]]  # grouping -> group -> names (in self.names order)
+    sampled: bool
+
+
+def plan_fisher(fisher: Mapping[str, torch.Tensor], base: Any, config: SeriesConfig) -> _FisherPlan:
+    """Check the Fisher against the base, select its top-k support, draw the AUC sample."""
+    base_names = set(base.names())
+    names = list(fisher)
+    for n in names:
+        if n not in base_names:
+            raise ValueError(f"fisher: parameter {n!r} is not in the base model")
+        if _fisher_shape(fisher, n) != tuple(base.shape(n)):
+            raise ValueError(f"fisher: parameter {n!r} has shape {list(_fisher_shape(fisher, n))} "
+                             f"but {list(base.shape(n))} in the base model")
+    total = sum(math.prod(_fisher_shape(fisher, n)) for n in names)
+    k = n_keep(config.support_percent / 100.0, total)
+    if k == 0:
+        raise ValueError(f"support_percent: {config.support_percent:g}% keeps 0 of {total} coordinates")
+    mask = topk_mask(fisher, k)
+    support = {n: torch.nonzero(mask[n].flatten()).flatten() for n in names}
+    del mask
+    sampled = total > config.auc_cap
+    sample: dict[str, torch.Tensor | None] = {}
+    scores: dict[str, torch.Tensor] = {}
+    for n in names:
+        f = fisher[n].flatten().float()
+        if sampled:
+            idx = _sample_index(n, f.numel(), round_half_up_ratio(config.auc_cap, f.numel(), total),
+                                config.seed, f.device)
+            sample[n], scores[n] = idx, f[idx].clone()
+        else:
+            sample[n], scores[n] = None, f.clone()
+        del f
+    members: dict[str, dict[str, list[str]]] = {}
+    ranks: dict[str, dict[str, torch.Tensor]] = {}
+    for grouping in GROUPINGS:
+        groups: dict[str, list[str]] = {}
+        for n in names:
+            groups.setdefault(group_key(n, grouping), []).append(n)
+        members[grouping] = groups
+        ranks[grouping] = {g: midranks(torch.cat([scores[n] for n in ms])) for g, ms in groups.items()}
+    return _FisherPlan(names, k, total, support, sample, ranks, members, sampled)
+
+
+# ---------------------------------------------------------------------------------------------
+# Per tensor pair
+# ---------------------------------------------------------------------------------------------
+
+
+def bf16_round_threshold(atol: float) -> tuple[float, bool]:
+    """(t, inclusive) such that for x >= 0 in float32: bf16(x) <= atol  <=>  x <= t (inclusive)
+    or x < t. bf16(x) rounds to nearest, ties to even; t is the midpoint between the largest
+    bfloat16 a <= atol and the next one, inclusive when a's last mantissa bit is even."""
+    bits = int(torch.tensor([atol], dtype=torch.float32).to(torch.bfloat16).view(torch.int16)[0])
+    if _bf16(bits) > atol:  # rounded up: the bf16 value just below (positive: bit pattern - 1)
+        bits -= 1
+    mid = (_bf16(bits) + _bf16(bits + 1)) / 2  # exact in float32 (9 significant bits)
+    return mid, bits % 2 == 0
+
+
+def _bf16(bits: int) -> float:
+    return float(torch.tensor([bits], dtype=torch.int16).view(torch.bfloat16)[0])
+
+
+class _Work:
+    """Reusable buffers of the largest tensor's size: ops write into them (out=), so no pass over
+    a tensor pays for fresh pages."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[str, torch.Tensor] = {}
+
+    def get(self, key: str, dtype: torch.dtype, n: int) -> torch.Tensor:
+        b = self._bufs.get(key)
+        if b is None or b.numel() < n:
+            b = torch.empty(n, dtype=dtype)
+            self._bufs[key] = b
+        return b[:n]
+
+
+def _sq_sum(x: torch.Tensor) -> float:
+    """sum x^2 of a flat float32 tensor: float32 dot products of 2^20 elements, summed in float64."""
+    return sum(float(torch.dot(c, c)) for c in x.split(_CHUNK)) if x.numel() else 0.0
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def pair_counts(
+    cur: torch.Tensor, ref: torch.Tensor, atol: float, work: _Work | None = None,
+    cur32: torch.Tensor | None = None, cur16: torch.Tensor | None = None,
+    support: torch.Tensor | None = None, sample: torch.Tensor | None = None, want_labels: bool = False,
+) -> tuple[dict[str, float], torch.Tensor | None]:
+    """Counts of one tensor pair (cur against ref), flat tensors of one length.
+
+    Returns ({numel, unchanged_exact, unchanged_bf16, unchanged_atol, unchanged_bf16delta_atol,
+    sq_sum, max_abs, dense_bytes, sparse_bytes[, support_size, support_changed, support_sq,
+    support_bytes]}, labels): labels = "changed" at the sample's coordinates (all when sample is
+    None) when want_labels. cur32 / cur16: cur already in float32 / bfloat16 (reused across pairs).
+    """
+    work = work or _Work()
+    n = cur.numel()
+    item = _itemsize(cur.dtype)
+    idx_bytes = 4 if n < 2**31 else 8
+    d = work.get("d", torch.float32, n)
+    if cur.dtype == torch.float64 or ref.dtype == torch.float64:
+        changed = int(torch.count_nonzero(cur != ref))  # exact in double, as compute.diff
+        torch.sub(cur.float(), ref.float(), out=d)
+        d.abs_()
+    else:
+        c32 = cur32 if cur32 is not None else (cur if cur.dtype == torch.float32 else cur.float())
+        torch.sub(c32, ref, out=d)  # float32 arithmetic: exact zero iff equal (finite weights)
+        d.abs_()
+        changed = int(torch.count_nonzero(d))
+    bb = work.get("b", torch.bool, n)
+    s: dict[str, float] = {"numel": float(n), "unchanged_exact": float(n - changed)}
+    s["unchanged_atol"] = float(torch.count_nonzero(torch.le(d, atol, out=bb)))
+    s["sq_sum"] = _sq_sum(d)
+    s["max_abs"] = float(d.max()) if n else 0.0
+    if cur.dtype == torch.bfloat16 and ref.dtype == torch.bfloat16:
+        # bf16(cur) - bf16(ref) in bfloat16 = bf16-rounding of the float32 delta: threshold on |d|
+        s["unchanged_bf16"] = float(n - changed)
+        t, inclusive = bf16_round_threshold(atol)
+        cmp = torch.le if inclusive else torch.lt
+        s["unchanged_bf16delta_atol"] = float(torch.count_nonzero(cmp(d, t, out=bb)))
+    else:
+        c16 = cur16 if cur16 is not None else cur.to(torch.bfloat16)
+        r16 = ref if ref.dtype == torch.bfloat16 else work.get("r16", torch.bfloat16, n).copy_(ref)
+        d16 = work.get("d16", torch.float32, n)
+        torch.sub(c16, r16, out=d16)  # computed in bfloat16, as after loading both in bf16
+        s["unchanged_bf16"] = float(n - int(torch.count_nonzero(d16)))
+        d16.abs_()
+        s["unchanged_bf16delta_atol"] = float(torch.count_nonzero(torch.le(d16, atol, out=bb)))
+    s["dense_bytes"] = float(n * item)
+    s["sparse_bytes"] = float(changed * (idx_bytes + item))
+    if support is not None:
+        g = d[support]
+        s["support_size"] = float(support.numel())
+        s["support_changed"] = float(torch.count_nonzero(g))
+        s["support_sq"] = float(torch.sum(g.double().square()))
+        s["support_bytes"] = float(support.numel() * item)
+    labels = None
+    if want_labels:
+        labels = (d[sample] != 0) if sample is not None else (d != 0)
+    return s, labels
+
+
+# ---------------------------------------------------------------------------------------------
+# Groups and fractions
+# ---------------------------------------------------------------------------------------------
+
+
+_SUMMED = ("numel", "unchanged_exact", "unchanged_bf16", "unchanged_atol", "unchanged_bf16delta_atol",
+           "sq_sum", "dense_bytes", "sparse_bytes", "support_size", "support_changed", "support_sq",
+           "support_bytes")
+
+
+def _metrics(c: Mapping[str, float], atol: float) -> dict[str, float]:
+    """Fractions and shares from summed counts. Key names follow compute.diff."""
+    n = c["numel"]
+    nan = float("nan")
+    changed = n - c["unchanged_exact"]
+    out = {
+        "numel": n,
+        "changed": changed,
+        "update_sparsity": c["unchanged_exact"] / n if n else nan,
+        "unchanged_exact": c["unchanged_exact"] / n if n else nan,
+        "unchanged_bf16": c["unchanged_bf16"] / n if n else nan,
+        f"unchanged_atol_{atol:g}": c["unchanged_atol"] / n if n else nan,
+        f"unchanged_bf16delta_atol_{atol:g}": c["unchanged_bf16delta_atol"] / n if n else nan,
+        "delta_rms": math.sqrt(c["sq_sum"] / n) if n else nan,
+        "max_abs_delta": c["max_abs"],
+        "dense_bytes": c["dense_bytes"],
+        "sparse_bytes": c["sparse_bytes"],
+        "sparse_ratio": c["sparse_bytes"] / c["dense_bytes"] if c["dense_bytes"] else nan,
+    }
+    if "support_size" in c:
+        size, hit = c["support_size"], c["support_changed"]
+        out.update({
+            "support_size": size,
+            "support_changed": hit,
+            "support_bytes": c["support_bytes"],
+            "support_ratio": c["support_bytes"] / c["dense_bytes"] if c["dense_bytes"] else nan,
+            "precision_at_k": hit / size if size else nan,
+            "captured_count_share": hit / changed if changed else nan,
+            "captured_sq_share": c["support_sq"] / c["sq_sum"] if c["sq_sum"] > 0 else nan,
+        })
+    return out
+
+
+def _group(per_tensor: Mapping[str, Mapping[str, float]], atol: float) -> dict[str, dict[str, dict[str, float]]]:
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    for grouping in GROUPINGS:
+        acc: dict[str, dict[str, float]] = {}
+        for n, st in per_tensor.items():
+            a = acc.setdefault(group_key(n, grouping), {})
+            for k, v in st.items():
+                if k in _SUMMED:
+                    a[k] = a.get(k, 0.0) + v
+                elif k == "max_abs":
+                    a[k] = max(a.get(k, 0.0), v)
+        out[grouping] = {g: _metrics(c, atol) for g, c in acc.items()}
+    return out
+
+
+def _auc_from_ranks(ranks: torch.Tensor, labels: torch.Tensor) -> float:
+    """Mann-Whitney AUC from the score's mid-ranks (compute.overlap.roc_auc, ranks precomputed)."""
+    n_pos = int(labels.sum())
+    n_neg = labels.numel() - n_pos
+    if n_pos == 0 or n_neg == 0:
+        return float("nan")
+    return (float(ranks[labels].sum()) - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)
+
+
+# ---------------------------------------------------------------------------------------------
+# The series
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class SeriesResult:
+    points: list[dict[str, Any]]  # one per checkpoint, by step
+    settings: dict[str, Any]
+    skipped: dict[str, str] = field(default_factory=dict)  # name -> why (non-float tensors)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"points": self.points, "settings": self.settings, "skipped": self.skipped,
+                "steps": [p["step"] for p in self.points]}
+
+
+def checkpoint_series(
+    base: Any,
+    run: str | Path | Sequence[RunCheckpoint],
+    fisher: Mapping[str, torch.Tensor] | None = None,
+    config: SeriesConfig | None = None,
+    progress: Callable[..., None] | None = None,
+) -> SeriesResult:
+    """The series of a run folder (or its opened checkpoints) against `base` (a compute.diff
+    Checkpoint, a folder, a state dict or a module). ValueError before any computation for a run
+    folder without checkpoints, an odd checkpoint-* entry, or a checkpoint or Fisher that does not
+    fit the base."""
+    from compute.diff import Checkpoint, _source
+
+    config = config or SeriesConfig()
+    progress = progress or null_progress
+    # a folder here is already resolved (the job's reference resolver checked it)
+    src_b = Checkpoint(base, "base") if isinstance(base, (str, Path)) else _source(base, "base")
+    ckpts = open_run(run) if isinstance(run, (str, Path)) else list(run)
+    if not ckpts:
+        raise ValueError("run_dir: no checkpoint to read")
+    names = check_run_fits(src_b, ckpts)
+    plan = plan_fisher(fisher, src_b, config) if fisher is not None else None
+    skipped = {n: f"not a float tensor ({src_b.dtype(n)})" for n in names
+               if not _is_float(src_b.dtype(n)) or any(not _is_float(c.source.dtype(n)) for c in ckpts)}
+    names = [n for n in names if n not in skipped]
+    work = _Work()
+    points = []
+    t_start = time.perf_counter()
+    for i, ck in enumerate(ckpts):
+        progress(i / len(ckpts), f"{ck.name} ({i + 1}/{len(ckpts)})")
+        prev = ckpts[i - 1].source if i else src_b
+        t0 = time.perf_counter()
+        point = _point(ck, src_b, prev, names, plan, config, work)
+        point["prev_step"] = ckpts[i - 1].step if i else 0
+        point["seconds"] = round(time.perf_counter() - t0, 4)
+        points.append(point)
+    progress(1.0, f"{len(ckpts)} checkpoints in {time.perf_counter() - t_start:.1f} s")
+    return SeriesResult(points, _settings(config, plan), skipped)
+
+
+def _is_float(dtype: str) -> bool:
+    return dtype.upper().replace("TORCH.", "").startswith(("F", "BF"))
+
+
+def _point(ck: RunCheckpoint, base: Any, prev: Any, names: list[str], plan: _FisherPlan | None,
+           config: SeriesConfig, work: _Work) -> dict[str, Any]:
+    per: dict[str, dict[str, dict[str, float]]] = {p: {} for p in PAIRS}
+    labels: dict[str, dict[str, torch.Tensor]] = {p: {} for p in PAIRS}
+    dtypes: dict[str, int] = {}
+    for n in names:
+        cur = ck.source.get(n).flatten()
+        dtypes[str(cur.dtype).replace("torch.", "")] = dtypes.get(str(cur.dtype).replace("torch.", ""), 0) + cur.numel()
+        cur32 = cur if cur.dtype == torch.float32 else work.get("c32", torch.float32, cur.numel()).copy_(cur)
+        # bfloat16 copy for the bf16 conventions (needed by every pair unless cur is bf16)
+        cur16 = cur if cur.dtype == torch.bfloat16 else work.get("c16", torch.bfloat16, cur.numel()).copy_(cur)
+        in_fisher = plan is not None and n in plan.support
+        for pair, src in (("vs_base", base), ("vs_prev", prev)):
+            ref = src.get(n).flatten()
+            counts, lab = pair_counts(
+                cur, ref, config.atol, work, cur32=cur32, cur16=cur16,
+                support=plan.support[n] if in_fisher and plan else None,
+                sample=plan.sample[n] if in_fisher and plan else None, want_labels=in_fisher)
+            if plan is not None and not in_fisher:  # outside the Fisher: not in the support
+                counts.update(support_size=0.0, support_changed=0.0, support_sq=0.0, support_bytes=0.0)
+            per[pair][n] = counts
+            if lab is not None:
+                labels[pair][n] = lab
+            del ref
+        del cur, cur32, cur16
+    point: dict[str, Any] = {"step": ck.step, "checkpoint": ck.name,
+                             "dtype": max(dtypes, key=lambda k: dtypes[k]) if dtypes else None}
+    for pair in PAIRS:
+        groups = _group(per[pair], config.atol)
+        if plan is not None:
+            for grouping, gs in plan.members.items():
+                for g, ms in gs.items():
+                    lab = torch.cat([labels[pair][m] for m in ms])
+                    groups[grouping].setdefault(g, {})["auc"] = _auc_from_ranks(plan.ranks[grouping][g], lab)
+        point[pair] = groups
+    if ck.trainer:
+        point["trainer"] = ck.trainer
+    return point
+
+
+def _settings(config: SeriesConfig, plan: _FisherPlan | None) -> dict[str, Any]:
+    a = f"{config.atol:g}"
+    out: dict[str, Any] = {
+        **asdict(config),
+        "pairs": {"vs_base": "each checkpoint against the base (cumulative update)",
+                  "vs_prev": "each checkpoint against the previous one, the base for the first (one step)"},
+        "conventions": {
+            "unchanged_exact": "equal in the stored dtype; update_sparsity is this fraction",
+            "unchanged_bf16": "equal after casting both to bfloat16",
+            f"unchanged_atol_{a}": f"|cur_fp32 - ref_fp32| <= {a} (float32 delta)",
+            f"unchanged_bf16delta_atol_{a}": f"both loaded in bfloat16, |cur_bf16 - ref_bf16| <= {a} in "
+                                             "bfloat16 (published convention, sparsity_in_rl)",
+        },
+        "sync": {
+            "dense_bytes": "numel x itemsize of the checkpoint's dtype",
+            "sparse_bytes": "changed coordinates x (index + value): int32 flat index per tensor (int64 from "
+                            "2^31 elements), value in the checkpoint's dtype",
+            "support_bytes": "values only on the Fisher's fixed top-k support (indices sent once)",
+            "captured_count_share": "|support & changed| / |changed|",
+            "captured_sq_share": "sum over the support of delta^2 / sum delta^2 (float32 delta)",
+            "precision_at_k": "|support & changed| / |support|",
+        },
+        "groupings": list(GROUPINGS),
+    }
+    if plan is not None:
+        out["fisher"] = {"k": plan.k, "n": plan.total, "tensors": len(plan.names),
+                         "support": f"global top-{config.support_percent:g}% (compute.masks.topk_mask)",
+                         "auc_sampled": plan.sampled, "auc_cap": config.auc_cap,
+                         "auc_n": sum(int(r.numel()) for r in plan.ranks["global"].values()),
+                         "auc": "ROC-AUC of the Fisher for 'changed' (exact), ties one half"}
+    return out
+
+
+def write_series(result: SeriesResult, out_dir: str | Path) -> Path:
+    """DIR/series.json (NaN written as null)."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / "series.json"
+    path.write_text(json.dumps(_json_safe(result.to_json()), indent=1, sort_keys=False))
+    return path
+
+
+def _json_safe(x: Any) -> Any:
+    if isinstance(x, float):
+        return x if math.isfinite(x) else None
+    if isinstance(x, dict):
+        return {str(k): _json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    return x
