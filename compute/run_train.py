@@ -192,9 +192,15 @@ def train_job(
     construction (compute.contract.specs.TrainSpec)."""
     import copy
 
-    from compute.train import save_output, stored_state, train
+    from compute.train import save_checkpoint, save_output, stored_state, train
 
     run = _start(spec, progress)
+    out = Path(tempfile.mkdtemp(prefix="fisherlens-train-")) / "model"
+
+    def save_every(step: int, model: Any, curve: list[dict[str, float]]) -> None:  # --save-steps
+        if step % spec.save_steps == 0 or step == spec.steps:
+            save_checkpoint(model, run.tok, out, step, curve, spec.steps, spec.save_steps, spec.precision)
+
     model = run.model
     mask = _mask(run)
     # float32 twin for the Fisher and the bound when the weights are bf16 (same values, exact)
@@ -206,7 +212,7 @@ def train_job(
         _bound(run, probe, fisher, fisher_info)
     del probe
     res = train(model, run.tok, run.task, run.config, mask=mask, teacher=run.teacher,
-                progress=lambda f, m="": progress(0.15 + 0.75 * f, m))
+                progress=lambda f, m="": progress(0.15 + 0.75 * f, m), step_hook=save_every if spec.save_steps else None)
     progress(0.92, "update sparsity")
     _record_run(run, res)
     run.summary["update_sparsity"] = update_sparsity(stored_base, stored_state(model, spec.precision), fisher)
@@ -214,7 +220,6 @@ def train_job(
     if spec.concentration and res.grad_sq_sum is not None and res.grad_abs_sum is not None:
         progress(0.95, "gradient concentration")
         _concentration(run, res, fisher, master_base)
-    out = Path(tempfile.mkdtemp(prefix="fisherlens-train-")) / "model"
     metrics = {"curve": res.curve, **run.summary, "spec": spec.model_dump(mode="json")}
     save_output(model, run.tok, out, metrics, precision=spec.precision)
     run.result.files["model"] = str(out)

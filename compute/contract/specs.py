@@ -231,6 +231,9 @@ class TrainSpec(_Spec):
     concentration: bool = Field(
         True, description="accumulate sum g^2 and sum |g| over all steps and compare with the initial Fisher")
     topk_percent: TopkPercent = Field(1.0, description="top-k% of the concentration overlap")
+    save_steps: int = Field(
+        0, ge=0, le=100_000, description="write OUT/checkpoint-<step> (the HF Trainer / TRL layout: "
+        "model.safetensors, config.json, trainer_state.json) every N steps and at the last; 0 = off")
 
     @model_validator(mode="after")
     def _cross_field(self) -> TrainSpec:
@@ -245,8 +248,14 @@ class TrainSpec(_Spec):
         if self.dtype not in PRECISION_DTYPES[self.precision]:
             raise ValueError(f"dtype: {self.dtype!r} conflicts with precision {self.precision!r}; accepted: "
                              f"{', '.join(PRECISION_DTYPES[self.precision])}")
+        if self.save_steps and -(-self.steps // self.save_steps) > MAX_SAVED_CHECKPOINTS:
+            raise ValueError(f"save_steps: {self.save_steps} writes {-(-self.steps // self.save_steps)} "
+                             f"checkpoints for {self.steps} steps; accepted: at most {MAX_SAVED_CHECKPOINTS} "
+                             f"(save_steps >= {-(-self.steps // MAX_SAVED_CHECKPOINTS)})")
         return self
 
+
+MAX_SAVED_CHECKPOINTS = 200  # a train job's checkpoint-N folders (each a full model copy)
 
 # dtypes a model may be loaded in for each training precision (precision sets the training dtype)
 PRECISION_DTYPES = {"fp32": ("auto", "float32"), "bf16-mixed": ("auto", "float32", "bfloat16"),

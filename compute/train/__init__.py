@@ -1,14 +1,14 @@
 """Masked post-training: GRPO, on-policy distillation (OPD) or SFT, with AdamW or SGD.
 
     config.py       TrainConfig: the loop's knobs, defaults and ranges taken from TrainSpec
-    loop.py         train(): one loop over any objective; save_output, objective_gradient
+    loop.py         train(): one loop over any objective; save_output, save_checkpoint, objective_gradient
     objectives/     one per algorithm (make_batch, loss); the maths is in compute.grpo,
                     compute.distill, compute.sft
     optimizers.py   the mask-aware AdamW/SGD (frozen coordinates bit-identical) and precision
 """
 
 from compute.train.config import ALGOS, OPTIMIZERS, PRECISIONS, TrainConfig
-from compute.train.loop import TrainResult, objective_gradient, save_output, train
+from compute.train.loop import TrainResult, objective_gradient, save_checkpoint, save_output, train
 from compute.train.optimizers import (
     MaskedOptimizer,
     clip_grad_norm,
@@ -21,6 +21,6 @@ from compute.train.optimizers import (
 
 __all__ = [
     "ALGOS", "OPTIMIZERS", "PRECISIONS", "MaskedOptimizer", "TrainConfig", "TrainResult", "clip_grad_norm",
-    "mask_gradients", "objective_gradient", "prepare_masked_params", "prepare_precision", "save_output",
+    "mask_gradients", "objective_gradient", "prepare_masked_params", "prepare_precision", "save_checkpoint", "save_output",
     "stored_dtype", "stored_state", "train",
 ]

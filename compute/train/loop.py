@@ -33,6 +33,7 @@ from compute.train.optimizers import (
 
 Params = list[tuple[str, torch.nn.Parameter, torch.Tensor | None]]
 GradHook = Callable[[int, Params], None]
+StepHook = Callable[[int, torch.nn.Module, list[dict[str, float]]], None]
 
 
 @dataclass
@@ -99,11 +100,13 @@ def train(
     progress: Progress | None = None,
     evaluate: bool = True,
     grad_hook: GradHook | None = None,
+    step_hook: StepHook | None = None,
 ) -> TrainResult:
     """Train `model` in place on `task` with config.algo's objective; returns curves and accuracies.
 
     mask: name -> bool (True = trainable); frozen coordinates stay bit-identical. grad_hook(step,
-    params) sees the masked, unclipped gradients before each optimizer step. Each parameter's
+    params) sees the masked, unclipped gradients before each optimizer step; step_hook(step,
+    model, curve) runs after each step (1-based; e.g. to save a checkpoint). Each parameter's
     requires_grad is restored on return, also when training fails."""
     progress = progress or null_progress
     torch.manual_seed(config.seed)
@@ -125,6 +128,8 @@ def train(
             if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < config.steps:
                 row["accuracy"] = _accuracy(model, tokenizer, task, config)
             curve.append(row)
+            if step_hook is not None:
+                step_hook(step + 1, model, curve)
             progress((step + 1) / config.steps, _message(row, step, config.steps, len(batch)))
         model.eval()
         after = _accuracy(model, tokenizer, task, config) if evaluate else math.nan
@@ -181,6 +186,27 @@ def save_output(
     tokenizer.save_pretrained(out)
     (out / "metrics.json").write_text(json.dumps(metrics, indent=2, sort_keys=True, default=str))
     return out
+
+
+def save_checkpoint(
+    model: torch.nn.Module, tokenizer: Any, out_dir: str | Path, step: int, curve: list[dict[str, float]],
+    max_steps: int, save_steps: int, precision: str = "fp32",
+) -> Path:
+    """OUT/checkpoint-<step>/ in the HF Trainer / TRL layout: the weights in the stored dtype
+    (model.safetensors), config.json, the tokenizer, and trainer_state.json (global_step and the
+    logged rows so far), so `fisherlens series BASE OUT` reads it like a TRL run folder.
+    Written to a temporary name and renamed, so a reader never sees half a checkpoint."""
+    out = Path(out_dir)
+    final = out / f"checkpoint-{step}"
+    tmp = out / f"tmp-checkpoint-{step}"
+    save_output(model, tokenizer, tmp, {"step": step}, precision=precision)
+    (tmp / "metrics.json").unlink()
+    state = {"global_step": step, "max_steps": max_steps, "save_steps": save_steps,
+             "log_history": [{k: (v if math.isfinite(v) else None) for k, v in r.items()} for r in curve],
+             "written_by": "fisherlens train"}
+    (tmp / "trainer_state.json").write_text(json.dumps(state, indent=2, sort_keys=True, default=str))
+    tmp.rename(final)
+    return final
 
 
 def objective_gradient(

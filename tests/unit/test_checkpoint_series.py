@@ -329,3 +329,44 @@ def test_real_trl_grpo_run_folder(zoo_home: Path, tmp_path: Path, dtype: str,
     # the first step's previous is the base (json: NaN AUCs compare equal)
     assert json.dumps(res.points[0]["vs_prev"]) == json.dumps(res.points[0]["vs_base"])
     assert res.settings["fisher"]["k"] == n_keep(0.01, sum(f.numel() for f in fisher.values()))
+
+
+# ---------------------------------------------------------------------------------------------
+# fisherlens train --save-steps writes the same layout
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_train_save_steps_writes_a_run_folder(zoo_home: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """--save-steps 2 over 3 steps: checkpoint-2 and checkpoint-3 (the last), the weights in the
+    stored dtype (bf16 for bf16-mixed), checkpoint-3 bit-identical to the final model, and the
+    series of the output folder reads them like a TRL run folder."""
+    from click.testing import CliRunner
+    from safetensors.torch import load_file
+
+    from app.commands.training import train_cmd
+
+    monkeypatch.setenv("FISHERLENS_HOME", str(zoo_home))
+    out = tmp_path / "run"
+    res = CliRunner().invoke(train_cmd, [
+        "--model", "arith-base", "--steps", "3", "--save-steps", "2", "--batch", "2", "--group", "4",
+        "--eval-prompts", "4", "--max-new-tokens", "4", "--no-bound", "--no-concentration",
+        "--precision", "bf16-mixed", "--lr", "1e-3", "--device", "cpu", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
+    assert not list(out.glob("tmp-checkpoint-*"))
+    final = load_file(str(out / "model.safetensors"))
+    last = load_file(str(out / "checkpoint-3" / "model.safetensors"))
+    assert set(final) == set(last)
+    for n in final:
+        assert last[n].dtype == torch.bfloat16 and torch.equal(last[n], final[n]), n
+    state = json.loads((out / "checkpoint-2" / "trainer_state.json").read_text())
+    assert state["global_step"] == 2 and [r["step"] for r in state["log_history"]] == [1, 2]
+    assert (out / "checkpoint-2" / "config.json").is_file() and (out / "checkpoint-2" / "tokenizer.json").is_file()
+    series = checkpoint_series(zoo_home / "zoo" / "arith-base", out)
+    assert [p["step"] for p in series.points] == [2, 3]
+    assert series.points[1]["prev_step"] == 2
+    want = diff_checkpoints(Checkpoint(zoo_home / "zoo" / "arith-base"), Checkpoint(out), svd_max_numel=0)
+    got = series.points[1]["vs_base"]["global"]["all"]
+    for k in DIFF_KEYS:
+        assert got[k] == pytest.approx(want.groups["global"]["all"][k], rel=1e-6, abs=1e-12), k
