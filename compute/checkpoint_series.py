@@ -55,6 +55,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from compute.contract.jobresult import null_progress
@@ -64,7 +65,7 @@ from compute.overlap import DEFAULT_CAP, _sample_index, midranks, round_half_up_
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 GROUPINGS = ("global", "layer", "module", "layer_module")
 PAIRS = ("vs_base", "vs_prev")
-_CHUNK = 1 << 20  # elements per float32 dot product of the squared sum (float64 across chunks)
+CHUNK = 1 << 16  # elements per cache-resident chunk (256 KiB of float32 per buffer)
 
 
 @dataclass(frozen=True)
@@ -294,12 +295,14 @@ def plan_fisher(fisher: Mapping[str, torch.Tensor], base: Any, config: SeriesCon
 
 
 def bf16_round_threshold(atol: float) -> tuple[float, bool]:
-    """(t, inclusive) such that for x >= 0 in float32: bf16(x) <= atol  <=>  x <= t (inclusive)
-    or x < t. bf16(x) rounds to nearest, ties to even; t is the midpoint between the largest
-    bfloat16 a <= atol and the next one, inclusive when a's last mantissa bit is even."""
+    """(t, inclusive) such that for x >= 0 in float32: bf16(x) <= bf16(atol)  <=>  x <= t
+    (inclusive) or x < t.
+
+    This is the published convention's test as PyTorch evaluates it: `delta_bf16.abs() <= atol`
+    on a bfloat16 tensor compares in bfloat16, atol rounded to bfloat16 too (1e-5 -> 1.00136e-5),
+    and compute.diff computes it so. bf16 rounds to nearest, ties to even: with a = bf16(atol),
+    t is the midpoint between a and the next bfloat16, inclusive when a's last mantissa bit is even."""
     bits = int(torch.tensor([atol], dtype=torch.float32).to(torch.bfloat16).view(torch.int16)[0])
-    if _bf16(bits) > atol:  # rounded up: the bf16 value just below (positive: bit pattern - 1)
-        bits -= 1
     mid = (_bf16(bits) + _bf16(bits + 1)) / 2  # exact in float32 (9 significant bits)
     return mid, bits % 2 == 0
 
@@ -309,86 +312,143 @@ def _bf16(bits: int) -> float:
 
 
 class _Work:
-    """Reusable buffers of the largest tensor's size: ops write into them (out=), so no pass over
-    a tensor pays for fresh pages."""
+    """Reusable numpy buffers of one chunk, by (key, dtype)."""
 
-    def __init__(self) -> None:
-        self._bufs: dict[str, torch.Tensor] = {}
+    def __init__(self, size: int = 0) -> None:
+        self.size = size
+        self._bufs: dict[tuple[str, str], np.ndarray] = {}
 
-    def get(self, key: str, dtype: torch.dtype, n: int) -> torch.Tensor:
-        b = self._bufs.get(key)
-        if b is None or b.numel() < n:
-            b = torch.empty(n, dtype=dtype)
-            self._bufs[key] = b
+    def get(self, key: str, dtype: Any, n: int) -> np.ndarray:
+        k = (key, np.dtype(dtype).str)
+        b = self._bufs.get(k)
+        if b is None or b.size < n:
+            b = np.empty(max(n, self.size), dtype=dtype)
+            self._bufs[k] = b
         return b[:n]
-
-
-def _sq_sum(x: torch.Tensor) -> float:
-    """sum x^2 of a flat float32 tensor: float32 dot products of 2^20 elements, summed in float64."""
-    return sum(float(torch.dot(c, c)) for c in x.split(_CHUNK)) if x.numel() else 0.0
 
 
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def pair_counts(
-    cur: torch.Tensor, ref: torch.Tensor, atol: float, work: _Work | None = None,
-    cur32: torch.Tensor | None = None, cur16: torch.Tensor | None = None,
-    support: torch.Tensor | None = None, sample: torch.Tensor | None = None, want_labels: bool = False,
-) -> tuple[dict[str, float], torch.Tensor | None]:
-    """Counts of one tensor pair (cur against ref), flat tensors of one length.
+def _as_numpy(t: torch.Tensor) -> np.ndarray:
+    """A zero-copy numpy view of a flat CPU tensor; bfloat16 as its uint16 bit patterns."""
+    t = t.detach().cpu()
+    return t.view(torch.int16).numpy().view(np.uint16) if t.dtype == torch.bfloat16 else t.numpy()
 
-    Returns ({numel, unchanged_exact, unchanged_bf16, unchanged_atol, unchanged_bf16delta_atol,
-    sq_sum, max_abs, dense_bytes, sparse_bytes[, support_size, support_changed, support_sq,
-    support_bytes]}, labels): labels = "changed" at the sample's coordinates (all when sample is
-    None) when want_labels. cur32 / cur16: cur already in float32 / bfloat16 (reused across pairs).
+
+def _f32(x: np.ndarray, work: _Work, key: str) -> np.ndarray:
+    """float32 values of a chunk (exact for bf16/fp16, rounded to nearest for float64)."""
+    if x.dtype == np.float32:
+        return x
+    if x.dtype == np.uint16:  # bfloat16 bits: the float32 with those 16 high bits
+        u = work.get(key, np.uint32, x.size)
+        np.copyto(u, x)
+        np.left_shift(u, 16, out=u)
+        return u.view(np.float32)
+    out = work.get(key + "f", np.float32, x.size)
+    np.copyto(out, x, casting="unsafe")
+    return out
+
+
+def _round_bf16(x: np.ndarray, work: _Work, key: str) -> np.ndarray:
+    """float32 -> the nearest bfloat16 (ties to even), as float32: c10::BFloat16's rounding."""
+    u = x.view(np.uint32)
+    bias = work.get(key + "b", np.uint32, x.size)
+    np.right_shift(u, 16, out=bias)
+    np.bitwise_and(bias, 1, out=bias)
+    np.add(bias, 0x7FFF, out=bias)
+    out = work.get(key, np.uint32, x.size)
+    np.add(u, bias, out=out)
+    np.bitwise_and(out, 0xFFFF0000, out=out)
+    return out.view(np.float32)
+
+
+def tensor_counts(
+    cur: torch.Tensor, refs: Sequence[torch.Tensor], atol: float, work: _Work | None = None,
+    support: torch.Tensor | None = None, sample: torch.Tensor | None = None, want_labels: bool = False,
+    chunk: int | None = None,
+) -> list[tuple[dict[str, float], torch.Tensor | None]]:
+    """Counts of one tensor against each reference (flat tensors of one length), in one sweep.
+
+    Per reference: ({numel, unchanged_exact, unchanged_bf16, unchanged_atol,
+    unchanged_bf16delta_atol, sq_sum, max_abs, dense_bytes, sparse_bytes[, support_size,
+    support_changed, support_sq, support_bytes]}, labels), labels = "changed" at the sample's
+    coordinates (every coordinate when sample is None) when want_labels, else None.
+    chunk: elements per sweep step (default CHUNK).
+
+    The tensors are swept in chunks that stay in the CPU cache while every count of every
+    reference is taken from them, with numpy's vectorised comparisons and counts (PyTorch's
+    compare-to-bool and count_nonzero are scalar loops on CPU): each input is read from memory
+    once, however many passes the counts need. Definitions are compute.diff's, as PyTorch
+    evaluates them (scalars compared in the tensor's dtype).
     """
-    work = work or _Work()
+    chunk = chunk or CHUNK
+    work = work or _Work(min(chunk, cur.numel()))
     n = cur.numel()
     item = _itemsize(cur.dtype)
     idx_bytes = 4 if n < 2**31 else 8
-    d = work.get("d", torch.float32, n)
-    if cur.dtype == torch.float64 or ref.dtype == torch.float64:
-        changed = int(torch.count_nonzero(cur != ref))  # exact in double, as compute.diff
-        torch.sub(cur.float(), ref.float(), out=d)
-        d.abs_()
-    else:
-        c32 = cur32 if cur32 is not None else (cur if cur.dtype == torch.float32 else cur.float())
-        torch.sub(c32, ref, out=d)  # float32 arithmetic: exact zero iff equal (finite weights)
-        d.abs_()
-        changed = int(torch.count_nonzero(d))
-    bb = work.get("b", torch.bool, n)
-    s: dict[str, float] = {"numel": float(n), "unchanged_exact": float(n - changed)}
-    s["unchanged_atol"] = float(torch.count_nonzero(torch.le(d, atol, out=bb)))
-    s["sq_sum"] = _sq_sum(d)
-    s["max_abs"] = float(d.max()) if n else 0.0
-    if cur.dtype == torch.bfloat16 and ref.dtype == torch.bfloat16:
-        # bf16(cur) - bf16(ref) in bfloat16 = bf16-rounding of the float32 delta: threshold on |d|
-        s["unchanged_bf16"] = float(n - changed)
-        t, inclusive = bf16_round_threshold(atol)
-        cmp = torch.le if inclusive else torch.lt
-        s["unchanged_bf16delta_atol"] = float(torch.count_nonzero(cmp(d, t, out=bb)))
-    else:
-        c16 = cur16 if cur16 is not None else cur.to(torch.bfloat16)
-        r16 = ref if ref.dtype == torch.bfloat16 else work.get("r16", torch.bfloat16, n).copy_(ref)
-        d16 = work.get("d16", torch.float32, n)
-        torch.sub(c16, r16, out=d16)  # computed in bfloat16, as after loading both in bf16
-        s["unchanged_bf16"] = float(n - int(torch.count_nonzero(d16)))
-        d16.abs_()
-        s["unchanged_bf16delta_atol"] = float(torch.count_nonzero(torch.le(d16, atol, out=bb)))
-    s["dense_bytes"] = float(n * item)
-    s["sparse_bytes"] = float(changed * (idx_bytes + item))
-    if support is not None:
-        g = d[support]
-        s["support_size"] = float(support.numel())
-        s["support_changed"] = float(torch.count_nonzero(g))
-        s["support_sq"] = float(torch.sum(g.double().square()))
-        s["support_bytes"] = float(support.numel() * item)
-    labels = None
-    if want_labels:
-        labels = (d[sample] != 0) if sample is not None else (d != 0)
-    return s, labels
+    t16, inclusive16 = bf16_round_threshold(atol)
+    t16_32, atol32, zero = np.float32(t16), np.float32(atol), np.float32(0)
+    le16 = np.less_equal if inclusive16 else np.less
+    cn, rns = _as_numpy(cur.flatten()), [_as_numpy(r.flatten()) for r in refs]
+    both16 = [cur.dtype == torch.bfloat16 and r.dtype == torch.bfloat16 for r in refs]
+    f64 = [cur.dtype == torch.float64 or r.dtype == torch.float64 for r in refs]
+    acc = [{"changed": 0, "unchanged_atol": 0, "unchanged_bf16": 0, "unchanged_bf16delta_atol": 0,
+            "sq_sum": 0.0, "max_abs": 0.0} for _ in refs]
+    for s0 in range(0, n, chunk):
+        m = min(chunk, n - s0)
+        c = cn[s0:s0 + m]
+        c32 = _f32(c, work, "c32")
+        c16: np.ndarray | None = None
+        d, b = work.get("d", np.float32, m), work.get("b", np.bool_, m)
+        for j, rn in enumerate(rns):
+            a = acc[j]
+            r = rn[s0:s0 + m]
+            r32 = _f32(r, work, "r32")
+            np.subtract(c32, r32, out=d)  # float32 arithmetic: exact zero iff equal (finite weights)
+            np.abs(d, out=d)
+            if f64[j]:  # exact in double, as compute.diff
+                a["changed"] += int(np.count_nonzero(np.not_equal(c.astype(np.float64), r.astype(np.float64))))
+            else:
+                a["changed"] += m - int(np.count_nonzero(np.less_equal(d, zero, out=b)))
+            a["unchanged_atol"] += int(np.count_nonzero(np.less_equal(d, atol32, out=b)))
+            a["sq_sum"] += float(np.dot(d, d))
+            a["max_abs"] = max(a["max_abs"], float(d.max()))
+            if both16[j]:
+                # bf16(cur) - bf16(ref) computed in bfloat16 is the bf16 rounding of this float32
+                # delta: its |.| <= bf16(atol) is a threshold on |delta_fp32| (bf16_round_threshold)
+                a["unchanged_bf16delta_atol"] += int(np.count_nonzero(le16(d, t16_32, out=b)))
+            else:
+                if c16 is None:
+                    c16 = c32 if c.dtype == np.uint16 else _round_bf16(c32, work, "c16")
+                r16 = r32 if r.dtype == np.uint16 else _round_bf16(r32, work, "r16")
+                dd = work.get("dd", np.float32, m)
+                np.subtract(c16, r16, out=dd)  # PyTorch's bf16 subtraction before its rounding
+                np.abs(dd, out=dd)
+                a["unchanged_bf16"] += int(np.count_nonzero(np.less_equal(dd, zero, out=b)))
+                a["unchanged_bf16delta_atol"] += int(np.count_nonzero(le16(dd, t16_32, out=b)))
+    out: list[tuple[dict[str, float], torch.Tensor | None]] = []
+    for j, (a, ref) in enumerate(zip(acc, refs)):
+        changed = int(a.pop("changed"))
+        st: dict[str, float] = {"numel": float(n), **{k: float(v) for k, v in a.items()}}
+        st["unchanged_exact"] = float(n - changed)
+        if both16[j]:
+            st["unchanged_bf16"] = float(n - changed)  # bf16 equality is equality
+        st["dense_bytes"] = float(n * item)
+        st["sparse_bytes"] = float(changed * (idx_bytes + item))
+        if support is not None:
+            g = cur.flatten()[support].float() - ref.flatten()[support].float()  # the float32 delta on S
+            st["support_size"] = float(support.numel())
+            st["support_changed"] = float(torch.count_nonzero(g))
+            st["support_sq"] = float(torch.sum(g.double().square()))
+            st["support_bytes"] = float(support.numel() * item)
+        labels = None
+        if want_labels:
+            cf, rf = cur.flatten(), ref.flatten()
+            labels = cf[sample] != rf[sample] if sample is not None else cf != rf
+        out.append((st, labels))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -499,7 +559,7 @@ def checkpoint_series(
     skipped = {n: f"not a float tensor ({src_b.dtype(n)})" for n in names
                if not _is_float(src_b.dtype(n)) or any(not _is_float(c.source.dtype(n)) for c in ckpts)}
     names = [n for n in names if n not in skipped]
-    work = _Work()
+    work = _Work(CHUNK)
     points = []
     t_start = time.perf_counter()
     for i, ck in enumerate(ckpts):
@@ -525,24 +585,21 @@ def _point(ck: RunCheckpoint, base: Any, prev: Any, names: list[str], plan: _Fis
     dtypes: dict[str, int] = {}
     for n in names:
         cur = ck.source.get(n).flatten()
-        dtypes[str(cur.dtype).replace("torch.", "")] = dtypes.get(str(cur.dtype).replace("torch.", ""), 0) + cur.numel()
-        cur32 = cur if cur.dtype == torch.float32 else work.get("c32", torch.float32, cur.numel()).copy_(cur)
-        # bfloat16 copy for the bf16 conventions (needed by every pair unless cur is bf16)
-        cur16 = cur if cur.dtype == torch.bfloat16 else work.get("c16", torch.bfloat16, cur.numel()).copy_(cur)
+        dt = str(cur.dtype).replace("torch.", "")
+        dtypes[dt] = dtypes.get(dt, 0) + cur.numel()
         in_fisher = plan is not None and n in plan.support
-        for pair, src in (("vs_base", base), ("vs_prev", prev)):
-            ref = src.get(n).flatten()
-            counts, lab = pair_counts(
-                cur, ref, config.atol, work, cur32=cur32, cur16=cur16,
-                support=plan.support[n] if in_fisher and plan else None,
-                sample=plan.sample[n] if in_fisher and plan else None, want_labels=in_fisher)
+        refs = [base.get(n).flatten(), prev.get(n).flatten()]
+        res = tensor_counts(cur, refs, config.atol, work,
+                            support=plan.support[n] if plan is not None and in_fisher else None,
+                            sample=plan.sample[n] if plan is not None and in_fisher else None,
+                            want_labels=in_fisher)
+        for pair, (counts, lab) in zip(PAIRS, res):
             if plan is not None and not in_fisher:  # outside the Fisher: not in the support
                 counts.update(support_size=0.0, support_changed=0.0, support_sq=0.0, support_bytes=0.0)
             per[pair][n] = counts
             if lab is not None:
                 labels[pair][n] = lab
-            del ref
-        del cur, cur32, cur16
+        del cur, refs, res
     point: dict[str, Any] = {"step": ck.step, "checkpoint": ck.name,
                              "dtype": max(dtypes, key=lambda k: dtypes[k]) if dtypes else None}
     for pair in PAIRS:

@@ -115,6 +115,23 @@ def test_hand_values_fp32(tmp_path: Path) -> None:
     assert "trainer" not in p2  # no trainer_state.json
 
 
+def test_published_convention_compares_in_bf16(tmp_path: Path) -> None:
+    """|delta_bf16| <= atol as PyTorch (and compute.diff) evaluates it on bf16 tensors: atol is
+    rounded to bf16 too, so a delta of exactly bf16(1e-5) = 1.00136e-5 counts as unchanged there,
+    and as changed in the float32 convention."""
+    a16 = torch.tensor([1e-5]).to(torch.bfloat16)
+    for dtype in (torch.bfloat16, torch.float32):
+        base = torch.zeros(4, dtype=dtype)
+        cur = torch.stack([a16[0].float(), torch.tensor(2e-5), torch.tensor(9e-6), torch.tensor(0.0)]).to(dtype)
+        _save(tmp_path / str(dtype) / "base", {"model.norm.weight": base})
+        _save(tmp_path / str(dtype) / "run" / "checkpoint-1", {"model.norm.weight": cur})
+        res = checkpoint_series(tmp_path / str(dtype) / "base", tmp_path / str(dtype) / "run")
+        g = res.points[0]["vs_base"]["global"]["all"]
+        want = diff_checkpoints({"model.norm.weight": base}, {"model.norm.weight": cur}, svd_max_numel=0)
+        assert g["unchanged_bf16delta_atol_1e-05"] == 0.75 == want.groups["global"]["all"]["unchanged_bf16delta_atol_1e-05"]
+        assert g["unchanged_atol_1e-05"] == 0.5 == want.groups["global"]["all"]["unchanged_atol_1e-05"]
+
+
 def test_bf16_round_threshold_matches_torch_rounding() -> None:
     for atol in (1e-8, 1e-7, 1e-6, 1e-5, 1e-4, 1e-3, 0.5, 1.0, 3e-5):
         t, inclusive = bf16_round_threshold(atol)
@@ -127,7 +144,7 @@ def test_bf16_round_threshold_matches_torch_rounding() -> None:
                 xs.append(x)
         xs_t = torch.stack(xs)
         xs_t = torch.cat([xs_t, torch.linspace(0, 3 * atol, 20001)])
-        want = xs_t.to(torch.bfloat16).float() <= atol
+        want = xs_t.to(torch.bfloat16) <= atol  # PyTorch compares in bf16, atol rounded to bf16
         got = xs_t <= t if inclusive else xs_t < t
         assert torch.equal(got, want), atol
 
@@ -144,7 +161,10 @@ DIFF_KEYS = ("unchanged_exact", "unchanged_bf16", "unchanged_atol_1e-05", "uncha
 @pytest.mark.parametrize(("base_dtype", "ck_dtype", "cap"), [
     (torch.float32, torch.float32, 1000), (torch.bfloat16, torch.bfloat16, 2_000_000),
     (torch.float32, torch.bfloat16, 2_000_000), (torch.bfloat16, torch.float32, 1000)])
-def test_against_diff_and_overlap(tmp_path: Path, base_dtype: torch.dtype, ck_dtype: torch.dtype, cap: int) -> None:
+def test_against_diff_and_overlap(tmp_path: Path, base_dtype: torch.dtype, ck_dtype: torch.dtype, cap: int,
+                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    if cap == 1000:  # sweep the tensors in chunks of 37 elements (ragged last chunk)
+        monkeypatch.setattr("compute.checkpoint_series.CHUNK", 37)
     base, run, fisher = _random_run(tmp_path, base_dtype, ck_dtype)
     frac = 0.05
     res = checkpoint_series(base, run, fisher=fisher, config=SeriesConfig(support_percent=100 * frac, auc_cap=cap))
