@@ -69,9 +69,9 @@ def kind_commands(custom: Iterable[click.Command]) -> list[click.Command]:
     """One command per registered kind, in the registry's order: the kind's own command (from
     `custom`, matched by name) or the generic one. A custom command named after no kind is an
     error (a kind was removed and its command left behind)."""
-    own = {c.name: c for c in custom}
+    own = {str(c.name): c for c in custom}
     stale = sorted(set(own) - set(KINDS))
     if stale:
-        raise RuntimeError(f"CLI commands for unknown job kinds: {', '.join(map(str, stale))}; "
+        raise RuntimeError(f"CLI commands for unknown job kinds: {', '.join(stale)}; "
                            f"registered kinds: {', '.join(KINDS)}")
     return [own.get(name) or generic_command(kind) for name, kind in KINDS.items()]

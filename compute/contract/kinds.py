@@ -80,6 +80,7 @@ class JobKind:
                 empty (retention's default OPD teacher); validated like given references
     form        the New job sub-tab, or None (no form: e.g. tokens has its own explorer tab)
     cli_args    spec fields taken as positional CLI arguments, in order (diff BASE TUNED)
+    example     a small valid spec (tests validate it and price it; docs may show it)
     """
 
     name: str
@@ -94,6 +95,7 @@ class JobKind:
     implied_refs: Callable[[Any], Mapping[str, str]] | None = None
     form: KindForm | None = None
     cli_args: tuple[str, ...] = ()
+    example: Mapping[str, Any] = field(default_factory=dict)
 
     def ref_fields(self, *targets: RefTarget) -> tuple[str, ...]:
         """The reference fields naming one of `targets` (all reference fields when none given)."""

@@ -93,4 +93,5 @@ KIND = JobKind(
     form=KindForm(tab="Checkpoint diff", button="Diff", cost=False,
                   main=("base", "tuned", "fisher", "topk_percent")),
     cli_args=("base", "tuned"),
+    example={"base": "arith-base", "tuned": "job:2"},
 )

@@ -118,4 +118,5 @@ KIND = JobKind(
     form=KindForm(tab="Fisher", button="Compute Fisher",
                   main=("model", "task", "estimator", "prompts", "samples", "seed", "max_new_tokens",
                         "temperature", "exact_output")),
+    example={"model": "arith-base", "prompts": 8, "samples": 2},
 )

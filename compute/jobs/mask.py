@@ -96,4 +96,5 @@ KIND = JobKind(
     outputs={"mask": "mask"},
     form=KindForm(tab="Mask", button="Build mask", cost=False,
                   main=("fisher", "select", "density", "model", "seed")),
+    example={"fisher": "job:1", "density": 0.05},
 )

@@ -58,7 +58,7 @@ class RetentionSpec(Spec):
     )
     selectors: list[Selector] = Field(
         description="mask selectors",
-        default_factory=lambda: ["fisher", "random", "magnitude"], min_length=1, max_length=8
+        default_factory=lambda: list[Selector](["fisher", "random", "magnitude"]), min_length=1, max_length=8
     )
     seeds: int = Field(3, ge=1, le=16, description="paired seeds: each runs full training and every mask")
     steps: Steps = Field(100, description="optimizer steps per run")
@@ -172,4 +172,5 @@ KIND = JobKind(
     implied_refs=implied_refs,
     form=KindForm(tab="Retention sweep", button="Run retention sweep",
                   main=("model", "algo", "teacher", "densities", "selectors", "seeds", "steps", "lr")),
+    example={"model": "arith-base", "seeds": 1},
 )

@@ -57,9 +57,9 @@ class SweepSpec(Spec):
         description="learning rates of the grid")
     optimizers: list[Optimizer] = Field(
         description="optimizers of the grid",
-        default_factory=lambda: ["adamw", "sgd"], min_length=1, max_length=2)
+        default_factory=lambda: list[Optimizer](["adamw", "sgd"]), min_length=1, max_length=2)
     precision: list[Precision] = Field(
-        default_factory=lambda: ["bf16-mixed"], min_length=1, max_length=3,
+        default_factory=lambda: list[Precision](["bf16-mixed"]), min_length=1, max_length=3,
         description="training precisions of the grid (fp32, bf16-mixed, bf16)")
     steps: Steps = Field(20, description="optimizer steps per point")
     batch: Batch = Field(8, description="prompts per step")
@@ -152,4 +152,5 @@ KIND = JobKind(
     refs={"model": "model", "teacher": "model", "fisher": "fisher"},
     form=KindForm(tab="LR x optimizer sweep", button="Run sweep",
                   main=("model", "algo", "teacher", "lrs", "optimizers", "precision", "steps", "seed")),
+    example={"model": "arith-base", "lrs": [1e-4], "optimizers": ["adamw"]},
 )

@@ -97,4 +97,5 @@ KIND = JobKind(
     name="tokens", title="Token explorer", spec=TokensSpec, contract=CONTRACT, runner="compute.run_tokens:run",
     cost=cost, order=70,
     refs={"model": "model"},
+    example={"model": "arith-base", "context": "12+34="},
 )

@@ -169,4 +169,5 @@ KIND = JobKind(
     form=KindForm(tab="Train", button="Train",
                   main=("model", "task", "algo", "teacher", "mask", "mask_select", "mask_density",
                         "optimizer", "lr", "steps", "batch", "group", "seed", "precision")),
+    example={"model": "arith-base", "steps": 10},
 )
