@@ -19,7 +19,7 @@ from typing import Any
 
 ZOO_NAMES = ("arith-base", "arith-teacher", "arith-deep-base", "arith-deep-teacher")
 # Real pretrained models converted into the zoo by `fisherlens zoo add NAME` (compute.zoo).
-REAL_MODEL_NAMES = ("smollm2-135m",)
+REAL_MODEL_NAMES = ("smollm2-135m", "gemma3-270m")
 
 # org/name on the Hugging Face hub (no path tricks: no leading dot, no '..', exactly one '/').
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
