@@ -260,3 +260,36 @@ def test_example_script_runs_as_written(zoo_home: Path, tmp_path: Path) -> None:
         w0, w1 = b.get(n), final.get(n)
         assert torch.equal(w1[~mask[n]], w0[~mask[n]]), n
     assert "update_sparsity/unchanged_bf16" in r.stdout
+
+
+@pytest.mark.parametrize("trainer_kind", ["distillation", "hf-trainer"])
+def test_distillation_and_plain_trainer(zoo_home: Path, tmp_path: Path, trainer_kind: str) -> None:
+    """The same guarantees in TRL's DistillationTrainer (student arith-base, teacher arith-teacher)
+    and in a plain transformers.Trainer."""
+    model, tok, _ = _load(zoo_home, torch.float32)
+    mask = _mask(model)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    probe = GradProbe(model, mask)
+    common = dict(output_dir=str(tmp_path / "out"), max_steps=3, per_device_train_batch_size=4,
+                  learning_rate=3e-2, weight_decay=0.1, max_grad_norm=0.5, logging_steps=1,
+                  save_strategy="no", report_to="none", use_cpu=True, bf16=False, seed=0)
+    callbacks = [probe, FisherMaskCallback(mask)]
+    trainer: Any
+    if trainer_kind == "distillation":
+        from trl import DistillationConfig, DistillationTrainer
+
+        teacher = AutoModelForCausalLM.from_pretrained(zoo_home / "zoo" / "arith-teacher", dtype=torch.float32)
+        tok.padding_side = "left"
+        ds = Dataset.from_list([{"prompt": f"{i}+{i + 1}="} for i in range(12)])
+        trainer = DistillationTrainer(model=model, teacher_model=teacher, train_dataset=ds, processing_class=tok,
+                                      args=DistillationConfig(**common, max_completion_length=4),
+                                      callbacks=callbacks)
+    else:
+        from transformers import DataCollatorForLanguageModeling, Trainer, TrainingArguments
+
+        ds = Dataset.from_list([dict(tok(f"{i}+{i + 3}={2 * i + 3}")) for i in range(12)])
+        trainer = Trainer(model=model, args=TrainingArguments(**common), train_dataset=ds,
+                          data_collator=DataCollatorForLanguageModeling(tok, mlm=False), callbacks=callbacks)
+    trainer.train()
+    _check_frozen_and_moved(model, before, mask)
+    _check_grad_norms(trainer, probe, 0.5, rel=1e-5)
