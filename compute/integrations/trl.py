@@ -47,9 +47,10 @@ in both published conventions, computed by `compute.diff.diff_checkpoints` (SCIE
 - `update_sparsity/unchanged_bf16`: share of coordinates whose bf16 value did not change;
 - `update_sparsity/unchanged_bf16delta_atol_<a>`: share with |tuned_bf16 - base_bf16| <= a, the
   difference taken in bf16 (sparsity_in_rl, arXiv 2505.11711), for each a in `atols`.
-Reporting callbacks that come before it in the trainer's callback list (the integrations
-`report_to` adds, the progress printer) do not see these keys: read them from
-`trainer.state.log_history` (or the checkpoints' `trainer_state.json`).
+Callbacks before it in the trainer's list do not see these keys: the integrations `report_to`
+adds (Trainer puts them before user callbacks) and, when it is added with `trainer.add_callback`,
+the progress printer. `trainer.state.log_history` and the checkpoints' `trainer_state.json` always
+hold them.
 """
 
 from __future__ import annotations
