@@ -47,8 +47,9 @@ def generic_command(kind: JobKind) -> click.Command:
             for name, tensors in result.tensors.items():
                 save_file({n: t.detach().contiguous().cpu() for n, t in tensors.items()},
                           str(out_dir / f"{name}.safetensors"))
-        for name, path in result.files.items():
-            shutil.move(str(path), str(out_dir / name))
+        for name, path in result.files.items():  # a plain file keeps its suffix (as the store does)
+            suffix = Path(path).suffix if Path(path).is_file() else ""
+            shutil.move(str(path), str(out_dir / f"{name}{suffix}"))
         write_html(data, out_dir / "result.html")
         for line in _summary_lines(result.summary):
             click.echo(line)

@@ -51,6 +51,7 @@ def check_spec(settings: Any, kind: str, spec: Any, *, local: bool = False) -> l
     with sessions(settings)() if needs_db else contextlib.nullcontext() as s:
         _check_models(settings, s, kind, spec, local, parts, found, errors)
         _check_artifacts(settings, s, kind, spec, local, parts, found, errors)
+        _check_run_dirs(settings, s, kind, spec, local, parts, found, errors)
     if not errors:
         errors += compatibility(found, getattr(spec, "algo", None))
     task = getattr(spec, "task", None)
@@ -103,6 +104,56 @@ def _check_artifacts(
             path = _artifact_file(settings, s, field, ref, local)
             parts.append(f"{field}={_artifact_revision(settings, s, field, ref, path)}")
             found[field] = path
+        except ValueError as exc:
+            errors.append(_field_error(field, exc))
+
+
+def _check_run_dirs(
+    settings: Any, s: Any, kind: str, spec: Any, local: bool,
+    parts: list[str], found: dict[str, Path], errors: Errors,
+) -> None:  # fmt: skip
+    """Run-folder references (a folder of checkpoint-<step>, or job:N of a train job that saved
+    them): inside the allowed roots, holding checkpoints whose weights fit the base model."""
+    import re
+
+    from app.services.compat import _fits, shapes
+
+    for field in registry.get(kind).ref_fields("run_dir"):
+        ref = getattr(spec, field, None)
+        if not ref:
+            continue
+        try:
+            ref = str(ref).strip()
+            if job_ref_id(ref) is not None:
+                art = resolve_job_ref(ref, field, settings, s)
+                folder, rev = Path(art.path), f"job:{art.job_id}:{art.sha256}"
+            else:
+                raw = Path(ref).expanduser()
+                if ".." in raw.parts:
+                    raise ValueError(f"{ref!r} contains '..'; give a folder inside the allowed roots")
+                folder = raw.resolve()
+                if not local and not inside_roots(folder, list(settings.model_roots)):
+                    raise ValueError(f"folder {ref!r} is outside the allowed model roots; the operator can "
+                                     "add folders with ALLOWED_MODEL_ROOTS=/a:/b")
+                if not folder.is_dir():
+                    raise ValueError(f"folder {ref!r} does not exist")
+                rev = ""
+            ckpts = sorted((p for p in folder.iterdir() if re.fullmatch(r"checkpoint-\d+", p.name) and p.is_dir()),
+                           key=lambda p: int(p.name.split("-")[1]))
+            if not ckpts:
+                raise ValueError(f"{ref!r} holds no checkpoint-<step> folder (save with save_steps, or "
+                                 "fisherlens train --save-steps)")
+            base = shapes(found["base"]) if "base" in found else None
+            for c in ckpts:
+                got = shapes(c)
+                if got is None:
+                    raise ValueError(f"{ref!r}: {c.name} has no readable safetensors weights")
+                why = _fits(got, base, "the base") or _fits(base, got, c.name) if base is not None else None
+                if why:
+                    raise ValueError(f"{ref!r}: {c.name}: {why}")
+            if not rev:
+                rev = ref if local else "+".join(f"{c.name}:{model_revision(str(c), settings)[:16]}" for c in ckpts)
+            parts.append(f"{field}={rev}")
         except ValueError as exc:
             errors.append(_field_error(field, exc))
 

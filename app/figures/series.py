@@ -1,0 +1,147 @@
+"""Figures of a `series` result (a run folder of checkpoint-N): update sparsity over steps, layer x
+module over steps, and the Fisher-predicted sync curve (what a values-only sync on the initial
+Fisher's top-k support sends, and how much of each step's update it carries)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import plotly.graph_objects as go
+from plotly.subplots import make_subplots
+
+from compute.jobs.series import (
+    CAPTURE_HEATMAP,
+    FISHER,
+    HEATMAP_PAIRS,
+    SYNC,
+    VS_BASE,
+    VS_PREV,
+    SeriesResult,
+)
+
+from . import keynumbers as kn
+from .common import finite, layout
+from .registry import figure, key_numbers, stored_heatmap, table
+
+SPARSITY_LABELS = {
+    "update_sparsity": "exactly unchanged",
+    "unchanged_bf16": "equal in bf16",
+    "unchanged_atol": "|delta_fp32| <= atol",
+    "unchanged_bf16delta_atol": "|delta_bf16| <= atol (published)",
+}
+PAIR_LABELS = {"vs_base": "vs base", "vs_prev": "step to step"}
+
+
+@figure("series", "sparsity", title="Update sparsity over steps")
+def sparsity(r: SeriesResult) -> go.Figure | None:
+    """One line per (pair, convention): the unchanged fraction at each checkpoint."""
+    fig = go.Figure()
+    for fam, pair, dash in ((VS_BASE, "vs_base", "solid"), (VS_PREV, "vs_prev", "dot")):
+        for key, (xs, ys) in r.curves(fam).items():
+            fig.add_scatter(x=xs, y=ys, mode="lines+markers", line={"dash": dash},
+                            name=f"{PAIR_LABELS[pair]}: {SPARSITY_LABELS.get(key, key)}",
+                            hovertemplate="step %{x}: %{y:.4f}<extra></extra>")
+    if not fig.data:
+        return None
+    fig.update_xaxes(title_text="step")
+    fig.update_yaxes(title_text="unchanged fraction", range=[0, 1.02])
+    atol = finite(r.summary.atol)
+    return layout(fig, "Update sparsity over steps" + (f" (atol {atol:g})" if atol is not None else ""))
+
+
+for _name, _pair in HEATMAP_PAIRS.items():
+    stored_heatmap("series", _name, title=f"Exactly unchanged fraction by layer x module over steps "
+                                          f"({PAIR_LABELS[_pair]})")
+stored_heatmap("series", CAPTURE_HEATMAP,
+               title="Share of each step's squared update on the Fisher support, by layer x module")
+
+
+@figure("series", "sync", title="Sparse synchronisation per step")
+def sync(r: SeriesResult) -> go.Figure | None:
+    """Bytes per step of a dense sync, indices + values of the changed coordinates, and values
+    only on the Fisher's fixed support (log scale); below, the share of the step's update that
+    support carries (count and squared mass), with the Fisher's AUC for "changed"."""
+    c = r.curves(SYNC)
+    if "sparse_bytes" not in c:
+        return None
+    fisher = "support_bytes" in c
+    fig = make_subplots(rows=2 if fisher else 1, cols=1, shared_xaxes=True, vertical_spacing=0.08)
+    names = {"dense_bytes": "dense (every value)", "sparse_bytes": "indices + values of changed",
+             "support_bytes": "values on the Fisher support"}
+    for key, label in names.items():
+        if key in c:
+            xs, ys = c[key]
+            fig.add_scatter(x=xs, y=ys, mode="lines+markers", name=label, row=1, col=1,
+                            hovertemplate="step %{x}: %{y:.4s} B<extra></extra>")
+    fig.update_yaxes(type="log", title_text="bytes per step", row=1, col=1)
+    if fisher:
+        f = r.curves(FISHER)
+        extra = {"captured_count_share": ("support captures: changed coordinates", c),
+                 "captured_sq_share": ("support captures: squared update", c),
+                 "auc_vs_prev": ("Fisher AUC for changed (step)", f)}
+        for key, (label, src) in extra.items():
+            if key in src:
+                xs, ys = src[key]
+                fig.add_scatter(x=xs, y=ys, mode="lines+markers", name=label, row=2, col=1,
+                                hovertemplate="step %{x}: %{y:.4f}<extra></extra>")
+        fig.update_yaxes(title_text="share / AUC", range=[0, 1.02], row=2, col=1)
+    fig.update_xaxes(title_text="step", row=2 if fisher else 1, col=1)
+    k = finite(r.summary.support_percent)
+    title = "Sparse sync per step" + (f": Fisher top-{k:g}% support" if k is not None and fisher else "")
+    return layout(fig, title, height=640 if fisher else 420)
+
+
+@table("series", "points", title="Per checkpoint")
+def points_table(r: SeriesResult) -> tuple[list[str], list[list[Any]]]:
+    pts = r.summary.points or []
+    if not pts:
+        return [], []
+    fisher = any("support_bytes" in p for p in pts)
+    headers = ["step", "unchanged vs base", "unchanged step", "|d_bf16|<=atol step",
+               "sparse bytes", "dense bytes"]
+    if fisher:
+        headers += ["support bytes", "captured (count)", "captured (sq)", "AUC step"]
+    rows = []
+    for p in pts:
+        row = [p.get("step"), kn.pct(p.get("vs_base_update_sparsity")), kn.pct(p.get("vs_prev_update_sparsity")),
+               kn.pct(p.get("vs_prev_unchanged_bf16delta_atol")), kn.fmt(p.get("sparse_bytes")),
+               kn.fmt(p.get("dense_bytes"))]
+        if fisher:
+            row += [kn.fmt(p.get("support_bytes")), kn.pct(p.get("captured_count_share")),
+                    kn.pct(p.get("captured_sq_share")), kn.fmt(p.get("vs_prev_auc"))]
+        rows.append(row)
+    return headers, rows
+
+
+@key_numbers("series")
+def key_numbers_series(r: SeriesResult, out: dict[str, Any]) -> None:
+    s = r.summary
+    items = out["items"]
+    n = len(s.steps or [])
+    if n:
+        items.append(kn.item("Checkpoints", str(n), f"steps {s.steps[0]} .. {s.steps[-1]}" if s.steps else ""))
+    if finite(s.final_update_sparsity) is not None:
+        items.append(kn.item("Unchanged at the last checkpoint (vs base)", kn.pct(s.final_update_sparsity),
+                             f"bf16 convention |delta| <= {kn.fmt(s.atol)}: {kn.pct(s.final_unchanged_bf16delta_atol)}"))
+    if finite(s.mean_step_sparsity) is not None:
+        items.append(kn.item("Unchanged per step (mean, step to step)", kn.pct(s.mean_step_sparsity),
+                             f"bf16 convention: {kn.pct(s.mean_step_unchanged_bf16delta_atol)}"))
+    dense, sparse = finite(s.dense_bytes_total), finite(s.sparse_bytes_total)
+    if dense and sparse is not None:
+        items.append(kn.item("Sparse sync (indices + values) vs dense", kn.pct(sparse / dense),
+                             "of the dense bytes, all steps together"))
+    support = finite(s.support_bytes_total)
+    if dense and support is not None:
+        items.append(kn.item("Fisher-support sync vs dense", kn.pct(support / dense),
+                             f"carries {kn.pct(s.mean_captured_sq_share)} of each step's squared update and "
+                             f"{kn.pct(s.mean_captured_count_share)} of its changed coordinates (means)"))
+    if finite(s.mean_step_auc) is not None:
+        items.append(kn.item("Fisher AUC for the coordinates a step changes (mean)", kn.fmt(s.mean_step_auc),
+                             "0.5 = chance"))
+    if s.fisher:
+        if "fisher_split_half_jaccard" in s.model_fields_set:
+            out["verdict"] = kn.jaccard_verdict(finite(s.fisher_split_half_jaccard),
+                                                finite(s.fisher_split_half_topk_percent))
+        else:
+            out["warnings"].append("the Fisher's reliability is not known (a file, not a fisherlens Fisher job): "
+                                   "its split-half check is not recorded")
