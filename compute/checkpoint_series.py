@@ -429,7 +429,7 @@ def tensor_counts(
                 a["unchanged_bf16"] += int(np.count_nonzero(np.less_equal(dd, zero, out=b)))
                 a["unchanged_bf16delta_atol"] += int(np.count_nonzero(le16(dd, t16_32, out=b)))
     out: list[tuple[dict[str, float], torch.Tensor | None]] = []
-    for j, (a, ref) in enumerate(zip(acc, refs)):
+    for j, (a, ref) in enumerate(zip(acc, refs, strict=True)):
         changed = int(a.pop("changed"))
         st: dict[str, float] = {"numel": float(n), **{k: float(v) for k, v in a.items()}}
         st["unchanged_exact"] = float(n - changed)
@@ -593,7 +593,7 @@ def _point(ck: RunCheckpoint, base: Any, prev: Any, names: list[str], plan: _Fis
                             support=plan.support[n] if plan is not None and in_fisher else None,
                             sample=plan.sample[n] if plan is not None and in_fisher else None,
                             want_labels=in_fisher)
-        for pair, (counts, lab) in zip(PAIRS, res):
+        for pair, (counts, lab) in zip(PAIRS, res, strict=True):
             if plan is not None and not in_fisher:  # outside the Fisher: not in the support
                 counts.update(support_size=0.0, support_changed=0.0, support_sq=0.0, support_bytes=0.0)
             per[pair][n] = counts
