@@ -102,7 +102,7 @@ def build_ui(settings: Any) -> gr.Blocks:
                             built.append(build_form(d))
             with gr.Tab("Jobs", id="jobs", elem_id="tab-jobs") as tab_jobs:
                 jt = jobs.build()
-            with gr.Tab("Result", id="result", elem_id="tab-result"):
+            with gr.Tab("Result", id="result", elem_id="tab-result") as tab_result:
                 rt = result.build()
             with gr.Tab("Token explorer", id="tokens", elem_id="tab-tokens") as tab_tokens:
                 kt = tokens.build()
@@ -115,6 +115,8 @@ def build_ui(settings: Any) -> gr.Blocks:
         _wire_page(demo, settings, page, rt, ct, jt)
         _wire_forms(demo, settings, page, built, kt)
         _wire_tabs(settings, page, rt, jt, kt, ct, mt)
+        # jobs submitted meanwhile (another tab, the CLI) appear in the picker
+        tab_result.select(bind(result.result_choices, settings), inputs=view_token, outputs=rt.pick, **FAST)
     return demo
 
 
@@ -129,7 +131,7 @@ def _wire_page(demo: gr.Blocks, settings: Any, p: Page, rt: result.ResultTab, ct
                        *compare.outputs(ct, p.url_box)[:4], *result_out], **FAST)
     demo.load(bind(who_am_i, settings), outputs=[p.user_box, jt.owner], **FAST)
     # a new token (a submitted job, the picker, re-run, new link): drawn unless already shown
-    p.view_token.change(bind(result.result_view, settings), inputs=state_in, outputs=result_out, **FAST)
+    p.view_token.change(bind(result.follow, settings), inputs=state_in, outputs=result_out, **FAST)
 
 
 def _wire_forms(demo: gr.Blocks, settings: Any, p: Page, built: list[Form], kt: tokens.TokensTab) -> None:

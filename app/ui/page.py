@@ -71,7 +71,10 @@ def on_load(settings: Any, request: gr.Request) -> list[Any]:
         pair = [*compare.compare_choices(settings, a, b), *compare.compare_view(settings, a, b)[:4]]
     else:
         pair = [gr.skip()] * 6
-    return [*head, *pair, *result.result_view(settings, token, "", readonly, force=True)]
+    shown = result.result_view(settings, token, "", readonly, force=True, base_url=result.base_of(request))
+    if not readonly and not token:  # the picker is filled on load, not only after "Refresh list"
+        shown[-1] = result.result_choices(settings)
+    return [*head, *pair, *shown]
 
 
 def refresh_models(settings: Any, optional: list[bool], *current: Any) -> list[Any]:
@@ -103,10 +106,10 @@ def refresh_refs(settings: Any, kinds: list[str]) -> list[Any]:
 
 
 def poll_all(settings: Any, token: str, sig: str, readonly: bool, kind: str, status: str, last: str,
-             ttoken: str, tsig: str, owner: str = "me") -> list[Any]:
+             ttoken: str, tsig: str, owner: str = "me", request: gr.Request | None = None) -> list[Any]:
     """One poll per tick for the whole page: result progress, jobs table, token job."""
     try:
-        return [*result.result_view(settings, token, sig, readonly),
+        return [*result.result_view(settings, token, sig, readonly, base_url=result.base_of(request)),
                 *jobs.jobs_view(settings, kind, status, last, owner),
                 *tokens.poll_tokens(settings, ttoken, tsig)]
     except Exception:  # noqa: BLE001 - e.g. a busy database: try again next tick, no modal
