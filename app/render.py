@@ -283,8 +283,13 @@ def progress_html(job: dict[str, Any] | None, message: str = "") -> str:
     frac = 1.0 if status == "succeeded" else float(job.get("progress") or 0.0)
     pct = max(0.0, min(100.0, 100.0 * frac))
     what = f"{kind_title(job.get('kind'))} #{job.get('id')}"
+    # a live clock while it waits or runs (frontend_assets/fisherlens.js ticks it every second),
+    # so a long stage (loading a model) visibly is not a stuck page
+    since = job.get("started_at") if status == "running" else job.get("created_at") if status == "queued" else None
+    clock = (f" <span class='fl-elapsed' data-since='{esc(since)}' data-what='{'running' if status == 'running' else 'waiting'}'>"
+             "</span>" if since else "")
     return (f"<div class='fl-progress' data-status='{esc(status)}' data-progress='{frac:.4f}' "
             f"data-job='{esc(job.get('id'))}'>"
             f"<div class='fl-bar'><div class='fl-fill fl-{esc(status)}' style='width:{pct:.1f}%'></div></div>"
             f"<div class='fl-label'><b>{esc(what)}</b> <span class='fl-status fl-{esc(status)}'>{esc(status)}"
-            f"</span> {pct:.0f}%{' &middot; ' + esc(message) if message else ''}</div></div>")
+            f"</span> {pct:.0f}%{' &middot; ' + esc(message) if message else ''}{clock}</div></div>")

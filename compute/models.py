@@ -8,6 +8,7 @@ reads the setting itself, so a library user cannot switch it on by accident.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,12 +31,16 @@ def load_model(
     dtype: str | torch.dtype | None = None,
     trust_remote_code: bool = False,
     settings: Any | None = None,
+    progress: Any | None = None,
 ) -> tuple[Any, Any]:
     """(model.eval(), tokenizer) for a zoo name, an allowed local HF directory, or a hub id.
 
     The tokenizer always has a pad token (eos when the model defines none); padding side is
     right. ValueError "model: ..." for unknown references and models that cannot be loaded.
+    progress(fraction, message), if given, hears each loading stage (tokenizer, weights with
+    their size, device) at fraction 0: a job's status line says what it waits for.
     """
+    report = progress or (lambda fraction, message: None)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     resolved = resolve_model(name_or_path, settings)
@@ -50,7 +55,9 @@ def load_model(
     cancel_point()
     fault_point("loading", str(name_or_path))  # tests only (compute.control)
     try:
+        report(0.0, f"loading the tokenizer of {name_or_path}")
         tokenizer = AutoTokenizer.from_pretrained(resolved, **kwargs)
+        report(0.0, f"loading the weights of {name_or_path}{_weights_size(resolved)}")
         model = AutoModelForCausalLM.from_pretrained(resolved, dtype=dt, **kwargs)
     except (OSError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
@@ -70,10 +77,23 @@ def load_model(
     tokenizer.padding_side = "right"
     if getattr(model.config, "pad_token_id", None) is None:
         model.config.pad_token_id = tokenizer.pad_token_id
+    if dev.type != "cpu":
+        report(0.0, f"moving {name_or_path} to {dev}")
     model.to(dev)
     model.eval()
     cancel_point()  # a job cancelled while its model loaded stops here, before any sampling
     return model, tokenizer
+
+
+def _weights_size(resolved: Any) -> str:
+    """' (270 MB)': the size of a local folder's weight files ('' for hub ids)."""
+    try:
+        folder = Path(str(resolved))
+        total = sum(f.stat().st_size for f in folder.glob("*.safetensors")) if folder.is_dir() else 0
+        total = total or (sum(f.stat().st_size for f in folder.glob("*.bin")) if folder.is_dir() else 0)
+    except OSError:
+        return ""
+    return f" ({total / 1e6:.0f} MB)" if total else ""
 
 
 def greedy_generate(

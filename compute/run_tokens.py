@@ -34,7 +34,8 @@ def run(spec: TokensSpec, progress: Any = null_progress) -> JobResult:
     from compute.models import load_model, model_info
 
     progress(0.0, "loading the model")
-    model, tokenizer = load_model(spec.model, device=spec.device, dtype=spec.dtype)
+    model, tokenizer = load_model(spec.model, device=spec.device, dtype=spec.dtype, progress=progress)
+    progress(0.02, "forward pass and the top tokens' sensitivities")
     dev = next(model.parameters()).device
     ids = encode_context(tokenizer, spec.context, dev)
     cfg = TokensConfig(

@@ -90,12 +90,12 @@ def build_form(d: FormDef) -> Form:
 # ---------------------------------------------------------------- handlers
 
 
-def submit(settings: Any, kind: str, names: list[str], *values: Any) -> tuple[Any, Any, Any]:
-    """Updates for (message, view token, tabs) after the submit button."""
+def submit(settings: Any, kind: str, names: list[str], *values: Any) -> tuple[Any, Any, Any, Any]:
+    """Updates for (message, view token, tabs, submitted token) after the submit button."""
     try:
         data = forms.form_data(kind, names, values)
     except SpecError as exc:
-        return errors_html(exc.errors), gr.skip(), gr.skip()
+        return errors_html(exc.errors), gr.skip(), gr.skip(), gr.skip()
     return submit_and_show(settings, kind, data)
 
 

@@ -65,6 +65,9 @@ class Page:
     banner: Any
     tabs: Any
     others: list[Any]  # the tabs hidden on a read-only page: new, jobs, tokens, compare, models
+    sub_token: Any = None  # the last job submitted from the forms, and its live line
+    sub_sig: Any = None
+    jobline: Any = None
 
     @property
     def tab_new(self) -> Any:
@@ -95,6 +98,7 @@ def build_ui(settings: Any) -> gr.Blocks:
                          "fisherlens explorer</a></div>", visible=False)
         with gr.Tabs(selected="new", elem_id="fl-tabs") as tabs:
             with gr.Tab("New job", id="new", elem_id="tab-new") as tab_new:
+                jobline = gr.HTML(elem_id="fl-submitted", elem_classes=["fl-quiet"])
                 with gr.Tabs():
                     built = []
                     for d in FORMS:
@@ -111,7 +115,7 @@ def build_ui(settings: Any) -> gr.Blocks:
             with gr.Tab("Models", id="models", elem_id="tab-models") as tab_models:
                 mt = models.build()
         page = Page(view_token, view_sig, readonly, tok_token, tok_sig, jobs_last, url_box, user_box, banner, tabs,
-                    [tab_new, tab_jobs, tab_tokens, tab_compare, tab_models])
+                    [tab_new, tab_jobs, tab_tokens, tab_compare, tab_models], gr.State(""), gr.State(""), jobline)
         _wire_page(demo, settings, page, rt, ct, jt)
         _wire_forms(demo, settings, page, built, kt)
         _wire_tabs(settings, page, rt, jt, kt, ct, mt)
@@ -138,18 +142,19 @@ def _wire_forms(demo: gr.Blocks, settings: Any, p: Page, built: list[Form], kt: 
     """Submit buttons, cost lines, model and job-reference dropdowns of the job forms."""
     for f in built:
         f.button.click(bind(submit, settings, f.d.kind, f.names), inputs=f.inputs,
-                       outputs=[f.msg, p.view_token, p.tabs])
+                       outputs=[f.msg, p.view_token, p.tabs, p.sub_token])
         if f.cost is not None:
             for widget in f.inputs:  # the estimate follows what the user changes
                 widget.input(bind(cost, settings, f.d.kind, f.names), inputs=f.inputs, outputs=f.cost, **FAST)
     costed = [f for f in built if f.cost is not None]
     model_boxes = [(c, opt) for f in built for c, opt in f.models] + [(kt.model, False)]
+    roles = [f"{f.d.kind}.{f.names[f.inputs.index(c)]}" for f in built for c, _ in f.models] + ["tokens.model"]
     boxes = [c for c, _ in model_boxes]
     optional = [opt for _, opt in model_boxes]
     refresh = bind(refresh_models, settings, optional)
     cost_inputs = [c for f in costed for c in f.inputs]
     slots = [(pos, boxes.index(c)) for pos, c in enumerate(cost_inputs) if c in boxes]
-    demo.load(bind(models_and_costs, settings, optional, [(f.d.kind, f.names) for f in costed], slots),
+    demo.load(bind(models_and_costs, settings, optional, [(f.d.kind, f.names) for f in costed], slots, roles),
               inputs=[*boxes, *cost_inputs], outputs=[*boxes, *[f.cost for f in costed if f.cost is not None]], **FAST)
     for tab in (p.tab_new, p.tab_tokens):  # a model trained meanwhile appears
         tab.select(refresh, inputs=boxes, outputs=boxes, **FAST)
@@ -189,7 +194,7 @@ def _wire_tabs(settings: Any, p: Page, rt: result.ResultTab, jt: jobs.JobsTab, k
     mt.button.click(bind(models.register, settings), inputs=[mt.path, mt.name], outputs=[mt.msg, mt.table])
 
     poll_in = [p.view_token, p.view_sig, p.readonly, jt.kind, jt.status, p.jobs_last, p.tok_token, p.tok_sig,
-               jt.owner]
+               jt.owner, p.sub_token, p.sub_sig]
     gr.Timer(POLL_S).tick(bind(poll_all, settings), inputs=poll_in,
                           outputs=[*result.outputs(rt, p.url_box, p.view_sig), jt.table, p.jobs_last,
-                                   *tokens.poll_outputs(kt, p.tok_sig)], **FAST)
+                                   *tokens.poll_outputs(kt, p.tok_sig), p.jobline, p.sub_sig], **FAST)

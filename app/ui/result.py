@@ -13,7 +13,7 @@ import gradio as gr
 
 from app import auth, render, services
 from app.figures.store import store_for
-from app.ui.common import job_choices
+from app.ui.common import job_choices, submitted_html
 from app.ui.figs import figures_box
 from app.ui.snippets import esc, not_found_html, note_html, progress_html
 from storage.models import FINAL_STATUSES
@@ -134,6 +134,18 @@ def result_view(settings: Any, token: str, sig: str, readonly: bool, force: bool
     if status != "succeeded":
         return [*head, _note(""), "", path, new_sig, pick]
     return [*head, _note(""), view_html(stored_payload(settings, meta), meta), path, new_sig, pick]
+
+
+def submitted_view(settings: Any, token: str, sig: str) -> list[Any]:
+    """Updates for (the live line of the last submitted job, its signature): redrawn when the
+    job's status, progress or message changed, so "queued" never outlives the job."""
+    meta = job_by_token(settings, token) if token else None
+    if meta is None:
+        return [gr.skip(), sig]
+    new_sig = f"{token}:{meta['status']}:{meta.get('progress')}:{meta.get('message')}"
+    if new_sig == sig:
+        return [gr.skip(), sig]
+    return [submitted_html(meta), new_sig]
 
 
 def base_of(request: gr.Request | None) -> str | None:

@@ -89,12 +89,18 @@ class JobProgress:
         self._last = float("-inf")
         self._last_check = float("-inf")
         self._moved = False
+        self._fraction: float | None = None
+        self._message = ""
 
     def __call__(self, fraction: float, message: str = "") -> None:
         now = time.monotonic()
-        if now - self._last < PROGRESS_EVERY_S and fraction < 1.0:
+        # A new stage at the same fraction (loading the tokenizer -> the weights -> ...) is
+        # always written: a throttled stage name would stay on screen through the next, long one.
+        new_stage = fraction == self._fraction and message != self._message
+        if now - self._last < PROGRESS_EVERY_S and fraction < 1.0 and not new_stage:
             return
         self._last = self._last_check = now
+        self._fraction, self._message = fraction, message
         with sessions(self.settings)() as s:
             cancel = repo.update_progress(
                 session=s, job_id=self.job_id, fraction=fraction, message=message

@@ -98,11 +98,11 @@ def test_page_load_sets_models_and_cost_lines_in_one_event(settings):
     """The cost lines are computed from the model each dropdown will show (here: no models in
     this home, so the line asks for one), never from older values than the form shows."""
     layout = [("fisher", ["model", "prompts"]), ("train", ["steps", "model"])]
-    out = page.models_and_costs(settings, [False, True], layout, [(0, 0), (3, 0)],
+    out = page.models_and_costs(settings, [False, True], layout, [(0, 0), (3, 0)], ["fisher.model", "train.teacher"],
                                 "", "", None, 8.0, 2.0, None)
     assert len(out) == 2 + 2
     assert all("fix <b>model</b> first" in line for line in out[2:])
-    out = page.models_and_costs(settings, [False], [("fisher", ["model", "prompts"])], [(0, 0)],
+    out = page.models_and_costs(settings, [False], [("fisher", ["model", "prompts"])], [(0, 0)], ["fisher.model"],
                                 "arith-base", None, 4.0)
     # computed for the chosen model (no zoo in this home: token-passes only, no parameter count)
     assert "data-within='yes'" in out[1] and "token-passes" in out[1]
