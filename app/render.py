@@ -21,11 +21,9 @@ import json
 import math
 from typing import Any
 
-KIND_TITLES = {"fisher": "Fisher", "mask": "Mask", "train": "Training run", "retention": "Retention",
-               "diff": "Checkpoint diff", "tokens": "Token explorer", "sweep": "Learning-rate sweep",
-               "series": "Checkpoint series"}
-# The spec fields that say what a result is about, in the order the header names them.
-HEAD_FIELDS = ("model", "base", "tuned", "task", "algo", "fisher", "mask", "select", "density", "precision")
+# The spec FIELDS that say what a result is about, in the order the header names them (field
+# names: "fisher" and "mask" here are the reference fields, not job kinds).
+HEAD_FIELDS = tuple("model base tuned task algo fisher mask select density precision".split())
 
 _CSS = """
 .fl-result{color:#212529;font-size:15px;line-height:1.4}
@@ -106,7 +104,12 @@ def esc(v: Any) -> str:
 
 
 def kind_title(kind: Any) -> str:
-    return KIND_TITLES.get(str(kind), str(kind))
+    """The kind's title from the job-kind registry (compute/jobs/<kind>.py); the name itself
+    for a kind this server does not know."""
+    from compute.jobs import registry
+
+    k = registry.KINDS.get(str(kind))
+    return k.title if k else str(kind)
 
 
 def title(job: dict[str, Any]) -> str:

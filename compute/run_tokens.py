@@ -6,7 +6,7 @@ import math
 from typing import Any
 
 from compute.contract.jobresult import Heatmap, JobResult, LayerStat, null_progress
-from compute.contract.specs import TokensSpec
+from compute.jobs.tokens import TokensSpec
 from compute.naming import layer_index, module_type
 from compute.tokens import TokensConfig, TokenSet, decode_token, encode_context, token_mechanism
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from compute.contract.jobresult import JobResult, SeriesPoint, null_progress
-from compute.contract.specs import TrainSpec
+from compute.jobs.train import TrainSpec
 
 FISHER_SELECTORS = ("fisher", "fisher-tensor", "fisher-bottom")
 

@@ -9,7 +9,7 @@ from sqlalchemy.orm import Session
 from app.services.common import public, sessions
 from app.services.validation import validate
 from compute.celery_app import send_job
-from compute.contract.specs import parse_spec
+from compute.jobs.registry import parse_spec
 from storage import repo
 from storage import users as user_repo
 from storage.models import FINAL_STATUSES, revision_digest

@@ -13,8 +13,6 @@ from typing import Any
 from app.services.common import sessions
 from app.services.compat import check_safetensors, compatibility
 from compute.contract.modelref import (
-    ARTIFACT_FIELDS,
-    MODEL_FIELDS,
     file_sha256,
     inside_roots,
     job_ref_id,
@@ -23,7 +21,9 @@ from compute.contract.modelref import (
     resolve_model,
     spec_job_refs,
 )
-from compute.contract.specs import SpecError, parse_spec
+from compute.contract.specs import SpecError
+from compute.jobs import registry
+from compute.jobs.registry import parse_spec
 
 Errors = list[dict[str, str]]
 
@@ -52,7 +52,7 @@ def check_spec(settings: Any, kind: str, spec: Any, *, local: bool = False) -> l
         _check_models(settings, s, kind, spec, local, parts, found, errors)
         _check_artifacts(settings, s, kind, spec, local, parts, found, errors)
     if not errors:
-        errors += compatibility(kind, found, getattr(spec, "algo", None))
+        errors += compatibility(found, getattr(spec, "algo", None))
     task = getattr(spec, "task", None)
     if isinstance(task, str) and task.startswith("jsonl:"):
         try:
@@ -69,12 +69,10 @@ def _check_models(
     parts: list[str], found: dict[str, Path], errors: Errors,
 ) -> None:  # fmt: skip
     """Model references of `spec`: revision parts, local folders and field errors appended."""
-    for field in MODEL_FIELDS:
-        ref = getattr(spec, field, None)
-        if not ref and field == "teacher" and kind == "retention" and spec.algo == "opd":
-            from compute.contract.specs import DEFAULT_TEACHERS
-
-            ref = DEFAULT_TEACHERS.get(spec.model)  # what the worker would load
+    job_kind = registry.get(kind)
+    implied = job_kind.implied_refs(spec) if job_kind.implied_refs else {}
+    for field in job_kind.ref_fields("model"):
+        ref = getattr(spec, field, None) or implied.get(field)  # implied: what the worker would load
         if not ref:
             continue
         try:
@@ -97,7 +95,7 @@ def _check_artifacts(
     parts: list[str], found: dict[str, Path], errors: Errors,
 ) -> None:  # fmt: skip
     """Fisher/mask/gradient references of `spec`, like _check_models."""
-    for field in ARTIFACT_FIELDS.get(kind, ()):
+    for field in registry.get(kind).ref_fields("fisher", "mask", "gradient"):
         ref = getattr(spec, field, None)
         if not ref:
             continue

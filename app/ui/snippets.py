@@ -31,25 +31,27 @@ def _pct(v: Any) -> str:
 
 
 def job_about(job: dict[str, Any]) -> str:
-    """What a job is about, in a few words: 'arith-base', 'fisher selector, 5% of job:3',
-    'arith-base -> job:6', 'arith-base grpo, mask job:4'."""
+    """What a job is about, in a few words, from the spec fields it has (no list of kinds):
+    'arith-base', 'fisher selector, 5% of job:3', 'arith-base vs job:6', 'arith-base grpo, mask
+    job:4', "arith-base '12+34='"."""
     spec = job.get("spec") or {}
-    kind = job.get("kind")
-    if kind == "mask":
-        src = spec.get("fisher") or spec.get("model") or spec.get("gradient") or ""
-        return f"{spec.get('select', 'fisher')} selector, {_pct(spec.get('density', ''))} of {src}".strip()
-    if kind == "diff":
-        return f"{spec.get('base', '')} vs {spec.get('tuned', '')}"
-    if kind in ("train", "sweep", "retention"):
-        bits = [str(spec.get("model") or ""), str(spec.get("algo") or "")]
-        if spec.get("mask"):
-            bits.append(f"mask {spec['mask']}")
-        elif spec.get("mask_select"):
-            bits.append(f"{spec['mask_select']} mask {_pct(spec.get('mask_density'))}")
-        return " ".join(b for b in bits if b)
-    if kind == "tokens":
-        return f"{spec.get('model', '')} {spec.get('context', '')!r}"
-    return job_model(job)
+    bits: list[str] = []
+    if spec.get("base") and spec.get("tuned"):
+        bits.append(f"{spec['base']} vs {spec['tuned']}")
+    elif spec.get("model"):
+        bits.append(str(spec["model"]))
+    if spec.get("select") and spec.get("density") is not None:  # a mask
+        bits.append(f"{spec['select']} selector, {_pct(spec['density'])}"
+                    + (f" of {spec['fisher']}" if spec.get("fisher") else ""))
+    if spec.get("algo"):
+        bits.append(str(spec["algo"]))
+    if spec.get("mask"):
+        bits.append(f"mask {spec['mask']}")
+    elif spec.get("mask_select"):
+        bits.append(f"{spec['mask_select']} mask {_pct(spec.get('mask_density'))}")
+    if spec.get("context"):
+        bits.append(repr(str(spec["context"])[:30]))
+    return " ".join(bits) if bits else job_model(job)
 
 
 def job_label(job: dict[str, Any]) -> str:

@@ -32,20 +32,31 @@ _file_digests: dict[tuple[str, int, int], str] = {}  # (path, mtime_ns, size) ->
 
 JOB_REF = re.compile(r"^job:(\d{1,12})$")
 MODEL_FIELDS = ("model", "teacher", "base", "tuned")
-# What a `job:N` in each field must point at: field -> (job kinds accepted, artifact kind).
-# A train job stores its trained model folder as artifact "model" (and the mask it built, if any).
-JOB_REF_TARGETS: dict[str, tuple[tuple[str, ...], str]] = {
-    **{f: (("train",), "model") for f in MODEL_FIELDS},
-    "fisher": (("fisher",), "fisher"),
-    "mask": (("mask", "train"), "mask"),
-}
-# Spec fields, per job kind, that name an artifact file (path or job:N) rather than a model.
-ARTIFACT_FIELDS: dict[str, tuple[str, ...]] = {
-    "mask": ("fisher", "gradient"),
-    "train": ("mask", "fisher"),
-    "sweep": ("fisher",),
-    "diff": ("fisher",),
-}
+# Which fields are references, to what, and which job kinds provide each target (a `job:N`):
+# the kinds' `refs` and `outputs` (compute/jobs/<kind>.py, through compute.jobs.registry,
+# imported where used: the registry imports this package).
+
+
+def job_ref_target(field: str) -> tuple[tuple[str, ...], str]:
+    """(job kinds a `job:N` in `field` may name, the target it must provide)."""
+    from compute.jobs import registry
+
+    target = registry.ref_targets().get(field, "model" if field in MODEL_FIELDS else field)
+    return registry.producers(target), target  # type: ignore[arg-type]
+
+
+def ref_fields(kind: str) -> tuple[str, ...]:
+    """The reference fields of job `kind` (models and artifact files)."""
+    from compute.jobs import registry
+
+    return registry.get(kind).ref_fields()
+
+
+def artifact_fields(kind: str) -> tuple[str, ...]:
+    """The spec fields of job `kind` that name an artifact file (path or job:N), not a model."""
+    from compute.jobs import registry
+
+    return registry.get(kind).ref_fields("fisher", "mask", "gradient")
 
 
 @dataclass(frozen=True)
@@ -89,14 +100,14 @@ def resolve_job_ref(
     """'job:N' in spec field `field` -> the verified artifact it names.
 
     Checks that job N exists, has finished successfully, is of a kind that can fill `field`
-    (JOB_REF_TARGETS) and that its artifact is present and matches its recorded sha256 (folders
+    (the kinds' `outputs`) and that its artifact is present and matches its recorded sha256 (folders
     are re-hashed only when a file changed). ValueError "<field>: ..." otherwise."""
     from storage import repo
 
     job_id = job_ref_id(ref)
     if job_id is None:
         raise ValueError(f"{field}: {ref!r} is not a job reference; write job:<number>, e.g. job:3")
-    kinds, art_kind = JOB_REF_TARGETS.get(field, ((), field))
+    kinds, target = job_ref_target(field)
     if not kinds:
         raise ValueError(f"{field}: job references are not accepted here; give a file")
     settings = _settings(settings)
@@ -118,6 +129,9 @@ def resolve_job_ref(
         raise ValueError(
             f"{field}: job {job_id} is {job.status}; only a succeeded {want} job can be used"
         )
+    from compute.jobs import registry
+
+    art_kind = registry.get(job.kind).outputs[target]  # type: ignore[index]
     art = repo.get_artifact(session=session, job_id=job.id, kind=art_kind)
     if art is None:
         raise ValueError(f"{field}: job {job_id} has no {art_kind} artifact")
@@ -282,7 +296,7 @@ def folder_revision(folder: Path) -> str:
 def spec_job_refs(kind: str, spec: Any) -> list[tuple[str, str]]:
     """(field, 'job:N') for every job reference in a spec of job `kind`."""
     out = []
-    for field in (*MODEL_FIELDS, *ARTIFACT_FIELDS.get(kind, ())):
+    for field in ref_fields(kind):
         ref = getattr(spec, field, None)
         if isinstance(ref, str) and ref.strip().startswith("job:"):
             out.append((field, ref.strip()))

@@ -23,7 +23,7 @@ import pytest
 
 from app import render
 from app.figures.store import build_payload
-from compute.contract.results import KINDS
+from compute.jobs.registry import NAMES as KINDS
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "results"
 # What a raw Python or JSON structure, or a markdown table, looks like inside a cell.
