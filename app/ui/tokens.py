@@ -87,7 +87,8 @@ def poll_tokens(settings: Any, token: str, sig: str) -> list[Any]:
     choices = plots.token_choices(res) if res else []
     return [progress_html(meta) + render.downloads_html(meta, payload.get("artifacts") or []),
             gr.Radio(choices=choices, value=None, visible=bool(choices)),
-            figures_html(payload.get("figures") or [], "tokens-fig"), new_sig]
+            f"<div class='fl-result'>{render.key_section(payload.get('numbers') or {})}"
+            f"{figures_html(payload.get('figures') or [], 'tokens-fig')}</div>", new_sig]
 
 
 def extend_context(context: str | None, token: str | None) -> Any:

@@ -30,6 +30,7 @@ from storage.models import FINAL_STATUSES, Job, utcnow
 log = logging.getLogger("fisherlens.worker")
 
 MAX_ATTEMPTS = int(os.environ.get("FISHERLENS_MAX_ATTEMPTS", "2"))  # a lost job is re-run once
+_DIGITS = re.compile(r"\d+(\.\d+)?")
 PROGRESS_EVERY_S = 0.5  # progress writes and cancel checks hit the database at most this often
 
 # Default names carry the pid, so a worker can tell a dead sibling on its own host from a live one.
@@ -89,18 +90,17 @@ class JobProgress:
         self._last = float("-inf")
         self._last_check = float("-inf")
         self._moved = False
-        self._fraction: float | None = None
-        self._message = ""
+        self._message = "\0"  # no stage yet
 
     def __call__(self, fraction: float, message: str = "") -> None:
         now = time.monotonic()
-        # A new stage at the same fraction (loading the tokenizer -> the weights -> ...) is
+        # A new stage (the message without its counts: "loading the weights", "sampling i/n") is
         # always written: a throttled stage name would stay on screen through the next, long one.
-        new_stage = fraction == self._fraction and message != self._message
+        new_stage = _DIGITS.sub("", message) != _DIGITS.sub("", self._message)
         if now - self._last < PROGRESS_EVERY_S and fraction < 1.0 and not new_stage:
             return
         self._last = self._last_check = now
-        self._fraction, self._message = fraction, message
+        self._message = message
         with sessions(self.settings)() as s:
             cancel = repo.update_progress(
                 session=s, job_id=self.job_id, fraction=fraction, message=message

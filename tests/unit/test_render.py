@@ -24,6 +24,7 @@ import pytest
 from app import render
 from app.figures.store import build_payload
 from compute.jobs.registry import NAMES as KINDS
+from tests.unit.test_result_contract import runs  # noqa: F401 - the fixture: one fresh run of every kind
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures" / "results"
 # What a raw Python or JSON structure, or a markdown table, looks like inside a cell.
@@ -151,10 +152,8 @@ def test_warnings_are_banners_and_notes_do_not_run_into_values():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
-def test_fresh_runs_of_every_kind_render_cleanly(runs, kind):
+def test_fresh_runs_of_every_kind_render_cleanly(runs, kind):  # noqa: F811 - the imported fixture
     d = json.loads(json.dumps(runs[kind].to_dict(), default=str).replace("NaN", "null"))
     job = {"id": 1, "kind": kind, "status": "succeeded", "spec": {}, "share_token": "t", "finished_at": "x"}
     check_view(kind, {**d, "job": job, "kind": kind, "artifacts": []})
 
-
-from tests.unit.test_result_contract import runs  # noqa: E402,F401 - the fixture: one fresh run of every kind
