@@ -146,7 +146,13 @@ def _wire_forms(demo: gr.Blocks, settings: Any, p: Page, built: list[Form], kt: 
     for tab in (p.tab_new, p.tab_tokens):  # a model trained meanwhile appears
         tab.select(refresh, inputs=boxes, outputs=boxes, **FAST)
     refs = [(c, kind) for f in built for c, kind in f.refs]
-    p.tab_new.select(bind(refresh_refs, settings, [k for _, k in refs]), outputs=[c for c, _ in refs], **FAST)
+    fill_refs = bind(refresh_refs, settings, [k for _, k in refs])
+    # the job-reference pickers (a Fisher for a mask, ...): filled on page load, when the New job
+    # tab is shown, and after each submit
+    demo.load(fill_refs, outputs=[c for c, _ in refs], **FAST)
+    p.tab_new.select(fill_refs, outputs=[c for c, _ in refs], **FAST)
+    for f in built:
+        f.button.click(fill_refs, outputs=[c for c, _ in refs], **FAST)
 
     run = bind(tokens.run_tokens, settings)
     token_out = [kt.msg, p.tok_token, p.tok_sig]
