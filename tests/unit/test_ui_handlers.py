@@ -4,7 +4,6 @@ moved through their states with storage's repository functions; no worker, no br
 
 from __future__ import annotations
 
-import html
 import inspect
 import json
 import re
