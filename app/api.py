@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from fastapi import APIRouter, HTTPException, Query, Request
-from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, Response
 from pydantic import BaseModel, Field
 from starlette.background import BackgroundTask
 
@@ -79,7 +79,8 @@ ERRORS: dict[int, tuple[type[BaseModel], str]] = {
     422: (FieldErrors, "bad input: each field and its accepted range; nothing was queued"),
     429: (FieldErrors, "your queue is full (queued + running jobs limit)"),
     500: (Message, "internal error (the server log has the details)"),
-    503: (Message, "the job queue (broker) cannot be reached; nothing was queued"),
+    503: (Message, "the job queue (broker) or the artifact store cannot be reached; nothing was "
+                   "queued"),
 }
 
 
@@ -336,14 +337,23 @@ def _add_result_routes(r: APIRouter, settings: Any) -> None:
 
     @r.get("/results/{token}/artifacts/{kind}", tags=["results"],
            summary="Download an artifact (safetensors; folders as .zip)",
-           responses={**responses(404, 409, 410),
-                      200: {"content": {"application/octet-stream": {}, "application/zip": {}}}})
+           responses={**responses(404, 409, 410, 503),
+                      200: {"content": {"application/octet-stream": {}, "application/zip": {}}},
+                      307: {"description": "ARTIFACT_DOWNLOAD_REDIRECT: a short-lived presigned "
+                            "object-store URL of the file"}})
     def get_artifact(token: str, kind: str) -> Any:
         res = result_or_404(token)
-        from storage.artifacts import ArtifactError
+        from storage.artifacts import ArtifactError, ArtifactStoreUnavailable
 
         try:
+            url = services.artifact_url(settings, token, kind,
+                                        _download_name(res, f"{kind}.safetensors"))
+            if url is not None:
+                return RedirectResponse(url, status_code=307, headers={"Cache-Control": "no-store"})
             path = services.artifact_path(settings, token, kind)
+        except ArtifactStoreUnavailable:
+            raise HTTPException(status_code=503, detail=f"artifact {kind}: the artifact store cannot "
+                                "be reached right now; try again later") from None
         except FileNotFoundError:
             raise HTTPException(status_code=410, detail=f"artifact {kind}: no longer in the artifact "
                                 "store (deleted); re-run the job to make it again") from None

@@ -24,6 +24,7 @@ from compute.contract.modelref import (
     spec_job_refs,
 )
 from compute.contract.specs import SpecError, parse_spec
+from storage.artifacts import open_store
 
 Errors = list[dict[str, str]]
 
@@ -187,7 +188,7 @@ def _artifact_file(settings: Any, s: Any, field: str, ref: str, local: bool) -> 
         raise ValueError(f"{ref!r}: give an absolute path, or job:<id> of a {field} job")
     try:
         resolved = path.resolve()
-        if not local and not inside_roots(resolved, [settings.artifacts_dir, *settings.model_roots]):
+        if not local and not inside_roots(resolved, [*open_store(settings).local_roots(), *settings.model_roots]):
             raise ValueError(
                 f"{ref!r} is outside the artifact store and the allowed model roots; "
                 f"use job:<id> of a {field} job"

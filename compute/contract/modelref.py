@@ -133,25 +133,25 @@ def resolve_job_ref(
 def _verified_path(settings: Any, art: Any, what: str, job_id: int) -> Path:
     """The absolute path of artifact row `art`, checked against its sha256 (folders re-hashed
     only when a file changed); ValueError starting with `what` when missing or changed."""
-    from storage.artifacts import ArtifactError, ArtifactStore
+    from storage.artifacts import (
+        ArtifactError,
+        ArtifactMissing,
+        ArtifactStoreUnavailable,
+        open_store,
+    )
 
-    store = ArtifactStore(settings.artifacts_dir)
     try:
-        path = store.resolve(art.path)
-        key = (str(path), art.sha256)
-        if not path.exists():
-            raise ValueError(
-                f"{what} is missing from the artifact store (deleted?); re-run job {job_id}"
-            )
-        fp = _fingerprint(path)
-        if _verified.get(key) != fp:
-            store.verify(art.path, art.sha256)
-            _verified[key] = fp
+        return open_store(settings).fetch(art.path, art.sha256)
+    except ArtifactMissing:
+        raise ValueError(
+            f"{what} is missing from the artifact store (deleted?); re-run job {job_id}"
+        ) from None
     except ArtifactError:
         raise ValueError(
             f"{what} does not match its recorded sha256 (corrupt or changed); re-run job {job_id}"
         ) from None
-    return path
+    except ArtifactStoreUnavailable as exc:
+        raise ValueError(f"{what} cannot be read: {exc}") from None
 
 
 def _settings(settings: Any | None) -> Any:

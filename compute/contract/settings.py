@@ -6,10 +6,11 @@ Experiment knobs do not live here; they live in the per-algorithm config datacla
 
 from __future__ import annotations
 
+import re
 from functools import cached_property
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -30,6 +31,47 @@ class Settings(BaseSettings):
     )
     artifact_root: Path | None = Field(
         default=None, description="Where safetensors artifacts go. Default: FISHERLENS_HOME/artifacts."
+    )
+    # -- the artifact store (storage/artifacts.py: open_store) -------------------------------
+    artifact_url: str | None = Field(
+        default=None,
+        description="S3-compatible object storage for artifacts, s3://BUCKET/PREFIX (workers on "
+        "several machines share nothing but the database, the broker and this store). Endpoint "
+        "and credentials: AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "
+        "AWS_DEFAULT_REGION (or boto3's usual config). Default: the local folder ARTIFACT_ROOT.",
+    )
+    aws_endpoint_url: str | None = Field(
+        default=None, description="S3 endpoint of MinIO or another S3-compatible server "
+        "(e.g. http://minio:9000); unset for AWS S3."
+    )
+    aws_access_key_id: str | None = Field(default=None, description="S3 access key id.")
+    aws_secret_access_key: SecretStr | None = Field(default=None, description="S3 secret key.")
+    aws_default_region: str | None = Field(default=None, description="S3 region (e.g. us-east-1).")
+    artifact_cache_dir: Path | None = Field(
+        default=None,
+        description="Local cache of artifacts read from object storage, keyed by sha256. "
+        "Default: FISHERLENS_HOME/artifact-cache.",
+    )
+    artifact_cache_max_bytes: int = Field(
+        default=20 * 2**30,
+        ge=0,
+        description="Size cap of the artifact cache (bytes); least recently used entries are "
+        "evicted past it (entries in use by a running job are kept).",
+    )
+    artifact_upload_retry_s: float = Field(
+        default=900.0,
+        ge=0,
+        description="A worker whose upload to the object store fails keeps the computed result "
+        "and retries the upload (backing off) this long before failing the job.",
+    )
+    artifact_download_redirect: bool = Field(
+        default=False,
+        description="Downloads of single-file artifacts redirect to a presigned object-store URL "
+        "(valid ARTIFACT_PRESIGN_S) instead of streaming through the web; only when users' "
+        "browsers can reach AWS_ENDPOINT_URL.",
+    )
+    artifact_presign_s: int = Field(
+        default=300, ge=10, le=7 * 24 * 3600, description="Lifetime of presigned download URLs (s)."
     )
     allowed_model_roots: str = Field(
         default="",
@@ -101,6 +143,25 @@ class Settings(BaseSettings):
     max_spec_string: int = Field(
         default=4096, ge=16, description="Longest string value in a job spec (characters)."
     )
+
+    @field_validator("artifact_url")
+    @classmethod
+    def _s3_url(cls, v: str | None) -> str | None:
+        if v is None or not v.strip():
+            return None
+        v = v.strip()
+        m = re.fullmatch(r"s3://([a-z0-9][a-z0-9.\-]{1,61}[a-z0-9])(/[A-Za-z0-9_.\-/]*)?", v)
+        if not m or ".." in v:
+            raise ValueError(
+                f"ARTIFACT_URL: {v!r} is not an object-store URL; accepted: s3://BUCKET or "
+                "s3://BUCKET/PREFIX (bucket: 3-63 lower-case letters, digits, '.', '-'; prefix: "
+                "letters, digits, '_', '.', '-', '/'); unset it for the local folder ARTIFACT_ROOT"
+            )
+        return v.rstrip("/")
+
+    @property
+    def artifact_cache(self) -> Path:
+        return (self.artifact_cache_dir or self.home / "artifact-cache").expanduser().resolve()
 
     @property
     def home(self) -> Path:

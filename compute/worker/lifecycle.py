@@ -14,7 +14,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -23,7 +23,8 @@ from typing import Any
 from compute.contract.jobresult import JobCancelled
 from compute.control import cancel_scope, fault_point
 from storage import repo
-from storage.artifacts import ArtifactStore
+from storage.artifact_cache import release_pins
+from storage.artifacts import on_uploaded, open_store, upload_retries
 from storage.db import session_factory
 from storage.models import FINAL_STATUSES, Job, utcnow
 
@@ -156,8 +157,9 @@ def keep_alive(settings: Any, job_id: int) -> Iterator[None]:
 @contextmanager
 def _scratch(settings: Any, job_id: int) -> Iterator[Path]:
     """A per-job temp folder on the artifact file system (runners' tempfile.* land here, so the
-    trained-model folders they return can be moved, not copied); removed afterwards."""
-    root = Path(settings.artifacts_dir) / ".scratch"
+    trained-model folders they return can be moved, not copied: into the artifact folder, or
+    into the local cache of an object store); removed afterwards."""
+    root = open_store(settings).scratch_root()
     root.mkdir(parents=True, exist_ok=True)
     path = Path(tempfile.mkdtemp(prefix=f"job{job_id}-", dir=root))
     old = tempfile.tempdir
@@ -260,16 +262,12 @@ def compute_and_store(
     error, with its text). For a child, the parent's progress is refreshed."""
     try:
         progress = JobProgress(settings, job_id, parent_id=parent_id)
-        with keep_alive(settings, job_id), _scratch(settings, job_id):
+        with keep_alive(settings, job_id), _scratch(settings, job_id), _store_waits(settings, progress):
             with cancel_scope(progress.check):
                 result, artifacts = _unpack(compute(progress))
             if parent_id is None:  # a child's partial output has no result schema of its own
                 result.to_dict()  # checks the kind's result contract; a ContractError fails the job
-            with sessions(settings)() as s:
-                store = ArtifactStore(settings.artifacts_dir)
-                repo.save_result(
-                    session=s, job_id=job_id, result=result, store=store, artifacts=artifacts
-                )
+            _publish(settings, job_id, result, artifacts, progress)
         with sessions(settings)() as s:
             repo.mark_succeeded(session=s, job_id=job_id)
             if parent_id is not None:
@@ -291,6 +289,37 @@ def compute_and_store(
         log.exception("job %s failed while %s", job_id, phase)
         fail(settings, job_id, exc)
         return "failed"
+    finally:
+        release_pins()  # cached artifacts this job read may be evicted again
+
+
+def _publish(settings: Any, job_id: int, result: Any, artifacts: list[Any],
+             progress: JobProgress) -> None:
+    """Upload the result's artifacts, then record them and the rows (repo.save_result): the
+    database names an artifact only once it is stored and verified. An object store that
+    cannot be reached is retried for ARTIFACT_UPLOAD_RETRY_S (the job's message says so; the
+    computed result is kept, nothing is recomputed); a cancel stops the waiting."""
+    with sessions(settings)() as s:
+        repo.save_result(session=s, job_id=job_id, result=result, store=open_store(settings),
+                         artifacts=artifacts)
+
+
+def _store_waits(settings: Any, progress: JobProgress) -> Any:
+    """The context in which a job's uploads run: transient store errors retried (each wait shown
+    as the job's message, with a cancel check), and the test-only fault point `artifact_uploaded`
+    after the first object a job uploads (compute.control)."""
+
+    def notify(message: str) -> None:
+        with sessions(settings)() as s:
+            cancel = repo.update_progress(session=s, job_id=progress.job_id, fraction=None,
+                                          message=message)
+        if cancel:
+            raise JobCancelled(f"job {progress.job_id} cancelled by the user")
+
+    stack = ExitStack()
+    stack.enter_context(upload_retries(settings.artifact_upload_retry_s, notify))
+    stack.enter_context(on_uploaded(lambda key: fault_point("artifact_uploaded", key)))
+    return stack
 
 
 def _unpack(out: Any) -> tuple[Any, list[Any]]:

@@ -27,7 +27,7 @@ from compute.worker.lifecycle import (
     sessions,
 )
 from storage import repo
-from storage.artifacts import ArtifactInfo, ArtifactStore
+from storage.artifacts import ArtifactInfo, open_store
 from storage.models import FINAL_STATUSES
 
 log = logging.getLogger("fisherlens.worker")
@@ -63,7 +63,7 @@ def maybe_finish(settings: Any, parent_id: int) -> bool:
 
 
 def _save_output(settings: Any, job_id: int, output: Any) -> ArtifactInfo:
-    store = ArtifactStore(settings.artifacts_dir)
+    store = open_store(settings)
     return store.save_bytes(job_id, OUTPUT_FILE, dump_output(output), kind=OUTPUT_KIND)
 
 
@@ -129,11 +129,11 @@ def _load_outputs(settings: Any, taken: Claimed, children: list[Any], arts: list
     if protocol is None:
         raise TypeError(f"kind {taken.kind!r} has child jobs but no child protocol")
     spec = parse_spec(taken.kind, taken.spec)
-    store = ArtifactStore(settings.artifacts_dir)
+    store = open_store(settings)
     outputs = []
     for child, art in zip(children, arts, strict=True):
         if art is None:
             raise ValueError(f"child {child.shard_index} (job {child.id}): its output is missing")
-        blob = store.verify(art.path, art.sha256).read_bytes()
+        blob = store.fetch(art.path, art.sha256).read_bytes()
         outputs.append(load_output(blob))
     return spec, protocol, outputs
