@@ -32,7 +32,7 @@ import time
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from storage.artifact_cache import ArtifactCache
+from storage.artifact_cache import ArtifactCache, release_pins
 from storage.artifact_common import (
     ArtifactError,
     ArtifactInfo,
@@ -397,6 +397,12 @@ class S3ArtifactStore:
         ))
 
     # -- the machine's side -----------------------------------------------------------------
+    def release(self) -> None:
+        """Unpin everything this process read (a worker calls it when a job ends) and trim the
+        cache to its cap."""
+        release_pins()
+        self.cache.evict()
+
     def scratch_root(self) -> Path:
         return self.cache.scratch
 
@@ -433,5 +439,6 @@ def make_client(settings: Any) -> Any:
         read_timeout=60,
         s3={"addressing_style": "path"} if settings.aws_endpoint_url else {},
         max_pool_connections=16,
+        signature_version="s3v4",  # presigned URLs too (MinIO and current S3 want SigV4)
     )
     return boto3.session.Session().client("s3", config=config, **kwargs)

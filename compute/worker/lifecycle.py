@@ -23,7 +23,6 @@ from typing import Any
 from compute.contract.jobresult import JobCancelled
 from compute.control import cancel_scope, fault_point
 from storage import repo
-from storage.artifact_cache import release_pins
 from storage.artifacts import on_uploaded, open_store, upload_retries
 from storage.db import session_factory
 from storage.models import FINAL_STATUSES, Job, utcnow
@@ -290,7 +289,10 @@ def compute_and_store(
         fail(settings, job_id, exc)
         return "failed"
     finally:
-        release_pins()  # cached artifacts this job read may be evicted again
+        try:  # cached artifacts this job read may be evicted again
+            open_store(settings).release()
+        except Exception:
+            log.exception("releasing the artifact cache after job %s failed", job_id)
 
 
 def _publish(settings: Any, job_id: int, result: Any, artifacts: list[Any],
