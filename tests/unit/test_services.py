@@ -109,11 +109,11 @@ def test_job_references_must_be_succeeded_jobs_of_the_right_kind(settings) -> No
 
 def _store_result(settings, job_id: int, **kw) -> None:
     from compute.contract.jobresult import JobResult
-    from storage.artifacts import ArtifactStore
+    from storage.artifacts import open_store
 
     with services.sessions(settings)() as s:
         repo.save_result(session=s, job_id=job_id, result=JobResult(kind="x", summary={}, **kw),
-                         store=ArtifactStore(settings.artifacts_dir))
+                         store=open_store(settings))
         repo.mark_succeeded(session=s, job_id=job_id)
 
 
