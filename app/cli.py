@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import click
 
-from app.commands import experiments, fisher, jobs, training, users, zoo
+from app.commands import doctor, experiments, fisher, jobs, training, users, zoo
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -17,7 +17,7 @@ def main() -> None:
     """fisherlens: explore LLM post-training update sparsity through the diagonal model Fisher."""
 
 
-for module in (zoo, fisher, experiments, training, jobs, users):
+for module in (zoo, fisher, experiments, training, jobs, users, doctor):
     for command in module.commands:
         main.add_command(command)
 
