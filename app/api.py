@@ -363,14 +363,21 @@ def _add_result_routes(r: APIRouter, settings: Any) -> None:
         if path is None:
             kinds = ", ".join(a["kind"] for a in res.get("artifacts") or []) or "none"
             raise _not_found(f"artifact: this result has no {kind!r} artifact; it has: {kinds}")
+        from storage.artifacts import open_store
+
+        store = open_store(settings)  # an object store's cached copy: evictable once sent
         if path.is_dir():
             tmp = Path(tempfile.mkdtemp(prefix="fl-zip-"))
-            archive = shutil.make_archive(str(tmp / kind), "zip", root_dir=path)
+            try:
+                archive = shutil.make_archive(str(tmp / kind), "zip", root_dir=path)
+            finally:
+                store.release(path)
             return FileResponse(archive, media_type="application/zip",
                                 filename=_download_name(res, f"{kind}.zip"),
                                 background=BackgroundTask(shutil.rmtree, tmp, ignore_errors=True))
         return FileResponse(path, media_type="application/octet-stream",
-                            filename=_download_name(res, path.name))
+                            filename=_download_name(res, path.name),
+                            background=BackgroundTask(store.release, path))
 
 
 def _add_model_routes(r: APIRouter, settings: Any) -> None:

@@ -17,8 +17,9 @@ runs every backend once, in an order rotated every round; each backend:
   fetch cold  fetch(rel, sha256) on a reader that has not seen it: verify the file in place
               (folder: one sha256 pass) or download + sha256 + install into a fresh cache (S3)
   fetch warm  the same fetch again (folder: fingerprint unchanged, no hashing; S3: cache hit)
-Times are medians over `--rounds` (default 5) after one warm-up round; `x before` is the median
-of the per-round ratio to folder-before.
+Times are medians over `--rounds` (default 11) after one warm-up round, wall-clock and CPU time
+of this process (the second is less sensitive to a busy shared machine; for s3-moto it includes
+the server's threads); `x before` is the median of the per-round ratio to folder-before.
 
     .venv/bin/python benchmarks/bench_store.py                 # writes results/bench_store.json
     .venv/bin/python benchmarks/bench_store.py --mib 8 --rounds 3 --no-save
@@ -91,24 +92,28 @@ class Backend:
     def round(self, job_id: int, tensors: dict[str, Any], tmp: Path) -> dict[str, float]:
         writer = self.make_writer(tmp)
         reader = self.make_reader(tmp)  # made (clients, settings) before any timing
-        t0 = time.perf_counter()
+        clock = [(time.perf_counter(), time.process_time())]
         info = writer.save_tensors(job_id, "fisher", tensors)
-        t1 = time.perf_counter()
+        clock.append((time.perf_counter(), time.process_time()))
         path = reader.fetch(info.path, info.sha256)
-        t2 = time.perf_counter()
+        clock.append((time.perf_counter(), time.process_time()))
         again = reader.fetch(info.path, info.sha256)
-        t3 = time.perf_counter()
+        clock.append((time.perf_counter(), time.process_time()))
         assert again == path and path.stat().st_size == info.bytes
         release = getattr(reader, "release", None)
         if release is not None:
             release()
-        return {"save": t1 - t0, "fetch cold": t2 - t1, "fetch warm": t3 - t2, "bytes": info.bytes}
+        out: dict[str, float] = {"bytes": info.bytes}
+        for i, op in enumerate(OPS):
+            out[op] = clock[i + 1][0] - clock[i][0]
+            out[f"{op} cpu"] = clock[i + 1][1] - clock[i][1]
+        return out
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--mib", type=float, nargs="+", default=[1.0, 64.0])
-    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--rounds", type=int, default=11)
     ap.add_argument("--base", default=None, help="commit of the 'before' folder store "
                     "(default: git merge-base HEAD main)")
     ap.add_argument("--no-save", action="store_true")
@@ -119,6 +124,7 @@ def main() -> None:
     from tests.s3 import moto_s3
 
     base = args.base or _git("merge-base", "HEAD", "main")
+    load_at_start = os.getloadavg()
     work = Path(tempfile.mkdtemp(prefix="bench-store-"))
     before = load_before(base, work)
     results: dict[str, Any] = {}
@@ -141,7 +147,8 @@ def main() -> None:
         job = iter(range(1, 10**9))
         for mib in args.mib:
             tensors = fisher_like(mib)
-            times: dict[str, dict[str, list[float]]] = {b.name: {op: [] for op in OPS} for b in backends}
+            keys = [*OPS, *(f"{op} cpu" for op in OPS)]
+            times: dict[str, dict[str, list[float]]] = {b.name: {k: [] for k in keys} for b in backends}
             size = 0
             for r in range(args.rounds + 1):  # round 0: warm-up, not counted
                 order = backends[r % len(backends):] + backends[:r % len(backends)]
@@ -149,17 +156,17 @@ def main() -> None:
                     out = b.round(next(job), tensors, work)
                     size = int(out["bytes"])
                     if r > 0:
-                        for op in OPS:
-                            times[b.name][op].append(out[op])
+                        for k in keys:
+                            times[b.name][k].append(out[k])
             row: dict[str, Any] = {"bytes": size, "backends": {}}
             ref = times["folder-before"]
             for b in backends:
                 t = times[b.name]
                 row["backends"][b.name] = {
-                    op: {"median_s": statistics.median(t[op]),
-                         "x_before": statistics.median(a / max(z, 1e-9) for a, z in zip(t[op], ref[op],
-                                                                                           strict=True))}
-                    for op in OPS
+                    k: {"median_s": statistics.median(t[k]),
+                        "x_before": statistics.median(a / max(z, 1e-9) for a, z in zip(t[k], ref[k],
+                                                                                         strict=True))}
+                    for k in keys
                 }
             results[f"{mib:g} MiB"] = row
     payload = {
@@ -170,18 +177,21 @@ def main() -> None:
         "machine": {"python": platform.python_version(), "cpus": os.cpu_count(),
                     "platform": platform.platform()},
         "rounds": args.rounds,
+        "load_average_at_start": load_at_start,
         "note": "s3-moto is moto's in-memory Python server in the benchmark process: the cost of "
                 "the code path, not of MinIO/S3 over a network",
         "sizes": results,
     }
     print(f"artifact store: median of {args.rounds} rounds (x before = median per-round ratio "
           f"to folder-before); base {base[:10]}")
-    print(f"{'size':>9} {'backend':<14}" + "".join(f"{op:>22}" for op in OPS))
-    for label, row in results.items():
-        for name, ops in row["backends"].items():
-            cells = "".join(f"{ops[op]['median_s'] * 1e3:>11.1f} ms {ops[op]['x_before']:>5.2f}x "
-                            for op in OPS)
-            print(f"{label:>9} {name:<14}{cells}")
+    for kind, suffix in (("wall-clock", ""), ("CPU time of this process", " cpu")):
+        print(f"-- {kind}")
+        print(f"{'size':>9} {'backend':<14}" + "".join(f"{op:>22}" for op in OPS))
+        for label, row in results.items():
+            for name, ops in row["backends"].items():
+                cells = "".join(f"{ops[op + suffix]['median_s'] * 1e3:>11.1f} ms "
+                                f"{ops[op + suffix]['x_before']:>5.2f}x " for op in OPS)
+                print(f"{label:>9} {name:<14}{cells}")
     if not args.no_save:
         RESULTS.mkdir(parents=True, exist_ok=True)
         (RESULTS / "bench_store.json").write_text(json.dumps(payload, indent=1) + "\n")

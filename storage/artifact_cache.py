@@ -20,8 +20,9 @@ lock without waiting, so an entry in use is never removed; it then renames the e
 exclusively by its writer, so a crashed writer's leftovers are recognised (the lock is free) and
 removed by the next eviction pass, with no timeouts.
 
-Pins last until `release_pins()` (the worker calls it when a job ends) or until this process
-holds more than MAX_PINS of them (the oldest are dropped).
+Pins are counted per entry and process: `unpin(path)` drops one (the web, once a download has
+been sent), `release_pins()` drops all (a worker, when a job ends); past MAX_PINS entries the
+least recently pinned ones are dropped.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ MAX_PINS = 64
 LOCK = ".lock"
 WRITER = ".writer"
 
-_pins: OrderedDict[str, int] = OrderedDict()  # entry folder -> fd holding a shared lock
+_pins: OrderedDict[str, list[int]] = OrderedDict()  # entry folder -> [fd (shared lock), count]
 _pins_guard = threading.Lock()
 _staging: dict[str, tuple[int, int]] = {}  # staging folder -> (writer fd, entry-lock fd)
 
@@ -50,20 +51,36 @@ _staging: dict[str, tuple[int, int]] = {}  # staging folder -> (writer fd, entry
 def _pin(entry: Path, fd: int) -> None:
     with _pins_guard:
         key = str(entry)
-        old = _pins.pop(key, None)
-        _pins[key] = fd
-        if old is not None:
-            os.close(old)
+        held = _pins.get(key)
+        if held is not None:  # one lock per entry and process is enough
+            os.close(fd)
+            held[1] += 1
+            _pins.move_to_end(key)
+        else:
+            _pins[key] = [fd, 1]
         while len(_pins) > MAX_PINS:
-            _, stale = _pins.popitem(last=False)
+            _, (stale, _n) = _pins.popitem(last=False)
             os.close(stale)
+
+
+def unpin(path: Path | str) -> None:
+    """Drop one pin of the entry holding cached `path` (from ArtifactCache.get/install)."""
+    key = str(Path(path).parent)
+    with _pins_guard:
+        held = _pins.get(key)
+        if held is None:
+            return
+        held[1] -= 1
+        if held[1] <= 0:
+            del _pins[key]
+            os.close(held[0])
 
 
 def release_pins() -> None:
     """Let every entry this process pinned be evicted again (a worker calls it after each job)."""
     with _pins_guard:
         while _pins:
-            _, fd = _pins.popitem()
+            _, (fd, _n) = _pins.popitem()
             os.close(fd)
 
 
@@ -163,6 +180,9 @@ class ArtifactCache:
                 if other is not None:
                     with contextlib.suppress(OSError):
                         os.rename(staged / name, entry / name)
+                        total = sum(_entry_size(p) for p in entry.iterdir()
+                                    if p.name not in (LOCK, WRITER))
+                        (entry / LOCK).write_text(str(total))
                     _pin(entry, other)
                     cached = entry / name if (entry / name).exists() else None
             shutil.rmtree(staged, ignore_errors=True)

@@ -32,7 +32,7 @@ import time
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from storage.artifact_cache import ArtifactCache, release_pins
+from storage.artifact_cache import ArtifactCache, release_pins, unpin
 from storage.artifact_common import (
     ArtifactError,
     ArtifactInfo,
@@ -397,9 +397,13 @@ class S3ArtifactStore:
         ))
 
     # -- the machine's side -----------------------------------------------------------------
-    def release(self) -> None:
-        """Unpin everything this process read (a worker calls it when a job ends) and trim the
-        cache to its cap."""
+    def release(self, path: Path | None = None) -> None:
+        """Let cached files be evicted again: `path` (a fetched path, once its reader is done:
+        the web after sending a download), or everything this process read (a worker when a
+        job ends), then trim the cache to its cap."""
+        if path is not None:
+            unpin(path)
+            return
         release_pins()
         self.cache.evict()
 

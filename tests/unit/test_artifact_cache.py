@@ -111,3 +111,16 @@ def test_two_processes_share_one_cache_under_a_small_cap(tmp_path: Path) -> None
     for entry in cache.entries.iterdir():  # every entry that is there is whole
         data = (entry / "blob.bin").read_bytes()
         assert hashlib.sha256(data).hexdigest() == entry.name
+
+
+def test_pins_are_counted_per_reader(tmp_path: Path) -> None:
+    """Two readers of one entry in a process (two downloads): it stays until both are done."""
+    from storage.artifact_cache import unpin
+
+    cache = ArtifactCache(tmp_path, max_bytes=0)
+    sha, path = _add(cache, b"x" * 100)  # reader 1 (install pins)
+    assert cache.get(sha, "a.bin") == path  # reader 2
+    unpin(path)
+    assert cache.evict() == [] and path.exists()  # reader 2 still reads it
+    unpin(path)
+    assert pinned() == [] and cache.evict() == [sha] and not path.exists()
