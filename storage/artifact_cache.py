@@ -34,6 +34,7 @@ import os
 import secrets
 import shutil
 import threading
+import time
 from collections import OrderedDict
 from pathlib import Path
 
@@ -89,6 +90,14 @@ def pinned() -> list[str]:
         return list(_pins)
 
 
+def _touch(lock: Path) -> None:
+    """Mark an entry used now. An explicit nanosecond time: the kernel's own file times are
+    coarse (a clock tick), too coarse to order uses a few milliseconds apart."""
+    now = time.time_ns()
+    with contextlib.suppress(OSError):
+        os.utime(lock, ns=(now, now))
+
+
 def _entry_size(path: Path) -> int:
     if path.is_file():
         return path.stat().st_size
@@ -139,8 +148,7 @@ class ArtifactCache:
         if not target.exists():
             os.close(fd)
             return None
-        with contextlib.suppress(OSError):
-            os.utime(entry / LOCK)
+        _touch(entry / LOCK)
         _pin(entry, fd)
         return target
 
@@ -169,6 +177,7 @@ class ArtifactCache:
         size = _entry_size(staged / name)
         with open(staged / LOCK, "w") as fh:  # the size, read by eviction
             fh.write(str(size))
+        _touch(staged / LOCK)
         entry = self.entries / sha256
         try:
             os.rename(staged, entry)
@@ -201,7 +210,7 @@ class ArtifactCache:
     def size(self) -> int:
         return sum(size for _, size, _ in self._entries())
 
-    def _entries(self) -> list[tuple[Path, int, float]]:
+    def _entries(self) -> list[tuple[Path, int, int]]:
         out = []
         for entry in self.entries.iterdir():
             lock = entry / LOCK
@@ -210,7 +219,7 @@ class ArtifactCache:
                 size = int(lock.read_text() or 0)
             except (OSError, ValueError):
                 continue
-            out.append((entry, size, st.st_mtime))
+            out.append((entry, size, st.st_mtime_ns))
         return out
 
     def evict(self, keep: set[str] = frozenset()) -> list[str]:  # type: ignore[assignment]
