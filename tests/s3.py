@@ -1,5 +1,5 @@
 """A real S3-compatible server for the object-store tests: moto in server mode, in this process
-(moto[server], a dev dependency), on a free port. Its objects live in this process's memory, so
+(moto[server], a dev dependency; missing: a skip, or a failure under CI), on a free port. Its objects live in this process's memory, so
 `stop()` then `start()` is the store going down and coming back with its data (what an S3 or
 MinIO outage looks like to fisherlens); `env` is what a worker process needs to reach it."""
 
@@ -60,6 +60,12 @@ class MotoS3:
 def moto_s3() -> Iterator[MotoS3]:
     """A running server with the test bucket (the moto state is per process: every test uses
     its own prefix)."""
+    try:
+        import moto.server  # noqa: F401
+    except ImportError as exc:
+        from tests.conftest import require_service
+
+        require_service(f"moto[server] is not installed ({exc}); `pip install -e .[dev]`")
     server = MotoS3()
     server.start()
     try:
