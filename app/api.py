@@ -165,25 +165,22 @@ def register_local_model(settings: Any, path: str, name: str | None = None) -> d
     """Register a local HF folder (must be inside the allowed model roots) or a trained model
     (`job:N` of a succeeded train job) under a name. SpecError naming `path` otherwise. The
     stored source (the resolved path, or job:N) is usable as a job's `model`."""
-    from compute.contract.modelref import job_ref_id, model_revision, resolve_job_ref, resolve_model
+    from app import auth
+    from app.services import refs as resolver
     from storage import repo
 
-    try:
-        if job_ref_id(path) is not None:  # a trained model: its folder in the artifact store
-            art = resolve_job_ref(path.strip(), "model", settings)
-            resolved, folder, revision = f"job:{art.job_id}", art.path, art.sha256
-        else:
-            resolved = resolve_model(path.strip(), settings)
-            if not Path(resolved).is_absolute():
-                raise ValueError("model: register local folders only (hub ids are used directly)")
-            folder, revision = Path(resolved), model_revision(resolved, settings)
+    try:  # the one resolver: zoo, allowed folder, hub id, or job:N of a train job the caller may use
+        ref = resolver.resolve(settings, "path", path, "model", auth.current_user(settings))
+        if ref.form == "hub" or not ref.local:
+            raise ValueError("path: register local folders only (hub ids are used directly)")
     except ValueError as exc:
         msg = str(exc)
         raise SpecError([{"field": "path", "message": msg.split(": ", 1)[1] if msg.startswith(("model: ", "path: ")) else msg}]) from None
+    folder = Path(ref.local)
+    resolved = f"job:{ref.job_id}" if ref.form == "artifact" else ref.path
+    revision = ref.sha256 or ""
     info = _folder_info(folder)
-    label = (name or "").strip() or (art.label if job_ref_id(path) is not None else folder.name)
-    from app import auth
-
+    label = (name or "").strip() or (ref.label if ref.form == "artifact" else folder.name)
     user = auth.current_user(settings)
     if settings.auth_required and not user.is_admin:
         raise auth.Forbidden("only admins register model names (they are shared by every user); "

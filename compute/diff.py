@@ -112,14 +112,19 @@ class Checkpoint:
             return h.get_tensor(name)
 
 
-def open_checkpoint(ref: str | Path, label: str = "model", settings: Any | None = None) -> Checkpoint:
-    """A zoo name, an allowed local HF directory or a training output folder -> Checkpoint."""
+def open_checkpoint(ref: Any, label: str = "model", settings: Any | None = None) -> Checkpoint:
+    """A resolved Ref (what runners get) -> Checkpoint, read where it is; for library callers a
+    zoo name, an allowed local HF directory or a hub id (compute.contract.modelref)."""
+    from compute.contract.kinds import Ref
     from compute.contract.modelref import is_hub_id, resolve_model
 
-    try:
-        resolved = resolve_model(str(ref), settings)
-    except ValueError as exc:
-        raise ValueError(str(exc).replace("model:", f"{label}:", 1)) from None
+    if isinstance(ref, Ref):
+        resolved = ref.where()
+    else:
+        try:
+            resolved = resolve_model(str(ref), settings)
+        except ValueError as exc:
+            raise ValueError(str(exc).replace("model:", f"{label}:", 1)) from None
     if is_hub_id(resolved):
         resolved = _hub_cache_dir(resolved, label)
     return Checkpoint(resolved, label)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from functools import cached_property
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -36,7 +36,17 @@ class Settings(BaseSettings):
         description="Colon-separated folders from which local HF model directories may be registered/loaded.",
     )
     trust_remote_code: bool = Field(
-        default=False, description="Operator opt-in for transformers' trust_remote_code."
+        default=False,
+        description="Operator opt-in for transformers' trust_remote_code: off, a model whose "
+        "config.json names its own code (auto_map) is refused at submit, and the one loader "
+        "(compute.models.load_model) never runs model code.",
+    )
+    hf_hub_offline: bool = Field(
+        default=False,
+        description="HF_HUB_OFFLINE: hub models only from the local cache (1/true/yes/on).",
+    )
+    transformers_offline: bool = Field(
+        default=False, description="TRANSFORMERS_OFFLINE: the same switch, transformers' name."
     )
     public_url: str = Field(
         default="http://127.0.0.1:7860", description="Base URL used when printing share links."
@@ -101,6 +111,17 @@ class Settings(BaseSettings):
     max_spec_string: int = Field(
         default=4096, ge=16, description="Longest string value in a job spec (characters)."
     )
+
+    @field_validator("hf_hub_offline", "transformers_offline", mode="before")
+    @classmethod
+    def _flag(cls, v: object) -> object:
+        """huggingface_hub's own reading: 1/true/yes/on (any case) is on, anything else off."""
+        return v.strip().lower() in ("1", "true", "yes", "on") if isinstance(v, str) else v
+
+    @property
+    def offline(self) -> bool:
+        """No network for the hub: HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE (parsed here only)."""
+        return self.hf_hub_offline or self.transformers_offline
 
     @property
     def home(self) -> Path:

@@ -179,6 +179,7 @@ class Claimed:
     spec: dict[str, Any]
     parent_id: int | None
     index: int
+    refs: dict[str, Any] | None = None  # jobs.refs: the references resolved at submit
 
 
 def _skip_reason(settings: Any, s: Any, job: Job | None, worker: str) -> str | None:
@@ -220,7 +221,8 @@ def claim(settings: Any, job_id: int, worker: str) -> Claimed | str:
             log.info("job %s skipped: %s", job_id, skip)
             return skip
         assert job is not None
-        taken = Claimed(job_id, job.kind, dict(job.spec), job.parent_id, int(job.shard_index or 0))
+        taken = Claimed(job_id, job.kind, dict(job.spec), job.parent_id, int(job.shard_index or 0),
+                        job.refs)
         claimed = repo.claim_job(
             session=s, job_id=job_id, worker=worker, stale_after_s=settings.job_stale_after_s
         )

@@ -26,6 +26,7 @@ from compute.worker.lifecycle import (
     keep_alive,
     sessions,
 )
+from compute.worker.refs import fetch_refs
 from storage import repo
 from storage.artifacts import ArtifactInfo, ArtifactStore
 from storage.models import FINAL_STATUSES
@@ -83,8 +84,9 @@ def execute_shard(settings: Any, job_id: int, hostname: str | None = None) -> st
         if protocol is None:
             raise TypeError(f"kind {taken.kind!r} has child jobs but no child protocol")
         spec = parse_spec(taken.kind, taken.spec)
+        refs = fetch_refs(settings, job_id, taken.refs)  # the parent's, copied at fan-out
         progress(0.0, f"child {taken.index}")
-        output = protocol.run_child(spec, taken.index, progress)
+        output = protocol.run_child(spec, taken.index, progress, refs=refs)
         info = _save_output(settings, job_id, output)
         return JobResult(kind=taken.kind, summary={"shard": taken.index}), [info]
 
@@ -108,16 +110,18 @@ def execute_finish(settings: Any, job_id: int, hostname: str | None = None) -> s
             return "claimed elsewhere"
         children = repo.shard_jobs(session=s, parent_id=job_id)
         arts = [repo.get_artifact(session=s, job_id=c.id, kind=OUTPUT_KIND) for c in children]
-        taken = Claimed(job_id, job.kind, dict(job.spec), None, 0)
+        taken = Claimed(job_id, job.kind, dict(job.spec), None, 0, job.refs)
     try:
         with keep_alive(settings, job_id):  # imports torch and the kind's module, reads files
             spec, protocol, outputs = _load_outputs(settings, taken, children, arts)
+            refs = fetch_refs(settings, job_id, taken.refs)
     except Exception as exc:
         log.exception("finish of job %s failed", job_id)
         fail(settings, job_id, exc)
         return "failed"
     return compute_and_store(
-        settings, job_id, lambda progress: protocol.combine(spec, outputs, progress), "combining"
+        settings, job_id, lambda progress: protocol.combine(spec, outputs, progress, refs=refs),
+        "combining"
     )
 
 

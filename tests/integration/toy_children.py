@@ -15,14 +15,15 @@ def children(spec: Any) -> int:
     return len(spec.lrs)
 
 
-def run_child(spec: Any, index: int, progress: Any = null_progress) -> dict[str, Any]:
+def run_child(spec: Any, index: int, progress: Any = null_progress, refs: Any = None) -> dict[str, Any]:
     progress(0.5, f"lr {spec.lrs[index]}")
     if spec.seed == 13 and index == 1:
         raise ValueError(f"lrs: {spec.lrs[index]} diverged")
     return {"index": index, "lr": spec.lrs[index], "w": torch.full((2,), float(index))}
 
 
-def combine(spec: Any, outputs: list[dict[str, Any]], progress: Any = null_progress) -> JobResult:
+def combine(spec: Any, outputs: list[dict[str, Any]], progress: Any = null_progress,
+            refs: Any = None) -> JobResult:
     progress(0.99, "combining")
     return JobResult(
         kind="sweep",
@@ -31,5 +32,5 @@ def combine(spec: Any, outputs: list[dict[str, Any]], progress: Any = null_progr
     )
 
 
-def run(spec: Any, progress: Any = null_progress) -> JobResult:
+def run(spec: Any, progress: Any = null_progress, refs: Any = None) -> JobResult:
     return combine(spec, [run_child(spec, i, progress) for i in range(children(spec))], progress)

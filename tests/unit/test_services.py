@@ -95,7 +95,7 @@ def test_job_references_must_be_succeeded_jobs_of_the_right_kind(settings) -> No
         services.submit(settings, "mask", {"fisher": "job:999"})
     with pytest.raises(SpecError, match="is a fisher job; a mask or train job is needed"):
         services.submit(settings, "train", {"model": "arith-base", "mask": f"job:{fisher['id']}"})
-    with pytest.raises(SpecError, match="outside the artifact store"):
+    with pytest.raises(SpecError, match="outside the allowed model roots"):
         services.submit(settings, "mask", {"fisher": "/etc/passwd"})
     with services.sessions(settings)() as s:
         repo.mark_succeeded(session=s, job_id=fisher["id"])
@@ -133,14 +133,18 @@ def test_trained_model_is_a_model_everywhere(settings, tmp_path: Path) -> None:
     """job:N of a succeeded train job is accepted as model, teacher, base and tuned; the trained
     folder lives in the artifact store (outside the allowed model roots), is verified by sha256,
     and errors name the field without server paths."""
-    from compute.contract.modelref import resolve_job_ref, resolve_model
+    from app.services.refs import resolve
+    from compute.contract.modelref import resolve_model
 
     trained = _trained(settings, tmp_path, mask_select="fisher", mask_density=0.1)
     ref = f"job:{trained['id']}"
-    art = resolve_job_ref(ref, "tuned", settings)
+    art = resolve(settings, "tuned", ref, "model")
     assert art.label == f"#{trained['id']} train arith-base grpo masked"
-    assert art.path.is_relative_to(settings.artifacts_dir) and (art.path / "config.json").is_file()
-    assert resolve_model(ref, settings) == str(art.path)
+    assert (art.form, art.job_id, art.job_kind, art.path) == ("artifact", trained["id"], "train", f"{trained['id']}/model")
+    local = Path(art.where())
+    assert local.is_relative_to(settings.artifacts_dir) and (local / "config.json").is_file()
+    with pytest.raises(ValueError, match="is a job reference"):  # the engine never resolves job:N
+        resolve_model(ref, settings)
     for kind, spec in [
         ("diff", {"base": "arith-base", "tuned": ref}),
         ("fisher", {"model": ref, "prompts": 2}),
@@ -158,14 +162,14 @@ def test_trained_model_is_a_model_everywhere(settings, tmp_path: Path) -> None:
     with pytest.raises(SpecError, match="tuned: job .* is a fisher job; a train job is needed"):
         services.submit(settings, "diff", {"base": "arith-base", "tuned": f"job:{fisher['id']}"})
     # corrupt, then missing: a clear 4xx-style message, no server path
-    (art.path / "model.safetensors").write_bytes(b"changed")
+    (local / "model.safetensors").write_bytes(b"changed")
     with pytest.raises(SpecError) as err:
         services.submit(settings, "diff", {"base": "arith-base", "tuned": ref, "topk_percent": 2})
     msg = err.value.errors[0]["message"]
     assert err.value.errors[0]["field"] == "tuned" and "does not match its recorded sha256" in msg
     import shutil
 
-    shutil.rmtree(art.path)
+    shutil.rmtree(local)
     with pytest.raises(SpecError, match="missing from the artifact store") as err:
         services.submit(settings, "diff", {"base": "arith-base", "tuned": ref, "topk_percent": 3})
     assert str(settings.home) not in str(err.value)
@@ -230,6 +234,10 @@ def test_references_that_do_not_fit_together_are_refused(settings, tmp_path: Pat
         services.submit(settings, "train", {"model": "arith-base", "algo": "opd", "teacher": "other-arch"})
     mask = Path(settings.artifacts_dir) / "mask.safetensors"
     mask.parent.mkdir(parents=True, exist_ok=True)
+    save_file({"x": torch.ones(2, dtype=torch.bool)}, str(mask))
+    with pytest.raises(SpecError, match=r"mask: .* is inside the artifact store; write job:<id>"):
+        services.submit(settings, "train", {"model": "arith-base", "mask": str(mask)})
+    mask = Path(settings.zoo_dir) / "mask.safetensors"  # inside the allowed model roots
     save_file({"x": torch.ones(2, dtype=torch.bool)}, str(mask))
     with pytest.raises(SpecError, match="mask: parameter 'x' is not in the model"):
         services.submit(settings, "train", {"model": "arith-base", "mask": str(mask)})
