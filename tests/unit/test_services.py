@@ -370,3 +370,30 @@ def test_web_side_modules_do_not_import_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_model_that_needs_remote_code_is_refused_at_submit_unless_the_operator_allows_it(
+    settings, fl_home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TRUST_REMOTE_CODE (Settings.trust_remote_code): off, a model whose config.json names its
+    own code (auto_map) is a 422-style field error at submit, nothing queued; on, it passes
+    validation (and compute.models.load_model passes trust_remote_code=True)."""
+    folder = fl_home / "zoo" / "custom-code"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "custom", "num_hidden_layers": 2,
+        "auto_map": {"AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"}}))
+    for spec in ({"model": "custom-code"}, {"model": "arith-base", "algo": "opd", "teacher": "custom-code"}):
+        kind = "fisher" if "teacher" not in spec else "train"
+        field = "teacher" if "teacher" in spec else "model"
+        with pytest.raises(SpecError) as err:
+            services.submit(settings, kind, spec)
+        assert [e["field"] for e in err.value.errors] == [field]
+        assert "needs its own code" in err.value.errors[0]["message"]
+        assert "TRUST_REMOTE_CODE=1" in err.value.errors[0]["message"]
+    assert _messages(settings) == []
+    monkeypatch.setenv("TRUST_REMOTE_CODE", "1")
+    allowed = get_settings()
+    assert allowed.trust_remote_code
+    spec, parts, refs = services.validate(allowed, "fisher", {"model": "custom-code"})
+    assert refs["model"].form == "zoo" and parts == [f"model={refs['model'].sha256}"]
