@@ -74,6 +74,28 @@ class Settings(BaseSettings):
         "consumer for less than this) is re-sent by the reconciler.",
     )
 
+    # -- worker processes (compute/worker/, compute/celery_app.py, compute/device.py) ----------
+    fisherlens_queue: str = Field(
+        default="fisherlens",
+        description="FISHERLENS_QUEUE: the broker queue of every job kind; separates stacks "
+        "sharing one Redis (and tests).",
+    )
+    fisherlens_max_attempts: int = Field(
+        default=2, ge=1,
+        description="FISHERLENS_MAX_ATTEMPTS: starts of a job whose worker died before it gives "
+        "up (2: a lost job is re-run once).",
+    )
+    fisherlens_worker_name: str | None = Field(
+        default=None,
+        description="FISHERLENS_WORKER_NAME: this worker's name in job rows; unset: "
+        "<prefix>-<pid>@<host>.",
+    )
+    fisherlens_device: str | None = Field(
+        default=None,
+        description="FISHERLENS_DEVICE: what device 'auto' means (cpu, cuda, cuda:N); unset: "
+        "cuda when available, else cpu.",
+    )
+
     # -- accounts and limits (app/auth/, app/limits.py) -------------------------------------
     auth_required: bool = Field(
         default=False,

@@ -26,7 +26,7 @@ def execute_job(settings: Any, job_id: int, hostname: str | None = None) -> str:
     from compute.contract.specs import parse_spec
     from compute.runners import child_count, get_runner
 
-    worker = hostname or lifecycle.hostname()
+    worker = hostname or lifecycle.hostname(settings)
     fault_point("after_receive", f"job={job_id}")  # tests only (compute.control)
     taken = claim(settings, job_id, worker)
     if isinstance(taken, str):

@@ -74,7 +74,7 @@ def execute_shard(settings: Any, job_id: int, hostname: str | None = None) -> st
     from compute.contract.specs import parse_spec
 
     fault_point("after_receive", f"job={job_id}")  # tests only (compute.control)
-    taken = claim(settings, job_id, hostname or lifecycle.hostname())
+    taken = claim(settings, job_id, hostname or lifecycle.hostname(settings))
     if isinstance(taken, str):
         return taken
     fault_point("after_claim", f"job={job_id}")
@@ -98,7 +98,7 @@ def execute_shard(settings: Any, job_id: int, hostname: str | None = None) -> st
 
 def execute_finish(settings: Any, job_id: int, hostname: str | None = None) -> str:
     """Combine the children's outputs into the parent's result (one delivery: claim_combine)."""
-    hostname = hostname or lifecycle.hostname()
+    hostname = hostname or lifecycle.hostname(settings)
     with sessions(settings)() as s:
         job = repo.get_job(session=s, job_id=job_id)
         if job is None or job.status in FINAL_STATUSES:

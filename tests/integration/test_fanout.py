@@ -42,7 +42,6 @@ def settings(request: pytest.FixtureRequest, fl_home: Path, monkeypatch: pytest.
         monkeypatch.setenv("DATABASE_URL", next(schema))
         request.addfinalizer(lambda: next(schema, None))
     monkeypatch.setenv("FISHERLENS_QUEUE", "fisherlens")
-    monkeypatch.setattr(ca, "QUEUE", "fisherlens")
     monkeypatch.setitem(runners.RUNNERS, "sweep", "tests.integration.toy_children:run")
     ca._apps.clear()
     s = get_settings()
