@@ -135,16 +135,14 @@ def _shapes_only(model_ref: Ref | str) -> dict[str, torch.Tensor]:
 
 
 def _restrict(d: Mapping[str, torch.Tensor], ref: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """d's tensors for ref's names (ValueError naming the first missing or mis-shaped one)."""
-    out = {}
-    for n in ref:
-        if n not in d:
-            raise ValueError(f"model: parameter {n!r} of the Fisher is not in the model")
-        if tuple(d[n].shape) != tuple(ref[n].shape):
-            raise ValueError(f"model: parameter {n!r} has shape {list(d[n].shape)} in the model "
-                             f"but {list(ref[n].shape)} in the Fisher")
-        out[n] = d[n]
-    return out
+    """d's tensors for ref's names (ValueError naming the first missing or mis-shaped one, by
+    compute.contract.shapes.mismatch)."""
+    from compute.contract.shapes import mismatch, shapes_of
+
+    why = mismatch(shapes_of(ref), shapes_of(d), "the Fisher", "the model")
+    if why:
+        raise ValueError(f"model: {why}")
+    return {n: d[n] for n in ref}
 
 
 def run(spec: MaskSpec, progress: Any = null_progress, refs: Refs | None = None) -> JobResult:

@@ -225,7 +225,7 @@ def test_references_that_do_not_fit_together_are_refused(settings, tmp_path: Pat
     _store_result(settings, fisher["id"], tensors={"fisher": {"w.weight": torch.ones(6, 3)}})
     with pytest.raises(SpecError) as err:
         services.submit(settings, "mask", {"fisher": f"job:{fisher['id']}", "model": "arith-base"})
-    assert err.value.errors == [{"field": "fisher", "message": "parameter 'w.weight' has shape [6, 3] here but [4, 3] in the model"}]
+    assert err.value.errors == [{"field": "fisher", "message": "parameter 'w.weight' has shape [6, 3] in the fisher but [4, 3] in the model"}]
     ok = services.submit(settings, "mask", {"fisher": f"job:{fisher['id']}", "model": "other-arch"})
     assert ok["status"] == "queued"
     with pytest.raises(SpecError, match="tuned: different architecture: parameter 'w.weight'"):
@@ -239,7 +239,7 @@ def test_references_that_do_not_fit_together_are_refused(settings, tmp_path: Pat
         services.submit(settings, "train", {"model": "arith-base", "mask": str(mask)})
     mask = Path(settings.zoo_dir) / "mask.safetensors"  # inside the allowed model roots
     save_file({"x": torch.ones(2, dtype=torch.bool)}, str(mask))
-    with pytest.raises(SpecError, match="mask: parameter 'x' is not in the model"):
+    with pytest.raises(SpecError, match="mask: parameter 'x' is in the mask but not in the model"):
         services.submit(settings, "train", {"model": "arith-base", "mask": str(mask)})
     assert _messages(settings) == [{"task": RUN_JOB, "args": [j], "kwargs": {}} for j in (fisher["id"], ok["id"])]
 
