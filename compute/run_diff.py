@@ -9,8 +9,8 @@ from compute.analysis import cells_heatmap, ratio_heatmap
 from compute.artifacts import load_scores, ref_of
 from compute.contract.jobresult import Heatmap, JobResult, LayerStat, SeriesPoint, null_progress
 from compute.contract.kinds import Refs
-from compute.contract.specs import DiffSpec
 from compute.diff import ATOLS, REL_TOLS, diff_checkpoints, open_checkpoint, threshold_labels
+from compute.jobs.diff import DiffSpec
 from compute.naming import layer_index, module_type
 from compute.naming import layer_sort_key as _layer_sort
 

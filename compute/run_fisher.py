@@ -18,7 +18,6 @@ import torch
 from compute import analysis
 from compute.contract.jobresult import JobResult, Progress, null_progress
 from compute.contract.kinds import Refs
-from compute.contract.specs import FisherSpec
 from compute.fisher import (
     ExactOutputUnsupported,
     FisherConfig,
@@ -26,6 +25,7 @@ from compute.fisher import (
     exact_output_fisher,
     relative_error,
 )
+from compute.jobs.fisher import FisherSpec
 
 
 def shard_range(spec: FisherSpec, shard_index: int) -> tuple[int, int]:

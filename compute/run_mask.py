@@ -15,7 +15,7 @@ from compute.analysis import ratio_heatmap
 from compute.artifacts import load_scores, ref_of
 from compute.contract.jobresult import Heatmap, JobResult, LayerStat, null_progress
 from compute.contract.kinds import Ref, Refs
-from compute.contract.specs import MaskSpec
+from compute.jobs.mask import MaskSpec
 from compute.masks import density_by, select_mask
 from compute.naming import layer_index, module_type
 

@@ -33,7 +33,7 @@ from typing import Any
 
 from compute.contract.jobresult import Heatmap, JobResult, SeriesPoint, null_progress
 from compute.contract.kinds import Refs
-from compute.contract.specs import DEFAULT_TEACHERS, RetentionSpec
+from compute.jobs.retention import DEFAULT_TEACHERS, RetentionSpec
 
 SMALL_MODEL_PARAMS = 20_000_000  # below this, CPU runs use one torch thread
 FISHER_SEED = 0  # sampling seed of the initial Fisher: the same in every unit

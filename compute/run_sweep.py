@@ -38,7 +38,8 @@ from typing import Any
 
 from compute.contract.jobresult import Heatmap, JobResult, SeriesPoint, null_progress
 from compute.contract.kinds import Refs
-from compute.contract.specs import SweepSpec, TrainSpec
+from compute.jobs.sweep import SweepSpec
+from compute.jobs.train import TrainSpec
 
 POINT_KEYS = (
     "lr", "optimizer", "precision", "unchanged_exact", "unchanged_bf16", "unchanged_bf16delta_atol_1e-05",

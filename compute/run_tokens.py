@@ -7,7 +7,7 @@ from typing import Any
 
 from compute.contract.jobresult import Heatmap, JobResult, LayerStat, null_progress
 from compute.contract.kinds import Refs
-from compute.contract.specs import TokensSpec
+from compute.jobs.tokens import TokensSpec
 from compute.naming import layer_index, module_type
 from compute.tokens import TokensConfig, TokenSet, decode_token, encode_context, token_mechanism
 

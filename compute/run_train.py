@@ -18,7 +18,7 @@ import torch
 from compute.artifacts import ref_of
 from compute.contract.jobresult import JobResult, SeriesPoint, null_progress
 from compute.contract.kinds import Ref, Refs
-from compute.contract.specs import TrainSpec
+from compute.jobs.train import TrainSpec
 
 FISHER_SELECTORS = ("fisher", "fisher-tensor", "fisher-bottom")
 

@@ -1,10 +1,10 @@
 """Job kind -> pure compute entry points, imported lazily (the web process never imports torch).
 
-Every kind's module (RUNNERS below) has the entry point
+Every kind's runner module (`KIND.runner` in compute/jobs/<kind>.py) has the entry point
 
     run(spec, progress, refs=None) -> JobResult
 
-where `spec` is the matching pydantic model of `compute.contract.specs`, `progress(fraction, message)`
+where `spec` is the kind's pydantic spec (`KIND.spec`), `progress(fraction, message)`
 reports a fraction in [0, 1] and may raise `JobCancelled` (the user cancelled), and JobResult is
 the kind's typed result. `run` does the whole job in this process: the CLI's direct commands
 call it, and so does the worker when a job has no child units.
@@ -65,15 +65,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-RUNNERS: dict[str, str] = {
-    "fisher": "compute.run_fisher:run",
-    "mask": "compute.run_mask:run",
-    "train": "compute.run_train:run",
-    "sweep": "compute.run_sweep:run",
-    "retention": "compute.run_retention:run",
-    "diff": "compute.run_diff:run",
-    "tokens": "compute.run_tokens:run",
-}
+from compute.jobs.registry import KINDS
+
+# kind -> "module:function", read from the registry (tests point an entry at a toy runner)
+RUNNERS: dict[str, str] = {k.name: k.runner for k in KINDS.values()}
 
 CHILD_FUNCTIONS = ("children", "run_child", "combine")
 

@@ -12,7 +12,8 @@ from typing import Any, NoReturn
 
 import click
 
-from compute.contract.specs import SpecError, parse_spec
+from compute.contract.specs import SpecError
+from compute.jobs.registry import parse_spec
 
 
 def fail(message: str, code: int = 2) -> NoReturn:

@@ -22,7 +22,10 @@ from app.commands.common import (
     write_json,
 )
 from app.commands.options import spec_options
-from compute.contract.specs import DiffSpec, MaskSpec, RetentionSpec, TokensSpec
+from compute.jobs.diff import DiffSpec
+from compute.jobs.mask import MaskSpec
+from compute.jobs.retention import RetentionSpec
+from compute.jobs.tokens import TokensSpec
 
 
 def _num(x: Any, digits: int = 4) -> str:

@@ -9,7 +9,7 @@ import click
 
 from app.commands.common import run_job, spec_from_options, write_json
 from app.commands.options import spec_options
-from compute.contract.specs import FisherSpec
+from compute.jobs.fisher import FisherSpec
 
 
 def _summary_table(result: Any) -> str:

@@ -20,7 +20,8 @@ from app.commands.common import (
     write_json,
 )
 from app.commands.options import spec_options
-from compute.contract.specs import SweepSpec, TrainSpec
+from compute.jobs.sweep import SweepSpec
+from compute.jobs.train import TrainSpec
 
 
 def _fmt(x: Any) -> str:

@@ -86,9 +86,11 @@ def _vocab(folder: Path) -> dict[str, int] | None:
     return {**vocab, **{t["content"]: t["id"] for t in tok.get("added_tokens") or []}}
 
 
-def compatibility(kind: str, found: dict[str, Path], algo: str | None) -> list[dict[str, str]]:
+def compatibility(found: dict[str, Path], algo: str | None) -> list[dict[str, str]]:
     """What the worker would refuse about two references together (`found`: field -> local
-    model folder or artifact file), as field errors."""
+    model folder or artifact file), as field errors. By field, whatever the kind: a Fisher or
+    mask must fit the model it is used with (or the checkpoints it is compared with), a tuned
+    checkpoint its base."""
     got = {f: shapes(p) for f, p in found.items()}
     errors = []
 
@@ -99,16 +101,14 @@ def compatibility(kind: str, found: dict[str, Path], algo: str | None) -> list[d
             if why:
                 errors.append({"field": field, "message": why})
 
-    if kind in ("mask", "train"):
-        check("fisher", "model", "the model")
-        check("mask", "model", "the model")
-    if kind == "diff":
-        base, tuned = got.get("base"), got.get("tuned")
-        if base is not None and tuned is not None:
-            why = mismatch(base, tuned, "base", "tuned", both=True, tied_ok=True)
-            if why:
-                errors.append({"field": "tuned", "message": "different architecture: " + why})
-        check("fisher", "base", "the checkpoints")
+    check("fisher", "model", "the model")
+    check("mask", "model", "the model")
+    base, tuned = got.get("base"), got.get("tuned")
+    if base is not None and tuned is not None:
+        why = mismatch(base, tuned, "base", "tuned", both=True, tied_ok=True)
+        if why:
+            errors.append({"field": "tuned", "message": "different architecture: " + why})
+    check("fisher", "base", "the checkpoints")
     if algo == "opd" and "teacher" in found and "model" in found:
         vs, vt = _vocab(found["model"]), _vocab(found["teacher"])
         if vs is not None and vt is not None and vs != vt:

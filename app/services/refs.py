@@ -38,34 +38,36 @@ from compute.contract.kinds import Ref, RefTarget
 
 
 def ref_fields(kind: str) -> dict[str, RefTarget]:
-    """Spec field -> what it names, for every reference field of job kind `kind` (model fields
-    first, in MODEL_FIELDS order, then artifact fields): the one place that says which fields
-    are references. With the job-kind registry this becomes `dict(KINDS[kind].refs)`."""
-    from compute.contract.specs import SPECS
+    """Spec field -> what it names, for every reference field of job kind `kind`: the kind's
+    `KIND.refs` (compute/jobs/<kind>.py), the one place that says which fields are references."""
+    from compute.jobs import registry
 
-    fields = SPECS[kind].model_fields if kind in SPECS else {}
-    out: dict[str, RefTarget] = {f: "model" for f in mr.MODEL_FIELDS if f in fields}
-    for f in mr.ARTIFACT_FIELDS.get(kind, ()):
-        out[f] = f  # type: ignore[assignment]  # fisher, mask, gradient name their own target
-    return out
+    return dict(registry.get(kind).refs)
 
 
 def job_outputs(field: str, target: RefTarget) -> tuple[tuple[str, ...], str]:
-    """(job kinds whose `job:N` can fill `field`, the artifact kind it reads). With the registry:
-    kinds whose KIND.outputs has `target`, and outputs[target]."""
-    return mr.JOB_REF_TARGETS.get(field if target != "model" else "model", ((), target))
+    """(job kinds whose `job:N` can fill a field of `target`, the artifact kind it reads): the
+    kinds whose KIND.outputs has `target`. Every producer stores it under the same artifact kind
+    (compute/jobs/registry.py checks)."""
+    from compute.jobs import registry
+
+    kinds = registry.producers(target)
+    arts = {registry.get(k).outputs[target] for k in kinds}
+    return kinds, (arts.pop() if len(arts) == 1 else target)
 
 
 def spec_values(kind: str, spec: Any) -> dict[str, tuple[str, RefTarget]]:
     """field -> (what the spec names, its target), for the reference fields the spec fills. A
     retention job's default OPD teacher counts as given (it is what the worker loads)."""
+    from compute.jobs import registry
+
+    job_kind = registry.get(kind)
+    implied = dict(job_kind.implied_refs(spec)) if job_kind.implied_refs else {}
     out: dict[str, tuple[str, RefTarget]] = {}
     for field, target in ref_fields(kind).items():
         value = getattr(spec, field, None)
-        if not value and field == "teacher" and kind == "retention" and spec.algo == "opd":
-            from compute.contract.specs import DEFAULT_TEACHERS
-
-            value = DEFAULT_TEACHERS.get(spec.model)
+        if not value:
+            value = implied.get(field)
         if isinstance(value, str) and value.strip():
             out[field] = (value.strip(), target)
     return out

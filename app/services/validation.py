@@ -12,7 +12,8 @@ from app.services import refs as resolver
 from app.services.compat import compatibility
 from compute.contract.kinds import Ref
 from compute.contract.modelref import inside_roots
-from compute.contract.specs import SpecError, parse_spec
+from compute.contract.specs import SpecError
+from compute.jobs.registry import parse_spec
 
 Errors = list[dict[str, str]]
 
@@ -49,7 +50,7 @@ def check_spec(
             errors.append(resolver.field_error("layer", exc))
     if not errors:
         found = {f: Path(r.local) for f, r in refs.items() if r.local}
-        errors += compatibility(kind, found, getattr(spec, "algo", None))
+        errors += compatibility(found, getattr(spec, "algo", None))
     task = getattr(spec, "task", None)
     if isinstance(task, str) and task.startswith("jsonl:"):
         try:

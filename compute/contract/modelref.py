@@ -1,6 +1,6 @@
 """Reference names without a database: zoo names, local HF directories inside the allowed roots,
 hub ids, the `job:N` syntax, content hashes of model folders and files, and which spec fields are
-references (MODEL_FIELDS, ARTIFACT_FIELDS, JOB_REF_TARGETS).
+references.
 
 Pure (the contract imports pydantic and itself only; this module uses the standard library).
 The one resolver of every reference form, `job:N` and owners included, is app.services.refs: it
@@ -18,7 +18,7 @@ from typing import Any
 
 ZOO_NAMES = ("arith-base", "arith-teacher", "arith-deep-base", "arith-deep-teacher")
 # Real pretrained models converted into the zoo by `fisherlens zoo add NAME` (compute.zoo).
-REAL_MODEL_NAMES = ("smollm2-135m",)
+REAL_MODEL_NAMES = ("smollm2-135m", "gemma3-270m")
 
 # org/name on the Hugging Face hub (no path tricks: no leading dot, no '..', exactly one '/').
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -31,20 +31,8 @@ _file_digests: dict[tuple[str, int, int], str] = {}  # (path, mtime_ns, size) ->
 
 JOB_REF = re.compile(r"^job:(\d{1,12})$")
 MODEL_FIELDS = ("model", "teacher", "base", "tuned")
-# What a `job:N` in each field must point at: field -> (job kinds accepted, artifact kind).
-# A train job stores its trained model folder as artifact "model" (and the mask it built, if any).
-JOB_REF_TARGETS: dict[str, tuple[tuple[str, ...], str]] = {
-    **{f: (("train",), "model") for f in MODEL_FIELDS},
-    "fisher": (("fisher",), "fisher"),
-    "mask": (("mask", "train"), "mask"),
-}
-# Spec fields, per job kind, that name an artifact file (path or job:N) rather than a model.
-ARTIFACT_FIELDS: dict[str, tuple[str, ...]] = {
-    "mask": ("fisher", "gradient"),
-    "train": ("mask", "fisher"),
-    "sweep": ("fisher",),
-    "diff": ("fisher",),
-}
+# Which fields are references, to what, and which job kinds provide each target (a `job:N`):
+# the kinds' `refs` and `outputs` (compute/jobs/<kind>.py, read through compute.jobs.registry).
 
 
 def job_ref_id(ref: Any) -> int | None:
@@ -193,7 +181,7 @@ def folder_revision(folder: Path) -> str:
 def spec_job_refs(kind: str, spec: Any) -> list[tuple[str, str]]:
     """(field, 'job:N') for every job reference in a spec of job `kind`."""
     out = []
-    for field in (*MODEL_FIELDS, *ARTIFACT_FIELDS.get(kind, ())):
+    for field in ref_fields(kind):
         ref = getattr(spec, field, None)
         if isinstance(ref, str) and ref.strip().startswith("job:"):
             out.append((field, ref.strip()))

@@ -23,7 +23,7 @@ log = logging.getLogger("fisherlens.worker")
 def execute_job(settings: Any, job_id: int, hostname: str | None = None) -> str:
     """Run one job to a final state, or fan it out when its kind's children(spec) > 1.
     Returns what happened (for logs and tests)."""
-    from compute.contract.specs import parse_spec
+    from compute.jobs.registry import parse_spec
     from compute.runners import child_count, get_runner
 
     worker = hostname or lifecycle.hostname(settings)

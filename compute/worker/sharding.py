@@ -71,7 +71,7 @@ def _save_output(settings: Any, job_id: int, output: Any) -> ArtifactInfo:
 def execute_shard(settings: Any, job_id: int, hostname: str | None = None) -> str:
     """Run one child unit (run_child of its parent's spec) and store its output."""
     from compute.contract.jobresult import JobResult
-    from compute.contract.specs import parse_spec
+    from compute.jobs.registry import parse_spec
 
     fault_point("after_receive", f"job={job_id}")  # tests only (compute.control)
     taken = claim(settings, job_id, hostname or lifecycle.hostname(settings))
@@ -127,7 +127,7 @@ def execute_finish(settings: Any, job_id: int, hostname: str | None = None) -> s
 
 def _load_outputs(settings: Any, taken: Claimed, children: list[Any], arts: list[Any]) -> Any:
     """(spec, protocol, [output of child 0, 1, ...]) read back from the children's artifacts."""
-    from compute.contract.specs import parse_spec
+    from compute.jobs.registry import parse_spec
 
     protocol = child_protocol(taken.kind)
     if protocol is None:

@@ -135,8 +135,8 @@ def test_the_checks_see_what_they_check() -> None:
     """The parser finds imports inside functions and resolves `from pkg import submodule`; the
     cycle finder finds cycles (so the empty answers above mean something)."""
     deps = imports_of(ROOT / "compute" / "worker" / "execute.py")
-    assert {"compute.worker.lifecycle", "compute.runners", "compute.contract.specs"} <= deps
-    assert "compute.worker.refs" in deps and "compute.contract.specs" in deps  # inside execute_job
+    assert {"compute.worker.lifecycle", "compute.runners", "compute.jobs.registry"} <= deps
+    assert "compute.worker.refs" in deps  # inside execute_job
     assert "compute.worker.reconciler" in imports_of(ROOT / "compute" / "worker" / "tasks.py")
     assert imports_of(ROOT / "storage" / "repo.py") >= {"storage.jobs", "storage.fanout"}
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}

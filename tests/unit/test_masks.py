@@ -207,7 +207,7 @@ def model_dir(tmp_path, monkeypatch):
 
 
 def test_run_mask_fisher_and_magnitude(model_dir) -> None:
-    from compute.contract.specs import MaskSpec
+    from compute.jobs.mask import MaskSpec
     from compute.run_mask import run
 
     root, model, fisher = model_dir
@@ -230,7 +230,7 @@ def test_run_mask_fisher_and_magnitude(model_dir) -> None:
 
 def test_run_mask_gradient_and_errors(model_dir) -> None:
     from compute.artifacts import local_file
-    from compute.contract.specs import MaskSpec
+    from compute.jobs.mask import MaskSpec
     from compute.run_mask import run, sft_gradient
 
     root, model, fisher = model_dir
