@@ -178,16 +178,6 @@ def folder_revision(folder: Path) -> str:
     return h.hexdigest()
 
 
-def spec_job_refs(kind: str, spec: Any) -> list[tuple[str, str]]:
-    """(field, 'job:N') for every job reference in a spec of job `kind`."""
-    out = []
-    for field in ref_fields(kind):
-        ref = getattr(spec, field, None)
-        if isinstance(ref, str) and ref.strip().startswith("job:"):
-            out.append((field, ref.strip()))
-    return out
-
-
 def name_ref(field: str, value: str, target: str, settings: Any | None = None) -> Any:
     """A `Ref` (compute.contract.kinds) for library callers that run the engine without refs
     (tests, notebooks, benchmarks): a model by name (zoo, a folder inside the allowed roots, a
