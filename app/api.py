@@ -20,19 +20,24 @@ from pydantic import BaseModel, Field
 from starlette.background import BackgroundTask
 
 from app import plots, services
-from compute.contract.specs import SPECS, SpecError
+from compute.contract.specs import SpecError
+from compute.jobs.registry import NAMES as KIND_NAMES
 from storage.models import JOB_STATUSES
 
 ZOO_INFO_FILE = "fisherlens.json"  # written by compute.zoo next to each zoo model (no torch here)
 
 
-# Enumerated in the OpenAPI schema, so every schema-valid filter is accepted.
-JobKind: Any = Literal[tuple(SPECS)]  # type: ignore[valid-type]
+# Enumerated in the OpenAPI schema (the kinds from compute.jobs.registry), so every schema-valid
+# filter is accepted.
+JobKind: Any = Literal[KIND_NAMES]  # type: ignore[valid-type]
 JobStatus: Any = Literal[tuple(JOB_STATUSES)]  # type: ignore[valid-type]
 
 
 class JobRequest(BaseModel):
-    kind: str = Field(..., description=f"job kind: one of {', '.join(SPECS)}")
+    # a string with the registry's kinds as its schema enum: an unknown kind is answered by the
+    # spec validation (422 naming the accepted kinds), not a bare schema error
+    kind: str = Field(..., description=f"job kind: one of {', '.join(KIND_NAMES)}",
+                      json_schema_extra={"enum": list(KIND_NAMES)})
     spec: dict[str, Any] = Field(
         default_factory=dict,
         description="the job spec; keys as the matching CLI flags (see `fisherlens submit`)",
@@ -166,25 +171,22 @@ def register_local_model(settings: Any, path: str, name: str | None = None) -> d
     """Register a local HF folder (must be inside the allowed model roots) or a trained model
     (`job:N` of a succeeded train job) under a name. SpecError naming `path` otherwise. The
     stored source (the resolved path, or job:N) is usable as a job's `model`."""
-    from compute.contract.modelref import job_ref_id, model_revision, resolve_job_ref, resolve_model
+    from app import auth
+    from app.services import refs as resolver
     from storage import repo
 
-    try:
-        if job_ref_id(path) is not None:  # a trained model: its folder in the artifact store
-            art = resolve_job_ref(path.strip(), "model", settings)
-            resolved, folder, revision = f"job:{art.job_id}", art.path, art.sha256
-        else:
-            resolved = resolve_model(path.strip(), settings)
-            if not Path(resolved).is_absolute():
-                raise ValueError("model: register local folders only (hub ids are used directly)")
-            folder, revision = Path(resolved), model_revision(resolved, settings)
+    try:  # the one resolver: zoo, allowed folder, hub id, or job:N of a train job the caller may use
+        ref = resolver.resolve(settings, "path", path, "model", auth.current_user(settings))
+        if ref.form == "hub" or not ref.local:
+            raise ValueError("path: register local folders only (hub ids are used directly)")
     except ValueError as exc:
         msg = str(exc)
         raise SpecError([{"field": "path", "message": msg.split(": ", 1)[1] if msg.startswith(("model: ", "path: ")) else msg}]) from None
+    folder = Path(ref.local)
+    resolved = f"job:{ref.job_id}" if ref.form == "artifact" else ref.path
+    revision = ref.sha256 or ""
     info = _folder_info(folder)
-    label = (name or "").strip() or (art.label if job_ref_id(path) is not None else folder.name)
-    from app import auth
-
+    label = (name or "").strip() or (ref.label if ref.form == "artifact" else folder.name)
     user = auth.current_user(settings)
     if settings.auth_required and not user.is_admin:
         raise auth.Forbidden("only admins register model names (they are shared by every user); "
@@ -270,8 +272,8 @@ def _add_job_routes(r: APIRouter, settings: Any) -> None:
                                   description="admins: one user's jobs (a name, or 'me'); default: "
                                   "everyone's. Others always get their own jobs"),
     ) -> Any:
-        if kind is not None and kind not in SPECS:
-            return spec_error_response(SpecError([{"field": "kind", "message": f"got {kind!r}; accepted: {', '.join(SPECS)}"}]))
+        if kind is not None and kind not in KIND_NAMES:
+            return spec_error_response(SpecError([{"field": "kind", "message": f"got {kind!r}; accepted: {', '.join(KIND_NAMES)}"}]))
         if status is not None and status not in JOB_STATUSES:
             return spec_error_response(SpecError([{"field": "status", "message": f"got {status!r}; accepted: {', '.join(JOB_STATUSES)}"}]))
         return services.without_error(

@@ -58,7 +58,9 @@ def compute_results(zoo_home: Path) -> list[Any]:
     from safetensors.torch import save_file
 
     from compute import run_diff, run_fisher, run_tokens
-    from compute.contract.specs import DiffSpec, FisherSpec, TokensSpec
+    from compute.jobs.diff import DiffSpec
+    from compute.jobs.fisher import FisherSpec
+    from compute.jobs.tokens import TokensSpec
 
     fisher = run_fisher.run(FisherSpec(model="arith-base", prompts=16, samples=2, seed=0, device="cpu"))
     fpath = Path(tempfile.mkdtemp(prefix="bench-share-")) / "fisher.safetensors"

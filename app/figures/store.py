@@ -29,6 +29,7 @@ from app.figures.labels import name_layer_cells, name_layers
 from app.figures.registry import entries, figures_for, tables_for
 from compute import analysis
 from compute.contract import results as contract
+from compute.jobs import registry
 
 log = logging.getLogger("fisherlens.figures")
 
@@ -41,7 +42,8 @@ PUBLIC_JOB_FIELDS = ("id", "kind", "status", "spec", "share_token", "created_at"
 def _code_key(extra: str = "") -> str:
     h = hashlib.sha256(f"plotly {plotly.__version__}\n{extra}".encode())
     here = Path(__file__).resolve().parent
-    drawing = [Path(contract.__file__).resolve(), Path(analysis.__file__).resolve()]
+    drawing = [Path(contract.__file__).resolve(), Path(analysis.__file__).resolve(),
+               *sorted(Path(registry.__file__).resolve().parent.glob("*.py"))]  # the kinds' contracts
     for path in [*drawing, *sorted(here.glob("*.py"))]:
         h.update(path.name.encode() + b"\0" + path.read_bytes())
     return h.hexdigest()[:16]
@@ -63,7 +65,7 @@ def build_payload(result: dict[str, Any]) -> dict[str, Any]:
     named layers), tables. `result` is the dict of `services.result_by_token`."""
     job = result.get("job") or {}
     kind = result.get("kind") or job.get("kind")
-    typed = contract.parse_result(result) if kind in contract.KINDS else None
+    typed = registry.parse_result(result) if kind in registry.KINDS else None
     titles = {e.name: e.title for e in entries(str(kind))} if typed else {}
     figures = []
     for name, fig in figures_for(typed) if typed else []:

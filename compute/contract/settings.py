@@ -78,7 +78,17 @@ class Settings(BaseSettings):
         description="Colon-separated folders from which local HF model directories may be registered/loaded.",
     )
     trust_remote_code: bool = Field(
-        default=False, description="Operator opt-in for transformers' trust_remote_code."
+        default=False,
+        description="Operator opt-in for transformers' trust_remote_code: off, a model whose "
+        "config.json names its own code (auto_map) is refused at submit, and the one loader "
+        "(compute.models.load_model) never runs model code.",
+    )
+    hf_hub_offline: bool = Field(
+        default=False,
+        description="HF_HUB_OFFLINE: hub models only from the local cache (1/true/yes/on).",
+    )
+    transformers_offline: bool = Field(
+        default=False, description="TRANSFORMERS_OFFLINE: the same switch, transformers' name."
     )
     public_url: str = Field(
         default="http://127.0.0.1:7860", description="Base URL used when printing share links."
@@ -104,6 +114,28 @@ class Settings(BaseSettings):
         gt=0,
         description="A job `queued` this long whose message is in no queue (nor held by a "
         "consumer for less than this) is re-sent by the reconciler.",
+    )
+
+    # -- worker processes (compute/worker/, compute/celery_app.py, compute/device.py) ----------
+    fisherlens_queue: str = Field(
+        default="fisherlens",
+        description="FISHERLENS_QUEUE: the broker queue of every job kind; separates stacks "
+        "sharing one Redis (and tests).",
+    )
+    fisherlens_max_attempts: int = Field(
+        default=2, ge=1,
+        description="FISHERLENS_MAX_ATTEMPTS: starts of a job whose worker died before it gives "
+        "up (2: a lost job is re-run once).",
+    )
+    fisherlens_worker_name: str | None = Field(
+        default=None,
+        description="FISHERLENS_WORKER_NAME: this worker's name in job rows; unset: "
+        "<prefix>-<pid>@<host>.",
+    )
+    fisherlens_device: str | None = Field(
+        default=None,
+        description="FISHERLENS_DEVICE: what device 'auto' means (cpu, cuda, cuda:N); unset: "
+        "cuda when available, else cpu.",
     )
 
     # -- accounts and limits (app/auth/, app/limits.py) -------------------------------------
@@ -162,6 +194,17 @@ class Settings(BaseSettings):
     @property
     def artifact_cache(self) -> Path:
         return (self.artifact_cache_dir or self.home / "artifact-cache").expanduser().resolve()
+
+    @field_validator("hf_hub_offline", "transformers_offline", mode="before")
+    @classmethod
+    def _flag(cls, v: object) -> object:
+        """huggingface_hub's own reading: 1/true/yes/on (any case) is on, anything else off."""
+        return v.strip().lower() in ("1", "true", "yes", "on") if isinstance(v, str) else v
+
+    @property
+    def offline(self) -> bool:
+        """No network for the hub: HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE (parsed here only)."""
+        return self.hf_hub_offline or self.transformers_offline
 
     @property
     def home(self) -> Path:

@@ -29,7 +29,9 @@ from storage.models import FINAL_STATUSES, Job, utcnow
 
 log = logging.getLogger("fisherlens.worker")
 
-MAX_ATTEMPTS = int(os.environ.get("FISHERLENS_MAX_ATTEMPTS", "2"))  # a lost job is re-run once
+# The default of Settings.fisherlens_max_attempts (FISHERLENS_MAX_ATTEMPTS): a lost job is re-run
+# once. Code reads the setting (settings.fisherlens_max_attempts), never the environment.
+MAX_ATTEMPTS = 2
 PROGRESS_EVERY_S = 0.5  # progress writes and cancel checks hit the database at most this often
 
 # Default names carry the pid, so a worker can tell a dead sibling on its own host from a live one.
@@ -42,8 +44,13 @@ def default_worker_name(prefix: str = "worker", pid: int | None = None) -> str:
     return f"{prefix}-{pid or os.getpid()}@{socket.gethostname()}"
 
 
-def hostname() -> str:
-    return os.environ.get("FISHERLENS_WORKER_NAME") or default_worker_name()
+def hostname(settings: Any | None = None) -> str:
+    """Settings.fisherlens_worker_name (FISHERLENS_WORKER_NAME), else `<worker>-<pid>@<host>`."""
+    if settings is None:
+        from compute.contract.settings import get_settings
+
+        settings = get_settings()
+    return settings.fisherlens_worker_name or default_worker_name()
 
 
 def sessions(settings: Any) -> Any:
@@ -180,6 +187,7 @@ class Claimed:
     spec: dict[str, Any]
     parent_id: int | None
     index: int
+    refs: dict[str, Any] | None = None  # jobs.refs: the references resolved at submit
 
 
 def _skip_reason(settings: Any, s: Any, job: Job | None, worker: str) -> str | None:
@@ -195,7 +203,7 @@ def _skip_reason(settings: Any, s: Any, job: Job | None, worker: str) -> str | N
     if job.cancel_requested:
         repo.mark_cancelled(session=s, job_id=job.id, message="cancelled before it ran")
         return "cancelled"
-    if job.attempts >= MAX_ATTEMPTS:
+    if job.attempts >= settings.fisherlens_max_attempts:
         repo.mark_failed(
             session=s,
             job_id=job.id,
@@ -221,7 +229,8 @@ def claim(settings: Any, job_id: int, worker: str) -> Claimed | str:
             log.info("job %s skipped: %s", job_id, skip)
             return skip
         assert job is not None
-        taken = Claimed(job_id, job.kind, dict(job.spec), job.parent_id, int(job.shard_index or 0))
+        taken = Claimed(job_id, job.kind, dict(job.spec), job.parent_id, int(job.shard_index or 0),
+                        job.refs)
         claimed = repo.claim_job(
             session=s, job_id=job_id, worker=worker, stale_after_s=settings.job_stale_after_s
         )

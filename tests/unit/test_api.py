@@ -240,7 +240,7 @@ def test_web_process_does_not_import_torch(tmp_path):
 
 def test_ui_form_values_become_valid_specs_and_html_is_escaped():
     from app import ui
-    from compute.contract.specs import parse_spec
+    from compute.jobs.registry import parse_spec
 
     forms = {
         "fisher": dict(model="arith-base", task="arithmetic", prompts=8.0, samples=2.0, estimator="sequence",

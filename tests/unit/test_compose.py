@@ -16,7 +16,7 @@ from compute.contract.settings import Settings
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
 # Environment names read by code outside Settings (each is documented where it is read).
-NON_SETTINGS_ENV = {"HF_HOME", "FISHERLENS_QUEUE", "FISHERLENS_DEVICE", "FISHERLENS_MAX_ATTEMPTS"}
+NON_SETTINGS_ENV = {"HF_HOME"}
 
 
 @pytest.fixture(scope="module")
