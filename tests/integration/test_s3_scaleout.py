@@ -150,9 +150,6 @@ def test_research_loop_web_and_two_workers_share_no_disk(cluster: Cluster) -> No
     spec = {"model": f"job:{train['id']}", "prompts": 4, "samples": 2, **SMALL}
     job = services.submit(settings, "fisher", spec, reuse=False)
     done = cluster.stack.wait_final(job["id"], timeout=400)
-    if done["status"] != "succeeded" and "outside the allowed model roots" in done["message"]:
-        pytest.xfail("fisher of a trained model (job:N as model) is being fixed in the resolver "
-                     f"rewrite (compute/contract/modelref.py); here: {done['message']}")
     assert done["status"] == "succeeded", f"{done}\n{cluster.stack.logs()}"
     assert services.result_by_id(settings, job["id"])["summary"]["n_samples"] == 8
 
@@ -162,7 +159,7 @@ def test_sharded_fisher_one_shard_on_each_machine(cluster: Cluster) -> None:
     one shard, the combine read both from the store, and the result is the one-process one."""
     import torch
 
-    from compute.contract.specs import parse_spec
+    from compute.jobs.registry import parse_spec
     from compute.run_fisher import run
 
     cluster.machine("gpu-a", faults=("mid_job",))
