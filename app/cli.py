@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import click
 
-from app.commands import experiments, fisher, jobs, training, users, zoo
+from app.commands import doctor, experiments, fisher, jobs, training, users, zoo
 from app.commands.kinds import kind_commands
 
 
@@ -22,7 +22,7 @@ def main() -> None:
 # one command per registered job kind (its own report where a kind has one, else generic)
 for command in kind_commands([*fisher.commands, *experiments.commands, *training.commands]):
     main.add_command(command)
-for module in (zoo, jobs, users):
+for module in (zoo, jobs, users, doctor):
     for command in module.commands:
         main.add_command(command)
 

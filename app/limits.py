@@ -68,17 +68,11 @@ def count_params(folder: Path) -> int | None:
         return None
 
 
-def model_params(settings: Any, ref: str) -> int | None:
-    """Parameter count of a spec's model reference (zoo name, local folder, job:N), or None
-    when it cannot be counted here (hub ids, folders without safetensors, bad references)."""
-    from compute.contract.modelref import resolve_model
-
-    try:
-        resolved = resolve_model(ref, settings)
-    except ValueError:
-        return None
-    path = Path(resolved)
-    return count_params(path) if path.is_absolute() and path.is_dir() else None
+def model_params(ref: Any) -> int | None:
+    """Parameter count of a resolved model reference (app.services.refs: zoo, local folder,
+    job:N), or None when it cannot be counted here (hub ids, folders without safetensors)."""
+    path = Path(ref.local) if ref.local else None
+    return count_params(path) if path is not None and path.is_dir() else None
 
 
 # ---------------------------------------------------------------- token-passes per kind
@@ -91,21 +85,31 @@ def token_passes(kind: str, spec: Any) -> int:
     return int(registry.get(kind).cost(spec))
 
 
-def estimate(settings: Any, kind: str, spec: Any) -> dict[str, Any]:
+def estimate(settings: Any, kind: str, spec: Any, refs: dict[str, Any] | None = None) -> dict[str, Any]:
     """{"token_passes", "params", "cost", "prompt_tokens_assumed", "model"}. `params` is the
     largest model the spec names (None if it cannot be counted); `cost` = token_passes x params
-    (at least one pass over the weights), None when params is None."""
+    (at least one pass over the weights), None when params is None. `refs`: the spec's resolved
+    references (submit passes them); without, they are resolved here for the caller, and a
+    reference the caller may not use (another user's job:N) counts exactly like one that does
+    not exist: unknown."""
+    from app.services import refs as resolver
+
+    values = {f: v for f, v in resolver.spec_values(kind, spec).items() if v[1] == "model"}
+    if refs is None:
+        from app import auth
+
+        refs, _ = resolver.resolve_values(settings, values, auth.optional_user(settings),
+                                          hash_models=False)
     params: int | None = None
     unknown: list[str] = []
-    named = [(f, ref) for f in registry.get(kind).ref_fields("model") if (ref := getattr(spec, f, None))]
-    for field, ref in named:
-        n = model_params(settings, ref)
+    for field in values:
+        n = model_params(refs[field]) if field in refs else None
         if n is None:
             unknown.append(field)
         else:
             params = max(params or 0, n)
     passes = token_passes(kind, spec)
-    if not named:
+    if not values:
         params = 0  # no model named (a mask from a stored Fisher): no model runs
     cost = None if unknown or params is None else float(max(passes, 1) * params)
     return {

@@ -16,8 +16,6 @@ from __future__ import annotations
 
 import gzip
 import hashlib
-import html
-import json
 import threading
 from collections import OrderedDict
 from pathlib import Path
@@ -27,56 +25,29 @@ import plotly
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, HTMLResponse, Response
 
-from app import services
+from app import render, services
 from app.figures.store import FIGURES_KEY, store_for
-from compute.jobs import registry
 
 PLOTLY_JS = Path(plotly.__file__).resolve().parent / "package_data" / "plotly.min.js"
 PLOTLY_URL = f"/share-static/plotly-{plotly.__version__}.min.js"
-PAGE_KEY = FIGURES_KEY + "." + hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:8]
+# The page is a function of the stored figures and of the code that renders them (this file, app/render.py).
+PAGE_KEY = FIGURES_KEY + "." + hashlib.sha256(
+    Path(__file__).read_bytes() + Path(render.__file__).read_bytes()).hexdigest()[:8]
 # Finished results never change, but an owner may turn a link off (jobs.shared, app/auth/):
 # caches keep the page and revalidate each view with its ETag (a 304 costs one indexed read).
 FINISHED_CACHE = "public, no-cache"
 FINAL = ("succeeded", "failed", "cancelled")
 REFRESH_S = 5
-
-CSS = """
+PAGE_CSS = """
 body{font-family:system-ui,sans-serif;margin:0;background:#f8f9fa;color:#212529}
 main{max-width:72rem;margin:0 auto;padding:1rem 1.5rem 3rem}
 .fl-shared{background:#fff4e6;border:1px solid #ffd8a8;border-radius:6px;padding:.5rem .75rem}
-h1{margin:.75rem 0 .25rem}h2{margin:1.5rem 0 .5rem;font-size:1.2rem}
-.fl-meta{color:#495057;margin:.25rem 0}
-.fl-key{background:#fff;border-radius:8px;padding:.75rem 1rem;box-shadow:0 1px 6px rgba(0,0,0,.06)}
-.fl-key dl{display:grid;grid-template-columns:repeat(auto-fill,minmax(15rem,1fr));gap:.5rem 1.5rem;margin:.5rem 0}
-.fl-key dt{color:#495057;font-size:.85rem}.fl-key dd{margin:0;font-size:1.35rem;font-weight:600}
-.fl-key dd small{display:block;font-size:.75rem;font-weight:400;color:#868e96}
-.fl-verdict{padding:.4rem .6rem;border-radius:6px;margin:.25rem 0}
-.fl-good{background:#ebfbee;border:1px solid #8ce99a}.fl-fair{background:#fff9db;border:1px solid #ffe066}
-.fl-poor,.fl-warn{background:#fff5f5;border:1px solid #ffa8a8}.fl-none{background:#f1f3f5}
-.fl-warn{padding:.4rem .6rem;border-radius:6px;margin:.25rem 0}
-figure.fl-fig{position:relative;background:#fff;margin:0 0 1rem;padding:.5rem;border-radius:8px;box-shadow:0 1px 6px rgba(0,0,0,.06)}
-figure.fl-fig figcaption{position:absolute;width:1px;height:1px;overflow:hidden;clip:rect(0 0 0 0)}
-table{border-collapse:collapse;background:#fff;font-size:.85rem;margin:.25rem 0 1rem}
-caption{text-align:left;font-weight:600;padding:.25rem 0}th,td{border:1px solid #dee2e6;padding:.2rem .45rem;text-align:left}td.n{text-align:right}
-.fl-scroll{overflow-x:auto}
-.fl-bar{height:14px;background:#e9ecef;border-radius:7px;overflow:hidden;max-width:30rem}
-.fl-fill{height:100%;background:#4dabf7}
+h1{margin:.75rem 0 .25rem;font-size:1.6rem}
 .fl-failed{color:#c92a2a;font-weight:600}
-code{background:#f1f3f5;padding:0 .25rem;word-break:break-all}
 """
 
-DRAW_JS = """
-window.addEventListener('DOMContentLoaded', function () {
-  document.querySelectorAll('figure.fl-fig').forEach(function (f) {
-    var fig = JSON.parse(document.getElementById(f.id + '-data').textContent);
-    var el = f.querySelector('.fl-plot');
-    Plotly.newPlot(el, fig.data || [], fig.layout || {}, {responsive: true, displaylogo: false});
-  });
-});
-"""
 
-def esc(v: Any) -> str:
-    return html.escape("" if v is None else str(v), quote=True)
+esc = render.esc
 
 
 def not_found_page(token: str) -> str:
@@ -94,7 +65,7 @@ def _doc(title: str, body: str, head_extra: str = "") -> str:
     return (f'<!doctype html><html lang="en"><head><meta charset="utf-8">'
             f'<meta name="viewport" content="width=device-width,initial-scale=1">'
             f"<title>{esc(title)}</title><link rel=\"icon\" href=\"/fisherlens-static/favicon.svg\">"
-            f"<style>{CSS}</style>{head_extra}</head><body class=\"fl-share\"><main>{body}</main>"
+            f"<style>{PAGE_CSS}{render.CSS}</style>{head_extra}</head><body class=\"fl-share\"><main>{body}</main>"
             "</body></html>")
 
 
@@ -104,94 +75,22 @@ def _banner(token: str) -> str:
             " &middot; <a href='/'>fisherlens</a></div>")
 
 
-def _title(head: dict[str, Any]) -> str:
-    kind = registry.KINDS.get(head["kind"])
-    return f"{kind.title if kind else head['kind']} result #{head['id']}"
-
-
 def running_page(head: dict[str, Any], token: str) -> str:
     frac = max(0.0, min(1.0, float(head.get("progress") or 0.0)))
-    body = (f"{_banner(token)}<h1>{esc(_title(head))}</h1>"
+    body = (f"{_banner(token)}<h1>{esc(render.title(head))}</h1>"
             f"<p id='fl-status' data-status='{esc(head['status'])}'>This job is <b>{esc(head['status'])}</b>"
             f" ({100 * frac:.0f}%): {esc(services.public_message(head.get('message')))}</p>"
-            f"<div class='fl-bar'><div class='fl-fill' style='width:{100 * frac:.1f}%'></div></div>"
+            f"{render.progress_html(head)}"
             f"<p class='fl-meta'>This page reloads every {REFRESH_S} s and shows the result when the "
             "job has finished.</p>")
-    return _doc(f"fisherlens: {_title(head)} ({head['status']})", body,
+    return _doc(f"fisherlens: {render.title(head)} ({head['status']})", body,
                 f'<meta http-equiv="refresh" content="{REFRESH_S}">')
 
 
-def _script_json(obj: Any) -> str:
-    """JSON safe inside <script type="application/json">: '<', '>' and '&' only occur inside
-    strings, where their \\u escapes mean the same."""
-    return (json.dumps(obj, separators=(",", ":"))
-            .replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026"))
-
-
-def _cell(v: Any) -> str:
-    if v is None:
-        return "<td></td>"
-    if isinstance(v, bool):
-        return f"<td>{esc(v)}</td>"
-    if isinstance(v, int | float):
-        return f"<td class='n'>{esc(v)}</td>"
-    return f"<td>{esc(v)}</td>"
-
-
-def _table(headers: list[str], rows: list[list[Any]], caption: str = "") -> str:
-    cap = f"<caption>{esc(caption)}</caption>" if caption else ""
-    head = "".join(f"<th>{esc(h)}</th>" for h in headers)
-    body = "".join("<tr>" + "".join(_cell(v) for v in row) + "</tr>" for row in rows)
-    return f"<div class='fl-scroll'><table>{cap}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>"
-
-
-def key_section(numbers: dict[str, Any]) -> str:
-    parts = ["<section id='fl-key' class='fl-key'><h2>Key numbers</h2>"]
-    v = numbers.get("verdict")
-    if v:
-        parts.append(f"<div id='fl-verdict' class='fl-verdict fl-{esc(v['level'])}'>"
-                     f"<b>Reliability:</b> {esc(v['text'])}</div>")
-    for w in numbers.get("warnings") or []:
-        parts.append(f"<div class='fl-warn'><b>Warning:</b> {esc(w)}</div>")
-    items = numbers.get("items") or []
-    if items:
-        parts.append("<dl>" + "".join(
-            f"<div><dt>{esc(i['label'])}</dt><dd>{esc(i['value'])}"
-            + (f"<small>{esc(i['note'])}</small>" if i.get("note") else "") + "</dd></div>"
-            for i in items) + "</dl>")
-    t = numbers.get("table")
-    if t and t.get("rows"):
-        parts.append(_table(t["headers"], t["rows"], t.get("title", "")))
-    if not items and not v and not (t and t.get("rows")):
-        parts.append("<p class='fl-meta'>This kind of result has no headline numbers; see the "
-                     "figures and tables below.</p>")
-    return "".join(parts) + "</section>"
-
-
-def _downloads(job: dict[str, Any], artifacts: list[dict[str, Any]]) -> str:
-    token = esc(job.get("share_token"))
-    links = [f"<a href='/api/results/{token}/stats.csv' download>stats CSV</a>",
-             f"<a href='/api/results/{token}/stats.json' download>stats JSON</a>",
-             f"<a href='/api/results/{token}'>raw JSON</a>"]
-    for a in artifacts:
-        ext = "zip" if a.get("is_dir") else "safetensors"
-        links.append(f"<a href='/api/results/{token}/artifacts/{esc(a.get('kind'))}' download>"
-                     f"{esc(a.get('kind'))} ({ext}, {(a.get('bytes') or 0) / 1e6:.2f} MB)</a>")
-    return "<p id='fl-downloads'>Downloads: " + " &middot; ".join(links) + "</p>"
-
-
-def _meta_line(job: dict[str, Any]) -> str:
-    spec = job.get("spec") or {}
-    bits = [f"{k} <b>{esc(spec[k])}</b>" for k in ("model", "task", "algo", "base", "tuned")
-            if spec.get(k)]
-    when = (job.get("finished_at") or "")[:19].replace("T", " ")
-    return f"<p class='fl-meta'>{', '.join(bits)}{'; ' if bits else ''}finished {esc(when)} UTC</p>"
-
-
 def result_page(head: dict[str, Any], token: str, payload: dict[str, Any] | None) -> str:
-    """The page of a finished job (payload: the stored figures; None for failed/cancelled)."""
-    job = (payload or {}).get("job") or head
-    parts = [_banner(token), f"<h1>{esc(_title(head))}</h1>"]
+    """The page of a finished job (payload: the stored figures; None for failed/cancelled): the
+    banner and title, then app.render's view of the result."""
+    parts = [_banner(token), f"<h1>{esc(render.title(head))}</h1>"]
     if head["status"] == "failed":
         parts.append(f"<p id='fl-status' data-status='failed' class='fl-failed'>This job failed: "
                      f"{esc(services.public_message(head.get('message')))}</p>")
@@ -202,34 +101,10 @@ def result_page(head: dict[str, Any], token: str, payload: dict[str, Any] | None
         parts.append("<p id='fl-status' data-status='missing'>The rows of this result are gone "
                      "from the database.</p>")
     else:
-        parts.append(_meta_line(job))
-        parts.append(key_section(payload.get("numbers") or {}))
-        figs = payload.get("figures") or []
-        if figs:
-            parts.append("<section id='fl-figures'><h2>Figures</h2>")
-            for i, f in enumerate(figs):
-                parts.append(f"<figure class='fl-fig' id='fl-fig-{i}'><figcaption>{esc(f['title'])}"
-                             "</figcaption><div class='fl-plot'></div></figure>"
-                             f"<script type='application/json' id='fl-fig-{i}-data'>"
-                             f"{_script_json(f['figure'])}</script>")
-            parts.append("</section>")
-        tables = payload.get("tables") or []
-        if tables:
-            parts.append("<section id='fl-tables'><h2>Tables</h2>")
-            parts += [f"<h3>{esc(t['title'])}</h3>{_table(t['headers'], t['rows'])}" for t in tables]
-            parts.append("</section>")
-        parts.append(_downloads(job, payload.get("artifacts") or []))
-        spec = job.get("spec") or {}
-        if spec:
-            parts.append("<details><summary>Settings of this run</summary>"
-                         + _table(["setting", "value"], [[k, _plain(v)] for k, v in spec.items()])
-                         + "</details>")
-    scripts = f'<script src="{PLOTLY_URL}" defer></script><script>{DRAW_JS}</script>' if payload else ""
-    return _doc(f"fisherlens: {_title(head)}", "".join(parts), scripts)
-
-
-def _plain(v: Any) -> Any:
-    return json.dumps(v) if isinstance(v, list | dict) else v
+        parts.append(render.result_html(payload))
+    scripts = (f'<script src="{PLOTLY_URL}" defer></script><script>{render.PAGE_DRAW_JS}</script>'
+               if payload else "")
+    return _doc(f"fisherlens: {render.title(head)}", "".join(parts), scripts)
 
 
 def etag_matches(header: str | None, etag: str) -> bool:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
@@ -51,6 +50,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     from app import accounts, auth
 
     _add_error_handlers(app)
+    app.add_middleware(_RequestBase)  # share links under the address the request reached us by
     app.add_middleware(auth.AccessGuard, settings=settings)  # body limit, cross-site, sign-in
     app.include_router(accounts.make_auth_router(settings))
     app.include_router(make_router(settings))
@@ -63,6 +63,25 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     _document_errors(app)
     _mount_ui(app, settings)
     return app
+
+
+class _RequestBase:
+    """ASGI middleware: services.REQUEST_BASE = the scheme://host this request was addressed to,
+    for share links when PUBLIC_URL is not set (route handlers run in a copy of this context)."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope.get("type") != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers") or []}
+        token = services.REQUEST_BASE.set(services.base_url(headers, scope.get("scheme") or "http"))
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            services.REQUEST_BASE.reset(token)
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -182,7 +201,6 @@ def serve(host: str = "127.0.0.1", port: int = 7860, settings: Settings | None =
     from app.auth import check_bind
 
     check_bind(host, settings)  # no open non-loopback server without AUTH_REQUIRED
-    if "PUBLIC_URL" not in os.environ and "public_url" not in os.environ:
-        shown = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
-        settings = settings.model_copy(update={"public_url": f"http://{shown}:{port}"})
+    # Without PUBLIC_URL, share links use the address each request reached us by
+    # (services.share_url), so --host 0.0.0.0 hands out links that work from other machines.
     uvicorn.run(create_app(settings), host=host, port=port, log_level="warning")

@@ -74,7 +74,7 @@ def seed_database(settings: Any, results: list[Any]) -> list[str]:
     """Store each result as a succeeded job; returns their share tokens."""
     from app import services
     from storage import repo
-    from storage.artifacts import ArtifactStore
+    from storage.artifacts import open_store
 
     tokens = []
     with services.sessions(settings)() as s:
@@ -83,7 +83,7 @@ def seed_database(settings: Any, results: list[Any]) -> list[str]:
                                   spec_hash=f"bench-share-{i}")
             repo.claim_job(session=s, job_id=job.id, worker="bench", stale_after_s=3600)
             repo.save_result(session=s, job_id=job.id, result=res,
-                             store=ArtifactStore(settings.artifacts_dir))
+                             store=open_store(settings))
             repo.mark_succeeded(session=s, job_id=job.id)
             tokens.append(job.share_token)
     return tokens

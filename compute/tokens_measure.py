@@ -103,9 +103,13 @@ def measure_fast(z: torch.Tensor, probs: torch.Tensor, params: dict[str, torch.n
             g_t = rg.inner_products(f, f).cpu()
             gram += g_t
             gbar_t[name] = float(g_t[-1, -1])
+        if progress:
+            progress(0.0, "checking the factored gradients against autograd")
         note = _check_gbar(z, probs, params, gbar_t)
         if note:
             return note
+        if progress:
+            progress(0.0, f"token sensitivities 0/{len(dev_rows)}")
         per_row = 16 * sum(c.output.numel() for c in calls)  # cotangents and factors, float32
         step = max(1, budget // max(1, per_row))
         n = len(dev_rows)

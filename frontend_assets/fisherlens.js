@@ -15,3 +15,20 @@
     window.history.replaceState(null, "", u);
   }, true);
 })();
+
+// Elapsed time of a queued or running job (app/render.py progress_html: data-since, UTC ISO),
+// ticked every second between the server's progress updates.
+(function () {
+  function tick() {
+    document.querySelectorAll(".fl-elapsed[data-since]").forEach(function (el) {
+      let since = el.getAttribute("data-since");
+      if (!/[zZ]|[+-]\d\d:?\d\d$/.test(since)) since += "Z";
+      const s = Math.max(0, Math.round((Date.now() - Date.parse(since)) / 1000));
+      if (!isFinite(s)) return;
+      const text = s < 120 ? s + " s" : Math.floor(s / 60) + " min " + (s % 60) + " s";
+      el.textContent = "\u00b7 " + (el.getAttribute("data-what") || "running") + " for " + text;
+    });
+  }
+  setInterval(tick, 1000);
+  document.addEventListener("DOMContentLoaded", tick);
+})();

@@ -226,10 +226,9 @@ def up_cmd(host: str | None, port: int | None, no_worker: bool) -> None:
     from app.auth import check_bind
 
     check_bind(host, settings)  # before the zoo build and the worker: refuse an open server early
-    if "PUBLIC_URL" not in os.environ:
-        shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
-        os.environ["PUBLIC_URL"] = f"http://{shown}:{port}"
-    settings = get_settings()
+    # Without PUBLIC_URL, share links follow the address each browser used (app.services.share_url).
+    shown = "127.0.0.1" if host in ("0.0.0.0", "::") else host
+    url = settings.public_url if "PUBLIC_URL" in os.environ else f"http://{shown}:{port}"
     from storage.db import upgrade
 
     upgrade(settings.db_url)
@@ -258,7 +257,7 @@ def up_cmd(host: str | None, port: int | None, no_worker: bool) -> None:
             if supervisor is not None:
                 supervisor.wait()
             return
-        click.echo(f"fisherlens is up: {settings.public_url}  (Ctrl-C stops)")
+        click.echo(f"fisherlens is up: {url}  (Ctrl-C stops)")
         serve(host, port)
     except KeyboardInterrupt:
         pass

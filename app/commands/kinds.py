@@ -33,11 +33,11 @@ def generic_command(kind: JobKind) -> click.Command:
     """`fisherlens <kind> [CLI_ARGS] [--options] --out OUT` for a kind without its own command."""
 
     def command(out: str, **options: Any) -> None:
-        spec = spec_from_options(kind.name, options)
+        spec, refs = spec_from_options(kind.name, options)
         out_dir = Path(out)
         if out_dir.exists() and any(out_dir.iterdir()):
             fail(f"--out: {out} exists and is not empty; choose a new folder")
-        result = run_job(kind.name, spec)
+        result = run_job(kind.name, spec, refs)
         out_dir.mkdir(parents=True, exist_ok=True)
         data = json_safe(result.to_dict())
         write_json(out_dir / "result.json", data)

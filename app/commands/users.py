@@ -90,6 +90,10 @@ def list_cmd() -> None:
     with _sessions()() as s:
         for u in users.list_users(session=s):
             active = users.active_jobs(session=s, owner_id=u.id)
+            if u.name == users.LOCAL_USER and not u.password_hash and not users.list_tokens(session=s, user=u):
+                # the embedded mode's owner: no password, no token, nobody can sign in as it
+                click.echo(f"(embedded-mode owner '{u.name}': cannot sign in; {active} active jobs)")
+                continue
             jobs_limit = u.max_active_jobs if u.max_active_jobs is not None else (
                 settings.max_active_jobs_admin if u.is_admin else settings.max_active_jobs)
             cost = u.max_job_cost if u.max_job_cost is not None else (

@@ -258,10 +258,14 @@ def curves_figure(
 
 
 def cell(v: Any) -> Any:
+    """A table cell: floats to 4 significant digits; lists and mappings stay structured (the
+    renderer shows them as 'a 1 b 2' / '1, 2', never as Python text)."""
     if isinstance(v, float):
         return float(fmt(v)) if finite(v) is not None else None
-    if isinstance(v, list | dict):
-        return str(v)
+    if isinstance(v, list | tuple):
+        return [cell(x) for x in v]
+    if isinstance(v, dict):
+        return {str(k): cell(x) for k, x in v.items()}
     return v
 
 

@@ -28,17 +28,37 @@ def overlap_table(r: TypedResult[Any]) -> Table:
     return rows_table(rows, OVERLAP_COLUMNS)
 
 
+SUMMARY_MAX_LIST = 16  # a list of up to this many numbers/words is one cell; longer ones are figures
+SUMMARY_MAX_DICT = 60  # a mapping with more entries is a figure or table of its own, not summary rows
+
+
+def summary_rows(summary: Mapping[str, Any], prefix: str = "") -> list[list[Any]]:
+    """The summary as (dotted key, value) rows, nested mappings flattened ('bound.max_ratio'),
+    never a raw dict: records by name (every value a mapping) are tables of their own; short lists of scalars become one cell ('0.01, 0.05'); lists of records
+    and long series are left to the tables and figures that draw them; markdown (a copy of a
+    table shown as a table) is left out."""
+    rows: list[list[Any]] = []
+    for k, v in summary.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, Mapping):
+            if v and all(isinstance(x, Mapping) for x in v.values()):
+                continue  # records by name (per parameter, per scope): a table of its own
+            if len(v) <= SUMMARY_MAX_DICT:
+                rows += summary_rows(v, key + ".")
+        elif isinstance(v, list | tuple):
+            if len(v) <= SUMMARY_MAX_LIST and all(not isinstance(x, Mapping | list | tuple) for x in v):
+                rows.append([key, ", ".join(str(cell(x)) for x in v)])
+        elif isinstance(v, str) and ("\n" in v or k == "markdown"):
+            continue
+        else:
+            rows.append([key, cell(v)])
+    return rows
+
+
 @table(EVERY_KIND, "summary", title="Summary")
 def summary_table(r: TypedResult[Any]) -> Table:
-    """Flat scalar entries of the summary (nested objects shown as text)."""
-    rows: list[list[Any]] = []
-    for k, v in r.raw_summary.items():
-        if isinstance(v, dict) and k not in ("settings", "overlap_settings") and len(v) <= 40:
-            rows += [[f"{k}.{kk}", cell(vv)] for kk, vv in v.items()
-                     if not isinstance(vv, list | dict) or len(str(vv)) < 200]
-        elif not isinstance(v, list | dict) or len(str(v)) < 200:
-            rows.append([k, cell(v)])
-    return ["key", "value"], rows
+    """Every scalar of the summary, nested keys dotted (see summary_rows)."""
+    return ["key", "value"], summary_rows(r.raw_summary)
 
 
 def layer_stats_table(result: Mapping[str, Any]) -> Table:

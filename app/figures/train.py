@@ -19,8 +19,17 @@ from compute.jobs.train import (
 )
 
 from . import keynumbers as kn
-from .common import MAX_POINTS, curves_figure, downsample, empty_figure, finite, layout
-from .registry import figure, key_numbers, stored_heatmap
+from .common import (
+    MAX_POINTS,
+    Table,
+    curves_figure,
+    downsample,
+    empty_figure,
+    finite,
+    layout,
+    rows_table,
+)
+from .registry import figure, key_numbers, stored_heatmap, table
 
 HELDOUT_ACCURACY = "held-out accuracy (greedy)"
 TARGET_TITLES = {"grad_sq_sum": "the run's summed squared gradient (top-k)",
@@ -85,6 +94,19 @@ stored_heatmap("train", BOUND_HIST, log=True,
                title="Coordinates by log10 |gradient| (rows) and log10 sqrt(Fisher) (columns)")
 for _name, _target in zip(CONCENTRATION_AUC, CONCENTRATION_TARGETS, strict=True):
     stored_heatmap("train", _name, title=f"Initial Fisher as a predictor of {TARGET_TITLES[_target]}: ROC-AUC")
+
+
+@table("train", "concentration", title="Concentration: the Fisher's top-k vs the run (whole model)")
+def concentration_table(r: TypedResult[Any]) -> Table:
+    """One row per target the Fisher's top-k is compared with (its per-layer and per-module
+    values are the concentration heatmaps)."""
+    conc = r.raw_summary.get("concentration")
+    if not isinstance(conc, dict):
+        return [], []
+    rows = [{"target": TARGET_TITLES.get(t, t), "top-k fraction": conc.get("fraction"), **conc[t]["global"]}
+            for t in CONCENTRATION_TARGETS
+            if isinstance(conc.get(t), dict) and isinstance(conc[t].get("global"), dict)]
+    return rows_table(rows, ("target", "top-k fraction", "precision_at_k", "auc", "spearman", "jaccard_lift"))
 
 
 # ---------------------------------------------------------------- key numbers

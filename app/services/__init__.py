@@ -9,7 +9,14 @@ alone cannot say: model and artifact references, layer ranges, jsonl tasks), ``c
 (submit, list, cancel, rerun, sharing) and ``results`` (stored results and artifact downloads).
 """
 
-from app.services.common import public_message, sessions, share_url, without_error
+from app.services.common import (
+    REQUEST_BASE,
+    base_url,
+    public_message,
+    sessions,
+    share_url,
+    without_error,
+)
 from app.services.jobs import (
     cancel,
     get_job,
@@ -20,11 +27,12 @@ from app.services.jobs import (
     submit,
     trained_models,
 )
-from app.services.results import artifact_path, result_by_id, result_by_token
+from app.services.results import artifact_path, artifact_url, result_by_id, result_by_token
 from app.services.validation import check_spec, validate
 
 __all__ = [
     "artifact_path",
+    "artifact_url",
     "cancel",
     "check_spec",
     "get_job",
@@ -37,6 +45,8 @@ __all__ = [
     "sessions",
     "set_sharing",
     "share_url",
+    "REQUEST_BASE",
+    "base_url",
     "submit",
     "trained_models",
     "validate",

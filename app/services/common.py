@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextvars
 import re
+from collections.abc import Mapping
 from typing import Any
 
 from sqlalchemy.orm import Session, sessionmaker
@@ -15,8 +17,28 @@ def sessions(settings: Any) -> sessionmaker[Session]:
     return migrated_session_factory(settings.db_url)
 
 
-def share_url(settings: Any, token: str) -> str:
-    return f"{settings.public_url.rstrip('/')}/r/{token}"
+# The address the current web request reached this server by (set per request by app/web.py),
+# for share links when PUBLIC_URL is not set: a server started with --host 0.0.0.0 hands out
+# links that work from the machine that asked, not 127.0.0.1.
+REQUEST_BASE: contextvars.ContextVar[str | None] = contextvars.ContextVar("fisherlens_request_base", default=None)
+
+
+def base_url(headers: Mapping[str, str], scheme: str = "http") -> str | None:
+    """'http://host:port' from a request's Host (and X-Forwarded-Proto) header; None without one."""
+    host = (headers.get("x-forwarded-host") or headers.get("host") or "").split(",")[0].strip()
+    if not host or any(c in host for c in "/\\ @"):
+        return None
+    proto = (headers.get("x-forwarded-proto") or scheme or "http").split(",")[0].strip().lower()
+    return f"{proto if proto in ('http', 'https') else 'http'}://{host}"
+
+
+def share_url(settings: Any, token: str, base: str | None = None) -> str:
+    """The share link of `token`: under PUBLIC_URL when it is set, else under the address the
+    request reached us by (`base`, or the current web request's), else the default PUBLIC_URL."""
+    root = settings.public_url
+    if "public_url" not in settings.model_fields_set:
+        root = base or REQUEST_BASE.get() or root
+    return f"{root.rstrip('/')}/r/{token}"
 
 
 def public(settings: Any, job_dict: dict[str, Any], **extra: Any) -> dict[str, Any]:

@@ -8,6 +8,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from compute.contract.shapes import mismatch
+
 Shapes = dict[str, tuple[int, ...]]
 
 
@@ -69,17 +71,6 @@ def shapes(path: Path) -> Shapes | None:
     return out
 
 
-def _fits(part: Shapes, whole: Shapes, whose: str) -> str | None:
-    """Why tensors `part` (a Fisher or mask) do not belong to checkpoint `whole`, or None."""
-    for name, shape in part.items():
-        if name not in whole:
-            if name.endswith("lm_head.weight"):  # tied output layer: saved once, as the embedding
-                continue
-            return f"parameter {name!r} is not in {whose}; was it made for another model?"
-        if whole[name] != shape:
-            return (f"parameter {name!r} has shape {list(shape)} here but {list(whole[name])} "
-                    f"in {whose}")
-    return None
 
 
 def _vocab(folder: Path) -> dict[str, int] | None:
@@ -106,7 +97,7 @@ def compatibility(found: dict[str, Path], algo: str | None) -> list[dict[str, st
     def check(field: str, model_field: str, whose: str) -> None:
         part, whole = got.get(field), got.get(model_field)
         if part is not None and whole is not None:
-            why = _fits(part, whole, whose)
+            why = mismatch(part, whole, f"the {field}", whose, tied_ok=True)
             if why:
                 errors.append({"field": field, "message": why})
 
@@ -114,10 +105,20 @@ def compatibility(found: dict[str, Path], algo: str | None) -> list[dict[str, st
     check("mask", "model", "the model")
     base, tuned = got.get("base"), got.get("tuned")
     if base is not None and tuned is not None:
-        why = _fits(tuned, base, "base") or _fits(base, tuned, "tuned")
+        why = mismatch(base, tuned, "base", "tuned", both=True, tied_ok=True)
         if why:
             errors.append({"field": "tuned", "message": "different architecture: " + why})
     check("fisher", "base", "the checkpoints")
+    if base is not None and "run_dir" in found:  # every checkpoint of a run folder fits its base
+        from app.services.refs import checkpoints
+
+        for c in checkpoints(found["run_dir"]):
+            got_c = shapes(c)
+            why = ("has no readable safetensors weights" if got_c is None
+                   else mismatch(got_c, base, c.name, "the base", both=True, tied_ok=True))
+            if why:
+                errors.append({"field": "run_dir", "message": f"{c.name}: {why}"})
+                break
     if algo == "opd" and "teacher" in found and "model" in found:
         vs, vt = _vocab(found["model"]), _vocab(found["teacher"])
         if vs is not None and vt is not None and vs != vt:

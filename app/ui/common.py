@@ -10,7 +10,7 @@ from typing import Any
 import gradio as gr
 
 from app import api, auth, services
-from app.ui.snippets import errors_html, esc, job_label, note_html
+from app.ui.snippets import errors_html, esc, job_label, note_html, progress_html
 from compute.contract.specs import SpecError
 
 log = logging.getLogger(__name__)
@@ -57,23 +57,35 @@ def ref_choices(settings: Any, kind: str) -> list[tuple[str, str]]:
 
 
 def do_submit(settings: Any, kind: str, data: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
-    """Submit through the one validation path (services.submit); (job, message html)."""
+    """Submit through the one validation path (services.submit); (job, message html). The
+    message of a queued job is empty: its live status line says more (and never goes stale);
+    a reused result says so, which stays true."""
     try:
         job = services.submit(settings, kind, data)
     except SpecError as exc:
         return None, errors_html(exc.errors)
     except Exception as exc:  # noqa: BLE001 - shown to the user, never a traceback
         return None, note_html(f"Could not submit: {esc(exc)}", "error")
-    what = "Reused the stored result of an identical job" if job.get("reused") else "Queued"
-    return job, note_html(f"{what}: job #{job['id']} ({esc(kind)}).")
+    if job.get("reused"):
+        return job, note_html(f"Job #{job['id']} is the stored result of an identical job (nothing recomputed).")
+    return job, ""
 
 
-def submit_and_show(settings: Any, kind: str, data: dict[str, Any]) -> tuple[Any, Any, Any]:
-    """Updates for (message, view token, tabs): the new job is shown in the result tab."""
+def submitted_html(job: dict[str, Any] | None) -> str:
+    """The live line of the last job submitted from the forms: its progress, and a link to it."""
+    if job is None:
+        return ""
+    link = f"<a href='/?tab=result&r={esc(job['share_token'])}'>open the result</a>"
+    return f"<div class='fl-submitted'><span>Last submitted:</span>{progress_html(job)}{link}</div>"
+
+
+def submit_and_show(settings: Any, kind: str, data: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
+    """Updates for (message, view token, tabs, submitted token): the new job is shown in the
+    result tab, and followed by the live line above the forms."""
     job, msg = do_submit(settings, kind, data)
     if job is None:
-        return msg, gr.skip(), gr.skip()
-    return msg, job["share_token"], gr.Tabs(selected="result")
+        return msg, gr.skip(), gr.skip(), gr.skip()
+    return msg, job["share_token"], gr.Tabs(selected="result"), job["share_token"]
 
 
 def who_am_i(settings: Any) -> tuple[str, Any]:

@@ -1,6 +1,7 @@
-"""Compare tab: two stored results side by side, from their stored figures (app/figures/store.py),
-so layers carry their names ("embeddings", "final norm", "lm_head") exactly as on the share page;
-same-named heatmaps get one colour range."""
+"""Compare tab: two stored results side by side, each with its key numbers (app/render.py, as on
+the share page) and its stored figures (app/figures/store.py), so layers carry their names
+("embeddings", "final norm", "lm_head") exactly as on the share page; same-named heatmaps get one
+colour range."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from urllib.parse import urlencode
 
 import gradio as gr
 
+from app import render
 from app.ui.common import job_choices
 from app.ui.figs import figures_box, figures_html, same_colour_range
 from app.ui.result import job_by_token, stored_payload
@@ -35,12 +37,12 @@ def build() -> CompareTab:
         b = gr.Dropdown(label="right result", allow_custom_value=True, elem_id="compare-b")
         button = gr.Button("Compare", variant="primary")
     with gr.Row():
-        with gr.Column():
-            head_a = gr.HTML()
-            figs_a = figures_box("compare-figs-a")
-        with gr.Column():
-            head_b = gr.HTML()
-            figs_b = figures_box("compare-figs-b")
+        with gr.Column(min_width=300):
+            head_a = gr.HTML(elem_id="compare-head-a")
+            figs_a = figures_box("compare-figs-a", elem_classes=["fl-result"])
+        with gr.Column(min_width=300):
+            head_b = gr.HTML(elem_id="compare-head-b")
+            figs_b = figures_box("compare-figs-b", elem_classes=["fl-result"])
     return CompareTab(a, b, button, head_a, figs_a, head_b, figs_b)
 
 
@@ -56,7 +58,8 @@ def _side(settings: Any, token: str | None) -> tuple[str, list[dict[str, Any]]]:
     if meta["status"] != "succeeded":
         return spec_html(meta) + progress_html(meta), []
     payload = stored_payload(settings, meta) or {}
-    return spec_html(meta), list(payload.get("figures") or [])[:COMPARE_FIGS]
+    head = f"<div class='fl-result'>{spec_html(meta)}{render.key_section(payload.get('numbers') or {})}</div>"
+    return head, list(payload.get("figures") or [])[:COMPARE_FIGS]
 
 
 def _copy(figs: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -1,56 +1,33 @@
-"""Stored figures drawn in the browser: one HTML block per view, drawn by the same local plotly.js
-as the share page.
+"""Stored figures drawn in the browser: the result view (app/render.py) is one HTML block whose
+figures carry their Plotly JSON, drawn by the same local plotly.js and the same draw function as
+the share page.
 
 Why not one gr.Plot per figure: each Plot is a component that Gradio mounts and that lazily imports
 its own Plotly bundle when the first value arrives, so a reopened result waited seconds between
 its header and its figures. Here plotly.js is requested with the page (`head`, cached for a year
-by the share router), and the figures arrive as Plotly JSON inside one HTML value that a small
-observer draws as soon as it lands.
+by the share router), and the figures arrive inside one HTML value that a small observer draws as
+soon as it lands.
 """
 
 from __future__ import annotations
 
-import html
-import json
 from typing import Any
 
 import gradio as gr
 
+from app import render
+from app.render import figures_html
 from app.share import PLOTLY_URL
 
-PLOTLY_HEAD = f'<script src="{PLOTLY_URL}"></script>'  # the share page's copy, cached for a year
-# Draw every not-yet-drawn `.fl-plot` under this component (on load and whenever its HTML value
-# is replaced); waits for plotly.js if the view arrives before the script has run.
-DRAW_JS = """
-const draw = () => {
-  const todo = element.querySelectorAll('.fl-plot[data-fig]:not([data-drawn])');
-  if (!todo.length) { return; }
-  if (!window.Plotly) { setTimeout(draw, 30); return; }
-  todo.forEach((el) => {
-    el.setAttribute('data-drawn', '1');
-    const fig = JSON.parse(el.getAttribute('data-fig'));
-    window.Plotly.newPlot(el, fig.data || [], fig.layout || {}, {responsive: true, displaylogo: false});
-  });
-};
-new MutationObserver(draw).observe(element, {childList: true, subtree: true});
-draw();
-"""
+__all__ = ["PLOTLY_HEAD", "figures_box", "figures_html", "same_colour_range"]
 
-
-def figures_html(figures: list[dict[str, Any]], prefix: str) -> str:
-    """Stored figures ({name, title, figure}) as `<figure id='{prefix}-{i}'>` blocks."""
-    out = []
-    for i, f in enumerate(figures):
-        data = html.escape(json.dumps(f["figure"], separators=(",", ":")), quote=True)
-        out.append(f"<figure class='fl-fig' id='{prefix}-{i}' data-name='{html.escape(str(f.get('name', '')))}'>"
-                   f"<div class='fl-plot' data-fig=\"{data}\"></div></figure>")
-    return "".join(out)
+# the share page's plotly.js (cached for a year) and the result view's styles, once per page
+PLOTLY_HEAD = f'<script src="{PLOTLY_URL}"></script><style>{render.CSS}</style>'
 
 
 def figures_box(elem_id: str, **kw: Any) -> gr.HTML:
-    """The component that shows `figures_html(...)` values."""
-    return gr.HTML("", elem_id=elem_id, head=PLOTLY_HEAD,
-                   js_on_load=DRAW_JS, **kw)
+    """The component that shows a result view or `figures_html(...)` values."""
+    return gr.HTML("", elem_id=elem_id, js_on_load=render.COMPONENT_DRAW_JS, **kw)
 
 
 def same_colour_range(left: list[dict[str, Any]], right: list[dict[str, Any]]) -> None:

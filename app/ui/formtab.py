@@ -66,9 +66,9 @@ def field_input(kind: str, name: str, *, blank: bool = False, value: Any = None)
     spec metadata."""
     d = forms.describe(kind, name)
     eid = f"{kind}-{name.replace('_', '-')}"
-    if name in MODEL_FIELDS:
+    if name in MODEL_FIELDS:  # wide enough for 'smollm2-135m (dequantised from Q4_1)' uncut
         return gr.Dropdown(label=d.label, info=d.help, allow_custom_value=True, elem_id=eid,
-                           choices=[NONE_CHOICE] if d.optional else [])
+                           choices=[NONE_CHOICE] if d.optional else [], scale=2, min_width=340)
     listed = ref_kind(kind, name)
     if listed is not None and d.widget == "text":
         return gr.Dropdown(label=f"{d.label} (a succeeded {listed} job)", info=d.help,
@@ -106,12 +106,12 @@ def build_form(d: FormDef) -> Form:
 # ---------------------------------------------------------------- handlers
 
 
-def submit(settings: Any, kind: str, names: list[str], *values: Any) -> tuple[Any, Any, Any]:
-    """Updates for (message, view token, tabs) after the submit button."""
+def submit(settings: Any, kind: str, names: list[str], *values: Any) -> tuple[Any, Any, Any, Any]:
+    """Updates for (message, view token, tabs, submitted token) after the submit button."""
     try:
         data = forms.form_data(kind, names, values)
     except SpecError as exc:
-        return errors_html(exc.errors), gr.skip(), gr.skip()
+        return errors_html(exc.errors), gr.skip(), gr.skip(), gr.skip()
     return submit_and_show(settings, kind, data)
 
 

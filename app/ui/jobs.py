@@ -33,7 +33,8 @@ def build() -> JobsTab:
         status = gr.Dropdown([("any status", ""), *[(s, s) for s in JOB_STATUSES]], value="", label="status")
         owner = gr.Dropdown([("my jobs", "me"), ("all users", "all")], value="me", label="owner",
                             visible=False, elem_id="jobs-owner")
-        job_id = gr.Number(None, label="job id", step=1)
+        # text, not gr.Number: a Number shows 0 before anything is typed, and job 0 does not exist
+        job_id = gr.Textbox("", label="job id", placeholder="an id from the table, e.g. 12", elem_id="jobs-id")
         with gr.Column(min_width=120):
             open_ = gr.Button("Open", size="sm")
             cancel = gr.Button("Cancel", size="sm", variant="stop")
@@ -61,11 +62,17 @@ def jobs_filtered(settings: Any, kind: str, status: str, owner: str = "me") -> t
 
 def job_action(settings: Any, action: str, job_id: Any) -> tuple[str, Any, Any]:
     """Open / cancel / re-run job `job_id`: (message, view token, tabs)."""
-    if job_id is None:
+    text = "" if job_id is None else str(job_id).strip().lstrip("#")
+    if not text:
         return note_html("Give a job id.", "error"), gr.skip(), gr.skip()
-    if not float(job_id).is_integer():  # no rounding: 1.5 is not job 2
-        return note_html(f"job id: got {job_id}; give a whole number", "error"), gr.skip(), gr.skip()
-    job_id = int(job_id)
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value.is_integer() or value < 1:  # no rounding: 1.5 is not job 2
+        return note_html(f"job id: got {esc(job_id)}; give a whole number from the table (1 or more)",
+                         "error"), gr.skip(), gr.skip()
+    job_id = int(value)
     try:
         if action == "cancel":
             job = services.cancel(settings, job_id)

@@ -52,6 +52,9 @@ class Page:
     banner: Any
     tabs: Any
     others: list[Any]  # the tabs hidden on a read-only page: new, jobs, tokens, compare, models
+    sub_token: Any = None  # the last job submitted from the forms, and its live line
+    sub_sig: Any = None
+    jobline: Any = None
 
     @property
     def tab_new(self) -> Any:
@@ -82,6 +85,7 @@ def build_ui(settings: Any) -> gr.Blocks:
                          "fisherlens explorer</a></div>", visible=False)
         with gr.Tabs(selected="new", elem_id="fl-tabs") as tabs:
             with gr.Tab("New job", id="new", elem_id="tab-new") as tab_new:
+                jobline = gr.HTML(elem_id="fl-submitted", elem_classes=["fl-quiet"])
                 with gr.Tabs():
                     built = []
                     for d in form_defs():  # one sub-tab per registered kind with a form
@@ -89,7 +93,7 @@ def build_ui(settings: Any) -> gr.Blocks:
                             built.append(build_form(d))
             with gr.Tab("Jobs", id="jobs", elem_id="tab-jobs") as tab_jobs:
                 jt = jobs.build()
-            with gr.Tab("Result", id="result", elem_id="tab-result"):
+            with gr.Tab("Result", id="result", elem_id="tab-result") as tab_result:
                 rt = result.build()
             with gr.Tab("Token explorer", id="tokens", elem_id="tab-tokens") as tab_tokens:
                 kt = tokens.build()
@@ -98,10 +102,12 @@ def build_ui(settings: Any) -> gr.Blocks:
             with gr.Tab("Models", id="models", elem_id="tab-models") as tab_models:
                 mt = models.build()
         page = Page(view_token, view_sig, readonly, tok_token, tok_sig, jobs_last, url_box, user_box, banner, tabs,
-                    [tab_new, tab_jobs, tab_tokens, tab_compare, tab_models])
+                    [tab_new, tab_jobs, tab_tokens, tab_compare, tab_models], gr.State(""), gr.State(""), jobline)
         _wire_page(demo, settings, page, rt, ct, jt)
         _wire_forms(demo, settings, page, built, kt)
         _wire_tabs(settings, page, rt, jt, kt, ct, mt)
+        # jobs submitted meanwhile (another tab, the CLI) appear in the picker
+        tab_result.select(bind(result.result_choices, settings), inputs=view_token, outputs=rt.pick, **FAST)
     return demo
 
 
@@ -116,30 +122,37 @@ def _wire_page(demo: gr.Blocks, settings: Any, p: Page, rt: result.ResultTab, ct
                        *compare.outputs(ct, p.url_box)[:4], *result_out], **FAST)
     demo.load(bind(who_am_i, settings), outputs=[p.user_box, jt.owner], **FAST)
     # a new token (a submitted job, the picker, re-run, new link): drawn unless already shown
-    p.view_token.change(bind(result.result_view, settings), inputs=state_in, outputs=result_out, **FAST)
+    p.view_token.change(bind(result.follow, settings), inputs=state_in, outputs=result_out, **FAST)
 
 
 def _wire_forms(demo: gr.Blocks, settings: Any, p: Page, built: list[Form], kt: tokens.TokensTab) -> None:
     """Submit buttons, cost lines, model and job-reference dropdowns of the job forms."""
     for f in built:
         f.button.click(bind(submit, settings, f.d.kind, f.names), inputs=f.inputs,
-                       outputs=[f.msg, p.view_token, p.tabs])
+                       outputs=[f.msg, p.view_token, p.tabs, p.sub_token])
         if f.cost is not None:
             for widget in f.inputs:  # the estimate follows what the user changes
                 widget.input(bind(cost, settings, f.d.kind, f.names), inputs=f.inputs, outputs=f.cost, **FAST)
     costed = [f for f in built if f.cost is not None]
     model_boxes = [(c, opt) for f in built for c, opt in f.models] + [(kt.model, False)]
+    roles = [f"{f.d.kind}.{f.names[f.inputs.index(c)]}" for f in built for c, _ in f.models] + ["tokens.model"]
     boxes = [c for c, _ in model_boxes]
     optional = [opt for _, opt in model_boxes]
     refresh = bind(refresh_models, settings, optional)
     cost_inputs = [c for f in costed for c in f.inputs]
     slots = [(pos, boxes.index(c)) for pos, c in enumerate(cost_inputs) if c in boxes]
-    demo.load(bind(models_and_costs, settings, optional, [(f.d.kind, f.names) for f in costed], slots),
+    demo.load(bind(models_and_costs, settings, optional, [(f.d.kind, f.names) for f in costed], slots, roles),
               inputs=[*boxes, *cost_inputs], outputs=[*boxes, *[f.cost for f in costed if f.cost is not None]], **FAST)
     for tab in (p.tab_new, p.tab_tokens):  # a model trained meanwhile appears
         tab.select(refresh, inputs=boxes, outputs=boxes, **FAST)
     refs = [(c, kind) for f in built for c, kind in f.refs]
-    p.tab_new.select(bind(refresh_refs, settings, [k for _, k in refs]), outputs=[c for c, _ in refs], **FAST)
+    fill_refs = bind(refresh_refs, settings, [k for _, k in refs])
+    # the job-reference pickers (a Fisher for a mask, ...): filled on page load, when the New job
+    # tab is shown, and after each submit
+    demo.load(fill_refs, outputs=[c for c, _ in refs], **FAST)
+    p.tab_new.select(fill_refs, outputs=[c for c, _ in refs], **FAST)
+    for f in built:
+        f.button.click(fill_refs, outputs=[c for c, _ in refs], **FAST)
 
     run = bind(tokens.run_tokens, settings)
     token_out = [kt.msg, p.tok_token, p.tok_sig]
@@ -174,7 +187,7 @@ def _wire_tabs(settings: Any, p: Page, rt: result.ResultTab, jt: jobs.JobsTab, k
     mt.button.click(bind(models.register, settings), inputs=[mt.path, mt.name], outputs=[mt.msg, mt.table])
 
     poll_in = [p.view_token, p.view_sig, p.readonly, jt.kind, jt.status, p.jobs_last, p.tok_token, p.tok_sig,
-               jt.owner]
+               jt.owner, p.sub_token, p.sub_sig]
     gr.Timer(POLL_S).tick(bind(poll_all, settings), inputs=poll_in,
                           outputs=[*result.outputs(rt, p.url_box, p.view_sig), jt.table, p.jobs_last,
-                                   *tokens.poll_outputs(kt, p.tok_sig)], **FAST)
+                                   *tokens.poll_outputs(kt, p.tok_sig), p.jobline, p.sub_sig], **FAST)

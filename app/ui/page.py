@@ -71,7 +71,10 @@ def on_load(settings: Any, request: gr.Request) -> list[Any]:
         pair = [*compare.compare_choices(settings, a, b), *compare.compare_view(settings, a, b)[:4]]
     else:
         pair = [gr.skip()] * 6
-    return [*head, *pair, *result.result_view(settings, token, "", readonly, force=True)]
+    shown = result.result_view(settings, token, "", readonly, force=True, base_url=result.base_of(request))
+    if not readonly and not token:  # the picker is filled on load, not only after "Refresh list"
+        shown[-1] = result.result_choices(settings)
+    return [*head, *pair, *shown]
 
 
 def refresh_models(settings: Any, optional: list[bool], *current: Any) -> list[Any]:
@@ -81,14 +84,30 @@ def refresh_models(settings: Any, optional: list[bool], *current: Any) -> list[A
     return [model_dropdown(models, v, opt) for v, opt in zip(current, optional, strict=True)]
 
 
+def diff_defaults(settings: Any) -> dict[str, str]:
+    """What the checkpoint diff starts with: the newest trained model against the model it was
+    trained from ({"diff.base": ..., "diff.tuned": "job:N"}); nothing when no train job exists
+    (base and tuned then start at the same model, and the form says to pick a tuned one)."""
+    from app import services
+
+    for t in services.trained_models(settings, limit=1):
+        base = (t.get("spec") or {}).get("model")
+        if base:
+            return {"diff.base": str(base), "diff.tuned": t["ref"]}
+    return {}
+
+
 def models_and_costs(settings: Any, optional: list[bool], layout: list[tuple[str, list[str]]],
-                     slots: list[tuple[int, int]], *values: Any) -> list[Any]:
+                     slots: list[tuple[int, int]], roles: list[str], *values: Any) -> list[Any]:
     """Page load: the model dropdowns (`values` starts with their current values) and the cost
     lines of the forms (`layout`, their inputs follow), in ONE event, so a cost line is never
     computed from older values than the form shows. `slots`: (position among the form inputs,
-    model dropdown index) of the inputs that are model dropdowns."""
+    model dropdown index) of the inputs that are model dropdowns; `roles`: each dropdown's
+    "kind.field" (the diff's base and tuned start as base vs the newest trained model)."""
     boxes, inputs = values[:len(optional)], list(values[len(optional):])
     models = model_names(settings)
+    starts = diff_defaults(settings)
+    boxes = tuple(v or starts.get(role) for v, role in zip(boxes, roles, strict=True))
     chosen = [chosen_model(models, v, opt) for v, opt in zip(boxes, optional, strict=True)]
     for pos, box in slots:
         inputs[pos] = chosen[box]
@@ -103,12 +122,15 @@ def refresh_refs(settings: Any, kinds: list[str]) -> list[Any]:
 
 
 def poll_all(settings: Any, token: str, sig: str, readonly: bool, kind: str, status: str, last: str,
-             ttoken: str, tsig: str, owner: str = "me") -> list[Any]:
-    """One poll per tick for the whole page: result progress, jobs table, token job."""
+             ttoken: str, tsig: str, owner: str = "me", stoken: str = "", ssig: str = "",
+             request: gr.Request | None = None) -> list[Any]:
+    """One poll per tick for the whole page: result progress, jobs table, token job, the live
+    line of the last submitted job."""
     try:
-        return [*result.result_view(settings, token, sig, readonly),
+        return [*result.result_view(settings, token, sig, readonly, base_url=result.base_of(request)),
                 *jobs.jobs_view(settings, kind, status, last, owner),
-                *tokens.poll_tokens(settings, ttoken, tsig)]
+                *tokens.poll_tokens(settings, ttoken, tsig),
+                *result.submitted_view(settings, stoken, ssig)]
     except Exception:  # noqa: BLE001 - e.g. a busy database: try again next tick, no modal
         log.warning("poll failed; retrying on the next tick", exc_info=True)
-        return [gr.skip()] * (result.N_OUT + 2 + 4)
+        return [gr.skip()] * (result.N_OUT + 2 + 4 + 2)

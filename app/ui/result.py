@@ -1,5 +1,7 @@
-"""Result tab: one job's progress, spec, share link, downloads and its STORED figures and tables
-(app/figures/store.py: built once when first viewed, the same file the share page draws)."""
+"""Result tab: one job's progress, share link and its STORED result, drawn by app/render.py (the
+share page's renderer: key numbers first, warnings as banners, figures, tables, downloads,
+settings) from app/figures/store.py's payload (built once when first viewed, the same file the
+share page draws)."""
 
 from __future__ import annotations
 
@@ -9,20 +11,11 @@ from urllib.parse import urlencode
 
 import gradio as gr
 
-from app import auth, services
+from app import auth, render, services
 from app.figures.store import store_for
-from app.share import key_section
-from app.ui.common import job_choices
-from app.ui.figs import figures_box, figures_html
-from app.ui.snippets import (
-    downloads_html,
-    esc,
-    not_found_html,
-    note_html,
-    progress_html,
-    spec_html,
-    tables_html,
-)
+from app.ui.common import job_choices, submitted_html
+from app.ui.figs import figures_box
+from app.ui.snippets import esc, not_found_html, note_html, progress_html
 from storage.models import FINAL_STATUSES
 
 MAX_FIGS = 8  # figures shown in the result view (the share page shows them all)
@@ -34,49 +27,42 @@ class ResultTab:
     pick: Any
     refresh: Any
     progress: Any
-    spec: Any
     share: Any
     copy: Any
     reshare: Any
     cancel: Any
     rerun: Any
-    downloads: Any
     note: Any
-    figs: Any
-    tables: Any
+    view: Any
 
 
 def build() -> ResultTab:
     """The result tab's components (inside its gr.Tab)."""
-    with gr.Row(visible=True) as pick_row:
-        pick = gr.Dropdown(label="result", choices=[], allow_custom_value=True, scale=4,
+    with gr.Row(visible=True, elem_id="result-pick-row") as pick_row:
+        pick = gr.Dropdown(label="result", choices=[], allow_custom_value=True, scale=5,
                            elem_id="result-pick", elem_classes=["fl-quiet"])
-        refresh = gr.Button("Refresh list", size="sm", scale=1)
+        refresh = gr.Button("Refresh list", size="sm", scale=1, min_width=110)
     progress = gr.HTML(progress_html(None), elem_id="fl-progress", elem_classes=["fl-quiet"])
-    spec = gr.HTML(elem_classes=["fl-quiet"])
-    with gr.Row():
+    with gr.Row(elem_classes=["fl-share-row"]):
         share = gr.Textbox(label="share link (anyone with it sees this result, read-only)",
                            interactive=False, buttons=["copy"], elem_id="fl-share-url", scale=5,
                            elem_classes=["fl-quiet"])
-        copy = gr.Button("Copy link", size="sm", elem_id="fl-copy", scale=1)
-        reshare = gr.Button("New link", size="sm", elem_id="fl-reshare", scale=1)
-        cancel = gr.Button("Cancel job", size="sm", variant="stop", visible=False, scale=1)
-        rerun = gr.Button("Re-run", size="sm", visible=False, scale=1)
-    downloads = gr.HTML(visible=False, elem_classes=["fl-quiet"])
-    note = gr.HTML()
-    figs = figures_box("fl-figs", elem_classes=["fl-quiet"])
-    tables = gr.HTML(elem_id="fl-tables", elem_classes=["fl-quiet"])
-    return ResultTab(pick_row, pick, refresh, progress, spec, share, copy, reshare, cancel, rerun,
-                     downloads, note, figs, tables)
+        copy = gr.Button("Copy link", size="sm", elem_id="fl-copy", scale=1, min_width=100)
+        reshare = gr.Button("New link", size="sm", elem_id="fl-reshare", scale=1, min_width=100)
+        cancel = gr.Button("Cancel job", size="sm", variant="stop", visible=False, scale=1, min_width=100)
+        rerun = gr.Button("Re-run", size="sm", visible=False, scale=1, min_width=100)
+    note = gr.HTML(visible=False)
+    view = figures_box("fl-view", elem_classes=["fl-quiet"])
+    return ResultTab(pick_row, pick, refresh, progress, share, copy, reshare, cancel, rerun, note, view)
 
 
 def outputs(t: ResultTab, url_box: Any, sig: Any) -> list[Any]:
     """The components `result_view` updates, in its order."""
-    return [t.progress, t.spec, t.share, t.downloads, t.cancel, t.rerun, t.note, t.figs, t.tables,
-            url_box, sig, t.pick]
+    return [t.progress, t.share, t.cancel, t.rerun, t.note, t.view, url_box, sig, t.pick]
 
 
-N_OUT = 12
+N_OUT = 9
+VIEW = 5  # index of the result view in `outputs(...)`
 
 
 # ---------------------------------------------------------------- handlers
@@ -103,23 +89,27 @@ def _missing(token: str, sig: str, force: bool) -> list[Any]:
     new_sig = f"{token}:missing"
     if new_sig == sig and not force:
         return [gr.skip()] * N_OUT
-    return [not_found_html(token), "", "", gr.HTML(visible=False), gr.Button(visible=False),
-            gr.Button(visible=False), "", "", "", gr.skip(), new_sig, gr.skip()]
+    return [not_found_html(token), "", gr.Button(visible=False), gr.Button(visible=False), _note(""), "",
+            gr.skip(), new_sig, gr.skip()]
 
 
-def _figures(payload: dict[str, Any] | None) -> tuple[str, str, str]:
-    """(key numbers + figures html, tables html, note) of a stored payload: the numbers a
-    researcher came for first, as on the share page."""
-    figures = (payload or {}).get("figures") or []
-    tables = (payload or {}).get("tables") or []
-    note = "" if figures or tables else note_html("This result has no figures or tables.")
-    numbers = key_section((payload or {}).get("numbers") or {}) if payload else ""
-    return numbers + figures_html(figures[:MAX_FIGS], "fl-fig"), tables_html(tables), note
+def _note(text: str) -> Any:
+    """The note line under the share link, hidden when empty (no blank gap above the result)."""
+    return gr.HTML(value=text, visible=bool(text))
 
 
-def result_view(settings: Any, token: str, sig: str, readonly: bool, force: bool = False) -> list[Any]:
+def view_html(payload: dict[str, Any] | None, meta: dict[str, Any]) -> str:
+    """The result as the share page shows it (app/render.py), the first MAX_FIGS figures."""
+    if payload is None:
+        return note_html("The rows of this result are gone from the database.", "error")
+    return render.result_html(payload, meta, max_figures=MAX_FIGS)
+
+
+def result_view(settings: Any, token: str, sig: str, readonly: bool, force: bool = False,
+                base_url: str | None = None) -> list[Any]:
     """Updates for `outputs(...)`; gr.skip() everywhere when nothing changed since `sig`
-    (`force`: redraw anyway)."""
+    (`force`: redraw anyway). `base_url`: where the browser reached us (share links use it when
+    PUBLIC_URL is not set)."""
     if not token:
         return [gr.skip()] * N_OUT
     meta = job_by_token(settings, token)  # light: the job row only
@@ -130,64 +120,94 @@ def result_view(settings: Any, token: str, sig: str, readonly: bool, force: bool
     new_sig = f"{token}:{status}:{meta.get('progress')}:{meta.get('message')}"
     if new_sig == sig and not force:
         return [gr.skip()] * N_OUT
-    payload = stored_payload(settings, meta) if status == "succeeded" else None
-    ok = status == "succeeded"
-    head = [progress_html(meta), spec_html(meta), services.share_url(settings, token),
-            gr.HTML(value=downloads_html({"job": meta, "artifacts": (payload or {}).get("artifacts") or []})
-                    if ok else "", visible=ok),
+    head = [progress_html(meta), services.share_url(settings, token, base_url),
             gr.Button(visible=not readonly and not final), gr.Button(visible=not readonly and final)]
     path = f"/r/{token}" if readonly else "/?" + urlencode({"tab": "result", "r": token})
     status_changed = not sig.startswith(f"{token}:{status}:")
     pick = result_choices(settings, token) if status_changed and not readonly else gr.skip()
     was_final = sig.startswith(f"{token}:") and sig.split(":")[1] in FINAL_STATUSES
-    if not final:  # still running: progress only; figures appear once the result is stored
-        return [*head, gr.skip(), "", "", path, new_sig, pick]
+    if not final:  # still running: progress only; the result appears once it is stored
+        waiting = note_html("The result appears here when the job has finished.") if status_changed else gr.skip()
+        return [*head, _note(""), waiting, path, new_sig, pick]
     if was_final and not force:
-        return [*head, gr.skip(), gr.skip(), gr.skip(), path, new_sig, pick]
-    figs, tables, note = _figures(payload) if ok else ("", "", "")
-    return [*head, note, figs, tables, path, new_sig, pick]
+        return [*head, gr.skip(), gr.skip(), path, new_sig, pick]
+    if status != "succeeded":
+        return [*head, _note(""), "", path, new_sig, pick]
+    return [*head, _note(""), view_html(stored_payload(settings, meta), meta), path, new_sig, pick]
 
 
-def result_choices(settings: Any, token: str) -> Any:
+def submitted_view(settings: Any, token: str, sig: str) -> list[Any]:
+    """Updates for (the live line of the last submitted job, its signature): redrawn when the
+    job's status, progress or message changed, so "queued" never outlives the job."""
+    meta = job_by_token(settings, token) if token else None
+    if meta is None:
+        return [gr.skip(), sig]
+    new_sig = f"{token}:{meta['status']}:{meta.get('progress')}:{meta.get('message')}"
+    if new_sig == sig:
+        return [gr.skip(), sig]
+    return [submitted_html(meta), new_sig]
+
+
+def base_of(request: gr.Request | None) -> str | None:
+    """scheme://host the browser reached us by (share links when PUBLIC_URL is not set)."""
+    if request is None:
+        return None
+    try:
+        headers = {str(k).lower(): str(v) for k, v in dict(request.headers).items()}
+        url = str(getattr(request, "url", "") or "")
+    except Exception:  # noqa: BLE001 - no headers (a direct call): the configured PUBLIC_URL
+        return None
+    return services.base_url(headers, "https" if url.startswith("https:") else "http")
+
+
+def follow(settings: Any, token: str, sig: str, readonly: bool, request: gr.Request) -> list[Any]:
+    """The view token changed (a submitted job, the picker, re-run, new link): its view, unless
+    already shown."""
+    return result_view(settings, token, sig, readonly, base_url=base_of(request))
+
+
+def result_choices(settings: Any, token: str | None = None) -> Any:
+    """The picker: every job this user may see, newest first, the shown one selected."""
     choices = job_choices(settings)
     return gr.Dropdown(choices=choices, value=token if token in {c[1] for c in choices} else None)
 
 
-def pick_view(settings: Any, token: str | None, readonly: bool) -> list[Any]:
+def pick_view(settings: Any, token: str | None, readonly: bool, request: gr.Request) -> list[Any]:
     """A result picked in the dropdown: the new view token and its view in one round trip (the
     token's change event then finds the view already drawn)."""
-    return [token or "", *result_view(settings, token or "", "", readonly, force=True)]
+    return [token or "", *result_view(settings, token or "", "", readonly, force=True,
+                                      base_url=base_of(request))]
 
 
-def cancel_current(settings: Any, token: str) -> str:
+def cancel_current(settings: Any, token: str) -> Any:
     meta = job_by_token(settings, token) if token else None
     if meta is None:
-        return note_html("no job selected", "error")
+        return _note(note_html("no job selected", "error"))
     try:
         services.cancel(settings, meta["id"])
     except LookupError as exc:
-        return note_html(esc(exc), "error")
-    return note_html(f"Cancel requested for job #{meta['id']}.")
+        return _note(note_html(esc(exc), "error"))
+    return _note(note_html(f"Cancel requested for job #{meta['id']}."))
 
 
-def reshare_current(settings: Any, token: str) -> tuple[str, Any]:
+def reshare_current(settings: Any, token: str) -> tuple[Any, Any]:
     """The owner's "new share link": a new token; the old link answers 404 from now on."""
     meta = job_by_token(settings, token) if token else None
     if meta is None:
-        return note_html("no job selected", "error"), gr.skip()
+        return _note(note_html("no job selected", "error")), gr.skip()
     try:
         job = services.set_sharing(settings, meta["id"], "new")
     except (LookupError, ValueError) as exc:
-        return note_html(esc(exc), "error"), gr.skip()
-    return note_html("New share link: the old one no longer opens this result."), job["share_token"]
+        return _note(note_html(esc(exc), "error")), gr.skip()
+    return _note(note_html("New share link: the old one no longer opens this result.")), job["share_token"]
 
 
-def rerun_current(settings: Any, token: str) -> tuple[str, Any]:
+def rerun_current(settings: Any, token: str) -> tuple[Any, Any]:
     meta = job_by_token(settings, token) if token else None
     if meta is None:
-        return note_html("no job selected", "error"), gr.skip()
+        return _note(note_html("no job selected", "error")), gr.skip()
     try:
         job = services.rerun(settings, meta["id"])
     except (LookupError, ValueError, RuntimeError) as exc:
-        return note_html(esc(exc), "error"), gr.skip()
-    return note_html(f"Re-running as job #{job['id']}."), job["share_token"]
+        return _note(note_html(esc(exc), "error")), gr.skip()
+    return _note(note_html(f"Re-running as job #{job['id']}.")), job["share_token"]

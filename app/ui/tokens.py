@@ -9,13 +9,13 @@ from typing import Any
 
 import gradio as gr
 
-from app import plots, services
+from app import plots, render, services
 from app.ui import forms
 from app.ui.common import do_submit
 from app.ui.figs import figures_box, figures_html
 from app.ui.formtab import field_input
 from app.ui.result import job_by_token, stored_payload
-from app.ui.snippets import downloads_html, errors_html, progress_html
+from app.ui.snippets import errors_html, progress_html
 from compute.contract.specs import SpecError
 from compute.jobs.tokens import KIND
 
@@ -85,9 +85,10 @@ def poll_tokens(settings: Any, token: str, sig: str) -> list[Any]:
     res = services.result_by_token(settings, token)
     payload = stored_payload(settings, meta) or {}
     choices = plots.token_choices(res) if res else []
-    return [progress_html(meta) + downloads_html({"job": meta, "artifacts": payload.get("artifacts") or []}),
+    return [progress_html(meta) + render.downloads_html(meta, payload.get("artifacts") or []),
             gr.Radio(choices=choices, value=None, visible=bool(choices)),
-            figures_html(payload.get("figures") or [], "tokens-fig"), new_sig]
+            f"<div class='fl-result'>{render.key_section(payload.get('numbers') or {})}"
+            f"{figures_html(payload.get('figures') or [], 'tokens-fig')}</div>", new_sig]
 
 
 def extend_context(context: str | None, token: str | None) -> Any:

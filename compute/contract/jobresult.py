@@ -62,9 +62,8 @@ class JobResult:
 
         Checked against the kind's contract (compute/jobs/<kind>.py): a heatmap, series or
         layer_stats group the kind does not declare, or a summary field of the wrong type, raises
-        ContractError naming it. (The registry is imported here, not at module level: it imports
-        this package.)"""
-        from compute.jobs.registry import check
+        ContractError naming it."""
+        from compute.contract.results import check_declared
 
         out = {
             "kind": self.kind,
@@ -73,7 +72,7 @@ class JobResult:
             "heatmaps": [h.__dict__ for h in self.heatmaps],
             "series": [p.__dict__ for p in self.series],
         }
-        check(out)
+        check_declared(out)
         return out
 
 

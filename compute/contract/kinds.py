@@ -45,6 +45,26 @@ class Ref(BaseModel):
     job_kind: str | None = None
     owner_id: int | None = None
     label: str = ""
+    # Where this process reads it: set by the resolver (the web's copy, for header checks) and
+    # by the worker after `open_store(settings).fetch(path, sha256)`. Never stored with the job.
+    local: str | None = None
+
+    def where(self) -> str:
+        """The local path (or hub id) the engine reads: `local` once fetched; zoo, local and hub
+        refs are readable where they are; an artifact not yet fetched is an error."""
+        if self.local:
+            return self.local
+        if self.form == "artifact":
+            raise ValueError(f"{self.field}: {self.given} was not fetched from the artifact store")
+        return self.path
+
+    def stored(self) -> dict[str, Any]:
+        """What is stored with the job (jobs.refs): everything but this process's `local`."""
+        return self.model_dump(mode="json", exclude={"local"})
+
+
+# field -> its resolved Ref: what a runner receives (`run(spec, progress, refs)`).
+Refs = Mapping[str, Ref]
 
 
 @dataclass(frozen=True)

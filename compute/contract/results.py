@@ -157,6 +157,26 @@ class Contract:
     def knows_series(self, name: str) -> bool:
         return name in self.series or any(f.part(name) is not None for f in self.series_families)
 
+    def __post_init__(self) -> None:
+        _DECLARED[self.kind] = self  # the kind module that declares it has been imported
+
+
+# kind -> its Contract, filled as compute/jobs/<kind>.py modules declare theirs (a runner imports
+# its kind's module for the spec, so a result is always checked against a declared contract).
+# The registry (compute.jobs.registry) is the list of kinds; this is only the lookup the
+# contract package can do without importing it.
+_DECLARED: dict[str, Contract] = {}
+
+
+def check_declared(result: Mapping[str, Any]) -> None:
+    """check_against the declared contract of result["kind"]; ContractError when no kind module
+    declared one."""
+    kind = result.get("kind")
+    c = _DECLARED.get(kind) if isinstance(kind, str) else None
+    if c is None:
+        raise ContractError(f"kind: no contract is declared for {kind!r} (compute/jobs/<kind>.py)")
+    check_against(c, result)
+
 
 def _names(items: Iterable[Any], key: str) -> list[str]:
     return [str(i.get(key) if isinstance(i, Mapping) else getattr(i, key)) for i in items]

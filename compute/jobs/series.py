@@ -103,70 +103,62 @@ KIND = JobKind(
 # ---------------------------------------------------------------- the runner (worker and CLI only)
 
 
-def run(spec: SeriesSpec, progress: Any = None) -> Any:
+def run(spec: SeriesSpec, progress: Any = None, refs: Any = None) -> Any:
     """The series of spec.run_dir against spec.base: JobResult with the global numbers per point in
     the summary, the curves as series rows, layer x module over steps as heatmaps, and the whole
-    series (every grouping) as the file artifact "series" (series.json)."""
+    series (every grouping) as the file artifact "series" (series.json). `refs`: the resolved
+    references (the worker and the CLI pass them; read where they are, no database)."""
     import tempfile
     from pathlib import Path
 
+    from compute.artifacts import local_file, ref_of
     from compute.checkpoint_series import LazyTensors, SeriesConfig, checkpoint_series, write_series
     from compute.contract.jobresult import JobResult, null_progress
-    from compute.contract.modelref import resolve_job_ref, resolve_model
 
     progress = progress or null_progress
     progress(0.0, "opening the run folder")
-    base = resolve_model(spec.base)
-    run_dir = _run_dir(spec.run_dir, resolve_job_ref)
+    base_ref = ref_of(refs, "base", spec.base)
+    run_ref = ref_of(refs, "run_dir", spec.run_dir, "run_dir")
+    assert base_ref is not None and run_ref is not None  # both required by the spec
+    base, run_dir = base_ref.where(), run_ref.where()
     fisher = None
-    if spec.fisher:
-        from compute.artifacts import resolve_artifact
-
-        fisher = LazyTensors(resolve_artifact(spec.fisher, "fisher"), "fisher")
+    summary_extra: dict[str, Any] = {}
+    fisher_ref = ref_of(refs, "fisher", spec.fisher, "fisher")
+    if fisher_ref is not None:
+        fisher_path = local_file(fisher_ref, "fisher")
+        fisher = LazyTensors(fisher_path, "fisher")
+        summary_extra = _fisher_reliability(fisher_path)
     config = SeriesConfig(atol=spec.atol, support_percent=spec.support_percent)
     res = checkpoint_series(base, run_dir, fisher=fisher, config=config,
                             progress=lambda f, m="": progress(0.95 * f, m))
     out = Path(tempfile.mkdtemp(prefix="fisherlens-series-"))
     path = write_series(res, out)
     summary = _summary(spec, res)
-    summary.update(_fisher_reliability(spec.fisher))
+    summary.update(summary_extra)
     result = JobResult(kind="series", summary=summary, series=_curves(res, spec.atol),
                        heatmaps=_heatmaps(res, spec.atol), files={"series": str(path)})
     progress(1.0, f"{len(res.points)} checkpoints")
     return result
 
 
-def _run_dir(ref: str, resolve_job_ref: Any) -> str:
-    """job:N (a train job with save_steps: its model folder holds the checkpoint-N) or a folder
-    (checked inside the allowed roots at validation)."""
-    ref = ref.strip()
-    if ref.startswith("job:"):
-        return str(resolve_job_ref(ref, "run_dir").path)
-    return ref
+def _fisher_reliability(path: Any) -> dict[str, Any]:
+    """The split-half Jaccard the Fisher file records in its own metadata (a fisherlens Fisher
+    job writes it there, so it travels with the file, whatever names it); nothing when absent."""
+    try:
+        from safetensors import safe_open
 
-
-def _fisher_reliability(ref: str | None) -> dict[str, Any]:
-    """The split-half Jaccard of the Fisher job named by `ref` (job:N), for the reliability verdict;
-    nothing for a file (its reliability is not recorded) or no Fisher."""
-    from compute.contract.modelref import job_ref_id
-
-    job_id = job_ref_id(ref) if ref else None
-    if job_id is None:
-        return {}
-    try:  # the job was resolved (and its owner checked) at validation; read its summary back
-        from compute.contract.settings import get_settings
-        from storage import repo
-        from storage.db import session_factory
-
-        with session_factory(get_settings().db_url)() as s:
-            job = repo.get_job(session=s, job_id=job_id)
-            summ = dict(job.summary or {}) if job is not None else {}
+        with safe_open(str(path), "pt") as f:
+            meta = dict(f.metadata() or {})
     except Exception:  # noqa: BLE001 - a verdict is optional; the numbers stand without it
         return {}
-    if "split_half_jaccard" not in summ:
-        return {}
-    return {"fisher_split_half_jaccard": summ.get("split_half_jaccard"),
-            "fisher_split_half_topk_percent": summ.get("split_half_topk_percent")}
+    out: dict[str, Any] = {}
+    for key, name in (("split_half_jaccard", "fisher_split_half_jaccard"),
+                      ("split_half_topk_percent", "fisher_split_half_topk_percent")):
+        try:
+            out[name] = float(meta[key])
+        except (KeyError, ValueError):
+            continue
+    return out
 
 
 def _g(point: dict[str, Any], pair: str, key: str, atol: float) -> Any:

@@ -62,14 +62,16 @@ def test_sweep_form_runs_a_grid_and_shows_the_sweep_figure_and_table(browser, se
     assert [(p["lr"], p["optimizer"]) for p in summary["points"]] == [(1e-6, "adamw"), (1e-2, "adamw")]
 
     # the sparsity-vs-lr figure, one line per optimizer x precision, x = the grid's learning rates
-    fig = "#fl-figs figure[data-name='sweep_sparsity'] .js-plotly-plot"
-    page.wait_for_selector(fig, timeout=60_000)
-    traces = page.eval_on_selector(fig, "el => el.data.map(t => ({name: t.name, x: t.x, y: t.y}))")
+    figure = page.locator("#fl-view figure.fl-fig").filter(
+        has=page.locator("figcaption", has_text="Update sparsity vs learning rate"))
+    plot = figure.locator(".js-plotly-plot")
+    plot.wait_for(timeout=60_000)
+    traces = plot.evaluate("el => el.data.map(t => ({name: t.name, x: t.x, y: t.y}))")
     (bf16,) = [t for t in traces if t["name"] == "adamw bf16-mixed: bf16-equal"]
     assert bf16["x"] == [1e-6, 1e-2]
     assert bf16["y"] == pytest.approx([p["unchanged_bf16"] for p in summary["points"]])
     # the points table: one row per grid point
-    table = page.locator("#fl-tables .fl-table").filter(
+    table = page.locator("#fl-view #fl-tables .fl-table").filter(
         has=page.locator(".fl-table-title", has_text="Sweep points"))
     assert table.count() == 1
     rows = table.locator("tbody tr")

@@ -409,6 +409,8 @@ def test_user_cli_add_token_list_revoke(env: Env, monkeypatch: pytest.MonkeyPatc
     second = next(w for w in r.output.split() if w.startswith("fl_"))
     r = runner.invoke(main, ["user", "list"])
     assert r.exit_code == 0 and "carol" in r.output and token[:10] in r.output and second[:10] in r.output
+    # the embedded mode's passwordless owner is not listed as a user one could sign in as
+    assert "local [admin" not in r.output and "(embedded-mode owner 'local': cannot sign in" in r.output
     r = runner.invoke(main, ["user", "revoke", token[:10]])
     assert r.exit_code == 0, r.output
     assert c.get("/api/me").status_code == 401

@@ -148,7 +148,7 @@ def test_every_layer_offers_every_kind() -> None:
 
     from app.api import JobRequest, make_router
     from app.cli import main
-    from app.share import _title as page_title
+    from app.render import title as page_title  # the share page and the result tab
     from app.ui.formtab import form_defs
     from compute.runners import RUNNERS
 

@@ -81,7 +81,7 @@ def _job(settings: Settings, status: str, result: JobResult | None = None, messa
 
 
 def _figures(page: str) -> list[dict]:
-    return [json.loads(m) for m in re.findall(r"<script type='application/json' id='fl-fig-\d+-data'>(.*?)</script>",
+    return [json.loads(m) for m in re.findall(r"<script type='application/json' id='fl-fig-\d+-data'[^>]*>(.*?)</script>",
                                                page, re.S)]
 
 

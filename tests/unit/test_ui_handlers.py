@@ -4,7 +4,6 @@ moved through their states with storage's repository functions; no worker, no br
 
 from __future__ import annotations
 
-import html
 import inspect
 import json
 import re
@@ -33,8 +32,10 @@ def settings(tmp_path_factory: pytest.TempPathFactory):
 
 
 def _figs(html_text: str) -> list[dict]:
-    """The Plotly figures inside a figures_html value, as the browser's JSON.parse sees them."""
-    return [json.loads(html.unescape(m)) for m in re.findall(r'data-fig="(.*?)"', html_text)]
+    """The Plotly figures inside a rendered view, as the browser's JSON.parse sees them (the
+    text of each figure's <script type='application/json'>)."""
+    return [json.loads(m) for m in re.findall(r"<script type='application/json' id='[^']*' class='fl-fig-data'>(.*?)</script>",
+                                               html_text, re.S)]
 
 
 # ---------------------------------------------------------------- forms from the spec metadata
@@ -99,11 +100,11 @@ def test_page_load_sets_models_and_cost_lines_in_one_event(settings):
     """The cost lines are computed from the model each dropdown will show (here: no models in
     this home, so the line asks for one), never from older values than the form shows."""
     layout = [("fisher", ["model", "prompts"]), ("train", ["steps", "model"])]
-    out = page.models_and_costs(settings, [False, True], layout, [(0, 0), (3, 0)],
+    out = page.models_and_costs(settings, [False, True], layout, [(0, 0), (3, 0)], ["fisher.model", "train.teacher"],
                                 "", "", None, 8.0, 2.0, None)
     assert len(out) == 2 + 2
     assert all("fix <b>model</b> first" in line for line in out[2:])
-    out = page.models_and_costs(settings, [False], [("fisher", ["model", "prompts"])], [(0, 0)],
+    out = page.models_and_costs(settings, [False], [("fisher", ["model", "prompts"])], [(0, 0)], ["fisher.model"],
                                 "arith-base", None, 4.0)
     # computed for the chosen model (no zoo in this home: token-passes only, no parameter count)
     assert "data-within='yes'" in out[1] and "token-passes" in out[1]
@@ -120,28 +121,29 @@ def test_cost_line_names_the_field_to_fix_for_text_that_is_not_numbers(settings)
 def test_result_view_draws_the_stored_figures_with_named_layers(settings):
     _, token = _job(settings, "succeeded", _fisher_result())
     out = result.result_view(settings, token, "", readonly=False, force=True)
-    assert len(out) == result.N_OUT == len(result.outputs(result.ResultTab(*[None] * 14), None, None))
+    assert len(out) == result.N_OUT == len(result.outputs(result.ResultTab(*[None] * 11), None, None))
     assert "data-status='succeeded'" in out[0]
     # the key numbers come first, then the figures (as on the share page)
-    assert out[7].index("Key numbers") < out[7].index("fl-fig")
-    figs = _figs(out[7])
+    view = out[result.VIEW]
+    assert view.index("Key numbers") < view.index("fl-fig")
+    figs = _figs(view)
     assert figs and "Fisher" in json.dumps(figs[0]["layout"]["title"])
     heat = next(f for f in figs if f["data"][0].get("type") == "heatmap")
     assert "embeddings" in heat["data"][0]["y"] and "-" not in heat["data"][0]["y"]
-    assert out[9] == f"/?tab=result&r={token}"
+    assert out[6] == f"/?tab=result&r={token}"
     # the next poll with the same signature changes nothing
-    again = result.result_view(settings, token, out[10], readonly=False)
+    again = result.result_view(settings, token, out[7], readonly=False)
     assert all(isinstance(v, type(gr.skip())) for v in again)
     # a read-only view (share link) has its own address
-    assert result.result_view(settings, token, "", readonly=True, force=True)[9] == f"/r/{token}"
+    assert result.result_view(settings, token, "", readonly=True, force=True)[6] == f"/r/{token}"
 
 
 def test_result_view_of_a_running_job_and_of_an_unknown_token(settings):
     _, token = _job(settings, "running")
     out = result.result_view(settings, token, "", readonly=False, force=True)
-    assert "data-status='running'" in out[0] and out[7] == ""  # no figures before the result
+    assert "data-status='running'" in out[0] and "fl-fig" not in out[result.VIEW]  # no figures before the result
     missing = result.result_view(settings, "no-such-token", "", readonly=False, force=True)
-    assert "No result found" in missing[0] and missing[10] == "no-such-token:missing"
+    assert "No result found" in missing[0] and missing[7] == "no-such-token:missing"
 
 
 def test_compare_shows_stored_figures_with_layer_names_and_one_colour_range(settings):
@@ -151,7 +153,9 @@ def test_compare_shows_stored_figures_with_layer_names_and_one_colour_range(sett
     other.heatmaps[0].z[0][1] = 4.0  # the right side's q cell is 16x the left one's
     _, b = _job(settings, "succeeded", other)
     head_a, figs_a, head_b, figs_b, url = compare.compare_view(settings, a, b)
-    assert "fisher" in head_a and "fisher" in head_b and url == f"/?tab=compare&a={a}&b={b}"
+    assert "Fisher result" in head_a and "Fisher result" in head_b and url == f"/?tab=compare&a={a}&b={b}"
+    # each side leads with its key numbers, as the share page does
+    assert "id='fl-key'" in head_a and "Fisher mass in the top 1% of coordinates" in head_b
     left, right = _figs(figs_a), _figs(figs_b)
     assert 0 < len(left) <= compare.COMPARE_FIGS
     for fig in left + right:
