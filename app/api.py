@@ -26,13 +26,19 @@ from storage.models import JOB_STATUSES
 ZOO_INFO_FILE = "fisherlens.json"  # written by compute.zoo next to each zoo model (no torch here)
 
 
+def job_kinds() -> tuple[str, ...]:
+    """Every job kind, in the OpenAPI schema as an enum (the one place the API lists them;
+    to become the kind registry's keys)."""
+    return tuple(SPECS)
+
+
 # Enumerated in the OpenAPI schema, so every schema-valid filter is accepted.
-JobKind: Any = Literal[tuple(SPECS)]  # type: ignore[valid-type]
+JobKind: Any = Literal[job_kinds()]  # type: ignore[valid-type]
 JobStatus: Any = Literal[tuple(JOB_STATUSES)]  # type: ignore[valid-type]
 
 
 class JobRequest(BaseModel):
-    kind: str = Field(..., description=f"job kind: one of {', '.join(SPECS)}")
+    kind: JobKind = Field(..., description="the job kind")
     spec: dict[str, Any] = Field(
         default_factory=dict,
         description="the job spec; keys as the matching CLI flags (see `fisherlens submit`)",
@@ -79,7 +85,7 @@ ERRORS: dict[int, tuple[type[BaseModel], str]] = {
     422: (FieldErrors, "bad input: each field and its accepted range; nothing was queued"),
     429: (FieldErrors, "your queue is full (queued + running jobs limit)"),
     500: (Message, "internal error (the server log has the details)"),
-    503: (Message, "the job queue (broker) cannot be reached; nothing was queued"),
+    503: (Message, "the database or the job queue (broker) cannot be reached; nothing was queued"),
 }
 
 
@@ -381,4 +387,6 @@ def _add_model_routes(r: APIRouter, settings: Any) -> None:
 
     @r.get("/health", tags=["meta"], include_in_schema=False)
     def health(request: Request) -> Any:
-        return {"ok": True}
+        """{"ok", "database", "broker"}: each "ok" or "unreachable"; 503 when one is missing."""
+        out = services.health(settings)
+        return JSONResponse(status_code=200 if out["ok"] else 503, content=out)

@@ -8,10 +8,18 @@ prompts are counted as `COST_PROMPT_TOKENS` tokens (the arithmetic tasks use few
 jsonl prompts about that many) and every completion as `max_new_tokens` (sampling may stop early),
 so the estimate is an upper bound for the given prompt length. The `token` estimator is charged
 one backward per completion token (its naive cost; the batched engine is faster).
+
+Ceiling: by default a user's job may not run longer than MAX_JOB_SECONDS (2 h) at the
+throughput a benchmark measured on the workers' machine (`benchmarks/bench_throughput.py` writes
+parameter-token-passes per second to a JSON; THROUGHPUT / THROUGHPUT_FILE override it), so the
+cost ceiling is `seconds x throughput` and every estimate also says its time. An explicit cost
+ceiling (MAX_JOB_COST, a user's own `max_job_cost`) or a user's own `max_job_seconds` replaces
+it; admins and the local user have none unless MAX_JOB_SECONDS_ADMIN / MAX_JOB_COST_ADMIN is set.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from pathlib import Path
@@ -22,6 +30,7 @@ from compute.contract.specs import SpecError
 
 COST_PROMPT_TOKENS = 64
 MODEL_FIELDS = ("model", "teacher", "base", "tuned")
+REPO_THROUGHPUT = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "throughput.json"
 
 
 class QuotaExceeded(SpecError):
@@ -81,6 +90,73 @@ def model_params(settings: Any, ref: str) -> int | None:
         return None
     path = Path(resolved)
     return count_params(path) if path.is_absolute() and path.is_dir() else None
+
+
+# ---------------------------------------------------------------- throughput and ceilings
+
+
+def throughput(settings: Any) -> tuple[float, str] | None:
+    """(parameter-token-passes per second, where it comes from): THROUGHPUT, else the JSON of
+    THROUGHPUT_FILE, FISHERLENS_HOME/throughput.json or the committed benchmark result; None
+    when none is readable (then only an explicit cost ceiling applies)."""
+    if settings.throughput:
+        return float(settings.throughput), "THROUGHPUT"
+    for path in (settings.throughput_file, settings.home / "throughput.json", REPO_THROUGHPUT):
+        if path is None:
+            continue
+        value = _throughput_file(Path(path))
+        if value is not None:
+            return value, str(Path(path).name)
+    return None
+
+
+def _throughput_file(path: Path) -> float | None:
+    try:
+        return _read_throughput(str(path), path.stat().st_mtime)
+    except OSError:
+        return None
+
+
+@functools.lru_cache(maxsize=8)
+def _read_throughput(path: str, mtime: float) -> float | None:
+    try:
+        value = json.loads(Path(path).read_text()).get("param_token_passes_per_s")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return float(value) if isinstance(value, int | float) and value > 0 else None
+
+
+def job_ceiling(
+    settings: Any, *, is_admin: bool, max_job_cost: float | None, max_job_seconds: float | None
+) -> tuple[float | None, float | None]:
+    """(cost ceiling, the run-time limit it comes from in seconds, or None) for a user with
+    these per-user values. Precedence: the user's cost ceiling, the user's time limit, the role's
+    cost ceiling (MAX_JOB_COST[_ADMIN]), the role's time limit (MAX_JOB_SECONDS[_ADMIN]); a time
+    limit becomes a cost ceiling at the measured throughput."""
+    if max_job_cost is not None:
+        return float(max_job_cost), None
+    role_cost = settings.max_job_cost_admin if is_admin else settings.max_job_cost
+    seconds = max_job_seconds
+    if seconds is None:
+        if role_cost is not None:
+            return float(role_cost), None
+        seconds = settings.max_job_seconds_admin if is_admin else settings.max_job_seconds
+    if seconds is None:
+        return None, None
+    tp = throughput(settings)
+    if tp is None:
+        return (float(role_cost) if role_cost is not None else None), None
+    return float(seconds) * tp[0], float(seconds)
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 2 * 3600:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 2 * 86400:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} days"
 
 
 # ---------------------------------------------------------------- token-passes per kind
@@ -163,6 +239,7 @@ def estimate(settings: Any, kind: str, spec: Any) -> dict[str, Any]:
     if kind == "mask" and params is None and not getattr(spec, "model", None):
         params = 0  # a mask from a stored Fisher: no model runs
     cost = None if unknown or params is None or passes is None else float(max(passes, 1) * params)
+    tp = throughput(settings)
     return {
         "kind": kind,
         "token_passes": passes,
@@ -170,11 +247,24 @@ def estimate(settings: Any, kind: str, spec: Any) -> dict[str, Any]:
         "cost": cost,
         "unknown_models": unknown,
         "prompt_tokens_assumed": COST_PROMPT_TOKENS,
+        "throughput": tp[0] if tp else None,
+        "seconds": cost / tp[0] if tp and cost is not None else None,
     }
 
 
-def describe(est: dict[str, Any], ceiling: float | None = None) -> str:
-    """One line for the UI form and messages."""
+def _time_text(est: dict[str, Any]) -> str:
+    if est.get("seconds") is None:
+        return ""
+    return (f", about {_duration(est['seconds'])} at this server's measured "
+            f"{est['throughput']:.3g} parameter-token-passes/s")
+
+
+def _ceiling_text(ceiling: float, seconds: float | None) -> str:
+    return f"{_duration(seconds)} ({ceiling:.3g})" if seconds is not None else f"{ceiling:.3g}"
+
+
+def describe(est: dict[str, Any], ceiling: float | None = None, seconds: float | None = None) -> str:
+    """One line for the UI form and messages (`seconds`: the time limit the ceiling comes from)."""
     if est["cost"] is None:
         if est["token_passes"] is None:
             return f"estimated cost: unknown (no cost model for {est['kind']} jobs)"
@@ -182,14 +272,16 @@ def describe(est: dict[str, Any], ceiling: float | None = None) -> str:
         return (f"estimated cost: unknown (cannot count the parameters of {what}); "
                 f"{est['token_passes']:.3g} token-passes")
     line = (f"estimated cost: {est['cost']:.3g} parameter-token-passes "
-            f"({est['token_passes']:.3g} token-passes x {est['params']:,} parameters)")
+            f"({est['token_passes']:.3g} token-passes x {est['params']:,} parameters)"
+            + _time_text(est))
     if ceiling is not None:
-        line += f"; your per-job ceiling: {ceiling:.3g}"
+        line += f"; your per-job ceiling: {_ceiling_text(ceiling, seconds)}"
     return line
 
 
-def check_cost(est: dict[str, Any], ceiling: float | None) -> None:
-    """SpecError (422) when the estimate is over the ceiling, or unknown while one applies."""
+def check_cost(est: dict[str, Any], ceiling: float | None, seconds: float | None = None) -> None:
+    """SpecError (422) when the estimate is over the ceiling, or unknown while one applies
+    (`seconds`: the run-time limit the ceiling comes from, named in the message)."""
     if ceiling is None:
         return
     if est["cost"] is None:
@@ -199,16 +291,18 @@ def check_cost(est: dict[str, Any], ceiling: float | None) -> None:
             "message": (f"cannot estimate the cost of a {est['kind']} job" if f == "kind" else
                         "cannot estimate this job's cost: the parameter count of this model is "
                         "unknown here (hub id, or no safetensors weights)")
-            + f"; a per-job cost ceiling of {ceiling:.3g} applies to you, so ask an admin to run it",
+            + f"; a per-job ceiling of {_ceiling_text(ceiling, seconds)} applies to you, so ask an "
+            "admin to run it",
             "limit": ceiling, "value": None,
         } for f in fields)))
     if est["cost"] > ceiling:
         raise SpecError(_errors({
             "field": "spec",
             "message": f"estimated cost {est['cost']:.3g} parameter-token-passes "
-                       f"({est['token_passes']:.3g} token-passes x {est['params']:,} parameters) "
-                       f"exceeds your per-job ceiling of {ceiling:.3g}; use fewer prompts, "
-                       "samples, steps or tokens",
+                       f"({est['token_passes']:.3g} token-passes x {est['params']:,} parameters"
+                       f"{_time_text(est)}) exceeds your per-job ceiling of "
+                       f"{_ceiling_text(ceiling, seconds)}; use fewer prompts, samples, steps or "
+                       "tokens, or ask an admin to raise your limit",
             "limit": ceiling, "value": est["cost"],
         }))
 
@@ -278,7 +372,8 @@ def form_estimate_html(settings: Any, kind: str, data: dict[str, Any]) -> str:
         return (f"<div class='fl-cost' data-within='unknown'>estimated cost: fix "
                 f"<b>{html.escape(str(first['field']))}</b> first</div>")
     try:
-        ceiling = auth.current_user(settings).max_job_cost
+        user = auth.current_user(settings)
+        ceiling, seconds = user.max_job_cost, user.max_job_seconds
         est = estimate(settings, kind, spec)
     except Exception as exc:  # noqa: BLE001 - a hint line must never break the form
         return f"<div class='fl-cost' data-within='unknown'>estimated cost: unavailable ({html.escape(type(exc).__name__)})</div>"
@@ -286,4 +381,4 @@ def form_estimate_html(settings: Any, kind: str, data: dict[str, Any]) -> str:
     over = "" if within else " <b>over your ceiling: it would be refused</b>"
     return (f"<div class='fl-cost' data-within='{'yes' if within else 'no'}' "
             f"data-cost='{est['cost'] if est['cost'] is not None else ''}'>"
-            f"{html.escape(describe(est, ceiling))}{over}</div>")
+            f"{html.escape(describe(est, ceiling, seconds))}{over}</div>")

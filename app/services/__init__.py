@@ -13,6 +13,7 @@ from app.services.common import public_message, sessions, share_url, without_err
 from app.services.jobs import (
     cancel,
     get_job,
+    health,
     list_jobs,
     list_models,
     rerun,
@@ -28,6 +29,7 @@ __all__ = [
     "cancel",
     "check_spec",
     "get_job",
+    "health",
     "list_jobs",
     "list_models",
     "public_message",

@@ -226,7 +226,7 @@ def test_web_process_does_not_import_torch(tmp_path):
         "from compute.contract.settings import Settings\n"
         "from app.web import create_app\n"
         f"s = Settings(fisherlens_home={str(tmp_path)!r}, database_url=None, redis_url=None)\n"
-        "c = TestClient(create_app(s))\n"
+        "c = TestClient(create_app(s), base_url='http://127.0.0.1')\n"
         "assert c.get('/').status_code == 200\n"
         "r = c.post('/api/jobs', json={'kind': 'fisher', 'spec': {'model': 'arith-base'}})\n"
         "assert r.status_code == 201, r.text\n"
@@ -290,7 +290,7 @@ def test_ids_out_of_range_are_404_on_postgresql(tmp_path):
         settings = Settings(fisherlens_home=tmp_path, database_url=url, redis_url=None)
         from app.web import create_app
 
-        client = TestClient(create_app(settings), raise_server_exceptions=False)
+        client = TestClient(create_app(settings), raise_server_exceptions=False, base_url="http://127.0.0.1")
         for url_ in ("/api/jobs/2147483648", "/api/jobs/2147483648/cancel", "/api/jobs/2147483648/rerun"):
             r = client.get(url_) if url_.count("/") == 3 else client.post(url_)
             assert r.status_code == 404, (url_, r.status_code, r.text)
