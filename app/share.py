@@ -176,8 +176,33 @@ def _downloads(job: dict[str, Any], artifacts: list[dict[str, Any]]) -> str:
     for a in artifacts:
         ext = "zip" if a.get("is_dir") else "safetensors"
         links.append(f"<a href='/api/results/{token}/artifacts/{esc(a.get('kind'))}' download>"
-                     f"{esc(a.get('kind'))} ({ext}, {(a.get('bytes') or 0) / 1e6:.2f} MB)</a>")
-    return "<p id='fl-downloads'>Downloads: " + " &middot; ".join(links) + "</p>"
+                     f"{esc(a.get('kind'))} ({ext}, {(a.get('bytes') or 0) / 1e6:.2f} MB)</a>"
+                     + (" <b class='fl-corrupt'>(corrupt)</b>" if a.get("corrupt") else ""))
+    bad = [esc(a.get("kind")) for a in artifacts if a.get("corrupt")]
+    warning = (f"<p id='fl-artifact-warning' class='fl-failed' role='alert'>Warning: the stored "
+               f"{', '.join(bad)} artifact does not match its recorded sha256 (corrupt or changed "
+               "on disk); its download is refused. Re-run the job to make it again.</p>"
+               if bad else "")
+    return warning + "<p id='fl-downloads'>Downloads: " + " &middot; ".join(links) + "</p>"
+
+
+def check_artifacts(settings: Any, payload: dict[str, Any]) -> dict[str, Any]:
+    """The payload with `corrupt: True` on each artifact whose stored file does not match its
+    sha256 (issue 21; checked when a page is rendered: the store re-hashes a file only when it
+    changed since its last check)."""
+    from storage.artifacts import ArtifactError, open_store
+
+    store = open_store(settings)
+    arts = []
+    for a in payload.get("artifacts") or []:
+        try:
+            store.fetch(a["path"], a["sha256"])
+            arts.append(a)
+        except ArtifactError:
+            arts.append({**a, "corrupt": True})
+        except OSError:
+            arts.append(a)  # gone (the download says 410); not a corruption
+    return {**payload, "artifacts": arts}
 
 
 def _meta_line(job: dict[str, Any]) -> str:
@@ -313,6 +338,8 @@ def make_share_router(settings: Any) -> APIRouter:
             if head["status"] == "succeeded":
                 payload = store.get(head["id"], head["finished_at"],
                                     lambda: services.result_by_token(settings, token))
+            if payload is not None:
+                payload = check_artifacts(settings, payload)  # a warning when one is corrupt
             page = pages.put(etag, result_page(head, token, payload))
         if "gzip" in request.headers.get("accept-encoding", ""):
             return Response(page[1], media_type="text/html; charset=utf-8",

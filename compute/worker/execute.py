@@ -14,6 +14,7 @@ from compute.worker.lifecycle import (
     fail,
     keep_alive,
     sessions,
+    until_db,
 )
 from compute.worker.sharding import fan_out
 
@@ -26,8 +27,11 @@ def _check_refs(settings: Any, kind: str, spec: Any) -> Any:
     (the compute code resolves them again where it reads the files)."""
     from compute.contract.modelref import check_spec_refs
 
-    with sessions(settings)() as s:
-        return check_spec_refs(kind, spec, settings, s)
+    def check() -> Any:
+        with sessions(settings)() as s:
+            return check_spec_refs(kind, spec, settings, s)
+
+    return until_db("checking the job's references", check)
 
 
 def execute_job(settings: Any, job_id: int, hostname: str | None = None) -> str:
