@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import html
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from fastapi import APIRouter, Path, Request
@@ -12,6 +13,13 @@ from pydantic import BaseModel, Field
 from app.auth import throttle
 from app.auth.guard import SESSION_COOKIE
 from app.auth.principal import Forbidden, current_user, db_sessions
+
+
+@dataclass(frozen=True)
+class Throttled:
+    """A refused attempt: wait this many seconds (Retry-After)."""
+
+    retry_after: int
 
 
 class _HashGate:
@@ -26,17 +34,17 @@ class _HashGate:
         self._limiter: Any = None
 
     async def run(self, keys: list[throttle.Key], fn: Any, *args: Any) -> Any:
-        """fn(*args) -> a result, None (a failed check: counted against `keys`) or an int
-        (seconds to wait: throttled or too busy, nothing hashed)."""
+        """fn(*args) -> its result, None (a failed check: counted against `keys`), or
+        Throttled (throttled or too busy: nothing was hashed)."""
         import anyio
         import anyio.to_thread
 
         limits = throttle.signin_throttle(self.settings)
         wait = await anyio.to_thread.run_sync(limits.retry_after, keys)
         if wait is not None:
-            return wait
+            return Throttled(wait)
         if self.waiting >= self.settings.signin_backlog:
-            return 1
+            return Throttled(1)
         if self._limiter is None:
             self._limiter = anyio.CapacityLimiter(self.settings.signin_threads)
         self.waiting += 1
@@ -105,9 +113,10 @@ def _add_sign_in_routes(r: APIRouter, settings: Any) -> None:
             return RedirectResponse(next_url, status_code=303)
         keys = [throttle.account_key(name), throttle.address_key("signin-ip", throttle.client_address(request.scope))]
         outcome = await gate.run(keys, _sign_in, settings, name, password)
-        if isinstance(outcome, int):  # throttled or too busy: refused before any hashing
-            page = _login_page(throttle.too_many(outcome, "sign-ins"), next_url, status=429)
-            page.headers["Retry-After"] = str(outcome)
+        if isinstance(outcome, Throttled):  # throttled or too busy: refused before any hashing
+            page = _login_page(throttle.too_many(outcome.retry_after, "sign-ins"), next_url,
+                               status=429)
+            page.headers["Retry-After"] = str(outcome.retry_after)
             return page
         if outcome is None:
             return _login_page("Wrong user name or password.", next_url, status=401)
@@ -184,10 +193,11 @@ def _add_session_routes(r: APIRouter, settings: Any) -> None:
                 throttle.address_key("signin-ip", throttle.client_address(request.scope))]
         outcome = await gate.run(keys, _change_password, settings, p, req.current_password,
                                  req.new_password)
-        if isinstance(outcome, int):
-            return JSONResponse(status_code=429, headers={"Retry-After": str(outcome)},
+        if isinstance(outcome, Throttled):
+            wait = outcome.retry_after
+            return JSONResponse(status_code=429, headers={"Retry-After": str(wait)},
                                 content={"detail": [{"field": "current_password", "message":
-                                         throttle.too_many(outcome, "password checks")}]})
+                                         throttle.too_many(wait, "password checks")}]})
         if outcome is None:
             return JSONResponse(status_code=422, content={"detail": [{
                 "field": "current_password", "message": "is not your current password"}]})

@@ -193,9 +193,9 @@ class AccessGuard:
             await self.app(scope, body.receive, body.send)
 
     async def _throttled(self, scope: Scope, send: Send) -> bool:
-        """Count a bad bearer token / session cookie against the client's address (on paths
-        that need a credential); answer 429 + Retry-After past TOKEN_THROTTLE. True when
-        answered. Valid credentials cost no throttle look-up."""
+        """A bad bearer token / session cookie (on a path that needs a credential): 429 +
+        Retry-After when the client's address used up TOKEN_THROTTLE, else count it (the caller
+        answers 401). True when answered. Valid credentials cost no throttle look-up."""
         import anyio.to_thread
 
         from app.auth import throttle
@@ -204,9 +204,9 @@ class AccessGuard:
             return False
         limits = throttle.token_throttle(self.settings)
         keys = [throttle.address_key("token-ip", throttle.client_address(scope))]
-        await anyio.to_thread.run_sync(limits.fail, keys)
         wait = await anyio.to_thread.run_sync(limits.retry_after, keys)
         if wait is None:
+            await anyio.to_thread.run_sync(limits.fail, keys)
             return False
         if scope["type"] == "websocket":
             await send({"type": "websocket.close", "code": 4429})
