@@ -10,6 +10,7 @@ from fastapi import APIRouter, Path, Request
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from pydantic import BaseModel, Field
 
+from app.api import JobKind
 from app.auth import throttle
 from app.auth.guard import SESSION_COOKIE
 from app.auth.principal import Forbidden, current_user, db_sessions
@@ -221,7 +222,7 @@ def _add_session_routes(r: APIRouter, settings: Any) -> None:
 def _responses(*codes: int) -> dict[int | str, dict[str, Any]]:
     from app.api import responses
 
-    return responses(*codes)
+    return responses(*codes)  # imported late: app.api's ERRORS are built after this module
 
 
 def _change_password(settings: Any, p: Any, current: str, new: str) -> int | None:
@@ -248,7 +249,7 @@ class ShareRequest(BaseModel):
 
 
 class EstimateRequest(BaseModel):
-    kind: str = Field(..., max_length=32)
+    kind: JobKind = Field(..., description="the job kind")
     spec: dict[str, Any] = Field(default_factory=dict)
 
 

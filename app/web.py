@@ -111,25 +111,31 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 
 def _method_not_allowed(app: FastAPI) -> None:
-    """/api/<anything> that no route serves with this method: 405 with `Allow` when a route
-    serves the path with other methods, else 404 (without this the UI mounted at "/" answered
-    404 for TRACE /api/me)."""
-    from starlette.routing import Match, Route
+    """/api/<anything> that no route serves with this method: 405 with `Allow` (the methods
+    the routes of that path do serve) when there are some, else 404. Without it the UI mounted
+    at "/" answered 404 for TRACE /api/me."""
+    from starlette.routing import Match, Mount
 
-    api_routes = [rt for rt in app.routes if isinstance(rt, Route) and rt.path.startswith("/api")]
     every = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "TRACE", "CONNECT"]
 
+    def served(scope: Any, method: str) -> bool:
+        probe = {**scope, "method": method, "type": "http"}
+        for rt in app.router.routes:
+            if getattr(rt, "endpoint", None) is other_method:
+                continue
+            if isinstance(rt, Mount) and not rt.path.startswith("/api"):
+                continue  # the UI at "/": it answers every path
+            if rt.matches(probe)[0] == Match.FULL:
+                return True
+        return False
+
     async def other_method(request: Request) -> JSONResponse:
-        allowed: set[str] = set()
-        for rt in api_routes:
-            match, _ = rt.matches({**request.scope, "method": "GET", "type": "http"})
-            if match != Match.NONE:
-                allowed |= set(rt.methods or ())
+        allowed = [m for m in every if m != request.method and served(request.scope, m)]
         if not allowed:
             return JSONResponse(status_code=404, content={"detail": "Not Found"})
-        return JSONResponse(status_code=405, headers={"Allow": ", ".join(sorted(allowed))},
+        return JSONResponse(status_code=405, headers={"Allow": ", ".join(allowed)},
                             content={"detail": f"method {request.method} not allowed here; "
-                                     f"allowed: {', '.join(sorted(allowed))}"})
+                                     f"allowed: {', '.join(allowed)}"})
 
     app.add_api_route("/api/{rest:path}", other_method, methods=every, include_in_schema=False)
 

@@ -326,3 +326,27 @@ def test_embedded_server_answers_only_its_own_host_names(tmp_path: Path) -> None
                        ("http://lab.example", 200), ("http://attacker.example", 403)):
         r = TestClient(app, base_url=base).get("/api/jobs")  # a plain GET, no browser headers
         assert r.status_code == code, (base, r.status_code)
+
+
+# ---------------------------------------------------------------- exact API schema
+
+
+def test_methods_a_route_does_not_serve_are_405_and_kind_is_an_enum(tmp_path: Path) -> None:
+    from app.web import create_app
+
+    settings = Settings(fisherlens_home=tmp_path, public_url="http://testserver")
+    client = TestClient(create_app(settings))
+    for path, allowed in (("/api/me", {"GET"}), ("/api/jobs", {"GET", "POST"}),
+                          ("/api/estimate", {"POST"}), ("/api/models", {"GET", "POST"})):
+        r = client.request("TRACE", path)
+        assert r.status_code == 405, (path, r.status_code)
+        assert set(r.headers["Allow"].split(", ")) - {"HEAD"} == allowed
+    assert client.delete("/api/jobs/3").status_code == 405
+    assert client.request("TRACE", "/api/no-such-thing").status_code == 404
+    schema = client.get("/api/openapi.json").json()["components"]["schemas"]
+    from compute.contract.specs import SPECS
+
+    for model in ("JobRequest", "EstimateRequest"):
+        assert schema[model]["properties"]["kind"]["enum"] == list(SPECS)
+    r = client.post("/api/jobs", json={"kind": "", "spec": {}})
+    assert r.status_code == 422 and r.json()["detail"][0]["message"].startswith("got ''; accepted: fisher")

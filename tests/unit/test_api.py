@@ -381,7 +381,8 @@ def test_api_docs_work_offline(env):
 @pytest.mark.slow
 def test_schemathesis_finds_no_server_error_and_no_undocumented_response(env):
     """A bounded, deterministic schemathesis run over every /api operation (positive and
-    negative inputs): no response >= 500, every status and body as the OpenAPI schema says.
+    negative inputs): no response >= 500, every status and body as the OpenAPI schema says,
+    and 405 + Allow for every method a path does not serve.
     (Schema-valid specs that name no runnable model are refused with 422 by design, so the
     positive-data-acceptance check is left out.)"""
     import schemathesis
@@ -416,6 +417,17 @@ def test_schemathesis_finds_no_server_error_and_no_undocumented_response(env):
             except BaseException as exc:  # noqa: BLE001 - schemathesis raises an ExceptionGroup
                 failures.append(f"{op.label} ({mode.value}): {str(exc)[:600]}")
     assert len(calls) > 300 and not [c for c in calls if c >= 500]
+    # schemathesis' unsupported_method check (its coverage phase): every method an operation's
+    # path does not declare is 405 with an Allow header listing the declared ones
+    spec = client.get("/api/openapi.json").json()
+    every = {"get", "put", "post", "delete", "patch", "trace"}
+    for path, ops in spec["paths"].items():
+        concrete = path.replace("{job_id}", "1").replace("{token}", "t").replace("{kind}", "fisher")
+        for method in sorted(every - set(ops)):
+            r = client.request(method.upper(), concrete)
+            allow = {m.strip().lower() for m in r.headers.get("allow", "").split(",")}
+            if r.status_code != 405 or not set(ops) <= allow:
+                failures.append(f"{method.upper()} {path}: {r.status_code} allow={allow}")
     assert failures == []
 
 
