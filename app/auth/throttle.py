@@ -169,8 +169,10 @@ def _storage(settings: Any) -> Storage:
     with _lock:
         if key not in _storages:
             if settings.redis_url:
-                _storages[key] = storage_from_string(
+                redis_storage = storage_from_string(
                     settings.redis_url, socket_connect_timeout=2, socket_timeout=2)
+                assert isinstance(redis_storage, Storage)  # a redis:// URL: the sync storage
+                _storages[key] = redis_storage
             else:
                 _storages[key] = SQLStorage(settings.db_url)
         return _storages[key]

@@ -302,7 +302,7 @@ def test_time_ceiling_from_the_measured_throughput(tmp_path: Path) -> None:
     with pytest.raises(SpecError) as exc:
         limits.check_cost(est, p.max_job_cost, p.max_job_seconds)
     msg = exc.value.errors[0]["message"]
-    assert "parameter-token-passes/s" in msg and "exceeds your per-job ceiling of 120 min" in msg
+    assert "parameter-token-passes/s" in msg and "exceeds your per-job ceiling of 2.0 h" in msg
     # an operator's throughput file, a per-user time limit, an admin: each raises the ceiling
     (tmp_path / "throughput.json").write_text(json.dumps({"param_token_passes_per_s": 1e20}))
     assert limits.throughput(settings) == (1e20, "throughput.json")
