@@ -177,8 +177,9 @@ def _add_account_routes(r: APIRouter, settings: Any) -> None:
             return JSONResponse(status_code=422, content={"detail": exc.errors})
         est = limits.estimate(settings, req.kind, spec)
         within = p.max_job_cost is None or (est["cost"] is not None and est["cost"] <= p.max_job_cost)
-        return {**est, "ceiling": p.max_job_cost, "within_ceiling": within,
-                "text": limits.describe(est, p.max_job_cost)}
+        return {**est, "ceiling": p.max_job_cost, "ceiling_seconds": p.max_job_seconds,
+                "within_ceiling": within,
+                "text": limits.describe(est, p.max_job_cost, p.max_job_seconds)}
 
 
 def _add_session_routes(r: APIRouter, settings: Any) -> None:

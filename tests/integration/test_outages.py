@@ -102,3 +102,35 @@ def test_broker_down_is_503_without_its_address(private_pg, private_redis, priva
     r = client.get("/api/health")
     assert r.status_code == 503 and r.json()["broker"] == "unreachable"
     assert r.json()["database"] == "ok"
+
+
+def test_reconciler_drops_unacked_messages_of_ended_jobs(private_redis, private_pg_stack) -> None:
+    """A consumer killed before its ack leaves the message in Redis' unacked store until the
+    visibility timeout; once its job has ended the reconciler drops it (as the ack would have),
+    and keeps the one of a job still running."""
+    import base64
+    import json
+
+    import redis
+
+    import compute.celery_app as ca
+    from compute.worker.reconciler import reconcile
+    from storage import repo
+
+    stack = private_pg_stack
+    ended = services.submit(stack.settings, "fisher", SMALL | {"seed": 1})["id"]
+    running = services.submit(stack.settings, "fisher", SMALL | {"seed": 2})["id"]
+    with services.sessions(stack.settings)() as s:
+        repo.mark_running(session=s, job_id=ended, worker="gone")
+        repo.mark_succeeded(session=s, job_id=ended)
+        repo.mark_running(session=s, job_id=running, worker="alive")
+    r = redis.Redis.from_url(private_redis.url)
+    for job_id in (ended, running):
+        body = base64.b64encode(json.dumps([[job_id], {}, {}]).encode()).decode()
+        payload = {"headers": {"task": ca.RUN_JOB}, "body": body,
+                   "properties": {"body_encoding": "base64", "delivery_tag": f"tag-{job_id}"}}
+        r.hset("unacked", f"tag-{job_id}", json.dumps([payload, "", ca.QUEUE]))
+        r.zadd("unacked_index", {f"tag-{job_id}": time.time() - 600})  # taken 10 min ago
+    reconcile(stack.settings)
+    assert set(r.hkeys("unacked")) == {f"tag-{running}".encode()}
+    assert set(r.zrange("unacked_index", 0, -1)) == {f"tag-{running}".encode()}
