@@ -186,22 +186,26 @@ def _downloads(job: dict[str, Any], artifacts: list[dict[str, Any]]) -> str:
     return warning + "<p id='fl-downloads'>Downloads: " + " &middot; ".join(links) + "</p>"
 
 
-def check_artifacts(settings: Any, payload: dict[str, Any]) -> dict[str, Any]:
+def check_artifacts(settings: Any, job_id: int, payload: dict[str, Any]) -> dict[str, Any]:
     """The payload with `corrupt: True` on each artifact whose stored file does not match its
     sha256 (issue 21; checked when a page is rendered: the store re-hashes a file only when it
     changed since its last check)."""
+    from storage import repo
     from storage.artifacts import ArtifactError, open_store
 
     store = open_store(settings)
     arts = []
-    for a in payload.get("artifacts") or []:
-        try:
-            store.fetch(a["path"], a["sha256"])
-            arts.append(a)
-        except ArtifactError:
-            arts.append({**a, "corrupt": True})
-        except OSError:
-            arts.append(a)  # gone (the download says 410); not a corruption
+    with services.sessions(settings)() as s:
+        for a in payload.get("artifacts") or []:
+            row = repo.get_artifact(session=s, job_id=job_id, kind=a.get("kind"))
+            try:
+                if row is not None and store.resolve(row.path).exists():
+                    store.fetch(row.path, row.sha256)
+                arts.append(a)
+            except ArtifactError:
+                arts.append({**a, "corrupt": True})
+            except OSError:
+                arts.append(a)  # gone (the download says 410); not a corruption
     return {**payload, "artifacts": arts}
 
 
@@ -339,7 +343,7 @@ def make_share_router(settings: Any) -> APIRouter:
                 payload = store.get(head["id"], head["finished_at"],
                                     lambda: services.result_by_token(settings, token))
             if payload is not None:
-                payload = check_artifacts(settings, payload)  # a warning when one is corrupt
+                payload = check_artifacts(settings, head["id"], payload)  # warn of a corrupt one
             page = pages.put(etag, result_page(head, token, payload))
         if "gzip" in request.headers.get("accept-encoding", ""):
             return Response(page[1], media_type="text/html; charset=utf-8",

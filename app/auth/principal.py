@@ -41,7 +41,7 @@ _current: ContextVar[Principal | None] = ContextVar("fisherlens_user", default=N
 
 def principal(user: Any, settings: Any, via: str, token_id: int | None = None) -> Principal:
     """A users row -> Principal with its effective limits (per-user value, else the role's)."""
-    from app.limits import job_ceiling
+    from app.ceiling import job_ceiling
 
     admin = bool(user.is_admin)
     active = user.max_active_jobs if user.max_active_jobs is not None else (

@@ -55,7 +55,7 @@ def submit(settings: Any, kind: str, data: dict[str, Any], *, reuse: bool = True
     return public(settings, out, reused=False)
 
 
-BROKER_DOWN = "the job queue (broker) cannot be reached right now; nothing was queued, try again in a minute"
+BROKER_DOWN = "could not queue the job: the job queue (broker) cannot be reached right now; try again in a minute"
 
 
 def _queue(settings: Any, job_id: int) -> None:

@@ -323,6 +323,9 @@ def test_corrupt_artifact_is_409_and_missing_is_410(env):
     r = client.get(f"/api/results/{token}/artifacts/fisher")
     assert r.status_code == 409 and "sha256" in r.json()["detail"], r.text
     assert str(settings.artifacts_dir) not in r.text
+    page = client.get(f"/r/{token}")  # the share page says so too (issue 21)
+    assert page.status_code == 200 and "id='fl-artifact-warning'" in page.text
+    assert "fisher artifact does not match its recorded sha256" in page.text
     path.unlink()
     r = client.get(f"/api/results/{token}/artifacts/fisher")
     assert r.status_code == 410 and "no longer in the artifact store" in r.json()["detail"], r.text
