@@ -29,6 +29,7 @@ from fastapi.responses import FileResponse, HTMLResponse, Response
 
 from app import services
 from app.figures.store import FIGURES_KEY, store_for
+from compute.jobs import registry
 
 PLOTLY_JS = Path(plotly.__file__).resolve().parent / "package_data" / "plotly.min.js"
 PLOTLY_URL = f"/share-static/plotly-{plotly.__version__}.min.js"
@@ -38,8 +39,6 @@ PAGE_KEY = FIGURES_KEY + "." + hashlib.sha256(Path(__file__).read_bytes()).hexdi
 FINISHED_CACHE = "public, no-cache"
 FINAL = ("succeeded", "failed", "cancelled")
 REFRESH_S = 5
-KIND_TITLES = {"fisher": "Fisher", "mask": "Mask", "train": "Training run", "retention": "Retention",
-               "diff": "Checkpoint diff", "tokens": "Token explorer"}
 
 CSS = """
 body{font-family:system-ui,sans-serif;margin:0;background:#f8f9fa;color:#212529}
@@ -106,7 +105,8 @@ def _banner(token: str) -> str:
 
 
 def _title(head: dict[str, Any]) -> str:
-    return f"{KIND_TITLES.get(head['kind'], head['kind'])} result #{head['id']}"
+    kind = registry.KINDS.get(head["kind"])
+    return f"{kind.title if kind else head['kind']} result #{head['id']}"
 
 
 def running_page(head: dict[str, Any], token: str) -> str:
@@ -191,7 +191,7 @@ def check_artifacts(settings: Any, job_id: int, payload: dict[str, Any]) -> dict
     sha256 (issue 21; checked when a page is rendered: the store re-hashes a file only when it
     changed since its last check)."""
     from storage import repo
-    from storage.artifacts import ArtifactError, open_store
+    from storage.artifacts import ArtifactError, ArtifactStoreUnavailable, open_store
 
     store = open_store(settings)
     arts = []
@@ -199,13 +199,13 @@ def check_artifacts(settings: Any, job_id: int, payload: dict[str, Any]) -> dict
         for a in payload.get("artifacts") or []:
             row = repo.get_artifact(session=s, job_id=job_id, kind=a.get("kind"))
             try:
-                if row is not None and store.resolve(row.path).exists():
+                if row is not None and store.exists(row.path):
                     store.fetch(row.path, row.sha256)
                 arts.append(a)
             except ArtifactError:
                 arts.append({**a, "corrupt": True})
-            except OSError:
-                arts.append(a)  # gone (the download says 410); not a corruption
+            except (OSError, ArtifactStoreUnavailable):
+                arts.append(a)  # gone or unreachable (the download says so); not a corruption
     return {**payload, "artifacts": arts}
 
 

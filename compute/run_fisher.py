@@ -17,7 +17,7 @@ import torch
 
 from compute import analysis
 from compute.contract.jobresult import JobResult, Progress, null_progress
-from compute.contract.specs import FisherSpec
+from compute.contract.kinds import Refs
 from compute.fisher import (
     ExactOutputUnsupported,
     FisherConfig,
@@ -25,6 +25,7 @@ from compute.fisher import (
     exact_output_fisher,
     relative_error,
 )
+from compute.jobs.fisher import FisherSpec
 
 
 def shard_range(spec: FisherSpec, shard_index: int) -> tuple[int, int]:
@@ -36,11 +37,13 @@ def shard_range(spec: FisherSpec, shard_index: int) -> tuple[int, int]:
     return lo, hi
 
 
-def _load(spec: FisherSpec) -> tuple[Any, Any]:
-    from compute.contract.modelref import resolve_model
+def _load(spec: FisherSpec, refs: Refs | None) -> tuple[Any, Any]:
+    from compute.artifacts import ref_of
     from compute.models import load_model
 
-    return load_model(resolve_model(spec.model), device=spec.device, dtype=spec.dtype)
+    model = ref_of(refs, "model", spec.model)
+    assert model is not None  # the spec requires a model
+    return load_model(model, device=spec.device, dtype=spec.dtype)
 
 
 def _config(spec: FisherSpec, n_prompts: int, start: int) -> FisherConfig:
@@ -52,7 +55,8 @@ def _config(spec: FisherSpec, n_prompts: int, start: int) -> FisherConfig:
     )
 
 
-def _shard(spec: FisherSpec, shard_index: int, progress: Progress, loaded: tuple | None) -> dict:
+def _shard(spec: FisherSpec, shard_index: int, progress: Progress, loaded: tuple | None,
+           refs: Refs | None = None) -> dict:
     from compute.tasks import get_task
 
     t0 = time.perf_counter()
@@ -63,7 +67,7 @@ def _shard(spec: FisherSpec, shard_index: int, progress: Progress, loaded: tuple
     if hi <= lo:
         return empty
     task = get_task(spec.task)
-    model, tok = loaded or _load(spec)
+    model, tok = loaded or _load(spec, refs)
     examples = task.examples(hi - lo, seed=spec.seed, split="train", start=spec.prompt_start + lo)
     cfg = _config(spec, hi - lo, spec.prompt_start + lo)
     res = estimate_fisher(model, tok, examples, cfg, progress=progress)
@@ -96,12 +100,13 @@ def _shard(spec: FisherSpec, shard_index: int, progress: Progress, loaded: tuple
     return out
 
 
-def run_shard(spec: FisherSpec, shard_index: int, progress: Progress = null_progress) -> dict:
+def run_shard(spec: FisherSpec, shard_index: int, progress: Progress = null_progress,
+              refs: Refs | None = None) -> dict:
     """Un-normalised Fisher sums of one shard's prompts (tensors + JSON-able numbers).
 
     {"sums": {name: (2 halves | 1, *shape) float32}, "denoms": [d_even, d_odd] | None (batch),
      "n_rows", "n_tokens", "exact": {"sums": {name: tensor}, "count"} | None, ...}"""
-    return _shard(spec, shard_index, progress, None)
+    return _shard(spec, shard_index, progress, None, refs)
 
 
 def _add(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -169,10 +174,10 @@ def finish(spec: FisherSpec, shard_outputs: list[dict], progress: Progress = nul
     return result
 
 
-def run(spec: FisherSpec, progress: Progress = null_progress) -> JobResult:
+def run(spec: FisherSpec, progress: Progress = null_progress, refs: Refs | None = None) -> JobResult:
     """Every shard in this process (model loaded once), then `finish`."""
     progress(0.0, "loading model")
-    loaded = _load(spec)
+    loaded = _load(spec, refs)
     from compute.models import model_info
 
     info = model_info(loaded[0])
@@ -190,9 +195,11 @@ def children(spec: FisherSpec) -> int:
     return spec.shards
 
 
-def run_child(spec: FisherSpec, index: int, progress: Progress = null_progress) -> dict:
-    return run_shard(spec, index, progress)
+def run_child(spec: FisherSpec, index: int, progress: Progress = null_progress,
+              refs: Refs | None = None) -> dict:
+    return run_shard(spec, index, progress, refs)
 
 
-def combine(spec: FisherSpec, outputs: list[dict], progress: Progress = null_progress) -> JobResult:
+def combine(spec: FisherSpec, outputs: list[dict], progress: Progress = null_progress,
+            refs: Refs | None = None) -> JobResult:
     return finish(spec, outputs, progress)
