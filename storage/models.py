@@ -214,7 +214,7 @@ class User(Base):
     # Per-user limits; None = the settings' default for the user's role.
     max_active_jobs: Mapped[int | None] = mapped_column(Integer, default=None)
     max_job_cost: Mapped[float | None] = mapped_column(Float, default=None)
-    # Per-user limit on a job's estimated run time (migration 0005; app/limits.py).
+    # Per-user limit on a job's estimated run time (migration 0006; app/limits.py).
     max_job_seconds: Mapped[float | None] = mapped_column(Float, default=None)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
@@ -235,13 +235,13 @@ class ApiToken(Base):
     expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), default=None)
     last_used_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), default=None)
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), default=None)
-    # A session opened by signing in with an API token: that token (migration 0005), so revoking
+    # A session opened by signing in with an API token: that token (migration 0006), so revoking
     # the token ends the session too.
     parent_id: Mapped[int | None] = mapped_column(Integer, default=None, index=True)
 
 
 class RateLimit(Base):
-    """A throttling counter (migration 0005) when no Redis is configured: `count` hits of `key`
+    """A throttling counter (migration 0006) when no Redis is configured: `count` hits of `key`
     in the window that ends at `expires_at` (seconds since the epoch). app/auth/throttle.py."""
 
     __tablename__ = "rate_limits"

@@ -36,7 +36,7 @@ Key = tuple[str, str]  # (what, who): ("signin-user", "<sha256>"), ("signin-ip",
 
 
 class SQLStorage(Storage):
-    """A `limits` storage on the `rate_limits` table (migration 0005): `count` hits of `key` in
+    """A `limits` storage on the `rate_limits` table (migration 0006): `count` hits of `key` in
     the window that ends at `expires_at` (epoch seconds). incr is one upsert (PostgreSQL and
     SQLite both have INSERT ... ON CONFLICT ... RETURNING), so concurrent hits never lose one."""
 
