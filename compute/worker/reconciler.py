@@ -17,6 +17,7 @@ import compute.celery_app as ca
 from compute.celery_app import FINISH_SHARDS, RUN_JOB, RUN_SHARD, send_job
 from compute.worker.lifecycle import holder_dead, sessions
 from storage import repo
+from storage.db import is_outage
 from storage.models import FINAL_STATUSES, Job, utcnow
 
 log = logging.getLogger("fisherlens.worker")
@@ -266,8 +267,11 @@ def start_reconciler(settings: Any) -> None:
         while not _stop.wait(every):
             try:
                 reconcile(settings, hostname=None)
-            except Exception:  # broker or database away: try again next period
-                log.exception("reconcile failed")
+            except Exception as exc:  # broker or database away: try again next period
+                if is_outage(exc):
+                    log.warning("reconcile skipped: database unreachable (%s)", type(exc).__name__)
+                else:
+                    log.exception("reconcile failed")
 
     threading.Thread(target=loop, name="fisherlens-reconciler", daemon=True).start()
 
