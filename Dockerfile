@@ -24,6 +24,8 @@ COPY app app
 COPY compute compute
 COPY storage storage
 COPY frontend_assets frontend_assets
+# the measured throughput the per-job time ceiling uses (app/limits.py; THROUGHPUT_FILE overrides)
+COPY benchmarks/results/throughput.json benchmarks/results/throughput.json
 RUN pip install --no-deps -e .
 
 RUN useradd --create-home --uid 1000 fisherlens && mkdir -p /data /models && chown fisherlens /data

@@ -3,14 +3,61 @@
 from __future__ import annotations
 
 import html
+from dataclasses import dataclass
 from typing import Any, Literal
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Path, Request
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse, Response
 from pydantic import BaseModel, Field
 
+from app.api import JobKind
+from app.auth import throttle
 from app.auth.guard import SESSION_COOKIE
 from app.auth.principal import Forbidden, current_user, db_sessions
+
+
+@dataclass(frozen=True)
+class Throttled:
+    """A refused attempt: wait this many seconds (Retry-After)."""
+
+    retry_after: int
+
+
+class _HashGate:
+    """Password checks (argon2: ~50 ms of a core and 64 MB each) run in at most
+    SIGNIN_THREADS threads of their own, so a flood of sign-ins cannot take the threads every
+    other request needs; at most SIGNIN_BACKLOG wait, the rest get 429 at once. A caller whose
+    account or address is throttled (app/auth/throttle.py) is refused before any hashing."""
+
+    def __init__(self, settings: Any):
+        self.settings = settings
+        self.waiting = 0
+        self._limiter: Any = None
+
+    async def run(self, keys: list[throttle.Key], fn: Any, *args: Any) -> Any:
+        """fn(*args) -> its result, None (a failed check: counted against `keys`), or
+        Throttled (throttled or too busy: nothing was hashed)."""
+        import anyio
+        import anyio.to_thread
+
+        limits = throttle.signin_throttle(self.settings)
+        wait = await anyio.to_thread.run_sync(limits.retry_after, keys)
+        if wait is not None:
+            return Throttled(wait)
+        if self.waiting >= self.settings.signin_backlog:
+            return Throttled(1)
+        if self._limiter is None:
+            self._limiter = anyio.CapacityLimiter(self.settings.signin_threads)
+        self.waiting += 1
+        try:
+            out = await anyio.to_thread.run_sync(fn, *args, limiter=self._limiter)
+        finally:
+            self.waiting -= 1
+        if out is None:
+            await anyio.to_thread.run_sync(limits.fail, keys)
+        else:
+            await anyio.to_thread.run_sync(limits.clear, keys[:1])  # the account, not the address
+        return out
 
 
 def _login_page(message: str = "", next_url: str = "/", status: int = 200) -> HTMLResponse:
@@ -41,6 +88,7 @@ def make_auth_router(settings: Any) -> APIRouter:
     r = APIRouter()
     _add_sign_in_routes(r, settings)
     _add_account_routes(r, settings)
+    _add_session_routes(r, settings)
     return r
 
 
@@ -54,21 +102,27 @@ def _add_sign_in_routes(r: APIRouter, settings: Any) -> None:
             return RedirectResponse(_safe_next(next), status_code=303)
         return _login_page(next_url=_safe_next(next))
 
+    gate = _HashGate(settings)
+
     @r.post("/login", include_in_schema=False)
     async def login(request: Request) -> Response:
-        import anyio.to_thread
-
         form = await request.form()
-        name = str(form.get("name") or "").strip()
-        password = str(form.get("password") or "")
+        name = str(form.get("name") or "").strip()[:200]
+        password = str(form.get("password") or "")[:1024]
         next_url = _safe_next(str(form.get("next") or "/"))
         if not settings.auth_required:
             return RedirectResponse(next_url, status_code=303)
-        secret = await anyio.to_thread.run_sync(_sign_in, settings, name, password)
-        if secret is None:
+        keys = [throttle.account_key(name), throttle.address_key("signin-ip", throttle.client_address(request.scope))]
+        outcome = await gate.run(keys, _sign_in, settings, name, password)
+        if isinstance(outcome, Throttled):  # throttled or too busy: refused before any hashing
+            page = _login_page(throttle.too_many(outcome.retry_after, "sign-ins"), next_url,
+                               status=429)
+            page.headers["Retry-After"] = str(outcome.retry_after)
+            return page
+        if outcome is None:
             return _login_page("Wrong user name or password.", next_url, status=401)
         resp = RedirectResponse(next_url, status_code=303)
-        resp.set_cookie(SESSION_COOKIE, secret, max_age=settings.session_max_age_s, httponly=True,
+        resp.set_cookie(SESSION_COOKIE, outcome, max_age=settings.session_max_age_s, httponly=True,
                         samesite="strict", secure=secure, path="/")
         return resp
 
@@ -124,8 +178,71 @@ def _add_account_routes(r: APIRouter, settings: Any) -> None:
             return JSONResponse(status_code=422, content={"detail": exc.errors})
         est = limits.estimate(settings, req.kind, spec)
         within = p.max_job_cost is None or (est["cost"] is not None and est["cost"] <= p.max_job_cost)
-        return {**est, "ceiling": p.max_job_cost, "within_ceiling": within,
-                "text": limits.describe(est, p.max_job_cost)}
+        return {**est, "ceiling": p.max_job_cost, "ceiling_seconds": p.max_job_seconds,
+                "within_ceiling": within,
+                "text": limits.describe(est, p.max_job_cost, p.max_job_seconds)}
+
+
+def _add_session_routes(r: APIRouter, settings: Any) -> None:
+    """A user's own password change (ends their other sessions) and an admin's "end every
+    session of this user"."""
+    gate = _HashGate(settings)
+
+    @r.post("/api/me/password", tags=["meta"], responses=_responses(401, 403, 422, 429),
+            summary="Change your password: every other browser session of yours ends")
+    async def change_password(req: PasswordChange, request: Request) -> Any:
+        p = current_user(settings)
+        keys = [throttle.account_key(p.name),
+                throttle.address_key("signin-ip", throttle.client_address(request.scope))]
+        outcome = await gate.run(keys, _change_password, settings, p, req.current_password,
+                                 req.new_password)
+        if isinstance(outcome, Throttled):
+            wait = outcome.retry_after
+            return JSONResponse(status_code=429, headers={"Retry-After": str(wait)},
+                                content={"detail": [{"field": "current_password", "message":
+                                         throttle.too_many(wait, "password checks")}]})
+        if outcome is None:
+            return JSONResponse(status_code=422, content={"detail": [{
+                "field": "current_password", "message": "is not your current password"}]})
+        return {"name": p.name, "sessions_ended": outcome}
+
+    @r.post("/api/users/{name}/end-sessions", tags=["meta"], responses=_responses(401, 403, 404),
+            summary="Admin: end every browser session of a user (their API tokens keep working)")
+    def end_sessions(name: str = Path(..., max_length=64)) -> Any:
+        from storage import users
+
+        if not current_user(settings).is_admin:
+            raise Forbidden("only admins end other users' sessions")
+        with db_sessions(settings)() as s:
+            try:
+                n = users.end_sessions(session=s, name=name)
+            except LookupError:
+                return JSONResponse(status_code=404, content={"detail": f"user: no user called {name!r}"})
+        return {"name": name, "sessions_ended": n}
+
+
+def _responses(*codes: int) -> dict[int | str, dict[str, Any]]:
+    from app.api import responses
+
+    return responses(*codes)  # imported late: app.api's ERRORS are built after this module
+
+
+def _change_password(settings: Any, p: Any, current: str, new: str) -> int | None:
+    """Sessions ended (all of the user's but the caller's own), or None: wrong current password."""
+    from storage import users
+
+    with db_sessions(settings)() as s:
+        if users.authenticate(session=s, name=p.name, password=current) is None:
+            return None
+        keep = p.token_id if p.via == "session" else None
+        _, ended = users.set_password(session=s, name=p.name, password=new, keep_session_id=keep)
+        return ended
+
+
+class PasswordChange(BaseModel):
+    current_password: str = Field(..., min_length=1, max_length=1024)
+    new_password: str = Field(..., min_length=8, max_length=1024,
+                              description="at least 8 characters")
 
 
 class ShareRequest(BaseModel):
@@ -134,7 +251,7 @@ class ShareRequest(BaseModel):
 
 
 class EstimateRequest(BaseModel):
-    kind: str = Field(..., max_length=32)
+    kind: JobKind = Field(..., description="the job kind")
     spec: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -143,14 +260,16 @@ def _sign_in(settings: Any, name: str, password: str) -> str | None:
     from storage import users
 
     with db_sessions(settings)() as s:
+        parent: int | None = None
         user = users.authenticate(session=s, name=name, password=password)
         if user is None and password.startswith("fl_"):
-            tok_user = users.user_for_token(session=s, secret=password, kind="api")
-            user = tok_user if tok_user is not None and tok_user.name == name else None
+            found = users.token_and_user(session=s, secret=password, kind="api")
+            if found is not None and found[1].name == name:
+                parent, user = found[0].id, found[1]  # revoking the token ends this session
         if user is None:
             return None
         secret, _ = users.issue_token(session=s, user=user, kind="session", label="browser",
-                                      ttl_s=settings.session_max_age_s)
+                                      ttl_s=settings.session_max_age_s, parent_id=parent)
         return secret
 
 

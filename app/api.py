@@ -84,8 +84,8 @@ ERRORS: dict[int, tuple[type[BaseModel], str]] = {
     422: (FieldErrors, "bad input: each field and its accepted range; nothing was queued"),
     429: (FieldErrors, "your queue is full (queued + running jobs limit)"),
     500: (Message, "internal error (the server log has the details)"),
-    503: (Message, "the job queue (broker) or the artifact store cannot be reached; nothing was "
-                   "queued"),
+    503: (Message, "the database, the job queue (broker) or the artifact store cannot be "
+                   "reached; nothing was queued"),
 }
 
 
@@ -400,4 +400,6 @@ def _add_model_routes(r: APIRouter, settings: Any) -> None:
 
     @r.get("/health", tags=["meta"], include_in_schema=False)
     def health(request: Request) -> Any:
-        return {"ok": True}
+        """{"ok", "database", "broker"}: each "ok" or "unreachable"; 503 when one is missing."""
+        out = services.health(settings)
+        return JSONResponse(status_code=200 if out["ok"] else 503, content=out)

@@ -7,6 +7,13 @@ per token-pass makes `2 * cost` a rough FLOP count. Each job kind says its token
 `cost`, compute/jobs/<kind>.py, with the shared formulas and assumptions of
 compute/contract/cost.py: prompts counted as `COST_PROMPT_TOKENS` tokens, every completion as
 `max_new_tokens`), so the estimate is an upper bound for the given prompt length.
+
+Ceiling: by default a user's job may not run longer than MAX_JOB_SECONDS (2 h) at the
+throughput a benchmark measured on the workers' machine (`benchmarks/bench_throughput.py` writes
+parameter-token-passes per second to a JSON; THROUGHPUT / THROUGHPUT_FILE override it), so the
+cost ceiling is `seconds x throughput` and every estimate also says its time. An explicit cost
+ceiling (MAX_JOB_COST, a user's own `max_job_cost`) or a user's own `max_job_seconds` replaces
+it; admins and the local user have none unless MAX_JOB_SECONDS_ADMIN / MAX_JOB_COST_ADMIN is set.
 """
 
 from __future__ import annotations
@@ -16,10 +23,13 @@ import math
 from pathlib import Path
 from typing import Any
 
+from app.ceiling import REPO_THROUGHPUT, duration, job_ceiling, throughput
 from app.services.compat import safetensors_header
 from compute.contract.cost import COST_PROMPT_TOKENS
 from compute.contract.specs import SpecError
 from compute.jobs import registry
+
+__all__ = ["REPO_THROUGHPUT", "job_ceiling", "throughput"]  # the ceiling's half: app/ceiling.py
 
 
 class QuotaExceeded(SpecError):
@@ -112,6 +122,7 @@ def estimate(settings: Any, kind: str, spec: Any, refs: dict[str, Any] | None = 
     if not values:
         params = 0  # no model named (a mask from a stored Fisher): no model runs
     cost = None if unknown or params is None else float(max(passes, 1) * params)
+    tp = throughput(settings)
     return {
         "kind": kind,
         "token_passes": passes,
@@ -119,24 +130,39 @@ def estimate(settings: Any, kind: str, spec: Any, refs: dict[str, Any] | None = 
         "cost": cost,
         "unknown_models": unknown,
         "prompt_tokens_assumed": COST_PROMPT_TOKENS,
+        "throughput": tp[0] if tp else None,
+        "seconds": cost / tp[0] if tp and cost is not None else None,
     }
 
 
-def describe(est: dict[str, Any], ceiling: float | None = None) -> str:
-    """One line for the UI form and messages."""
+def _time_text(est: dict[str, Any]) -> str:
+    if est.get("seconds") is None:
+        return ""
+    return (f", about {duration(est['seconds'])} at this server's measured "
+            f"{est['throughput']:.3g} parameter-token-passes/s")
+
+
+def _ceiling_text(ceiling: float, seconds: float | None) -> str:
+    return f"{duration(seconds)} ({ceiling:.3g})" if seconds is not None else f"{ceiling:.3g}"
+
+
+def describe(est: dict[str, Any], ceiling: float | None = None, seconds: float | None = None) -> str:
+    """One line for the UI form and messages (`seconds`: the time limit the ceiling comes from)."""
     if est["cost"] is None:
         what = ", ".join(est["unknown_models"]) or "model"
         return (f"estimated cost: unknown (cannot count the parameters of {what}); "
                 f"{est['token_passes']:.3g} token-passes")
     line = (f"estimated cost: {est['cost']:.3g} parameter-token-passes "
-            f"({est['token_passes']:.3g} token-passes x {est['params']:,} parameters)")
+            f"({est['token_passes']:.3g} token-passes x {est['params']:,} parameters)"
+            + _time_text(est))
     if ceiling is not None:
-        line += f"; your per-job ceiling: {ceiling:.3g}"
+        line += f"; your per-job ceiling: {_ceiling_text(ceiling, seconds)}"
     return line
 
 
-def check_cost(est: dict[str, Any], ceiling: float | None) -> None:
-    """SpecError (422) when the estimate is over the ceiling, or unknown while one applies."""
+def check_cost(est: dict[str, Any], ceiling: float | None, seconds: float | None = None) -> None:
+    """SpecError (422) when the estimate is over the ceiling, or unknown while one applies
+    (`seconds`: the run-time limit the ceiling comes from, named in the message)."""
     if ceiling is None:
         return
     if est["cost"] is None:
@@ -145,16 +171,18 @@ def check_cost(est: dict[str, Any], ceiling: float | None) -> None:
             "field": f,
             "message": ("cannot estimate this job's cost: the parameter count of this model is "
                         "unknown here (hub id, or no safetensors weights)")
-            + f"; a per-job cost ceiling of {ceiling:.3g} applies to you, so ask an admin to run it",
+            + f"; a per-job ceiling of {_ceiling_text(ceiling, seconds)} applies to you, so ask an "
+            "admin to run it",
             "limit": ceiling, "value": None,
         } for f in fields)))
     if est["cost"] > ceiling:
         raise SpecError(_errors({
             "field": "spec",
             "message": f"estimated cost {est['cost']:.3g} parameter-token-passes "
-                       f"({est['token_passes']:.3g} token-passes x {est['params']:,} parameters) "
-                       f"exceeds your per-job ceiling of {ceiling:.3g}; use fewer prompts, "
-                       "samples, steps or tokens",
+                       f"({est['token_passes']:.3g} token-passes x {est['params']:,} parameters"
+                       f"{_time_text(est)}) exceeds your per-job ceiling of "
+                       f"{_ceiling_text(ceiling, seconds)}; use fewer prompts, samples, steps or "
+                       "tokens, or ask an admin to raise your limit",
             "limit": ceiling, "value": est["cost"],
         }))
 
@@ -222,7 +250,8 @@ def form_estimate_html(settings: Any, kind: str, data: dict[str, Any]) -> str:
         return (f"<div class='fl-cost' data-within='unknown'>estimated cost: fix "
                 f"<b>{html.escape(str(first['field']))}</b> first</div>")
     try:
-        ceiling = auth.current_user(settings).max_job_cost
+        user = auth.current_user(settings)
+        ceiling, seconds = user.max_job_cost, user.max_job_seconds
         est = estimate(settings, kind, spec)
     except Exception as exc:  # noqa: BLE001 - a hint line must never break the form
         return f"<div class='fl-cost' data-within='unknown'>estimated cost: unavailable ({html.escape(type(exc).__name__)})</div>"
@@ -230,4 +259,4 @@ def form_estimate_html(settings: Any, kind: str, data: dict[str, Any]) -> str:
     over = "" if within else " <b>over your ceiling: it would be refused</b>"
     return (f"<div class='fl-cost' data-within='{'yes' if within else 'no'}' "
             f"data-cost='{est['cost'] if est['cost'] is not None else ''}'>"
-            f"{html.escape(describe(est, ceiling))}{over}</div>")
+            f"{html.escape(describe(est, ceiling, seconds))}{over}</div>")

@@ -242,8 +242,16 @@ def downloads_html(job: dict[str, Any], artifacts: list[dict[str, Any]]) -> str:
     for a in artifacts:
         ext = "zip" if a.get("is_dir") else "safetensors"
         links.append(f"<a href='/api/results/{token}/artifacts/{esc(a.get('kind'))}' download>"
-                     f"{esc(a.get('kind'))} ({ext}, {(a.get('bytes') or 0) / 1e6:.2f} MB)</a>")
-    return "<p id='fl-downloads' class='fl-downloads'>Downloads: " + " &middot; ".join(links) + "</p>"
+                     f"{esc(a.get('kind'))} ({ext}, {(a.get('bytes') or 0) / 1e6:.2f} MB)</a>"
+                     + (" <b class='fl-corrupt'>(corrupt)</b>" if a.get("corrupt") else ""))
+    # share.check_artifacts marks an artifact whose stored bytes fail their sha256
+    bad = [esc(a.get("kind")) for a in artifacts if a.get("corrupt")]
+    warning = (f"<p id='fl-artifact-warning' class='fl-failed' role='alert'>Warning: the stored "
+               f"{', '.join(bad)} artifact does not match its recorded sha256 (corrupt or changed "
+               "on disk); its download is refused. Re-run the job to make it again.</p>"
+               if bad else "")
+    return (warning + "<p id='fl-downloads' class='fl-downloads'>Downloads: "
+            + " &middot; ".join(links) + "</p>")
 
 
 def settings_html(spec: dict[str, Any]) -> str:

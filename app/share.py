@@ -87,6 +87,29 @@ def running_page(head: dict[str, Any], token: str) -> str:
                 f'<meta http-equiv="refresh" content="{REFRESH_S}">')
 
 
+def check_artifacts(settings: Any, job_id: int, payload: dict[str, Any]) -> dict[str, Any]:
+    """The payload with `corrupt: True` on each artifact whose stored file does not match its
+    sha256 (issue 21; checked when a page is rendered: the store re-hashes a file only when it
+    changed since its last check)."""
+    from storage import repo
+    from storage.artifacts import ArtifactError, ArtifactStoreUnavailable, open_store
+
+    store = open_store(settings)
+    arts = []
+    with services.sessions(settings)() as s:
+        for a in payload.get("artifacts") or []:
+            row = repo.get_artifact(session=s, job_id=job_id, kind=a.get("kind"))
+            try:
+                if row is not None and store.exists(row.path):
+                    store.fetch(row.path, row.sha256)
+                arts.append(a)
+            except ArtifactError:
+                arts.append({**a, "corrupt": True})
+            except (OSError, ArtifactStoreUnavailable):
+                arts.append(a)  # gone or unreachable (the download says so); not a corruption
+    return {**payload, "artifacts": arts}
+
+
 def result_page(head: dict[str, Any], token: str, payload: dict[str, Any] | None) -> str:
     """The page of a finished job (payload: the stored figures; None for failed/cancelled): the
     banner and title, then app.render's view of the result."""
@@ -188,6 +211,8 @@ def make_share_router(settings: Any) -> APIRouter:
             if head["status"] == "succeeded":
                 payload = store.get(head["id"], head["finished_at"],
                                     lambda: services.result_by_token(settings, token))
+            if payload is not None:
+                payload = check_artifacts(settings, head["id"], payload)  # warn of a corrupt one
             page = pages.put(etag, result_page(head, token, payload))
         if "gzip" in request.headers.get("accept-encoding", ""):
             return Response(page[1], media_type="text/html; charset=utf-8",

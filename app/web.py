@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.staticfiles import StaticFiles
+from sqlalchemy.exc import SQLAlchemyError
 
 from app import services
 from compute.contract.settings import Settings, get_settings
@@ -26,6 +27,14 @@ log = logging.getLogger("fisherlens.web")
 def _field(loc: tuple[Any, ...] | list[Any]) -> str:
     parts = [str(p) for p in loc if p not in ("body", "query", "path")]
     return ".".join(parts) or "body"
+
+
+def _message(e: dict[str, Any]) -> str:
+    """pydantic's message; for a choice (an enum such as `kind`) the value and the choices."""
+    if e.get("type") == "literal_error":
+        expected = str((e.get("ctx") or {}).get("expected", "")).replace("'", "")
+        return f"got {e.get('input')!r}; accepted: {expected}"
+    return str(e.get("msg", "invalid value"))
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -61,6 +70,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.mount("/fisherlens-static", StaticFiles(directory=str(ASSETS)), name="assets")
     _offline_docs(app)
     _document_errors(app)
+    _method_not_allowed(app)  # after every /api route, before the UI mounted at "/"
     _mount_ui(app, settings)
     return app
 
@@ -90,13 +100,24 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
-        errors = [{"field": _field(e.get("loc", ())), "message": e.get("msg", "invalid value")}
-                  for e in exc.errors()]
+        errors = [{"field": _field(e.get("loc", ())), "message": _message(e)} for e in exc.errors()]
         return JSONResponse(status_code=422, content={"detail": errors})
 
     @app.exception_handler(PermissionError)
     async def _denied(request: Request, exc: PermissionError) -> JSONResponse:
         return accounts.login_required_response(exc)
+
+    @app.exception_handler(SQLAlchemyError)
+    async def _database(request: Request, exc: SQLAlchemyError) -> JSONResponse:
+        from app.auth.guard import DB_DOWN
+        from storage.db import is_outage
+
+        if is_outage(exc):  # a short answer; the server log has the address and the error
+            log.warning("database unreachable on %s %s: %s", request.method, request.url.path,
+                        type(exc).__name__)
+            return JSONResponse(status_code=503, content={"detail": DB_DOWN},
+                                headers={"Retry-After": "30"})
+        return await _server_error(request, exc)
 
     @app.exception_handler(Exception)
     async def _server_error(request: Request, exc: Exception) -> JSONResponse:
@@ -106,6 +127,36 @@ def _add_error_handlers(app: FastAPI) -> None:
             status_code=500,
             content={"detail": "internal error; the server log has the details"},
         )
+
+
+def _method_not_allowed(app: FastAPI) -> None:
+    """/api/<anything> that no route serves with this method: 405 with `Allow` (the methods
+    the routes of that path do serve) when there are some, else 404. Without it the UI mounted
+    at "/" answered 404 for TRACE /api/me."""
+    from starlette.routing import Match, Mount
+
+    every = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "TRACE", "CONNECT"]
+
+    def served(scope: Any, method: str) -> bool:
+        probe = {**scope, "method": method, "type": "http"}
+        for rt in app.router.routes:
+            if getattr(rt, "endpoint", None) is other_method:
+                continue
+            if isinstance(rt, Mount) and not rt.path.startswith("/api"):
+                continue  # the UI at "/": it answers every path
+            if rt.matches(probe)[0] == Match.FULL:
+                return True
+        return False
+
+    async def other_method(request: Request) -> JSONResponse:
+        allowed = [m for m in every if m != request.method and served(request.scope, m)]
+        if not allowed:
+            return JSONResponse(status_code=404, content={"detail": "Not Found"})
+        return JSONResponse(status_code=405, headers={"Allow": ", ".join(allowed)},
+                            content={"detail": f"method {request.method} not allowed here; "
+                                     f"allowed: {', '.join(allowed)}"})
+
+    app.add_api_route("/api/{rest:path}", other_method, methods=every, include_in_schema=False)
 
 
 def _mount_ui(app: FastAPI, settings: Settings) -> None:

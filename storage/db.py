@@ -15,6 +15,7 @@ from typing import Any
 
 from sqlalchemy import Engine, create_engine, event, text
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import DBAPIError, DisconnectionError, InterfaceError, OperationalError
 from sqlalchemy.orm import Session, sessionmaker
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent / "migrations"
@@ -43,7 +44,17 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
 
         return engine
     kwargs.setdefault("pool_pre_ping", True)
+    if u.get_backend_name() == "postgresql":  # a server that is away answers within seconds
+        kwargs.setdefault("connect_args", {"connect_timeout": 10})
     return create_engine(url, **kwargs)
+
+
+def is_outage(exc: BaseException) -> bool:
+    """Is this error the database being unreachable (stopped, restarting, network, a dropped
+    connection) rather than a bug or bad data? Such an operation can be retried as it was."""
+    if isinstance(exc, DisconnectionError | OperationalError | InterfaceError):
+        return True
+    return isinstance(exc, DBAPIError) and bool(exc.connection_invalidated)
 
 
 def _get_engine_unlocked(url: str) -> Engine:

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import math
 import secrets
+from collections.abc import Callable
 from datetime import datetime, timedelta
 from typing import Any
 
 from sqlalchemy import Connection, bindparam, select, update
 from sqlalchemy.orm import Session
 
-from storage.models import FINAL_STATUSES, Job, revision_digest, utcnow
+from storage.models import FINAL_STATUSES, Job, User, revision_digest, utcnow
 from storage.serialize import iso, json_safe
 
 MAX_ID = 2**31 - 1  # jobs.id is a 32-bit INTEGER on PostgreSQL (and what SQLite binds safely)
@@ -64,6 +65,35 @@ def create_job(
     session.add(job)
     session.commit()
     return job
+
+
+def create_job_within_quota(
+    *, session: Session, owner_id: int, check: Callable[[int], None], **fields: Any
+) -> Job:
+    """create_job for `owner_id`, after `check(active)` has accepted the owner's number of
+    queued + running top-level jobs, counted under a lock on the owner's row that is held
+    until the new row is committed, so a burst of submits can never exceed a quota (count and
+    insert are one critical section per user). `check` raises to refuse; nothing is written.
+
+    PostgreSQL: SELECT ... FOR UPDATE on the users row. SQLite: the transaction's first
+    statement is a write to that row, which takes SQLite's one write lock (waited for under
+    busy_timeout) before the count is read, so the count cannot be stale."""
+    from storage.users import active_jobs
+
+    session.rollback()  # the lock must be the first statement of its transaction
+    try:
+        if session.get_bind().dialect.name == "postgresql":
+            session.execute(select(User.id).where(User.id == owner_id).with_for_update())
+        else:
+            session.execute(
+                update(User).where(User.id == owner_id).values(id=User.id)
+                .execution_options(synchronize_session=False)
+            )
+        check(active_jobs(session=session, owner_id=owner_id))
+    except BaseException:
+        session.rollback()
+        raise
+    return create_job(session=session, owner_id=owner_id, **fields)  # commits: lock released
 
 
 def get_job(*, session: Session, job_id: int) -> Job | None:

@@ -214,6 +214,8 @@ class User(Base):
     # Per-user limits; None = the settings' default for the user's role.
     max_active_jobs: Mapped[int | None] = mapped_column(Integer, default=None)
     max_job_cost: Mapped[float | None] = mapped_column(Float, default=None)
+    # Per-user limit on a job's estimated run time (migration 0006; app/limits.py).
+    max_job_seconds: Mapped[float | None] = mapped_column(Float, default=None)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow)
 
 
@@ -233,3 +235,17 @@ class ApiToken(Base):
     expires_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), default=None)
     last_used_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), default=None)
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime(), default=None)
+    # A session opened by signing in with an API token: that token (migration 0006), so revoking
+    # the token ends the session too.
+    parent_id: Mapped[int | None] = mapped_column(Integer, default=None, index=True)
+
+
+class RateLimit(Base):
+    """A throttling counter (migration 0006) when no Redis is configured: `count` hits of `key`
+    in the window that ends at `expires_at` (seconds since the epoch). app/auth/throttle.py."""
+
+    __tablename__ = "rate_limits"
+
+    key: Mapped[str] = mapped_column(String(255), primary_key=True)
+    count: Mapped[int] = mapped_column(Integer, default=0)
+    expires_at: Mapped[float] = mapped_column(Float, default=0.0)

@@ -33,6 +33,7 @@ from storage.jobs import (
     MAX_ID,
     claim_job,
     create_job,
+    create_job_within_quota,
     find_queued,
     find_reusable,
     get_job,
@@ -59,6 +60,7 @@ from storage.serialize import artifact_dict, job_dict, json_safe, model_dict
 
 __all__ = [
     "MAX_ID", "artifact_dict", "claim_combine", "claim_job", "create_children", "create_job",
+    "create_job_within_quota",
     "expected_children", "fail_parent", "find_queued", "find_reusable", "get_artifact",
     "get_job", "get_job_by_token", "get_model", "heartbeat", "job_dict", "job_head_by_token",
     "json_safe", "list_jobs", "list_models", "mark_cancelled", "mark_combine_resent",

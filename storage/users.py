@@ -103,19 +103,49 @@ def list_users(*, session: Session) -> list[User]:
     return list(session.scalars(select(User).order_by(User.id)))
 
 
-def set_password(*, session: Session, name: str, password: str) -> User:
+def set_password(
+    *, session: Session, name: str, password: str, keep_session_id: int | None = None
+) -> tuple[User, int]:
+    """(user, sessions ended): a new password ends every browser session of the user (a session
+    outlives no password), except `keep_session_id`, the one that made the change, if given."""
     user = _must_user(session, name)
     user.password_hash = hash_password(password)
+    ended = _revoke_sessions(session, user.id, keep=keep_session_id)
     session.commit()
-    return user
+    return user, ended
+
+
+def end_sessions(*, session: Session, name: str) -> int:
+    """End every browser session of a user (an admin's action); returns how many were live.
+    Their API tokens keep working (revoke those with revoke_token)."""
+    user = _must_user(session, name)
+    ended = _revoke_sessions(session, user.id)
+    session.commit()
+    return ended
+
+
+def _revoke_sessions(session: Session, user_id: int, keep: int | None = None) -> int:
+    q = update(ApiToken).where(
+        ApiToken.user_id == user_id, ApiToken.kind == "session", ApiToken.revoked_at.is_(None)
+    )
+    if keep is not None:
+        q = q.where(ApiToken.id != keep)
+    res = session.execute(q.values(revoked_at=utcnow()).execution_options(synchronize_session=False))
+    return int(res.rowcount or 0)  # type: ignore[attr-defined]
 
 
 def set_limits(
-    *, session: Session, name: str, max_active_jobs: int | None, max_job_cost: float | None
+    *,
+    session: Session,
+    name: str,
+    max_active_jobs: int | None,
+    max_job_cost: float | None,
+    max_job_seconds: float | None = None,
 ) -> User:
     user = _must_user(session, name)
     user.max_active_jobs = max_active_jobs
     user.max_job_cost = max_job_cost
+    user.max_job_seconds = max_job_seconds
     session.commit()
     return user
 
@@ -152,8 +182,10 @@ def issue_token(
     kind: str = "api",
     label: str = "",
     ttl_s: float | None = None,
+    parent_id: int | None = None,
 ) -> tuple[str, ApiToken]:
-    """(secret, row): the secret is shown once and never stored."""
+    """(secret, row): the secret is shown once and never stored. `parent_id`: the API token a
+    session was opened with (revoking that token ends the session)."""
     secret = "fl_" + secrets.token_urlsafe(32)
     row = ApiToken(
         user_id=user.id,
@@ -163,6 +195,7 @@ def issue_token(
         label=label[:200],
         created_at=utcnow(),
         expires_at=utcnow() + timedelta(seconds=ttl_s) if ttl_s else None,
+        parent_id=parent_id,
     )
     session.add(row)
     session.commit()
@@ -173,6 +206,14 @@ def user_for_token(
     *, session: Session, secret: str, kind: str | None = None, touch: bool = True
 ) -> User | None:
     """The enabled user a live (not revoked, not expired) token belongs to, else None."""
+    found = token_and_user(session=session, secret=secret, kind=kind, touch=touch)
+    return found[1] if found else None
+
+
+def token_and_user(
+    *, session: Session, secret: str, kind: str | None = None, touch: bool = True
+) -> tuple[ApiToken, User] | None:
+    """(token row, user) of a live token of an enabled user, else None."""
     if not secret or len(secret) > 200:
         return None
     q = select(ApiToken, User).join(User, User.id == ApiToken.user_id).where(
@@ -190,7 +231,7 @@ def user_for_token(
     if touch and (tok.last_used_at is None or now - tok.last_used_at > timedelta(minutes=1)):
         tok.last_used_at = now  # at most once a minute: polling must not write on every request
         session.commit()
-    return user
+    return tok, user
 
 
 def revoke_secret(*, session: Session, secret: str) -> bool:
@@ -207,7 +248,8 @@ def revoke_secret(*, session: Session, secret: str) -> bool:
 
 def revoke_token(*, session: Session, ref: str) -> ApiToken:
     """Revoke the API token whose id (a number) or prefix (its first characters, at least 6)
-    is `ref`. LookupError if none or several match."""
+    is `ref`, and the browser sessions signed in with it. LookupError if none or several
+    match."""
     ref = (ref or "").strip()
     q = select(ApiToken).where(ApiToken.revoked_at.is_(None))
     if ref.isdigit():
@@ -225,7 +267,14 @@ def revoke_token(*, session: Session, ref: str) -> ApiToken:
         raise LookupError(f"TOKEN: no live token matches {ref!r} (see `fisherlens user list`)")
     if len(rows) > 1:
         raise LookupError(f"TOKEN: {len(rows)} tokens match {ref!r}; give more characters or the id")
-    rows[0].revoked_at = utcnow()
+    now = utcnow()
+    rows[0].revoked_at = now
+    session.execute(
+        update(ApiToken)
+        .where(ApiToken.parent_id == rows[0].id, ApiToken.revoked_at.is_(None))
+        .values(revoked_at=now)
+        .execution_options(synchronize_session=False)
+    )
     session.commit()
     return rows[0]
 

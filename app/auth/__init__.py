@@ -12,15 +12,20 @@
 from Content-Length or while the body streams; a 200 MB body is never read), the cross-site rule
 (a state-changing request whose Origin/Referer is another site is refused with 403 in both modes;
 one authenticated by the session cookie must carry a same-site Origin or Referer), then sign-in.
-In the embedded mode a browser must also address the server by a loopback name or PUBLIC_URL's
-host (DNS rebinding: another site's name resolved to 127.0.0.1 is same-origin to the browser).
+In the embedded mode every request must address the server by a loopback name, PUBLIC_URL's host
+or one of ALLOWED_HOSTS (DNS rebinding: another site's name resolved to 127.0.0.1 is same-origin to
+the browser, and a plain GET carries no Origin to check). With accounts a bad bearer token or
+session cookie is counted per client address and, past TOKEN_THROTTLE, answered 429 (`throttle`);
+the sign-in form is throttled per account and address in app/accounts.py. A database that cannot
+be reached is a 503 (public paths go on anonymously).
 The caller is put in a context variable for the request; `current_user()` reads it, so services
 need no extra parameter. Gradio events run in Gradio's queue, not in the request's task:
 `bind_gradio_users` wraps every event function to run as the user Gradio's `auth_dependency`
 named for that session.
 
 Modules: ``principal`` (the caller and what it may see), ``guard`` (credentials, the same-site
-rule, the middleware, the open-bind refusal), ``gradio_users`` (UI events run as the signed-in user). The
+rule, the middleware, the open-bind refusal), ``throttle`` (failed sign-ins and bad tokens, in
+Redis or the database), ``gradio_users`` (UI events run as the signed-in user). The
 sign-in pages and account routes are `app/accounts.py` (they call services; services call auth).
 """
 

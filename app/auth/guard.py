@@ -13,6 +13,7 @@ from urllib.parse import quote, urlsplit
 from app.auth.principal import Principal, acting_as, token_principal
 
 SESSION_COOKIE = "fl_session"
+DB_DOWN = "the database cannot be reached right now; try again in a minute"
 SAFE_METHODS = ("GET", "HEAD", "OPTIONS")
 # Reachable without signing in when AUTH_REQUIRED (share links are capabilities).
 PUBLIC_PREFIXES = ("/r/", "/api/results/", "/fisherlens-static/", "/share-static/", "/login")
@@ -119,18 +120,20 @@ def cross_site_reason(settings: Any, scope: Scope, cookie_auth: bool) -> str | N
     return None  # no browser signals and no cookie: a CLI or script
 
 
-def _browser_host_ok(settings: Any, scope: Scope) -> bool:
-    """Embedded mode, against DNS rebinding: a browser (it sends Sec-Fetch-* or Origin) must
-    address this server by a loopback name or PUBLIC_URL's host. Scripts and the CLI send
-    neither header and are not concerned (they reach the loopback address directly)."""
-    if not (_header(scope, b"sec-fetch-site") or _header(scope, b"origin")):
-        return True
+def _host_ok(settings: Any, scope: Scope) -> bool:
+    """Embedded mode, against DNS rebinding (another site's name resolved to 127.0.0.1 is
+    same-origin to a browser): every request must address this server by a loopback name,
+    PUBLIC_URL's host or one of ALLOWED_HOSTS. The CLI and scripts use the loopback address."""
     host = (_header(scope, b"host") or "").strip().lower()
+    if not host:
+        return True  # HTTP/1.0 without Host: no browser sends that
     try:
         name = urlsplit(f"//{host}").hostname or ""
     except ValueError:
         return False
-    return is_loopback(name) or name == (urlsplit(settings.public_url).hostname or "").lower()
+    allowed = {(urlsplit(settings.public_url).hostname or "").lower()}
+    allowed |= {h.strip().lower() for h in settings.allowed_hosts.split(",") if h.strip()}
+    return is_loopback(name) or name in allowed
 
 
 # ---------------------------------------------------------------- the middleware
@@ -167,7 +170,18 @@ class AccessGuard:
         p: Principal | None = None
         how: str | None = None
         if self.settings.auth_required:
-            p, how = await anyio.to_thread.run_sync(resolve, self.settings, scope)
+            try:
+                p, how = await anyio.to_thread.run_sync(resolve, self.settings, scope)
+            except Exception as exc:
+                from storage.db import is_outage
+
+                if not is_outage(exc):
+                    raise
+                if not _is_public(scope.get("path") or "/"):  # health and share links go on
+                    await _send_json(send, 503, {"detail": DB_DOWN}, [(b"retry-after", b"30")])
+                    return
+            if p is None and how is not None and await self._throttled(scope, send):
+                return
         if await self._refuse_caller(scope, send, p, how):
             return
         if scope["type"] != "http":
@@ -177,6 +191,30 @@ class AccessGuard:
         body = _BodyLimit(receive, send, self.settings.max_body_bytes)
         with acting_as(p):
             await self.app(scope, body.receive, body.send)
+
+    async def _throttled(self, scope: Scope, send: Send) -> bool:
+        """A bad bearer token / session cookie (on a path that needs a credential): 429 +
+        Retry-After when the client's address used up TOKEN_THROTTLE, else count it (the caller
+        answers 401). True when answered. Valid credentials cost no throttle look-up."""
+        import anyio.to_thread
+
+        from app.auth import throttle
+
+        if _is_public(scope.get("path") or "/"):
+            return False
+        limits = throttle.token_throttle(self.settings)
+        keys = [throttle.address_key("token-ip", throttle.client_address(scope))]
+        wait = await anyio.to_thread.run_sync(limits.retry_after, keys)
+        if wait is None:
+            await anyio.to_thread.run_sync(limits.fail, keys)
+            return False
+        if scope["type"] == "websocket":
+            await send({"type": "websocket.close", "code": 4429})
+            return True
+        await _send_json(send, 429, {"detail": throttle.too_many(wait, "credentials from your "
+                                                                 "address")},
+                         [(b"retry-after", str(wait).encode())])
+        return True
 
     async def _refuse_early(self, scope: Scope, send: Send) -> bool:
         """Answer 413 for a declared body over the limit, 403 for a browser that reached the
@@ -191,10 +229,11 @@ class AccessGuard:
                                              "value": int(length)},
                                  [(b"connection", b"close")])
                 return True
-        if not (settings.auth_required or settings.allow_open_bind) and not _browser_host_ok(settings, scope):
-            await _send_json(send, 403, {"detail": "this single-user server answers browsers only "
-                                         "at 127.0.0.1 / localhost or PUBLIC_URL's host; this page "
-                                         "reached it under another name (DNS rebinding?)"})
+        if not (settings.auth_required or settings.allow_open_bind) and not _host_ok(settings, scope):
+            await _send_json(send, 403, {"detail": "this single-user server answers only at "
+                                         "127.0.0.1 / localhost, PUBLIC_URL's host or ALLOWED_HOSTS; "
+                                         "this request addressed it under another name (DNS "
+                                         "rebinding?)"})
             return True
         return False
 

@@ -25,26 +25,30 @@ class Principal:
     name: str
     is_admin: bool
     max_active_jobs: int | None
-    max_job_cost: float | None
+    max_job_cost: float | None  # the effective per-job cost ceiling (app/limits.job_ceiling)
     via: str = "local"  # local | token | session
+    max_job_seconds: float | None = None  # the run-time limit max_job_cost comes from, if any
+    token_id: int | None = None  # the api_tokens row of the token or session used
 
     def as_dict(self) -> dict[str, Any]:
         return {"id": self.id, "name": self.name, "is_admin": self.is_admin,
                 "max_active_jobs": self.max_active_jobs, "max_job_cost": self.max_job_cost,
-                "via": self.via}
+                "max_job_seconds": self.max_job_seconds, "via": self.via}
 
 
 _current: ContextVar[Principal | None] = ContextVar("fisherlens_user", default=None)
 
 
-def principal(user: Any, settings: Any, via: str) -> Principal:
+def principal(user: Any, settings: Any, via: str, token_id: int | None = None) -> Principal:
     """A users row -> Principal with its effective limits (per-user value, else the role's)."""
+    from app.ceiling import job_ceiling
+
     admin = bool(user.is_admin)
     active = user.max_active_jobs if user.max_active_jobs is not None else (
         settings.max_active_jobs_admin if admin else settings.max_active_jobs)
-    cost = user.max_job_cost if user.max_job_cost is not None else (
-        settings.max_job_cost_admin if admin else settings.max_job_cost)
-    return Principal(user.id, user.name, admin, active, cost, via)
+    cost, seconds = job_ceiling(settings, is_admin=admin, max_job_cost=user.max_job_cost,
+                                max_job_seconds=getattr(user, "max_job_seconds", None))
+    return Principal(user.id, user.name, admin, active, cost, via, seconds, token_id)
 
 
 def db_sessions(settings: Any) -> Any:
@@ -123,7 +127,8 @@ def token_principal(settings: Any, secret: str, kind: str | None = None) -> Prin
     from storage import users
 
     with db_sessions(settings)() as s:
-        user = users.user_for_token(session=s, secret=secret, kind=kind)
-        if user is None:
+        found = users.token_and_user(session=s, secret=secret, kind=kind)
+        if found is None:
             return None
-        return principal(user, settings, "session" if kind == "session" else "token")
+        tok, user = found
+        return principal(user, settings, "session" if kind == "session" else "token", tok.id)

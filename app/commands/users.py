@@ -1,4 +1,4 @@
-"""Account commands: `fisherlens user add|token|list|revoke|passwd|limits` (direct database
+"""Account commands: `fisherlens user add|token|list|revoke|passwd|end-sessions|limits` (direct database
 access: run them where the server's DATABASE_URL is reachable) and `fisherlens login|logout`
 (save a server URL and token for the queue commands, file mode 0600)."""
 
@@ -84,6 +84,7 @@ def token_cmd(name: str, label: str) -> None:
 @user_group.command("list")
 def list_cmd() -> None:
     """Users, their limits, active jobs and live API tokens (id, prefix)."""
+    from app.limits import job_ceiling
     from storage import users
 
     settings = get_settings()
@@ -96,13 +97,14 @@ def list_cmd() -> None:
                 continue
             jobs_limit = u.max_active_jobs if u.max_active_jobs is not None else (
                 settings.max_active_jobs_admin if u.is_admin else settings.max_active_jobs)
-            cost = u.max_job_cost if u.max_job_cost is not None else (
-                settings.max_job_cost_admin if u.is_admin else settings.max_job_cost)
+            cost, seconds = job_ceiling(settings, is_admin=u.is_admin, max_job_cost=u.max_job_cost,
+                                        max_job_seconds=u.max_job_seconds)
             flags = ", ".join(f for f, on in (("admin", u.is_admin), ("disabled", u.disabled),
                                               ("password", bool(u.password_hash))) if on)
             click.echo(f"{u.name} [{flags or 'user'}]  active jobs {active}/"
                        f"{jobs_limit if jobs_limit is not None else 'no limit'}  cost ceiling "
-                       f"{f'{cost:.3g}' if cost is not None else 'none'}")
+                       f"{f'{cost:.3g}' if cost is not None else 'none'}"
+                       + (f" ({seconds / 3600:.3g} h)" if seconds is not None else ""))
             for t in users.list_tokens(session=s, user=u):
                 used = t.last_used_at.isoformat()[:19] if t.last_used_at else "never"
                 click.echo(f"    token id {t.id}  {t.prefix}...  created "
@@ -112,7 +114,8 @@ def list_cmd() -> None:
 @user_group.command("revoke")
 @click.argument("token_ref")
 def revoke_cmd(token_ref: str) -> None:
-    """Revoke an API token by its id or its first characters (>= 6; see `user list`)."""
+    """Revoke an API token by its id or its first characters (>= 6; see `user list`), and
+    end the browser sessions signed in with it."""
     from storage import users
 
     with _sessions()() as s:
@@ -128,17 +131,32 @@ def revoke_cmd(token_ref: str) -> None:
 @click.argument("name")
 @click.option("--password-stdin", "stdin_pw", is_flag=True, help="Read the password from stdin.")
 def passwd_cmd(name: str, stdin_pw: bool) -> None:
-    """Set NAME's password (for browser sign-in)."""
+    """Set NAME's password (for browser sign-in); every browser session of NAME ends."""
     from storage import users
 
     password = _read_password(stdin_pw, not stdin_pw)
     assert password is not None
     with _sessions()() as s:
         try:
-            users.set_password(session=s, name=name, password=password)
+            _, ended = users.set_password(session=s, name=name, password=password)
         except LookupError as exc:
             fail(str(exc))
-    click.echo(f"password of {name} set")
+    click.echo(f"password of {name} set; {ended} browser session(s) ended")
+
+
+@user_group.command("end-sessions")
+@click.argument("name")
+def end_sessions_cmd(name: str) -> None:
+    """End every browser session of NAME (they must sign in again); API tokens keep working
+    (revoke those with `user revoke`)."""
+    from storage import users
+
+    with _sessions()() as s:
+        try:
+            ended = users.end_sessions(session=s, name=name)
+        except LookupError as exc:
+            fail(str(exc))
+    click.echo(f"{ended} browser session(s) of {name} ended")
 
 
 @user_group.command("limits")
@@ -147,22 +165,26 @@ def passwd_cmd(name: str, stdin_pw: bool) -> None:
               help="Queued + running jobs at once (default: the role's setting).")
 @click.option("--max-job-cost", type=click.FloatRange(min=1.0), default=None,
               help="Per-job cost ceiling in parameter-token-passes (default: the role's setting).")
+@click.option("--max-job-hours", type=click.FloatRange(min=0.001), default=None,
+              help="Per-job limit on the estimated run time at the measured throughput "
+              "(default: the role's MAX_JOB_SECONDS; --max-job-cost takes precedence).")
 @click.option("--disable/--enable", default=None, help="A disabled user's tokens stop working.")
 def limits_cmd(name: str, max_active_jobs: int | None, max_job_cost: float | None,
-               disable: bool | None) -> None:
+               max_job_hours: float | None, disable: bool | None) -> None:
     """Set NAME's own limits (omitted ones go back to the settings' defaults)."""
     from storage import users
 
     with _sessions()() as s:
         try:
             users.set_limits(session=s, name=name, max_active_jobs=max_active_jobs,
-                             max_job_cost=max_job_cost)
+                             max_job_cost=max_job_cost,
+                             max_job_seconds=max_job_hours * 3600 if max_job_hours else None)
             if disable is not None:
                 users.set_disabled(session=s, name=name, disabled=disable)
         except LookupError as exc:
             fail(str(exc))
     click.echo(f"limits of {name}: active jobs {max_active_jobs or 'default'}, "
-               f"cost ceiling {max_job_cost or 'default'}"
+               f"cost ceiling {max_job_cost or 'default'}, run time {max_job_hours or 'default'} h"
                + ("" if disable is None else f", {'disabled' if disable else 'enabled'}"))
 
 

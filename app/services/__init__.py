@@ -20,6 +20,7 @@ from app.services.common import (
 from app.services.jobs import (
     cancel,
     get_job,
+    health,
     list_jobs,
     list_models,
     rerun,
@@ -36,6 +37,7 @@ __all__ = [
     "cancel",
     "check_spec",
     "get_job",
+    "health",
     "list_jobs",
     "list_models",
     "public_message",

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from sqlalchemy.orm import Session
@@ -10,8 +11,9 @@ from app.services.common import public, sessions
 from app.services.validation import validate
 from compute.celery_app import send_job
 from storage import repo
-from storage import users as user_repo
 from storage.models import FINAL_STATUSES, revision_digest
+
+log = logging.getLogger("fisherlens.web")
 
 
 def submit(settings: Any, kind: str, data: dict[str, Any], *, reuse: bool = True) -> dict[str, Any]:
@@ -25,7 +27,8 @@ def submit(settings: Any, kind: str, data: dict[str, Any], *, reuse: bool = True
     user = auth.current_user(settings)  # accounts: owner, quotas and cost ceiling (app/limits.py)
     limits.check_spec_size(data, max_keys=settings.max_spec_keys, max_string=settings.max_spec_string)
     spec, parts, refs = validate(settings, kind, data, user)  # every reference resolved, owners too
-    limits.check_cost(limits.estimate(settings, kind, spec, refs=refs), user.max_job_cost)
+    limits.check_cost(limits.estimate(settings, kind, spec, refs=refs), user.max_job_cost,
+                      user.max_job_seconds)
     spec_hash = spec.spec_hash()
     revision = revision_digest(parts)
     with sessions(settings)() as s:
@@ -36,9 +39,9 @@ def submit(settings: Any, kind: str, data: dict[str, Any], *, reuse: bool = True
             )
             if old is not None:
                 return public(settings, repo.job_dict(old), reused=True)
-        limits.check_active(user_repo.active_jobs(session=s, owner_id=user.id), user.max_active_jobs)
-        job = repo.create_job(
+        job = repo.create_job_within_quota(  # count + insert under a lock on the user's row
             owner_id=user.id,
+            check=lambda active: limits.check_active(active, user.max_active_jobs),
             session=s,
             kind=kind,
             spec=spec.model_dump(mode="json"),
@@ -52,20 +55,58 @@ def submit(settings: Any, kind: str, data: dict[str, Any], *, reuse: bool = True
     return public(settings, out, reused=False)
 
 
+BROKER_DOWN = "could not queue the job: the job queue (broker) cannot be reached right now; try again in a minute"
+
+
 def _queue(settings: Any, job_id: int) -> None:
     """Send the job to the broker; when it is down, mark the row failed (it must not claim to be
-    queued forever) and raise RuntimeError."""
+    queued forever) and raise RuntimeError with a short message (the broker's address and the
+    client's error go to the job's operator-only `error` and the log, never to the caller)."""
     try:
         send_job(settings, job_id)
     except Exception as exc:  # broker down: any error of the client
+        log.warning("could not queue job %s: %r", job_id, exc)
         with sessions(settings)() as s:
             repo.mark_failed(
                 session=s,
                 job_id=job_id,
                 error=f"could not queue the job: {exc!r}",
-                message="could not reach the job queue (broker); is Redis running?",
+                message="could not reach the job queue (broker); submit it again",
             )
-        raise RuntimeError(f"could not queue job {job_id}: {exc}") from exc
+        raise RuntimeError(BROKER_DOWN) from exc
+
+
+def health(settings: Any) -> dict[str, Any]:
+    """{"ok", "database", "broker"}: each service "ok" or "unreachable" (no address, no error
+    text: /api/health is public)."""
+    from sqlalchemy import text
+
+    out: dict[str, Any] = {"database": "ok", "broker": "ok"}
+    try:
+        with sessions(settings)() as s:
+            s.execute(text("SELECT 1"))
+    except Exception:  # noqa: BLE001 - any error: the database is not usable
+        log.warning("health: database unreachable", exc_info=True)
+        out["database"] = "unreachable"
+    try:
+        if settings.redis_url:
+            import redis
+
+            client = redis.Redis.from_url(settings.redis_url, socket_connect_timeout=2,
+                                          socket_timeout=2)
+            try:
+                client.ping()
+            finally:
+                client.close()
+        else:  # the embedded filesystem queue: its folders exist (made if need be)
+            from compute.celery_app import filesystem_options
+
+            filesystem_options(settings.queue_dir)
+    except Exception:  # noqa: BLE001
+        log.warning("health: broker unreachable", exc_info=True)
+        out["broker"] = "unreachable"
+    out["ok"] = out["database"] == "ok" and out["broker"] == "ok"
+    return out
 
 
 def visible_job(settings: Any, s: Session, job_id: int) -> Any:

@@ -160,13 +160,54 @@ class Settings(BaseSettings):
         default=None, ge=1, description="The same for admins and the local user (none: no limit)."
     )
     max_job_cost: float | None = Field(
-        default=1e16,
+        default=None,
         gt=0,
         description="Per-job ceiling on the estimated cost (parameter-token-passes, see "
-        "app/limits.py) for users (HTTP 422 past it).",
+        "app/limits.py) for users (HTTP 422 past it). Default: none, the time ceiling "
+        "MAX_JOB_SECONDS applies.",
+    )
+    max_job_seconds: float | None = Field(
+        default=2 * 3600,
+        gt=0,
+        description="Per-job ceiling on the estimated run time for users (HTTP 422 past it), "
+        "turned into a cost ceiling with the measured THROUGHPUT (app/limits.py).",
+    )
+    max_job_seconds_admin: float | None = Field(
+        default=None, gt=0, description="The same for admins and the local user (none: no limit)."
+    )
+    throughput: float | None = Field(
+        default=None,
+        gt=0,
+        description="Parameter-token-passes per second a worker sustains. Default: read from "
+        "THROUGHPUT_FILE (benchmarks/bench_throughput.py writes it).",
+    )
+    throughput_file: Path | None = Field(
+        default=None,
+        description="JSON written by benchmarks/bench_throughput.py on the workers' machine. "
+        "Default: the committed benchmarks/results/throughput.json.",
     )
     max_job_cost_admin: float | None = Field(
         default=None, gt=0, description="The same for admins and the local user (none: no limit)."
+    )
+    signin_throttle: str = Field(
+        default="5/minute;10/10 minutes;20/hour;50/day",
+        description="Failed sign-ins allowed per account and per client address, as stacked "
+        "windows (the `limits` notation): past one, HTTP 429 + Retry-After until it ends.",
+    )
+    token_throttle: str = Field(
+        default="30/minute;300/hour",
+        description="Bad bearer tokens / session cookies allowed per client address (windows).",
+    )
+    signin_threads: int = Field(
+        default=2, ge=1, description="Password hashes (argon2) verified at once by one web process."
+    )
+    signin_backlog: int = Field(
+        default=32, ge=1, description="Sign-ins waiting for a hashing thread before HTTP 429."
+    )
+    allowed_hosts: str = Field(
+        default="",
+        description="Embedded mode: comma-separated Host names the server answers besides the "
+        "loopback names and PUBLIC_URL's host (DNS-rebinding guard).",
     )
     max_body_bytes: int = Field(
         default=1_000_000, ge=1024, description="Largest request body accepted (HTTP 413 past it)."

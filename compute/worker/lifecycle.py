@@ -1,6 +1,12 @@
 """One job row's life in a worker: claim it, heartbeat and progress while it runs, store its
 result, and end it (succeeded, cancelled, failed). Every state change is a storage/ function;
-the ones two processes may race on are compare-and-sets there (repo.claim_job, ...)."""
+the ones two processes may race on are compare-and-sets there (repo.claim_job, ...).
+
+A database outage costs nothing but time: while the database is unreachable a running job goes
+on computing (its progress writes and cancel checks are skipped), and a claim or the recording of
+a job's end (result rows, final state) waits for the database and is then written as it was
+(`until_db`): no job is failed for it, run again or charged another attempt, and the worker takes
+no new work meanwhile (Celery holds the message unacked until the task returns)."""
 
 from __future__ import annotations
 
@@ -24,7 +30,7 @@ from compute.contract.jobresult import JobCancelled
 from compute.control import cancel_scope, fault_point
 from storage import repo
 from storage.artifacts import on_uploaded, open_store, upload_retries
-from storage.db import session_factory
+from storage.db import is_outage, session_factory
 from storage.models import FINAL_STATUSES, Job, utcnow
 
 log = logging.getLogger("fisherlens.worker")
@@ -34,6 +40,7 @@ log = logging.getLogger("fisherlens.worker")
 MAX_ATTEMPTS = 2
 _DIGITS = re.compile(r"\d+(\.\d+)?")
 PROGRESS_EVERY_S = 0.5  # progress writes and cancel checks hit the database at most this often
+DB_RETRY_MAX_S = 5.0  # while the database is away, retry a write at least this often
 
 # Default names carry the pid, so a worker can tell a dead sibling on its own host from a live one.
 _PID_NAME = re.compile(r"^(?:worker|gpu\d+|embedded)-(\d+)@(.+)$")
@@ -83,6 +90,29 @@ def holder_dead(settings: Any, worker: str | None, heartbeat: datetime | None) -
     return False
 
 
+def until_db(what: str, fn: Callable[[], Any]) -> Any:
+    """fn() (database work that must happen: a claim, a job's result and end), retried while
+    the database is unreachable (storage.db.is_outage), every DB_RETRY_MAX_S at most, for as
+    long as the outage lasts; any other error is raised at once. The job's outcome is held in
+    this process meanwhile and recorded as it was once the database is back."""
+    delay, since = 0.25, None
+    while True:
+        try:
+            out = fn()
+        except Exception as exc:
+            if not is_outage(exc):
+                raise
+            if since is None:
+                since = time.monotonic()
+                log.warning("database unreachable (%s); %s waits for it", type(exc).__name__, what)
+            time.sleep(delay)
+            delay = min(delay * 2, DB_RETRY_MAX_S)
+            continue
+        if since is not None:
+            log.warning("database back after %.0f s; %s done", time.monotonic() - since, what)
+        return out
+
+
 # -- progress and heartbeat -------------------------------------------------------------------
 class JobProgress:
     """progress(fraction, message): throttled writes to the job row; raises JobCancelled when
@@ -98,6 +128,7 @@ class JobProgress:
         self._last_check = float("-inf")
         self._moved = False
         self._message = "\0"  # no stage yet
+        self._db_away = False
 
     def __call__(self, fraction: float, message: str = "") -> None:
         now = time.monotonic()
@@ -108,13 +139,18 @@ class JobProgress:
             return
         self._last = self._last_check = now
         self._message = message
-        with sessions(self.settings)() as s:
-            cancel = repo.update_progress(
-                session=s, job_id=self.job_id, fraction=fraction, message=message
-            )
-            if self.parent_id is not None:
-                repo.refresh_parent_progress(session=s, parent_id=self.parent_id)
-                cancel = cancel or self._parent_cancelled(s)
+        try:
+            with sessions(self.settings)() as s:
+                cancel = repo.update_progress(
+                    session=s, job_id=self.job_id, fraction=fraction, message=message
+                )
+                if self.parent_id is not None:
+                    repo.refresh_parent_progress(session=s, parent_id=self.parent_id)
+                    cancel = cancel or self._parent_cancelled(s)
+        except Exception as exc:
+            if not is_outage(exc):
+                raise
+            cancel = self._outage(exc)  # the job goes on; progress resumes with the database
         if cancel:
             raise JobCancelled(f"job {self.job_id} cancelled by the user")
         if fraction > 0 and not self._moved:
@@ -129,12 +165,25 @@ class JobProgress:
         if not force and now - self._last_check < PROGRESS_EVERY_S:
             return
         self._last_check = now
-        with sessions(self.settings)() as s:
-            cancel = repo.heartbeat(session=s, job_id=self.job_id)
-            if self.parent_id is not None:
-                cancel = cancel or self._parent_cancelled(s)
+        try:
+            with sessions(self.settings)() as s:
+                cancel = repo.heartbeat(session=s, job_id=self.job_id)
+                if self.parent_id is not None:
+                    cancel = cancel or self._parent_cancelled(s)
+        except Exception as exc:
+            if not is_outage(exc):
+                raise
+            cancel = self._outage(exc)
         if cancel:
             raise JobCancelled(f"job {self.job_id} cancelled by the user")
+
+    def _outage(self, exc: BaseException) -> bool:
+        """The database is away: log it once per outage; no cancel can have been asked."""
+        if not self._db_away:
+            self._db_away = True
+            log.warning("job %s: database unreachable (%s); computing on, progress not recorded "
+                        "until it is back", self.job_id, type(exc).__name__)
+        return False
 
     def _parent_cancelled(self, s: Any) -> bool:
         parent = repo.get_job(session=s, job_id=self.parent_id) if self.parent_id else None
@@ -154,8 +203,11 @@ def keep_alive(settings: Any, job_id: int) -> Iterator[None]:
             try:
                 with sessions(settings)() as s:
                     repo.heartbeat(session=s, job_id=job_id)
-            except Exception:  # a DB hiccup must not kill the job
-                log.exception("heartbeat for job %s failed", job_id)
+            except Exception as exc:  # a DB hiccup must not kill the job
+                if is_outage(exc):
+                    log.warning("heartbeat for job %s: database unreachable", job_id)
+                else:
+                    log.exception("heartbeat for job %s failed", job_id)
 
     t = threading.Thread(target=beat, name=f"heartbeat-{job_id}", daemon=True)
     t.start()
@@ -227,7 +279,12 @@ def _skip_reason(settings: Any, s: Any, job: Job | None, worker: str) -> str | N
 
 
 def claim(settings: Any, job_id: int, worker: str) -> Claimed | str:
-    """Take the job for this delivery (repo.claim_job, a compare-and-set), or say why not."""
+    """Take the job for this delivery (repo.claim_job, a compare-and-set), or say why not;
+    waits for the database while it is unreachable."""
+    return until_db(f"the claim of job {job_id}", lambda: _claim(settings, job_id, worker))
+
+
+def _claim(settings: Any, job_id: int, worker: str) -> Claimed | str:
     with sessions(settings)() as s:
         job = repo.get_job(session=s, job_id=job_id)
         skip = _skip_reason(settings, s, job, worker)
@@ -248,8 +305,13 @@ def claim(settings: Any, job_id: int, worker: str) -> Claimed | str:
 
 
 def fail(settings: Any, job_id: int, exc: BaseException) -> None:
-    """End the job `failed` with the error's text; a child's failure fails its parent."""
+    """End the job `failed` with the error's text; a child's failure fails its parent (waits
+    for the database while it is unreachable)."""
     text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    until_db(f"recording the failure of job {job_id}", lambda: _fail(settings, job_id, exc, text))
+
+
+def _fail(settings: Any, job_id: int, exc: BaseException, text: str) -> None:
     with sessions(settings)() as s:
         repo.mark_failed(
             session=s, job_id=job_id, error=text, message=f"{type(exc).__name__}: {exc}"[:500]
@@ -281,22 +343,14 @@ def compute_and_store(
                 result, artifacts = _unpack(compute(progress))
             if parent_id is None:  # a child's partial output has no result schema of its own
                 result.to_dict()  # checks the kind's result contract; a ContractError fails the job
-            _publish(settings, job_id, result, artifacts, progress)
-        with sessions(settings)() as s:
-            repo.mark_succeeded(session=s, job_id=job_id)
-            if parent_id is not None:
-                repo.refresh_parent_progress(session=s, parent_id=parent_id)
+
+            until_db(f"storing the result of job {job_id}",
+                     lambda: _publish(settings, job_id, result, artifacts, progress))
+        until_db(f"recording the end of job {job_id}", lambda: _succeeded(settings, job_id, parent_id))
         log.info("job %s succeeded", job_id)
         return "succeeded"
     except JobCancelled:
-        with sessions(settings)() as s:
-            repo.mark_cancelled(session=s, job_id=job_id, message=f"cancelled while {phase}")
-            job = repo.get_job(session=s, job_id=job_id)
-            if job is not None and job.parent_id is not None:
-                parent = repo.get_job(session=s, job_id=job.parent_id)
-                if parent is not None and not parent.cancel_requested:
-                    repo.fail_parent(session=s, parent_id=job.parent_id,
-                                     message=f"child {job.shard_index} (job {job.id}) was cancelled")
+        until_db(f"recording the cancel of job {job_id}", lambda: _cancelled(settings, job_id, phase))
         log.info("job %s cancelled while %s", job_id, phase)
         return "cancelled"
     except Exception as exc:
@@ -337,6 +391,24 @@ def _store_waits(settings: Any, progress: JobProgress) -> Any:
     stack.enter_context(upload_retries(settings.artifact_upload_retry_s, notify))
     stack.enter_context(on_uploaded(lambda key: fault_point("artifact_uploaded", key)))
     return stack
+
+
+def _succeeded(settings: Any, job_id: int, parent_id: int | None) -> None:
+    with sessions(settings)() as s:
+        repo.mark_succeeded(session=s, job_id=job_id)
+        if parent_id is not None:
+            repo.refresh_parent_progress(session=s, parent_id=parent_id)
+
+
+def _cancelled(settings: Any, job_id: int, phase: str) -> None:
+    with sessions(settings)() as s:
+        repo.mark_cancelled(session=s, job_id=job_id, message=f"cancelled while {phase}")
+        job = repo.get_job(session=s, job_id=job_id)
+        if job is not None and job.parent_id is not None:
+            parent = repo.get_job(session=s, job_id=job.parent_id)
+            if parent is not None and not parent.cancel_requested:
+                repo.fail_parent(session=s, parent_id=job.parent_id,
+                                 message=f"child {job.shard_index} (job {job.id}) was cancelled")
 
 
 def _unpack(out: Any) -> tuple[Any, list[Any]]:

@@ -17,7 +17,8 @@ import compute.celery_app as ca
 from compute.celery_app import FINISH_SHARDS, RUN_JOB, RUN_SHARD, send_job
 from compute.worker.lifecycle import holder_dead, sessions
 from storage import repo
-from storage.models import Job, utcnow
+from storage.db import is_outage
+from storage.models import FINAL_STATUSES, Job, utcnow
 
 log = logging.getLogger("fisherlens.worker")
 
@@ -99,6 +100,18 @@ class BrokerView:
                 ch.qos.restore_by_tag(tag, client=ch.client)
 
 
+    def drop(self, tags: list[str]) -> None:
+        """Forget messages held unacked for jobs that have ended (Redis only): what the
+        consumer's ack would have done, so they are not restored hours later."""
+        if not tags or not self.settings.redis_url:
+            return
+        with ca.celery_for(self.settings).connection_for_write() as conn:
+            ch = conn.default_channel
+            for tag in tags:
+                ch.client.hdel(ch.unacked_key, tag)
+                ch.client.zrem(ch.unacked_index_key, tag)
+
+
 def _pending(view: BrokerView, key: Key, after: float) -> bool:
     """Is this message waiting in the queue, or held by a consumer that took it less than
     `after` seconds ago (so its claim is on the way)?"""
@@ -131,7 +144,11 @@ def reconcile(
        finish_shards again (each a compare-and-set on jobs.combine_state).
     3. Queued jobs whose message went out more than RECONCILE_QUEUED_AFTER_S ago and that no
        queue holds (nor a consumer that took it less than that ago) are re-sent, once per period
-       for all workers together (repo.mark_resent)."""
+       for all workers together (repo.mark_resent).
+    4. (Redis) messages held unacked for longer than RECONCILE_QUEUED_AFTER_S whose job has
+       ended (or does not exist) are dropped, as their ack would have: a consumer killed before
+       its ack, or a message restored after its job was re-sent, no longer waits for the
+       visibility timeout to be delivered again and skipped."""
     view = view or BrokerView(settings).load()  # broker away: raise, nothing changed
     actions: list[tuple[int, str]] = []
     sends: list[Key] = []  # steps 1 and 2
@@ -153,6 +170,8 @@ def reconcile(
                 continue
             if repo.mark_resent(session=s, job_id=job.id, older_than_s=after):
                 lost.append(key)
+        ended = _ended_messages(s, view, after)
+    view.drop(ended)
     for task, job_id in sends:
         how = _resend(settings, view, task, job_id)
         log.info("job %s: message %s (%s)", job_id, how, task)
@@ -161,6 +180,19 @@ def reconcile(
     for job_id, action in actions:
         log.warning("reconciled job %s: %s", job_id, action)
     return actions
+
+
+def _ended_messages(s: Any, view: BrokerView, after: float) -> list[str]:
+    """Step 4 of reconcile: tags of unacked messages, held longer than `after`, of ended jobs."""
+    tags = []
+    for (_task, job_id), held in view.unacked.items():
+        old = [tag for tag, age in held if age > after]
+        if not old:
+            continue
+        job = repo.get_job(session=s, job_id=job_id)
+        if job is None or job.status in FINAL_STATUSES:
+            tags += old
+    return tags
 
 
 Outcome = tuple[list[tuple[int, str]], list[Key]]  # (actions, messages to send)
@@ -235,8 +267,11 @@ def start_reconciler(settings: Any) -> None:
         while not _stop.wait(every):
             try:
                 reconcile(settings, hostname=None)
-            except Exception:  # broker or database away: try again next period
-                log.exception("reconcile failed")
+            except Exception as exc:  # broker or database away: try again next period
+                if is_outage(exc):
+                    log.warning("reconcile skipped: database unreachable (%s)", type(exc).__name__)
+                else:
+                    log.exception("reconcile failed")
 
     threading.Thread(target=loop, name="fisherlens-reconciler", daemon=True).start()
 

@@ -387,3 +387,85 @@ def fs_stack(tmp_path: Path, zoo_home: Path, monkeypatch: pytest.MonkeyPatch) ->
 def redis_stack(tmp_path: Path, zoo_home: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Stack]:
     with _stack("redis", tmp_path, zoo_home, monkeypatch) as s:
         yield s
+
+
+class PrivatePostgres:
+    """A PostgreSQL server of this test alone (initdb in a temporary folder, a free port, no
+    fsync), so it can be stopped and started under running workers without touching the shared
+    server on 5432. initdb refuses to run as root: as root it runs as the `postgres` user."""
+
+    def __init__(self) -> None:
+        import tempfile
+
+        self.folder = Path(tempfile.mkdtemp(prefix="fl-pg-"))
+        self.data = self.folder / "data"
+        self.port = _free_port()
+        self.url = f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
+        bindir = Path(shutil.which("pg_ctl") or "/usr/lib/postgresql/15/bin/pg_ctl").resolve().parent
+        self.pg_ctl, self.initdb = bindir / "pg_ctl", bindir / "initdb"
+        if not self.pg_ctl.exists() or not self.initdb.exists():
+            require_service("pg_ctl / initdb are not installed (needed for the PostgreSQL outage test)")
+        self._as: list[str] = []
+        if os.geteuid() == 0:
+            self._as = ["runuser", "-u", "postgres", "--"]
+            shutil.chown(self.folder, "postgres", "postgres")
+
+    def _run(self, *cmd: str | Path) -> None:
+        out = subprocess.run([*self._as, *map(str, cmd)], capture_output=True, text=True)
+        if out.returncode != 0:
+            raise AssertionError(f"{cmd[0]} failed: {out.stdout[-2000:]}{out.stderr[-2000:]}")
+
+    def init(self) -> None:
+        self._run(self.initdb, "-D", self.data, "-U", "postgres", "-A", "trust", "--no-sync")
+
+    def start(self) -> None:
+        opts = f"-p {self.port} -k {self.folder} -c listen_addresses=127.0.0.1 -c fsync=off"
+        self._run(self.pg_ctl, "-D", self.data, "-l", self.folder / "server.log", "-o", opts,
+                  "-w", "-t", "120", "start")
+
+    def stop(self) -> None:
+        """Stop at once (like a crash or a pulled cable: clients see their connections die)."""
+        self._run(self.pg_ctl, "-D", self.data, "-m", "immediate", "-w", "stop")
+
+    def remove(self) -> None:
+        with contextlib.suppress(AssertionError):
+            self.stop()
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+@pytest.fixture
+def private_pg() -> Iterator[PrivatePostgres]:
+    pg = PrivatePostgres()
+    pg.init()
+    pg.start()
+    try:
+        yield pg
+    finally:
+        pg.remove()
+
+
+@pytest.fixture
+def private_pg_stack(
+    private_pg: PrivatePostgres,
+    private_redis: PrivateRedis,
+    tmp_path: Path,
+    zoo_home: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> Iterator[Stack]:
+    """Redis + PostgreSQL, both private servers (PrivateRedis, PrivatePostgres), so a test can
+    stop and start either under running workers."""
+    with _stack("filesystem", tmp_path, zoo_home, monkeypatch) as s:
+        s.kind = "private"
+        s.env["REDIS_URL"], s.env["DATABASE_URL"] = private_redis.url, private_pg.url
+        monkeypatch.setenv("REDIS_URL", private_redis.url)
+        monkeypatch.setenv("DATABASE_URL", private_pg.url)
+        try:
+            yield s
+        finally:
+            from storage.db import _engines, _factories
+
+            for w in s.workers:
+                w.kill()
+            for url in [u for u in _engines if f":{private_pg.port}/" in u]:
+                _engines.pop(url).dispose()
+                _factories.pop(url, None)

@@ -130,7 +130,7 @@ def test_fisher_mask_train_diff_tokens_and_opd_through_workers(redis_stack):
     assert {j["status"] for j in jobs.values()} == {"succeeded"}
     with services.sessions(settings)() as s:
         assert all(repo.get_job(session=s, job_id=i).attempts == 1 for i in jobs)
-    client = TestClient(create_app(settings))
+    client = TestClient(create_app(settings), base_url="http://127.0.0.1")  # embedded: a loopback Host
     for j in jobs.values():
         page = client.get(f"/r/{j['share_token']}")
         assert page.status_code == 200 and f"#{j['id']}" in page.text, (j["id"], page.status_code)

@@ -29,7 +29,7 @@ def test_share_page_survives_dropped_connections(pg_url: str, tmp_path):
     app_name = "fl_share_" + pg_url.rsplit("%3D", 1)[1]  # only this test's connections
     url = f"{pg_url}&application_name={app_name}"
     settings = Settings(fisherlens_home=tmp_path, database_url=url, redis_url=None)
-    client = TestClient(create_app(settings))
+    client = TestClient(create_app(settings), base_url="http://127.0.0.1")  # embedded: a loopback Host
     result = JobResult(kind="fisher", summary={"gini": 0.5},
                        series=[SeriesPoint("concentration", 0.1, 0.5), SeriesPoint("concentration", 1.0, 1.0)])
     with services.sessions(settings)() as s:

@@ -226,7 +226,7 @@ def test_web_process_does_not_import_torch(tmp_path):
         "from compute.contract.settings import Settings\n"
         "from app.web import create_app\n"
         f"s = Settings(fisherlens_home={str(tmp_path)!r}, database_url=None, redis_url=None)\n"
-        "c = TestClient(create_app(s))\n"
+        "c = TestClient(create_app(s), base_url='http://127.0.0.1')\n"
         "assert c.get('/').status_code == 200\n"
         "r = c.post('/api/jobs', json={'kind': 'fisher', 'spec': {'model': 'arith-base'}})\n"
         "assert r.status_code == 201, r.text\n"
@@ -290,7 +290,7 @@ def test_ids_out_of_range_are_404_on_postgresql(tmp_path):
         settings = Settings(fisherlens_home=tmp_path, database_url=url, redis_url=None)
         from app.web import create_app
 
-        client = TestClient(create_app(settings), raise_server_exceptions=False)
+        client = TestClient(create_app(settings), raise_server_exceptions=False, base_url="http://127.0.0.1")
         for url_ in ("/api/jobs/2147483648", "/api/jobs/2147483648/cancel", "/api/jobs/2147483648/rerun"):
             r = client.get(url_) if url_.count("/") == 3 else client.post(url_)
             assert r.status_code == 404, (url_, r.status_code, r.text)
@@ -323,6 +323,9 @@ def test_corrupt_artifact_is_409_and_missing_is_410(env):
     r = client.get(f"/api/results/{token}/artifacts/fisher")
     assert r.status_code == 409 and "sha256" in r.json()["detail"], r.text
     assert str(settings.artifacts_dir) not in r.text
+    page = client.get(f"/r/{token}")  # the share page says so too (issue 21)
+    assert page.status_code == 200 and "id='fl-artifact-warning'" in page.text
+    assert "fisher artifact does not match its recorded sha256" in page.text
     path.unlink()
     r = client.get(f"/api/results/{token}/artifacts/fisher")
     assert r.status_code == 410 and "no longer in the artifact store" in r.json()["detail"], r.text
@@ -381,7 +384,8 @@ def test_api_docs_work_offline(env):
 @pytest.mark.slow
 def test_schemathesis_finds_no_server_error_and_no_undocumented_response(env):
     """A bounded, deterministic schemathesis run over every /api operation (positive and
-    negative inputs): no response >= 500, every status and body as the OpenAPI schema says.
+    negative inputs): no response >= 500, every status and body as the OpenAPI schema says,
+    and 405 + Allow for every method a path does not serve.
     (Schema-valid specs that name no runnable model are refused with 422 by design, so the
     positive-data-acceptance check is left out.)"""
     import schemathesis
@@ -416,6 +420,17 @@ def test_schemathesis_finds_no_server_error_and_no_undocumented_response(env):
             except BaseException as exc:  # noqa: BLE001 - schemathesis raises an ExceptionGroup
                 failures.append(f"{op.label} ({mode.value}): {str(exc)[:600]}")
     assert len(calls) > 300 and not [c for c in calls if c >= 500]
+    # schemathesis' unsupported_method check (its coverage phase): every method an operation's
+    # path does not declare is 405 with an Allow header listing the declared ones
+    spec = client.get("/api/openapi.json").json()
+    every = {"get", "put", "post", "delete", "patch", "trace"}
+    for path, ops in spec["paths"].items():
+        concrete = path.replace("{job_id}", "1").replace("{token}", "t").replace("{kind}", "fisher")
+        for method in sorted(every - set(ops)):
+            r = client.request(method.upper(), concrete)
+            allow = {m.strip().lower() for m in r.headers.get("allow", "").split(",")}
+            if r.status_code != 405 or not set(ops) <= allow:
+                failures.append(f"{method.upper()} {path}: {r.status_code} allow={allow}")
     assert failures == []
 
 

@@ -1,0 +1,77 @@
+"""The per-job ceiling of a user, in the cost unit of app/limits.py: a run time (MAX_JOB_SECONDS,
+a user's max_job_seconds) turned into parameter-token-passes with the throughput a benchmark
+measured on the workers' machine, or an explicit cost (MAX_JOB_COST, a user's max_job_cost).
+Apart from app/limits.py so that app/auth (Principal's limits) can use it without a cycle."""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+REPO_THROUGHPUT = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "throughput.json"
+
+
+def throughput(settings: Any) -> tuple[float, str] | None:
+    """(parameter-token-passes per second, where it comes from): THROUGHPUT, else the JSON of
+    THROUGHPUT_FILE, FISHERLENS_HOME/throughput.json or the committed benchmark result; None
+    when none is readable (then only an explicit cost ceiling applies)."""
+    if settings.throughput:
+        return float(settings.throughput), "THROUGHPUT"
+    for path in (settings.throughput_file, settings.home / "throughput.json", REPO_THROUGHPUT):
+        if path is None:
+            continue
+        value = _throughput_file(Path(path))
+        if value is not None:
+            return value, str(Path(path).name)
+    return None
+
+
+def _throughput_file(path: Path) -> float | None:
+    try:
+        return _read_throughput(str(path), path.stat().st_mtime)
+    except OSError:
+        return None
+
+
+@functools.lru_cache(maxsize=8)
+def _read_throughput(path: str, mtime: float) -> float | None:
+    try:
+        value = json.loads(Path(path).read_text()).get("param_token_passes_per_s")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return float(value) if isinstance(value, int | float) and value > 0 else None
+
+
+def job_ceiling(
+    settings: Any, *, is_admin: bool, max_job_cost: float | None, max_job_seconds: float | None
+) -> tuple[float | None, float | None]:
+    """(cost ceiling, the run-time limit it comes from in seconds, or None) for a user with
+    these per-user values. Precedence: the user's cost ceiling, the user's time limit, the role's
+    cost ceiling (MAX_JOB_COST[_ADMIN]), the role's time limit (MAX_JOB_SECONDS[_ADMIN]); a time
+    limit becomes a cost ceiling at the measured throughput."""
+    if max_job_cost is not None:
+        return float(max_job_cost), None
+    role_cost = settings.max_job_cost_admin if is_admin else settings.max_job_cost
+    seconds = max_job_seconds
+    if seconds is None:
+        if role_cost is not None:
+            return float(role_cost), None
+        seconds = settings.max_job_seconds_admin if is_admin else settings.max_job_seconds
+    if seconds is None:
+        return None, None
+    tp = throughput(settings)
+    if tp is None:
+        return (float(role_cost) if role_cost is not None else None), None
+    return float(seconds) * tp[0], float(seconds)
+
+
+def duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 2 * 3600:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 2 * 86400:
+        return f"{seconds / 3600:.1f} h"
+    return f"{seconds / 86400:.1f} days"
