@@ -38,6 +38,8 @@ OVERLAP_TITLES = {"fisher_vs_delta_jaccard_lift": "Top-k Fisher vs top-k |delta|
 
 
 def _threshold_key(h: HeatmapData) -> tuple[int, float, str]:
+    if h.meta.get("headline"):  # the convention the key numbers lead with comes first
+        return (-1, 0.0, "")
     t = finite(h.meta.get("threshold"))
     return (0, t, "") if t is not None else (1, 0.0, h.name)
 

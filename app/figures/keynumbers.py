@@ -123,7 +123,26 @@ def _train(r: TrainResult, out: dict[str, Any]) -> None:
         items.append(_item("Trainable fraction (mask density)", pct(s.trainable_fraction)))
     us = s.update_sparsity or {}
     if finite(us.get("unchanged_exact")) is not None:
-        items.append(_item("Weights exactly unchanged", pct(us["unchanged_exact"])))
+        # both sides are the stored weights (the base rounded like the checkpoint): exact fits
+        dt = us.get("stored_dtype")
+        note = f"{dt} checkpoint vs the base stored alike" if dt else ""
+        items.append(_item("Stored weights exactly unchanged", pct(us["unchanged_exact"]), note))
+    _bound_item(r, out)
+
+
+def _bound_item(r: TrainResult, out: dict[str, Any]) -> None:
+    """Violations of |g| <= sqrt(E A^2) sqrt(F) against the independent Fisher: the same
+    sentence as the bound figure's title (app.figures.train.bound_holds_text)."""
+    from app.figures.train import bound_holds_text
+
+    b = r.summary.bound or {}
+    if "bound_violations" not in b:
+        return
+    text = bound_holds_text(r)
+    if text:
+        v = b["bound_violations"]
+        out["items"].append(_item("Cauchy-Schwarz bound, first batch", f"{v:,} violations",
+                                  text + "; Fisher from independent samples"))
 
 
 THRESHOLD_NAMES = {"exact": "exactly equal", "bf16": "equal after casting both to bf16",
@@ -141,16 +160,28 @@ def _threshold_name(lab: str) -> str:
     return lab.replace("_", " ")
 
 
+def _exact_comparison(s: DiffSummary) -> bool:
+    return (s.comparison or "exact").startswith("exact")
+
+
+def _common_name(s: DiffSummary) -> str:
+    return f"equal in {s.comparison_dtype} (the lower stored precision)"
+
+
 def _unchanged_table(s: DiffSummary) -> dict[str, Any] | None:
     """Unchanged fraction at each threshold: one row per threshold; a second column when the
     summary also has the bf16-checkpoint convention (|bf16(tuned) - bf16(base)| <= a)."""
     unchanged = s.unchanged()
+    if "common" in unchanged:  # the headline convention leads the table too
+        unchanged = {"common": unchanged.pop("common"), **unchanged}
     bf16 = {lab[len(BF16_DELTA):]: v for lab, v in unchanged.items() if lab.startswith(BF16_DELTA)}
     rows: list[list[str]] = []
     for lab, v in unchanged.items():
         if lab.startswith(BF16_DELTA):
             continue  # shown next to the float32 row of the same atol
-        row = [_threshold_name(lab), pct(v)]
+        if lab == "common" and _exact_comparison(s):
+            continue  # the same numbers as the "exactly equal" row
+        row = [_common_name(s) if lab == "common" else _threshold_name(lab), pct(v)]
         if bf16:
             row.append(pct(bf16[lab[5:]]) if lab.startswith("atol_") and lab[5:] in bf16 else "")
         rows.append(row)
@@ -165,8 +196,15 @@ def _unchanged_table(s: DiffSummary) -> dict[str, Any] | None:
 def _diff(r: DiffResult, out: dict[str, Any]) -> None:
     s = r.summary
     items = out["items"]
-    if finite(s.unchanged_exact) is not None:
-        items.append(_item("Weights exactly unchanged", pct(s.unchanged_exact), "every threshold in the table below"))
+    if finite(s.unchanged_common) is not None and not _exact_comparison(s):
+        sd = s.stored_dtypes or {}
+        items.append(_item(f"Weights unchanged, compared in {s.comparison_dtype}", pct(s.unchanged_common),
+                           f"base stored in {sd.get('base')}, tuned in {sd.get('tuned')}: compared at the "
+                           f"lower precision (exact equality across precisions: {pct(s.unchanged_exact)})"))
+    elif finite(s.unchanged_exact) is not None:
+        note = (f"both stored in {s.comparison_dtype}; every threshold in the table below"
+                if s.comparison_dtype else "every threshold in the table below")
+        items.append(_item("Weights exactly unchanged", pct(s.unchanged_exact), note))
     if finite(s.auc) is not None:
         k = (s.overlap_settings or {}).get("topk_percent") or next(
             (row.get("k_percent") for row in s.overlap or [] if row.get("k_percent")), None)
@@ -268,10 +306,42 @@ BUILDERS: dict[str, Callable[[Any, dict[str, Any]], None]] = {
 }
 
 
+def fisher_verdict(rel: Mapping[str, Any]) -> dict[str, str]:
+    """The verdict of the Fisher a result was built on (summary "fisher_reliability")."""
+    src = rel.get("source") or "the Fisher"
+    v = jaccard_verdict(finite(rel.get("split_half_jaccard")), finite(rel.get("split_half_topk_percent")))
+    if rel.get("split_half_jaccard") is None and rel.get("note"):
+        v = {"level": "none", "text": str(rel["note"])}
+    return {"level": v["level"], "text": f"built on {src}: {v['text']}"}
+
+
+def _precision_item(r: TypedResult[Any], out: dict[str, Any]) -> None:
+    """Where a result says it, the precision it was computed and stored in (issue 18)."""
+    s = r.summary
+    if isinstance(s, DiffSummary) and s.stored_dtypes:
+        sd = s.stored_dtypes
+        out["items"].append(_item("Precision", f"base {sd.get('base')}, tuned {sd.get('tuned')}",
+                                  f"stored dtypes; compared in {s.comparison_dtype}, deltas in "
+                                  f"{s.compute_dtype or 'float32'}"))
+        return
+    if s.compute_dtype or s.stored_dtype:
+        bits = [f"computed in {s.compute_dtype}" if s.compute_dtype else "",
+                f"stored in {s.stored_dtype}" if s.stored_dtype else ""]
+        err = r.raw_summary.get("precision_error") or {}
+        note = (f"vs float32 on the same samples: relative L1 {fmt(err.get('relative_l1'))}, worst tensor "
+                f"{fmt(err.get('worst_tensor_relative_l1'))}" if finite(err.get("relative_l1")) is not None else "")
+        out["items"].append(_item("Precision", ", ".join(b for b in bits if b), note))
+
+
 def key_numbers(result: TypedResult[Any] | Mapping[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = {"items": [], "warnings": [], "verdict": None, "table": None}
     kind = result.kind if isinstance(result, TypedResult) else (
         result.get("kind") or (result.get("job") or {}).get("kind"))
     if kind in KINDS:
-        BUILDERS[kind](parse_result(result), out)
+        r = parse_result(result)
+        BUILDERS[kind](r, out)
+        rel = r.summary.fisher_reliability
+        if rel and out["verdict"] is None:  # a mask, train, diff ... shows its Fisher's verdict
+            out["verdict"] = fisher_verdict(rel)
+        _precision_item(r, out)
     return out

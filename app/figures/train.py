@@ -18,7 +18,7 @@ from compute.contract.results import (
     TypedResult,
 )
 
-from .common import MAX_POINTS, curves_figure, downsample, empty_figure, finite, layout
+from .common import MAX_POINTS, curves_figure, downsample, empty_figure, finite, fmt, layout
 from .registry import figure, stored_heatmap
 
 HELDOUT_ACCURACY = "held-out accuracy (greedy)"
@@ -34,6 +34,22 @@ def bound_constant(r: TypedResult[Any]) -> tuple[float | None, float | None]:
     c = finite(s.get("bound_constant") or s.get("bound_rms_advantage"))
     held = finite(s.get("bound_fraction_holds", s.get("bound_holds_fraction")))
     return c, held
+
+
+def bound_holds_text(r: TypedResult[Any]) -> str | None:
+    """"the bound fails for 5 of 1,234 coordinates (max ratio 1.423)" / "holds for all ...",
+    from the summary's violation count (never a rounded fraction: 5 in a million reads 100%)."""
+    s = {**r.raw_summary, **(r.raw_summary.get("bound") or {})}
+    v, n = s.get("bound_violations"), s.get("bound_coordinates")
+    if not isinstance(v, int) or isinstance(v, bool):
+        _, held = bound_constant(r)
+        return f"the bound holds for {100 * held:.4g}% of coordinates" if held is not None else None
+    mx = finite(s.get("bound_max_ratio"))
+    tail = f" (max ratio {fmt(mx)})" if mx is not None else ""
+    of = f" of {n:,}" if isinstance(n, int) else ""
+    if v == 0:
+        return f"the bound holds for all{of} coordinates{tail}"
+    return f"the bound fails for {v:,}{of} coordinates{tail}"
 
 
 def bound_scatter(r: TypedResult[Any], max_points: int = MAX_POINTS) -> go.Figure:
@@ -57,7 +73,8 @@ def bound_scatter(r: TypedResult[Any], max_points: int = MAX_POINTS) -> go.Figur
     fig.update_xaxes(title_text="sqrt(Fisher)", type="log")
     fig.update_yaxes(title_text="|gradient|", type="log")
     note = f" ({len(keep)} of {len(xs)} points)" if len(keep) < len(xs) else ""
-    extra = f"; the bound holds for {100 * held:.4g}% of coordinates" if held is not None else ""
+    holds_text = bound_holds_text(r)
+    extra = f"; {holds_text}" if holds_text else ""
     return layout(fig, f"Gradient vs Fisher bound{note}{extra}")
 
 

@@ -90,6 +90,10 @@ class Summary(_Row):
     task: str | None = None
     seconds: float | None = None
     settings: dict[str, Any] | None = None
+    # issue 18 (precision and reliability travel with every result; move with the summaries):
+    compute_dtype: str | None = None  # dtype the forward/backward (or arithmetic) ran in
+    stored_dtype: str | None = None  # dtype of the stored tensors (artifact / checkpoint)
+    fisher_reliability: dict[str, Any] | None = None  # the verdict of the Fisher a result used
 
 
 # ---------------------------------------------------------------- per-kind summaries
@@ -201,6 +205,12 @@ class DiffSummary(Summary):
     n_params: int | None = None
     unchanged_exact: float | None = None
     changed_fraction: float | None = None
+    # issue 18: the headline "unchanged" in the convention the stored dtypes call for
+    update_sparsity: float | None = None
+    unchanged_common: float | None = None
+    stored_dtypes: dict[str, str] | None = None
+    comparison_dtype: str | None = None
+    comparison: str | None = None
     fisher: str | None = None
     auc: float | None = None
     changed_auc: float | None = None
