@@ -5,6 +5,7 @@ float tensors they hold. Used by the mask, train, diff and sweep jobs."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -41,3 +42,38 @@ def load_scores(ref: str, kind: str = "fisher") -> dict[str, torch.Tensor]:
     if not out:
         raise ValueError(f"{kind}: {path} holds no floating-point tensors")
     return out
+
+
+def stored_metadata(ref: str, kind: str) -> dict[str, str]:
+    """The safetensors metadata of an artifact file (path or 'job:<id>'); {} when it has none."""
+    from safetensors import safe_open
+
+    path = resolve_artifact(ref, kind)
+    try:
+        with safe_open(str(path), framework="pt") as h:
+            return dict(h.metadata() or {})
+    except Exception:  # noqa: BLE001 - unreadable files fail where their tensors are loaded
+        return {}
+
+
+def fisher_provenance(ref: str, kind: str = "fisher") -> dict[str, Any]:
+    """The reliability (split-half verdict) and precision of the Fisher stored at `ref`, as a
+    result built on it shows them (summary "fisher_reliability"; issue 18).
+
+    A fisher file carries them in its metadata ("fisherlens", compute.run_fisher.fisher_metadata);
+    a mask file carries its Fisher's ("fisher_reliability", compute.run_mask). A file written
+    before, or by other tools, gets a note that its reliability is unknown."""
+    import json
+
+    meta = stored_metadata(ref, kind)
+    raw = meta.get("fisherlens") if kind == "fisher" else meta.get("fisher_reliability")
+    try:
+        info = json.loads(raw) if raw else None
+    except ValueError:
+        info = None
+    if not isinstance(info, dict):
+        return {"source": str(ref), "reliability": "none",
+                "note": "the Fisher's split-half reliability is unknown (a file stored without it)"}
+    if kind == "fisher":
+        info["source"] = str(ref)
+    return info

@@ -52,7 +52,8 @@ def fisher(out: str, **options: Any) -> None:
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors = {n: t.detach().float().contiguous().cpu() for n, t in result.tensors["fisher"].items()}
-    save_file(tensors, str(out_dir / "fisher.safetensors"), metadata={"estimator": spec.estimator})
+    save_file(tensors, str(out_dir / "fisher.safetensors"),
+              metadata=result.metadata.get("fisher") or {"estimator": spec.estimator})
     write_json(out_dir / "stats.json", result.to_dict())
     s = result.summary
     click.echo(_summary_table(result))

@@ -14,7 +14,9 @@ from typing import Any
 
 from app.figures.common import finite
 from compute.contract.results import (
+    FAIR_JACCARD,
     KINDS,
+    RELIABLE_JACCARD,
     TRAIN,
     DiffResult,
     DiffSummary,
@@ -29,11 +31,7 @@ from compute.contract.results import (
     parse_result,
 )
 
-# Split-half top-k Jaccard: two independent halves of the samples should select the same top-k
-# coordinates. >= 0.8: the top set is stable; 0.5..0.8: usable for aggregates (layer x module),
-# not for single coordinates; < 0.5: the estimate is mostly sampling noise: take more samples.
-RELIABLE_JACCARD = 0.8
-FAIR_JACCARD = 0.5
+# the thresholds of the split-half verdict (FAIR_JACCARD, RELIABLE_JACCARD) live with the results
 
 Item = dict[str, str]
 
@@ -77,7 +75,7 @@ def jaccard_verdict(jaccard: float | None, topk_percent: float | None) -> dict[s
         return {"level": "fair", "text": "fair: trust layer x module aggregates, not single "
                                          f"coordinates; more samples would firm it up{vs}"}
     return {"level": "poor", "text": "unreliable: the top set is mostly sampling noise; take more "
-                                     f"samples{vs}"}
+                                     f"samples (rerun with until_reliable, CLI --until-reliable){vs}"}
 
 
 def _fisher(r: FisherResult, out: dict[str, Any]) -> None:
@@ -96,6 +94,13 @@ def _fisher(r: FisherResult, out: dict[str, Any]) -> None:
         out["verdict"] = jaccard_verdict(jac, k)
     if s.n_samples is not None:
         items.append(_item("Samples", fmt(s.n_samples), str(s.estimator or "")))
+    perr = s.precision_error or {}
+    if finite(perr.get("relative_l1")) is not None:
+        out["warnings"].append(
+            f"Computed in {s.compute_dtype}: relative L1 error {fmt(perr['relative_l1'])} against float32 "
+            f"(worst tensor {fmt(perr.get('worst_tensor_relative_l1'))}, top-{fmt(perr.get('topk_percent'))}% "
+            f"overlap {fmt(perr.get('topk_jaccard'))}) on the same {perr.get('rows')} completions; "
+            "rerun with dtype float32 for the exact Fisher.")
     errs = [e for v in (s.exact_output or {}).values() if (e := finite(v.relative_l1_error)) is not None]
     if errs:
         items.append(_item("Output layer: relative L1 error vs exact", fmt(max(errs)),

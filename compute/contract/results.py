@@ -120,6 +120,9 @@ class FisherSummary(Summary):
     split_half_topk_percent: float | None = None
     exact_output: dict[str, ExactOutputRow] | None = None
     exact_output_skipped: str | None = None
+    # issue 18: sums are float32; a half-precision forward/backward states its measured error
+    accumulate_dtype: str | None = None
+    precision_error: dict[str, Any] | None = None
     model_config = ConfigDict(populate_by_name=True)
 
 
@@ -252,6 +255,22 @@ class TokensSummary(Summary):
 
 
 UNCHANGED = Family("unchanged", "_")  # diff summary keys unchanged_<threshold label>
+
+# ---------------------------------------------------------------- reliability (issue 18)
+# Split-half top-k Jaccard: two independent halves of the samples should select the same top-k
+# coordinates. >= 0.8: the top set is stable; 0.5..0.8: usable for aggregates (layer x module),
+# not for single coordinates; < 0.5: the estimate is mostly sampling noise: take more samples.
+RELIABLE_JACCARD = 0.8
+FAIR_JACCARD = 0.5
+LEVELS = ("none", "poor", "fair", "good")
+
+
+def reliability_level(jaccard: float | None) -> str:
+    """"good" | "fair" | "poor" from a split-half Jaccard; "none" without one."""
+    if jaccard is None or jaccard != jaccard:  # None or NaN
+        return "none"
+    return "good" if jaccard >= RELIABLE_JACCARD else "fair" if jaccard >= FAIR_JACCARD else "poor"
+
 
 # ---------------------------------------------------------------- the typed result
 

@@ -201,12 +201,34 @@ def per_sample_square_sums(
     bs = batch_size or _auto_batch(model, ids.shape[1], budget, _shared_numel(model, params))
     store = Store({n: p.shape for n, p in params.items()}, n_groups,
                   accumulator_dtype([p.dtype for p in params.values()]), device)
-    with _eval(model):
+    with _eval(model), _refusing(model):
         for i, chunk in enumerate(_chunks(ids, am, cm, w, grp, bs, device)):
             if i == 0 and model not in _VERIFIED:
                 _verify(model, params, chunk, budget)
             _one_pass(model, store, params, chunk, budget, coverage=i == 0)
     return store.finish()
+
+
+@contextlib.contextmanager
+def _refusing(model: nn.Module) -> Iterator[None]:
+    """Any other error while the engine runs the model (a forward that breaks on padded batched
+    rows, an in-place op on a hooked leaf, an autograd.Function vmap cannot see through) becomes
+    UnsupportedModel naming the model and the cause: refuse, never a stray exception (issue 18).
+    Out-of-memory and cancellation pass through unchanged: they are not about the model."""
+    from compute.contract.jobresult import JobCancelled
+
+    try:
+        yield
+    except (UnsupportedModel, torch.OutOfMemoryError, JobCancelled):
+        raise
+    except Exception as exc:  # noqa: BLE001 - re-raised as the refusal it is
+        arch = getattr(getattr(model, "config", None), "architectures", None)
+        name = arch[0] if arch else type(model).__name__
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        raise UnsupportedModel(
+            f"model: {name} is not supported by the exact per-sample engine: its forward or "
+            f"backward fails on the engine's batched, padded rows with hooks attached "
+            f"({type(exc).__name__}: {first})") from exc
 
 
 def expand_tokens(

@@ -33,6 +33,7 @@ TINY: dict[str, Any] = {
     "head_dim": HEAD, "kv_channels": HEAD, "attention_head_size": HEAD,
     "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": HEAD, "kv_lora_rank": 8,
     "q_lora_rank": 8, "rotary_dim": 4, "partial_rotary_factor": 0.5,
+    "backbone_hidden_size": H, "num_codebooks": 4,
     "lru_width": H, "conv1d_width": 3, "conv_kernel": 3, "state_size": 4, "d_state": 4,
     "ssm_state_size": 4, "mamba_d_state": 4, "mamba_d_conv": 3, "mamba_expand": 2,
     "mamba_n_heads": 2, "mamba_d_head": 16, "time_step_rank": 4, "expand": 2,
@@ -95,11 +96,18 @@ def tiny_config(cls: type) -> Any:
         raise CannotBuildTiny(f"{cfg_cls.__name__}() needs arguments ({type(exc).__name__})") from None
     kw = {k: v for k, v in TINY.items() if hasattr(defaults, k)}
     kw.update(_layer_lists(defaults, 2))
-    try:
-        cfg = cfg_cls(**kw)
-    except Exception as exc:  # noqa: BLE001
+    if "qk_rope_head_dim" in kw and "head_dim" in kw:  # MLA: rotary head dim = head_dim
+        kw["head_dim"] = kw["qk_rope_head_dim"]
+    cfg = None
+    for retry in ({}, {"num_key_value_heads": 2}):  # e.g. DiffLlama needs an even kv count
+        try:
+            cfg = cfg_cls(**{**kw, **{k: v for k, v in retry.items() if k in kw}})
+            break
+        except Exception as exc:  # noqa: BLE001
+            err = exc
+    if cfg is None:
         raise CannotBuildTiny(f"{cfg_cls.__name__} rejects small sizes "
-                              f"({type(exc).__name__}: {str(exc)[:120]})") from None
+                              f"({type(err).__name__}: {str(err)[:120]})")
     for k in DROPOUT_KEYS:
         if isinstance(getattr(cfg, k, None), float):
             setattr(cfg, k, 0.0)
