@@ -56,10 +56,12 @@ PRECISION_CHECK_ROWS = 16  # rows of the first shard scored again in float32 (ha
 
 
 def precision_error(model: Any, roll: Any, estimator: str, memory_budget_mb: int | None = None,
-                    rows: int = PRECISION_CHECK_ROWS, topk_percent: float = 1.0) -> dict[str, Any] | None:
+                    rows: int = PRECISION_CHECK_ROWS, topk_percent: float = 1.0,
+                    reference: Any = None) -> dict[str, Any] | None:
     """The error of a half-precision Fisher, measured: the first `rows` sampled completions
-    scored by the model as it is and by a float32 copy of it (the same completions, so the
-    difference is the precision alone). None for a float32/float64 model.
+    scored by the model as it is and by `reference`, the same checkpoint loaded in float32 (default:
+    a float32 copy of `model`, which leaves out the rounding of the weights). The same completions,
+    so the difference is the precision alone. None for a float32/float64 model.
 
     -> {relative_l1 (whole model), worst_tensor_relative_l1, worst_tensor, topk_jaccard (top-k%
     sets), topk_percent, rows, dtype, reference}."""
@@ -73,10 +75,13 @@ def precision_error(model: Any, roll: Any, estimator: str, memory_budget_mb: int
     n = min(rows, roll.input_ids.shape[0])
     ids, am, cm = (t[:n] for t in (roll.input_ids, roll.attention_mask, roll.completion_mask))
     est = "sequence" if estimator == "empirical" else estimator
-    low = fisher_from_samples(model, ids, am, cm, est, memory_budget_mb=memory_budget_mb)
-    ref_model = copy.deepcopy(model).float()
+    # one forward batch of all n rows: a half-precision result depends on the batch's padding
+    # width, so the check must not depend on the automatic batch size (free memory)
+    low = fisher_from_samples(model, ids, am, cm, est, memory_budget_mb=memory_budget_mb, batch_size=n)
+    ref_model = reference if reference is not None else copy.deepcopy(model).float()
     try:
-        ref = fisher_from_samples(ref_model, ids, am, cm, est, memory_budget_mb=memory_budget_mb)
+        ref = fisher_from_samples(ref_model, ids, am, cm, est, memory_budget_mb=memory_budget_mb,
+                                  batch_size=n)
     finally:
         del ref_model
     per = {name: relative_error(low[name], ref[name]) for name in ref}
@@ -86,7 +91,8 @@ def precision_error(model: Any, roll: Any, estimator: str, memory_budget_mb: int
     return {"relative_l1": num / den if den > 0 else 0.0, "worst_tensor_relative_l1": per[worst],
             "worst_tensor": worst, "topk_jaccard": analysis.topk_jaccard(low, ref, topk_percent),
             "topk_percent": topk_percent, "rows": n, "dtype": str(dtype).replace("torch.", ""),
-            "reference": "a float32 copy of the model on the same sampled completions"}
+            "reference": ("the checkpoint loaded in float32" if reference is not None else
+                          "a float32 copy of the model") + ", on the same sampled completions"}
 
 
 def _shard(spec: FisherSpec, shard_index: int, progress: Progress, loaded: tuple | None) -> dict:
@@ -131,10 +137,15 @@ def _shard(spec: FisherSpec, shard_index: int, progress: Progress, loaded: tuple
     out.update(sums=sums, denoms=denoms, n_rows=res.n_rows, n_tokens=res.n_tokens, exact=exact,
                exact_skipped=skipped, seconds=round(time.perf_counter() - t0, 3),
                compute_dtype=str(next(model.parameters()).dtype).replace("torch.", ""))
-    if shard_index == 0 and res.rollout is not None and spec.estimator != "batch":
-        # issue 18: a half-precision Fisher states its error (measured on the first rows)
+    half = next(model.parameters()).dtype in (torch.bfloat16, torch.float16)
+    if half and shard_index == 0 and res.rollout is not None and spec.estimator != "batch":
+        # issue 18: a half-precision Fisher states its error against the checkpoint in float32,
+        # measured on the first rows
+        ref_model, _ = _load(spec.model_copy(update={"dtype": "float32"}))
         out["precision_error"] = precision_error(model, res.rollout, spec.estimator,
-                                                 spec.memory_budget_mb, topk_percent=spec.topk_percent)
+                                                 spec.memory_budget_mb, topk_percent=spec.topk_percent,
+                                                 reference=ref_model)
+        del ref_model
     return out
 
 

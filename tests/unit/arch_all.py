@@ -86,6 +86,15 @@ def _layer_lists(defaults: Any, layers: int) -> dict[str, Any]:
     return out
 
 
+def _has(obj: Any, key: str) -> bool:
+    """hasattr that also says no for attributes whose access raises something else (heterogeneous
+    per-layer configs raise on global access)."""
+    try:
+        return hasattr(obj, key)
+    except Exception:  # noqa: BLE001
+        return False
+
+
 def tiny_config(cls: type) -> Any:
     cfg_cls = getattr(cls, "config_class", None)
     if cfg_cls is None:
@@ -94,7 +103,7 @@ def tiny_config(cls: type) -> Any:
         defaults = cfg_cls()
     except Exception as exc:  # noqa: BLE001 - a config that needs arguments
         raise CannotBuildTiny(f"{cfg_cls.__name__}() needs arguments ({type(exc).__name__})") from None
-    kw = {k: v for k, v in TINY.items() if hasattr(defaults, k)}
+    kw = {k: v for k, v in TINY.items() if _has(defaults, k)}
     kw.update(_layer_lists(defaults, 2))
     if "qk_rope_head_dim" in kw and "head_dim" in kw:  # MLA: rotary head dim = head_dim
         kw["head_dim"] = kw["qk_rope_head_dim"]
@@ -109,10 +118,10 @@ def tiny_config(cls: type) -> Any:
         raise CannotBuildTiny(f"{cfg_cls.__name__} rejects small sizes "
                               f"({type(err).__name__}: {str(err)[:120]})")
     for k in DROPOUT_KEYS:
-        if isinstance(getattr(cfg, k, None), float):
+        if _has(cfg, k) and isinstance(getattr(cfg, k, None), float):
             setattr(cfg, k, 0.0)
     for sub in ("text_config", "decoder"):
-        if hasattr(cfg, sub) and not isinstance(getattr(cfg, sub), (int, bool)) \
+        if _has(cfg, sub) and not isinstance(getattr(cfg, sub), (int, bool)) \
                 and getattr(cfg, sub) is not None:
             raise CannotBuildTiny(f"composite config ({sub}): not a plain causal LM")
     return cfg
@@ -126,7 +135,12 @@ def tiny_model(name: str, seed: int = 0) -> torch.nn.Module:
         cls = getattr(transformers, name)
     except Exception as exc:  # noqa: BLE001 - missing optional dependency
         raise CannotBuildTiny(f"cannot import {name} ({type(exc).__name__}: {str(exc)[:100]})") from None
-    cfg = tiny_config(cls)
+    try:
+        cfg = tiny_config(cls)
+    except CannotBuildTiny:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any config trouble means "not tiny here"
+        raise CannotBuildTiny(f"config of {name}: {type(exc).__name__}: {str(exc)[:120]}") from None
     try:
         with warnings.catch_warnings(), contextlib.redirect_stderr(io.StringIO()):
             warnings.simplefilter("ignore")
