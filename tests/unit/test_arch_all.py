@@ -16,9 +16,8 @@ import warnings
 import pytest
 import torch
 
-from tests.unit.arch_all import causal_lm_classes, check_class
+from tests.unit.arch_all import TOL, causal_lm_classes, check_class
 
-TOL = 1e-5
 REFUSAL = "is not supported by the exact per-sample engine"
 # found raising a plain RuntimeError (CTRL, RecurrentGemma, CsmDepthDecoder) or failing inside
 # HF's forward with a padding mask (DeepseekV2, MiniCPM3, Mistral4, Glm4MoeLite)
