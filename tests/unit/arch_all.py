@@ -218,7 +218,8 @@ def main() -> None:
     for name in names:
         t0 = time.perf_counter()
         r = check_class(name)
-        print(f"{name}\t{r['status']}\t{time.perf_counter() - t0:.2f}s\t{r['detail'][:200]}", flush=True)
+        detail = " ".join(r["detail"].split())[:200]
+        print(f"{name}\t{r['status']}\t{time.perf_counter() - t0:.2f}s\t{detail}", flush=True)
 
 
 if __name__ == "__main__":

@@ -205,7 +205,8 @@ def expected_diff(d: dict[str, Any]) -> dict[str, str]:
         out = {f"Weights unchanged, compared in {s['comparison_dtype']}": pct(s["unchanged_common"])}
     out["Precision"] = f"base {sd['base']}, tuned {sd['tuned']}"
     if s.get("auc") is not None:
-        out[f"Fisher AUC for the top-{fmt(s['overlap_settings']['topk_percent'])}% |delta| coordinates"] = fmt(s["auc"])
+        k = s["overlap"][0]["k_percent"]  # the overlap table's k (every row has the spec's)
+        out[f"Fisher AUC for the top-{fmt(k)}% |delta| coordinates"] = fmt(s["auc"])
     else:
         out["Fisher AUC"] = "not computed"
     if s.get("changed_auc") is not None:
@@ -262,13 +263,13 @@ def _counterfactual_title(sim: dict[str, Any]) -> str:
             f"top-{k} pairs remove {fmt(sim['removed_top'])}")
 
 
-NUMBER = re.compile(r"\d[\d.,]*(?:e[-+]?\d+)?%?")
+NUMBER = re.compile(r"(?<![\w.])\d[\d.,]*(?:e[-+]?\d+)?%?")  # not the 16 of bf16, the 10 of log10
 
 
 def _bound_title(b: dict[str, Any]) -> str:
-    n, v, mx = b["bound_coordinates"], b["bound_violations"], b["bound_max_ratio"]
+    n, v, mx = b["bound_coordinates"], b["bound_violations"], b.get("bound_max_ratio")
     verb = f"holds for all of {n:,}" if v == 0 else f"fails for {v:,} of {n:,}"
-    return f"the bound {verb} coordinates (max ratio {fmt(mx)})"
+    return f"the bound {verb} coordinates" + (f" (max ratio {fmt(mx)})" if mx is not None else "")
 
 
 def check_headlines(kind: str, d: dict[str, Any]) -> dict[str, Any]:
