@@ -71,11 +71,11 @@ def run(spec: DiffSpec, progress: Any = null_progress) -> JobResult:
     heatmaps: list[Heatmap] = []
     if res.fisher is not None:
         summary.update(_fisher_summary(spec, res.fisher))
+        heatmaps += _fisher_heatmaps(res.fisher, spec.topk_percent)
     if spec.fisher:  # issue 18: the verdict of the Fisher this diff is scored against
         from compute.artifacts import fisher_provenance
 
         summary["fisher_reliability"] = fisher_provenance(spec.fisher)
-        heatmaps += _fisher_heatmaps(res.fisher, spec.topk_percent)
     heatmaps += _sparsity_heatmaps(res)
     series = [SeriesPoint("unchanged/atol", a, g[f"unchanged_atol_{a:g}"]) for a in ATOLS]
     series += [SeriesPoint("unchanged/atol_bf16delta", a, g[f"unchanged_bf16delta_atol_{a:g}"]) for a in ATOLS]

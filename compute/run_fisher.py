@@ -280,7 +280,7 @@ def split_half(outs: list[dict], topk_percent: float) -> float | None:
     return analysis.topk_jaccard(halves[0], halves[1], topk_percent)
 
 
-def extend_until_reliable(spec: FisherSpec, outs: list[dict], progress: Progress = null_progress,
+def extend_until_reliable(spec: FisherSpec, outs: list[dict], progress: Any = null_progress,
                           loaded: tuple | None = None) -> tuple[FisherSpec, list[dict], dict]:
     """With spec.until_reliable: while the split-half Jaccard is below FAIR_JACCARD and the
     prompts can double within spec.max_prompts, estimate on as many further prompts again (the
@@ -299,7 +299,8 @@ def extend_until_reliable(spec: FisherSpec, outs: list[dict], progress: Progress
         loaded = loaded or _load(spec)
         progress(0.5, f"split-half Jaccard {rounds[-1]['split_half_jaccard']:.3f} < {FAIR_JACCARD}: "
                       f"{total} more prompts")
-        out = _shard(extra, 0, null_progress, loaded)
+        quiet: Any = null_progress
+        out = _shard(extra, 0, quiet, loaded)
         out["shard"] = max(o["shard"] for o in outs) + 1
         out.pop("precision_error", None)  # measured once, on the first rows
         outs.append(out)

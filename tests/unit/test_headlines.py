@@ -230,7 +230,7 @@ def expected_sweep(d: dict[str, Any]) -> dict[str, str]:
 def expected_retention(d: dict[str, Any]) -> dict[str, str]:
     s = d["summary"]
     out = {"Base model held-out reward": fmt(s["base_reward"]),
-           "Precision": f"computed in {s['compute_dtype']}"}
+           "Precision": f"computed in {s['compute_dtype']}, stored in {s['stored_dtype']}"}
     full = s.get("full_reward_mean")
     if full is not None:
         spread = s.get("full_reward_std")
