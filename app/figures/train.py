@@ -47,6 +47,8 @@ def bound_holds_text(r: TypedResult[Any]) -> str | None:
     mx = finite(s.get("bound_max_ratio"))
     tail = f" (max ratio {fmt(mx)})" if mx is not None else ""
     of = f" of {n:,}" if isinstance(n, int) else ""
+    if v == 0 and s.get("bound_rms_advantage") == 0:
+        return "no test of the bound: every advantage of the first batch is 0 (g = 0)"
     if v == 0:
         return f"the bound holds for all{of} coordinates{tail}"
     return f"the bound fails for {v:,}{of} coordinates{tail}"
