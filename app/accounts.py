@@ -112,7 +112,8 @@ def _add_account_routes(r: APIRouter, settings: Any) -> None:
             summary="The cost estimate of a spec and the caller's per-job ceiling (nothing queued)")
     def estimate(req: EstimateRequest) -> Any:
         from app import limits
-        from compute.contract.specs import SpecError, parse_spec
+        from compute.contract.specs import SpecError
+        from compute.jobs.registry import parse_spec
 
         p = current_user(settings)
         try:

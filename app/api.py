@@ -15,24 +15,29 @@ from pathlib import Path
 from typing import Any, Literal
 
 from fastapi import APIRouter, HTTPException, Query, Request
-from fastapi.responses import FileResponse, JSONResponse, Response
+from fastapi.responses import FileResponse, JSONResponse, RedirectResponse, Response
 from pydantic import BaseModel, Field
 from starlette.background import BackgroundTask
 
 from app import plots, services
-from compute.contract.specs import SPECS, SpecError
+from compute.contract.specs import SpecError
+from compute.jobs.registry import NAMES as KIND_NAMES
 from storage.models import JOB_STATUSES
 
 ZOO_INFO_FILE = "fisherlens.json"  # written by compute.zoo next to each zoo model (no torch here)
 
 
-# Enumerated in the OpenAPI schema, so every schema-valid filter is accepted.
-JobKind: Any = Literal[tuple(SPECS)]  # type: ignore[valid-type]
+# Enumerated in the OpenAPI schema (the kinds from compute.jobs.registry), so every schema-valid
+# filter is accepted.
+JobKind: Any = Literal[KIND_NAMES]  # type: ignore[valid-type]
 JobStatus: Any = Literal[tuple(JOB_STATUSES)]  # type: ignore[valid-type]
 
 
 class JobRequest(BaseModel):
-    kind: str = Field(..., description=f"job kind: one of {', '.join(SPECS)}")
+    # a string with the registry's kinds as its schema enum: an unknown kind is answered by the
+    # spec validation (422 naming the accepted kinds), not a bare schema error
+    kind: str = Field(..., description=f"job kind: one of {', '.join(KIND_NAMES)}",
+                      json_schema_extra={"enum": list(KIND_NAMES)})
     spec: dict[str, Any] = Field(
         default_factory=dict,
         description="the job spec; keys as the matching CLI flags (see `fisherlens submit`)",
@@ -79,7 +84,8 @@ ERRORS: dict[int, tuple[type[BaseModel], str]] = {
     422: (FieldErrors, "bad input: each field and its accepted range; nothing was queued"),
     429: (FieldErrors, "your queue is full (queued + running jobs limit)"),
     500: (Message, "internal error (the server log has the details)"),
-    503: (Message, "the job queue (broker) cannot be reached; nothing was queued"),
+    503: (Message, "the job queue (broker) or the artifact store cannot be reached; nothing was "
+                   "queued"),
 }
 
 
@@ -165,25 +171,22 @@ def register_local_model(settings: Any, path: str, name: str | None = None) -> d
     """Register a local HF folder (must be inside the allowed model roots) or a trained model
     (`job:N` of a succeeded train job) under a name. SpecError naming `path` otherwise. The
     stored source (the resolved path, or job:N) is usable as a job's `model`."""
-    from compute.contract.modelref import job_ref_id, model_revision, resolve_job_ref, resolve_model
+    from app import auth
+    from app.services import refs as resolver
     from storage import repo
 
-    try:
-        if job_ref_id(path) is not None:  # a trained model: its folder in the artifact store
-            art = resolve_job_ref(path.strip(), "model", settings)
-            resolved, folder, revision = f"job:{art.job_id}", art.path, art.sha256
-        else:
-            resolved = resolve_model(path.strip(), settings)
-            if not Path(resolved).is_absolute():
-                raise ValueError("model: register local folders only (hub ids are used directly)")
-            folder, revision = Path(resolved), model_revision(resolved, settings)
+    try:  # the one resolver: zoo, allowed folder, hub id, or job:N of a train job the caller may use
+        ref = resolver.resolve(settings, "path", path, "model", auth.current_user(settings))
+        if ref.form == "hub" or not ref.local:
+            raise ValueError("path: register local folders only (hub ids are used directly)")
     except ValueError as exc:
         msg = str(exc)
         raise SpecError([{"field": "path", "message": msg.split(": ", 1)[1] if msg.startswith(("model: ", "path: ")) else msg}]) from None
+    folder = Path(ref.local)
+    resolved = f"job:{ref.job_id}" if ref.form == "artifact" else ref.path
+    revision = ref.sha256 or ""
     info = _folder_info(folder)
-    label = (name or "").strip() or (art.label if job_ref_id(path) is not None else folder.name)
-    from app import auth
-
+    label = (name or "").strip() or (ref.label if ref.form == "artifact" else folder.name)
     user = auth.current_user(settings)
     if settings.auth_required and not user.is_admin:
         raise auth.Forbidden("only admins register model names (they are shared by every user); "
@@ -269,8 +272,8 @@ def _add_job_routes(r: APIRouter, settings: Any) -> None:
                                   description="admins: one user's jobs (a name, or 'me'); default: "
                                   "everyone's. Others always get their own jobs"),
     ) -> Any:
-        if kind is not None and kind not in SPECS:
-            return spec_error_response(SpecError([{"field": "kind", "message": f"got {kind!r}; accepted: {', '.join(SPECS)}"}]))
+        if kind is not None and kind not in KIND_NAMES:
+            return spec_error_response(SpecError([{"field": "kind", "message": f"got {kind!r}; accepted: {', '.join(KIND_NAMES)}"}]))
         if status is not None and status not in JOB_STATUSES:
             return spec_error_response(SpecError([{"field": "status", "message": f"got {status!r}; accepted: {', '.join(JOB_STATUSES)}"}]))
         return services.without_error(
@@ -336,14 +339,23 @@ def _add_result_routes(r: APIRouter, settings: Any) -> None:
 
     @r.get("/results/{token}/artifacts/{kind}", tags=["results"],
            summary="Download an artifact (safetensors; folders as .zip)",
-           responses={**responses(404, 409, 410),
-                      200: {"content": {"application/octet-stream": {}, "application/zip": {}}}})
+           responses={**responses(404, 409, 410, 503),
+                      200: {"content": {"application/octet-stream": {}, "application/zip": {}}},
+                      307: {"description": "ARTIFACT_DOWNLOAD_REDIRECT: a short-lived presigned "
+                            "object-store URL of the file"}})
     def get_artifact(token: str, kind: str) -> Any:
         res = result_or_404(token)
-        from storage.artifacts import ArtifactError
+        from storage.artifacts import ArtifactError, ArtifactStoreUnavailable
 
         try:
+            url = services.artifact_url(settings, token, kind,
+                                        _download_name(res, f"{kind}.safetensors"))
+            if url is not None:
+                return RedirectResponse(url, status_code=307, headers={"Cache-Control": "no-store"})
             path = services.artifact_path(settings, token, kind)
+        except ArtifactStoreUnavailable:
+            raise HTTPException(status_code=503, detail=f"artifact {kind}: the artifact store cannot "
+                                "be reached right now; try again later") from None
         except FileNotFoundError:
             raise HTTPException(status_code=410, detail=f"artifact {kind}: no longer in the artifact "
                                 "store (deleted); re-run the job to make it again") from None
@@ -353,14 +365,21 @@ def _add_result_routes(r: APIRouter, settings: Any) -> None:
         if path is None:
             kinds = ", ".join(a["kind"] for a in res.get("artifacts") or []) or "none"
             raise _not_found(f"artifact: this result has no {kind!r} artifact; it has: {kinds}")
+        from storage.artifacts import open_store
+
+        store = open_store(settings)  # an object store's cached copy: evictable once sent
         if path.is_dir():
             tmp = Path(tempfile.mkdtemp(prefix="fl-zip-"))
-            archive = shutil.make_archive(str(tmp / kind), "zip", root_dir=path)
+            try:
+                archive = shutil.make_archive(str(tmp / kind), "zip", root_dir=path)
+            finally:
+                store.release(path)
             return FileResponse(archive, media_type="application/zip",
                                 filename=_download_name(res, f"{kind}.zip"),
                                 background=BackgroundTask(shutil.rmtree, tmp, ignore_errors=True))
         return FileResponse(path, media_type="application/octet-stream",
-                            filename=_download_name(res, path.name))
+                            filename=_download_name(res, path.name),
+                            background=BackgroundTask(store.release, path))
 
 
 def _add_model_routes(r: APIRouter, settings: Any) -> None:

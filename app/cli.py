@@ -1,4 +1,5 @@
-"""The `fisherlens` command line. Command modules live in `app/commands/`, one per area.
+"""The `fisherlens` command line. Command modules live in `app/commands/`, one per area; the job
+commands are one per registered kind (app/commands/kinds.py).
 
 Nothing here imports torch at start-up: compute is imported inside the commands that need it,
 so `fisherlens status`, `submit` and the web app stay light.
@@ -8,7 +9,8 @@ from __future__ import annotations
 
 import click
 
-from app.commands import experiments, fisher, jobs, training, users, zoo
+from app.commands import doctor, experiments, fisher, jobs, training, users, zoo
+from app.commands.kinds import kind_commands
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
@@ -17,7 +19,10 @@ def main() -> None:
     """fisherlens: explore LLM post-training update sparsity through the diagonal model Fisher."""
 
 
-for module in (zoo, fisher, experiments, training, jobs, users):
+# one command per registered job kind (its own report where a kind has one, else generic)
+for command in kind_commands([*fisher.commands, *experiments.commands, *training.commands]):
+    main.add_command(command)
+for module in (zoo, jobs, users, doctor):
     for command in module.commands:
         main.add_command(command)
 

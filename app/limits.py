@@ -3,11 +3,10 @@
 Cost unit: **parameter-token-passes** = token-passes x parameters, where a token-pass is one
 token through one forward pass and a backward pass counts as two forward passes (so a gradient
 step over a sequence of L tokens is 3 L token-passes). Two forward+backward FLOPs per parameter
-per token-pass makes `2 * cost` a rough FLOP count. What is assumed is said in the estimate:
-prompts are counted as `COST_PROMPT_TOKENS` tokens (the arithmetic tasks use fewer, GSM8K-style
-jsonl prompts about that many) and every completion as `max_new_tokens` (sampling may stop early),
-so the estimate is an upper bound for the given prompt length. The `token` estimator is charged
-one backward per completion token (its naive cost; the batched engine is faster).
+per token-pass makes `2 * cost` a rough FLOP count. Each job kind says its token-passes (its
+`cost`, compute/jobs/<kind>.py, with the shared formulas and assumptions of
+compute/contract/cost.py: prompts counted as `COST_PROMPT_TOKENS` tokens, every completion as
+`max_new_tokens`), so the estimate is an upper bound for the given prompt length.
 """
 
 from __future__ import annotations
@@ -18,10 +17,9 @@ from pathlib import Path
 from typing import Any
 
 from app.services.compat import safetensors_header
+from compute.contract.cost import COST_PROMPT_TOKENS
 from compute.contract.specs import SpecError
-
-COST_PROMPT_TOKENS = 64
-MODEL_FIELDS = ("model", "teacher", "base", "tuned")
+from compute.jobs import registry
 
 
 class QuotaExceeded(SpecError):
@@ -70,99 +68,50 @@ def count_params(folder: Path) -> int | None:
         return None
 
 
-def model_params(settings: Any, ref: str) -> int | None:
-    """Parameter count of a spec's model reference (zoo name, local folder, job:N), or None
-    when it cannot be counted here (hub ids, folders without safetensors, bad references)."""
-    from compute.contract.modelref import resolve_model
-
-    try:
-        resolved = resolve_model(ref, settings)
-    except ValueError:
-        return None
-    path = Path(resolved)
-    return count_params(path) if path.is_absolute() and path.is_dir() else None
+def model_params(ref: Any) -> int | None:
+    """Parameter count of a resolved model reference (app.services.refs: zoo, local folder,
+    job:N), or None when it cannot be counted here (hub ids, folders without safetensors)."""
+    path = Path(ref.local) if ref.local else None
+    return count_params(path) if path is not None and path.is_dir() else None
 
 
 # ---------------------------------------------------------------- token-passes per kind
 
 
-def _fisher_passes(prompts: int, samples: int, max_new_tokens: int, estimator: str = "sequence",
-                   exact_output: bool = False) -> int:
-    seqs = prompts * samples
-    length = COST_PROMPT_TOKENS + max_new_tokens
-    sample = 0 if estimator == "empirical" else seqs * length  # generation (KV cache)
-    grads = seqs * length * 3 * (max_new_tokens if estimator == "token" else 1)
-    exact = seqs * length if exact_output else 0
-    return sample + grads + exact
+def token_passes(kind: str, spec: Any) -> int:
+    """Token-passes of a validated spec: its kind's `cost` (compute/jobs/<kind>.py; every kind
+    has one, the registry refuses a kind without). ValueError naming the accepted kinds for an
+    unknown kind."""
+    return int(registry.get(kind).cost(spec))
 
 
-def _train_passes(algo: str, steps: int, batch: int, group: int, max_new_tokens: int,
-                  eval_prompts: int) -> int:
-    length = COST_PROMPT_TOKENS + max_new_tokens
-    seqs = batch * (1 if algo == "sft" else group)
-    per_seq = 3 + (0 if algo == "sft" else 1) + (1 if algo == "opd" else 0)  # grad, sample, teacher
-    evals = 2 * eval_prompts * length  # greedy accuracy before and after
-    return steps * seqs * length * per_seq + evals
-
-
-def token_passes(kind: str, spec: Any) -> int | None:
-    """Token-passes of a validated spec (compute.contract.specs), as described at the top; None for a
-    job kind this module does not know (its cost is then unknown, never taken as zero)."""
-    s = spec
-    if kind == "fisher":
-        return _fisher_passes(s.prompts, s.samples, s.max_new_tokens, s.estimator, s.exact_output)
-    if kind == "mask":
-        return s.prompts * (COST_PROMPT_TOKENS + 16) * 3 if s.select == "gradient" else 0
-    if kind == "train":
-        n = _train_passes(s.algo, s.steps, s.batch, s.group, s.max_new_tokens, s.eval_prompts)
-        if s.mask_select:
-            n += _fisher_passes(s.fisher_prompts, s.fisher_samples, s.max_new_tokens)
-        bound = s.algo == "grpo" and getattr(s, "bound", False)
-        if not getattr(s, "fisher", None) and (getattr(s, "concentration", False) or bound):
-            n += _fisher_passes(s.fisher_prompts, s.fisher_samples, s.max_new_tokens)  # independent Fisher
-        if bound:  # one backward per sample of the first batch
-            n += s.batch * s.group * (COST_PROMPT_TOKENS + s.max_new_tokens) * 3
-        return n
-    if kind == "sweep":
-        points = len(s.lrs) * len(s.optimizers) * len(s.precision)
-        one = _train_passes(s.algo, s.steps, s.batch, s.group, s.max_new_tokens, s.eval_prompts)
-        fisher = 0 if s.fisher else _fisher_passes(s.fisher_prompts, s.fisher_samples, s.max_new_tokens)
-        return points * one + fisher
-    if kind == "retention":
-        runs = s.seeds * (len(s.densities) * len(s.selectors) + 1)
-        one = _train_passes(s.algo, s.steps, s.batch, s.group, s.max_new_tokens, s.eval_prompts)
-        fisher = _fisher_passes(s.fisher_prompts, s.fisher_samples, s.max_new_tokens)
-        return runs * one + s.seeds * fisher
-    if kind == "tokens":
-        length = len(s.context)  # characters: at least the number of tokens
-        grads = s.top_k + s.random_k + s.low_k + s.max_tokens
-        return length * (1 + 3 * grads)
-    if kind == "diff":
-        return 0  # reads two checkpoints, no forward passes
-    return None
-
-
-def estimate(settings: Any, kind: str, spec: Any) -> dict[str, Any]:
+def estimate(settings: Any, kind: str, spec: Any, refs: dict[str, Any] | None = None) -> dict[str, Any]:
     """{"token_passes", "params", "cost", "prompt_tokens_assumed", "model"}. `params` is the
     largest model the spec names (None if it cannot be counted); `cost` = token_passes x params
-    (at least one pass over the weights), None when params is None."""
+    (at least one pass over the weights), None when params is None. `refs`: the spec's resolved
+    references (submit passes them); without, they are resolved here for the caller, and a
+    reference the caller may not use (another user's job:N) counts exactly like one that does
+    not exist: unknown."""
+    from app.services import refs as resolver
+
+    values = {f: v for f, v in resolver.spec_values(kind, spec).items() if v[1] == "model"}
+    if refs is None:
+        from app import auth
+
+        refs, _ = resolver.resolve_values(settings, values, auth.optional_user(settings),
+                                          hash_models=False)
     params: int | None = None
     unknown: list[str] = []
-    for field in MODEL_FIELDS:
-        ref = getattr(spec, field, None)
-        if not ref:
-            continue
-        n = model_params(settings, ref)
+    for field in values:
+        n = model_params(refs[field]) if field in refs else None
         if n is None:
             unknown.append(field)
         else:
             params = max(params or 0, n)
     passes = token_passes(kind, spec)
-    if passes is None:
-        unknown.append("kind")
-    if kind == "mask" and params is None and not getattr(spec, "model", None):
-        params = 0  # a mask from a stored Fisher: no model runs
-    cost = None if unknown or params is None or passes is None else float(max(passes, 1) * params)
+    if not values:
+        params = 0  # no model named (a mask from a stored Fisher): no model runs
+    cost = None if unknown or params is None else float(max(passes, 1) * params)
     return {
         "kind": kind,
         "token_passes": passes,
@@ -176,8 +125,6 @@ def estimate(settings: Any, kind: str, spec: Any) -> dict[str, Any]:
 def describe(est: dict[str, Any], ceiling: float | None = None) -> str:
     """One line for the UI form and messages."""
     if est["cost"] is None:
-        if est["token_passes"] is None:
-            return f"estimated cost: unknown (no cost model for {est['kind']} jobs)"
         what = ", ".join(est["unknown_models"]) or "model"
         return (f"estimated cost: unknown (cannot count the parameters of {what}); "
                 f"{est['token_passes']:.3g} token-passes")
@@ -196,8 +143,7 @@ def check_cost(est: dict[str, Any], ceiling: float | None) -> None:
         fields = est["unknown_models"] or ["model"]
         raise SpecError(_errors(*({
             "field": f,
-            "message": (f"cannot estimate the cost of a {est['kind']} job" if f == "kind" else
-                        "cannot estimate this job's cost: the parameter count of this model is "
+            "message": ("cannot estimate this job's cost: the parameter count of this model is "
                         "unknown here (hub id, or no safetensors weights)")
             + f"; a per-job cost ceiling of {ceiling:.3g} applies to you, so ask an admin to run it",
             "limit": ceiling, "value": None,
@@ -269,10 +215,8 @@ def form_estimate_html(settings: Any, kind: str, data: dict[str, Any]) -> str:
     import html
 
     from app import auth
-    from compute.contract.specs import parse_spec
-
     try:
-        spec = parse_spec(kind, data)
+        spec = registry.parse_spec(kind, data)
     except SpecError as exc:
         first = exc.errors[0] if exc.errors else {"field": "spec", "message": "invalid"}
         return (f"<div class='fl-cost' data-within='unknown'>estimated cost: fix "

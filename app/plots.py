@@ -33,7 +33,8 @@ from app.figures.layers import layer_module_cells as _cells
 from app.figures.layers import layer_module_heatmap as _lm_heatmap
 from app.figures.layers import per_layer_bars as _bars
 from app.figures.registry import entries, figures_for, tables_for
-from compute.contract.results import KINDS, HeatmapData, TypedResult, parse_result
+from compute.contract.results import HeatmapData, TypedResult
+from compute.jobs.registry import KINDS, parse_result
 
 __all__ = [
     "MAX_AXIS", "MAX_CELLS", "MAX_POINTS", "Table", "bound_scatter", "concentration_figure", "curves_figure",

@@ -29,6 +29,7 @@ from fastapi.responses import FileResponse, HTMLResponse, Response
 
 from app import services
 from app.figures.store import FIGURES_KEY, store_for
+from compute.jobs import registry
 
 PLOTLY_JS = Path(plotly.__file__).resolve().parent / "package_data" / "plotly.min.js"
 PLOTLY_URL = f"/share-static/plotly-{plotly.__version__}.min.js"
@@ -38,8 +39,6 @@ PAGE_KEY = FIGURES_KEY + "." + hashlib.sha256(Path(__file__).read_bytes()).hexdi
 FINISHED_CACHE = "public, no-cache"
 FINAL = ("succeeded", "failed", "cancelled")
 REFRESH_S = 5
-KIND_TITLES = {"fisher": "Fisher", "mask": "Mask", "train": "Training run", "retention": "Retention",
-               "diff": "Checkpoint diff", "tokens": "Token explorer"}
 
 CSS = """
 body{font-family:system-ui,sans-serif;margin:0;background:#f8f9fa;color:#212529}
@@ -106,7 +105,8 @@ def _banner(token: str) -> str:
 
 
 def _title(head: dict[str, Any]) -> str:
-    return f"{KIND_TITLES.get(head['kind'], head['kind'])} result #{head['id']}"
+    kind = registry.KINDS.get(head["kind"])
+    return f"{kind.title if kind else head['kind']} result #{head['id']}"
 
 
 def running_page(head: dict[str, Any], token: str) -> str:

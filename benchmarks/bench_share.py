@@ -58,7 +58,9 @@ def compute_results(zoo_home: Path) -> list[Any]:
     from safetensors.torch import save_file
 
     from compute import run_diff, run_fisher, run_tokens
-    from compute.contract.specs import DiffSpec, FisherSpec, TokensSpec
+    from compute.jobs.diff import DiffSpec
+    from compute.jobs.fisher import FisherSpec
+    from compute.jobs.tokens import TokensSpec
 
     fisher = run_fisher.run(FisherSpec(model="arith-base", prompts=16, samples=2, seed=0, device="cpu"))
     fpath = Path(tempfile.mkdtemp(prefix="bench-share-")) / "fisher.safetensors"
@@ -72,7 +74,7 @@ def seed_database(settings: Any, results: list[Any]) -> list[str]:
     """Store each result as a succeeded job; returns their share tokens."""
     from app import services
     from storage import repo
-    from storage.artifacts import ArtifactStore
+    from storage.artifacts import open_store
 
     tokens = []
     with services.sessions(settings)() as s:
@@ -81,7 +83,7 @@ def seed_database(settings: Any, results: list[Any]) -> list[str]:
                                   spec_hash=f"bench-share-{i}")
             repo.claim_job(session=s, job_id=job.id, worker="bench", stale_after_s=3600)
             repo.save_result(session=s, job_id=job.id, result=res,
-                             store=ArtifactStore(settings.artifacts_dir))
+                             store=open_store(settings))
             repo.mark_succeeded(session=s, job_id=job.id)
             tokens.append(job.share_token)
     return tokens

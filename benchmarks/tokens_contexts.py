@@ -54,16 +54,16 @@ NOTES = {"smollm2-135m": "SmolLM2-135M-Instruct dequantised from Q4_1 (GGUF of p
                          "stored in bf16: not the published bf16 weights"}
 
 
-def run_one(model: str, context: str, options: dict[str, Any]) -> tuple[dict[str, Any], Any]:
-    """One `fisherlens tokens` run: the row ({command, model, summary}) and its spec."""
+def run_one(model: str, context: str, options: dict[str, Any]) -> tuple[dict[str, Any], Any, Any]:
+    """One `fisherlens tokens` run: the row ({command, model, summary}), its spec and refs."""
     from app.commands.common import run_job, spec_command, spec_from_options
 
-    spec = spec_from_options("tokens", {"model": model, "context": context, **options})
+    spec, refs = spec_from_options("tokens", {"model": model, "context": context, **options})
     t0 = time.perf_counter()
-    res = run_job("tokens", spec, f"tokens {context!r}")
+    res = run_job("tokens", spec, refs, f"tokens {context!r}")
     summary = dict(res.summary)
     summary["seconds_wall"] = round(time.perf_counter() - t0, 1)
-    return {"command": spec_command("tokens", spec), "model": model, "summary": summary}, spec
+    return {"command": spec_command("tokens", spec), "model": model, "summary": summary}, spec, refs
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -91,24 +91,24 @@ def main(argv: list[str] | None = None) -> int:
     commands = [c for c in (prov.get("commands") or []) if not any(f"--models {m}" in c for m in wanted)]
     new: list[dict[str, Any]] = []
     t0, c0 = time.perf_counter(), time.process_time()
-    spec = None
+    spec, refs = None, {}
     for model, context, options in RUNS:
         if model not in wanted:
             continue
-        row, spec = run_one(model, context, options)
+        row, spec, refs = run_one(model, context, options)
         new.append(row)
         s = row["summary"]
         print(f"{model} {context!r}: exact={s['fisher_exact']} covered {s['covered_mass']:.4f} "
               f"({s['covered_tokens']} tokens) in {s['seconds_wall']} s", file=sys.stderr)
         if model not in models:
-            models[model] = {**provenance(spec, 0, 0, "")["models"][model],
+            models[model] = {**provenance(spec, refs, 0, 0, "")["models"][model],
                              **({"note": NOTES[model]} if model in NOTES else {})}
     home = os.environ.get("FISHERLENS_HOME", "")
     command = shlex.join([f"FISHERLENS_HOME={home}", ".venv/bin/python", "benchmarks/tokens_contexts.py",
                           *(argv if argv is not None else sys.argv[1:])])
     order = {m: i for i, m in enumerate(dict.fromkeys(m for m, _, _ in RUNS))}
     contexts = sorted(rows + new, key=lambda r: order.get(r["model"], len(order)))
-    base = provenance(spec, time.perf_counter() - t0, time.process_time() - c0, command)
+    base = provenance(spec, refs, time.perf_counter() - t0, time.process_time() - c0, command)
     commands.append(command)
     # `command` starts with the row command (readme_tables' provenance check); `commands` are the
     # invocations of this script that made the file

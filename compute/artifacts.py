@@ -1,54 +1,68 @@
-"""Artifact files named in specs: a plain path (or a folder holding `<kind>.safetensors`) or a
-'job:<id>' reference (compute.contract.modelref resolves those: database + artifact store), and the
-float tensors they hold. Used by the mask, train, diff and sweep jobs."""
+"""The engine's side of references: the resolved `Ref` of a spec field, and the float tensors
+of a Fisher / mask / gradient file. Used by the mask, train, diff, sweep and retention jobs.
+
+No database and no resolving here: the product resolves every reference once, at validation
+(app.services.refs), and a runner receives the Refs (`run(spec, progress, refs)`), fetched by
+the worker (sha256 re-verified). Library callers that pass no refs (tests, notebooks) get
+`compute.contract.modelref.name_ref`: a model by name or a file by path, never `job:N`.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 
-
-def resolve_artifact(ref: str, kind: str) -> Path:
-    """A plain path to an existing file, or a 'job:<id>' reference.
-
-    kind is the artifact kind and the field name in errors ("fisher", "mask", "gradient")."""
-    ref = str(ref).strip()
-    if ref.startswith("job:"):
-        from compute.contract.modelref import (
-            resolve_job_ref,  # the one resolver of job:N (DB + store)
-        )
-
-        return resolve_job_ref(ref, kind).path
-    path = Path(ref).expanduser()
-    if path.is_dir() and (path / f"{kind}.safetensors").is_file():
-        path = path / f"{kind}.safetensors"
-    if not path.is_file():
-        raise ValueError(f"{kind}: file not found: {ref}")
-    return path
+from compute.contract.kinds import Ref
 
 
-def load_scores(ref: str, kind: str = "fisher") -> dict[str, torch.Tensor]:
-    """name -> float32 tensor from a safetensors file (path or 'job:<id>')."""
+def ref_of(refs: Mapping[str, Ref] | None, field: str, value: Any, target: str = "") -> Ref | None:
+    """The Ref of spec field `field`: refs[field] when the caller resolved it (the worker, the
+    CLI), else `value` named directly (library callers; see the module docstring); None when
+    the field is empty. `target` defaults to "model" for model fields, else the field name."""
+    if refs is not None and field in refs:
+        return refs[field]
+    if value is None or (isinstance(value, str) and not value.strip()):
+        return None
+    if isinstance(value, Ref):
+        return value
+    from compute.contract.modelref import MODEL_FIELDS, name_ref
+
+    return name_ref(field, str(value), target or ("model" if field in MODEL_FIELDS else field))
+
+
+def local_file(ref: Ref | str | Path, kind: str) -> Path:
+    """The local file a Fisher / mask / gradient reference names (a Ref, or a path for library
+    callers: a folder holding `<kind>.safetensors` names that file)."""
+    r = ref if isinstance(ref, Ref) else ref_of(None, kind, str(ref), kind)
+    assert r is not None
+    return Path(r.where())
+
+
+def load_scores(ref: Ref | str | Path, kind: str = "fisher") -> dict[str, torch.Tensor]:
+    """name -> float32 tensor from a safetensors file (a Ref, or a path for library callers)."""
     from safetensors.torch import load_file
 
-    path = resolve_artifact(ref, kind)
+    path = local_file(ref, kind)
+    shown = ref.given if isinstance(ref, Ref) else str(ref)
     try:
         data = load_file(str(path))
     except Exception as exc:  # noqa: BLE001 - any parse error is a user error about this file
-        raise ValueError(f"{kind}: cannot read {path} as safetensors ({type(exc).__name__}: {exc})") from None
+        raise ValueError(f"{kind}: cannot read {shown} as safetensors ({type(exc).__name__}: {exc})") from None
     out = {n: t.float() for n, t in data.items() if t.is_floating_point()}
     if not out:
-        raise ValueError(f"{kind}: {path} holds no floating-point tensors")
+        raise ValueError(f"{kind}: {shown} holds no floating-point tensors")
     return out
 
 
-def stored_metadata(ref: str, kind: str) -> dict[str, str]:
-    """The safetensors metadata of an artifact file (path or 'job:<id>'); {} when it has none."""
+def stored_metadata(ref: Ref | str | Path, kind: str) -> dict[str, str]:
+    """The safetensors metadata of an artifact file (a Ref, or a path for library callers); {}
+    when it has none."""
     from safetensors import safe_open
 
-    path = resolve_artifact(ref, kind)
+    path = local_file(ref, kind)
     try:
         with safe_open(str(path), framework="pt") as h:
             return dict(h.metadata() or {})
@@ -56,24 +70,27 @@ def stored_metadata(ref: str, kind: str) -> dict[str, str]:
         return {}
 
 
-def fisher_provenance(ref: str, kind: str = "fisher") -> dict[str, Any]:
+def fisher_provenance(ref: Ref | str | Path, kind: str = "fisher") -> dict[str, Any]:
     """The reliability (split-half verdict) and precision of the Fisher stored at `ref`, as a
     result built on it shows them (summary "fisher_reliability"; issue 18).
 
     A fisher file carries them in its metadata ("fisherlens", compute.run_fisher.fisher_metadata);
-    a mask file carries its Fisher's ("fisher_reliability", compute.run_mask). A file written
-    before, or by other tools, gets a note that its reliability is unknown."""
+    a file built on a Fisher (a mask) carries that Fisher's ("fisher_reliability",
+    compute.run_mask): the file's own metadata says which, whatever `kind` it is read as. A file
+    written before, or by other tools, gets a note that its reliability is unknown."""
     import json
 
     meta = stored_metadata(ref, kind)
-    raw = meta.get("fisherlens") if kind == "fisher" else meta.get("fisher_reliability")
+    shown = ref.given if isinstance(ref, Ref) else str(ref)
+    own = "fisherlens" in meta  # the Fisher itself, not a file built on one
+    raw = meta.get("fisherlens") if own else meta.get("fisher_reliability")
     try:
         info = json.loads(raw) if raw else None
     except ValueError:
         info = None
     if not isinstance(info, dict):
-        return {"source": str(ref), "reliability": "none",
+        return {"source": shown, "reliability": "none",
                 "note": "the Fisher's split-half reliability is unknown (a file stored without it)"}
-    if kind == "fisher":
-        info["source"] = str(ref)
+    if own:
+        info["source"] = shown
     return info

@@ -23,8 +23,12 @@ from kombu.utils.json import dumps
 RUN_JOB = "fisherlens.run_job"
 RUN_SHARD = "fisherlens.run_shard"
 FINISH_SHARDS = "fisherlens.finish_shards"
-# One queue for all job kinds; FISHERLENS_QUEUE separates stacks sharing one Redis (and tests).
-QUEUE = os.environ.get("FISHERLENS_QUEUE", "fisherlens")
+
+
+def queue_name(settings: Any) -> str:
+    """One queue for all job kinds: Settings.fisherlens_queue (FISHERLENS_QUEUE separates stacks
+    sharing one Redis, and tests), read from the settings, never at import."""
+    return str(settings.fisherlens_queue)
 
 
 class _AtomicFilesystemChannel(_kombu_fs.Channel):
@@ -75,7 +79,7 @@ def celery_config(settings: Any) -> dict[str, Any]:
     conf: dict[str, Any] = {
         "task_serializer": "json",
         "accept_content": ["json"],
-        "task_default_queue": QUEUE,
+        "task_default_queue": queue_name(settings),
         "task_acks_late": True,
         "task_reject_on_worker_lost": True,
         "task_acks_on_failure_or_timeout": True,
@@ -124,4 +128,4 @@ def celery_for(settings: Any) -> Celery:
 
 def send_job(settings: Any, job_id: int, task: str = RUN_JOB) -> None:
     """Queue `task` for a job id (by name: the sender never imports the task code)."""
-    celery_for(settings).send_task(task, args=[int(job_id)], queue=QUEUE)
+    celery_for(settings).send_task(task, args=[int(job_id)], queue=queue_name(settings))

@@ -8,7 +8,8 @@ compute.contract.jobresult.JobCancelled, so a cancel takes effect within one chu
 steps.
 
 fault_point(name): the hook the fault-injection tests use to stop a worker at a named moment
-(after_receive, after_claim, mid_job, during_fanout, loading, sampling). It is a no-op unless the
+(after_receive, after_claim, mid_job, during_fanout, loading, sampling,
+artifact_uploaded: after a job's first object reaches the object store). It is a no-op unless the
 process runs with FISHERLENS_TESTING=1 *and* `name` is listed in FISHERLENS_FAULT_POINTS
 (comma-separated) *and* FISHERLENS_FAULT_DIR is set. Only the environment of the worker process
 turns it on: no job spec, API call or setting reaches it. When on, the first arrival at a point
@@ -32,7 +33,8 @@ _check: contextvars.ContextVar[Callable[[bool], None] | None] = contextvars.Cont
 )
 _force_next = contextvars.ContextVar("fisherlens_force_next_check", default=False)
 
-FAULT_POINTS = ("after_receive", "after_claim", "mid_job", "during_fanout", "loading", "sampling")
+FAULT_POINTS = ("after_receive", "after_claim", "mid_job", "during_fanout", "loading", "sampling",
+                "artifact_uploaded")
 
 
 @contextmanager

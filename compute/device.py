@@ -1,6 +1,6 @@
 """Every device and dtype decision of the compute side, in one place.
 
-- `resolve_device`: "auto" -> env FISHERLENS_DEVICE, else cuda when available, else cpu.
+- `resolve_device`: "auto" -> Settings.fisherlens_device (FISHERLENS_DEVICE), else cuda when available, else cpu.
 - `resolve_dtype`: "auto" -> bfloat16 on a CUDA device that supports it, else float32. The
   Fisher job does not default to "auto": FisherSpec.dtype is float32 on every device (a bf16
   forward/backward moves a real model's Fisher by a few % relative L1, up to ~20% on single
@@ -37,11 +37,14 @@ BUDGET_MIN_MB, BUDGET_MAX_MB = 256, 32768
 
 
 def resolve_device(device: str | torch.device | None = None) -> torch.device:
-    """ "auto"/None: env FISHERLENS_DEVICE if set, else cuda if available, else cpu."""
+    """ "auto"/None: Settings.fisherlens_device (FISHERLENS_DEVICE) if set, else cuda if
+    available, else cpu."""
     if isinstance(device, torch.device):
         return device
     if device in (None, "", "auto"):
-        device = os.environ.get("FISHERLENS_DEVICE") or None
+        from compute.contract.settings import get_settings
+
+        device = get_settings().fisherlens_device or None
         if device in (None, "auto"):
             return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:

@@ -116,14 +116,19 @@ class Checkpoint:
             return h.get_tensor(name)
 
 
-def open_checkpoint(ref: str | Path, label: str = "model", settings: Any | None = None) -> Checkpoint:
-    """A zoo name, an allowed local HF directory or a training output folder -> Checkpoint."""
+def open_checkpoint(ref: Any, label: str = "model", settings: Any | None = None) -> Checkpoint:
+    """A resolved Ref (what runners get) -> Checkpoint, read where it is; for library callers a
+    zoo name, an allowed local HF directory or a hub id (compute.contract.modelref)."""
+    from compute.contract.kinds import Ref
     from compute.contract.modelref import is_hub_id, resolve_model
 
-    try:
-        resolved = resolve_model(str(ref), settings)
-    except ValueError as exc:
-        raise ValueError(str(exc).replace("model:", f"{label}:", 1)) from None
+    if isinstance(ref, Ref):
+        resolved = ref.where()
+    else:
+        try:
+            resolved = resolve_model(str(ref), settings)
+        except ValueError as exc:
+            raise ValueError(str(exc).replace("model:", f"{label}:", 1)) from None
     if is_hub_id(resolved):
         resolved = _hub_cache_dir(resolved, label)
     return Checkpoint(resolved, label)
@@ -170,15 +175,12 @@ def _source(x: Any, label: str) -> Any:
 
 def check_same_architecture(base: Any, tuned: Any) -> None:
     """ValueError naming the first parameter (sorted) missing on one side or differing in shape."""
-    a, b = set(base.names()), set(tuned.names())
-    for n in sorted(a | b):
-        if n not in b:
-            raise ValueError(f"tuned: different architecture: parameter {n!r} is in base but not in tuned")
-        if n not in a:
-            raise ValueError(f"tuned: different architecture: parameter {n!r} is in tuned but not in base")
-        if base.shape(n) != tuned.shape(n):
-            raise ValueError(f"tuned: different architecture: parameter {n!r} has shape "
-                             f"{list(base.shape(n))} in base but {list(tuned.shape(n))} in tuned")
+    from compute.contract.shapes import mismatch
+
+    why = mismatch({n: base.shape(n) for n in base.names()}, {n: tuned.shape(n) for n in tuned.names()},
+                   "base", "tuned", both=True)
+    if why:
+        raise ValueError(f"tuned: different architecture: {why}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -393,14 +395,12 @@ def diff_checkpoints(
 
 def _check_fisher_fits(fisher: Mapping[str, torch.Tensor], src: Any, names: list[str]) -> None:
     """ValueError naming the first Fisher tensor that is not in the checkpoints or has another
-    shape there."""
-    missing = [n for n in sorted(fisher) if n not in set(names)]
-    if missing:
-        raise ValueError(f"fisher: parameter {missing[0]!r} is not in the checkpoints")
-    for n in sorted(fisher):
-        if tuple(fisher[n].shape) != tuple(src.shape(n)):
-            raise ValueError(f"fisher: parameter {n!r} has shape {list(fisher[n].shape)} "
-                             f"but {list(src.shape(n))} in the checkpoints")
+    shape there (compute.contract.shapes.mismatch)."""
+    from compute.contract.shapes import mismatch, shapes_of
+
+    why = mismatch(shapes_of(fisher), {n: src.shape(n) for n in names}, "the Fisher", "the checkpoints")
+    if why:
+        raise ValueError(f"fisher: {why}")
 
 
 def _group_fractions(raw: Mapping[str, dict[str, float]]) -> dict[str, dict[str, dict[str, float]]]:

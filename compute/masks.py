@@ -275,16 +275,13 @@ def select_mask(
 def check_same_shapes(
     a: Mapping[str, Any], b: Mapping[str, Any], a_name: str = "mask", b_name: str = "model"
 ) -> None:
-    """ValueError naming the first parameter missing on either side or with a different shape."""
-    for n in sorted(set(a) | set(b)):
-        if n not in b:
-            raise ValueError(f"{a_name}: parameter {n!r} is in the {a_name} but not in the {b_name}")
-        if n not in a:
-            raise ValueError(f"{a_name}: parameter {n!r} of the {b_name} is missing from the {a_name}")
-        sa, sb = tuple(a[n].shape), tuple(b[n].shape)
-        if sa != sb:
-            raise ValueError(f"{a_name}: parameter {n!r} has shape {list(sa)} in the {a_name} "
-                             f"but {list(sb)} in the {b_name}")
+    """ValueError naming the first parameter missing on either side or with a different shape
+    (compute.contract.shapes.mismatch, the rule submit checks with)."""
+    from compute.contract.shapes import mismatch, shapes_of
+
+    why = mismatch(shapes_of(a), shapes_of(b), f"the {a_name}", f"the {b_name}", both=True)
+    if why:
+        raise ValueError(f"{a_name}: {why}")
 
 
 def save_mask(mask: Mapping[str, torch.Tensor], path: str | Path,

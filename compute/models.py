@@ -1,49 +1,56 @@
-"""Loading causal LMs (zoo name, local HF directory, or hub id) and choosing device/dtype.
+"""Loading causal LMs and choosing device/dtype: `load_model`, the one loader every job uses.
 
-`trust_remote_code` is off unless the caller passes True. Callers must only pass True when the
-operator opted in (`Settings.trust_remote_code`, env TRUST_REMOTE_CODE=1); this module never
-reads the setting itself, so a library user cannot switch it on by accident.
+A model is a resolved `Ref` (compute.contract.kinds; the worker and the CLI pass the one the
+resolver made at validation, read where it is, no second resolution) or, for library callers,
+a name (zoo, a folder inside the allowed roots, a hub id; compute.contract.modelref).
+
+`trust_remote_code` follows the operator's setting (`Settings.trust_remote_code`, env
+TRUST_REMOTE_CODE=1), off by default; submit already refused a model whose config.json asks for
+its own code (`auto_map`) while it is off (app.services.refs), so a job never gets here with one.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import torch
 
+from compute.contract.kinds import Ref
 from compute.contract.modelref import is_hub_id, resolve_model
 
 # every device/dtype decision lives in compute.device (resolve_dtype is re-exported for callers)
 from compute.device import resolve_device, resolve_dtype
 
 
-def _offline() -> bool:
-    return os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes") or os.environ.get(
-        "TRANSFORMERS_OFFLINE", "0"
-    ).lower() in ("1", "true", "yes")
-
-
 def load_model(
-    name_or_path: str,
+    model: Ref | str,
     device: str | torch.device | None = None,
     dtype: str | torch.dtype | None = None,
-    trust_remote_code: bool = False,
+    trust_remote_code: bool | None = None,
     settings: Any | None = None,
 ) -> tuple[Any, Any]:
-    """(model.eval(), tokenizer) for a zoo name, an allowed local HF directory, or a hub id.
+    """(model.eval(), tokenizer) for a resolved Ref, or a zoo name, an allowed local HF
+    directory or a hub id. `trust_remote_code` None: the operator's setting.
 
     The tokenizer always has a pad token (eos when the model defines none); padding side is
     right. ValueError "model: ..." for unknown references and models that cannot be loaded.
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    resolved = resolve_model(name_or_path, settings)
+    if settings is None:
+        from compute.contract.settings import get_settings
+
+        settings = get_settings()
+    if isinstance(model, Ref):
+        resolved, name_or_path = model.where(), model.given
+    else:
+        resolved, name_or_path = resolve_model(model, settings), model
     hub = is_hub_id(resolved)
     dev = resolve_device(device)
     dt = resolve_dtype(dtype, dev)
-    kwargs: dict[str, Any] = {"trust_remote_code": bool(trust_remote_code)}
-    if not hub or _offline():
+    trust = settings.trust_remote_code if trust_remote_code is None else trust_remote_code
+    kwargs: dict[str, Any] = {"trust_remote_code": bool(trust)}
+    if not hub or settings.offline:
         kwargs["local_files_only"] = True
     from compute.control import cancel_point, fault_point
 
@@ -51,16 +58,14 @@ def load_model(
     fault_point("loading", str(name_or_path))  # tests only (compute.control)
     try:
         tokenizer = AutoTokenizer.from_pretrained(resolved, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(resolved, dtype=dt, **kwargs)
+        lm: Any = AutoModelForCausalLM.from_pretrained(resolved, dtype=dt, **kwargs)
     except (OSError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         if hub:
             raise ValueError(
                 f"model: could not load {name_or_path!r} from the hub (no network?): {first}"
             ) from None
-        raise ValueError(
-            f"model: could not load {name_or_path!r} from {resolved}: {first}"
-        ) from None
+        raise ValueError(f"model: could not load {name_or_path!r}: {first}") from None
     if tokenizer.pad_token is None:
         if tokenizer.eos_token is None:
             raise ValueError(
@@ -68,12 +73,12 @@ def load_model(
             )
         tokenizer.pad_token = tokenizer.eos_token
     tokenizer.padding_side = "right"
-    if getattr(model.config, "pad_token_id", None) is None:
-        model.config.pad_token_id = tokenizer.pad_token_id
-    model.to(dev)
-    model.eval()
+    if getattr(lm.config, "pad_token_id", None) is None:
+        lm.config.pad_token_id = tokenizer.pad_token_id
+    lm.to(dev)
+    lm.eval()
     cancel_point()  # a job cancelled while its model loaded stops here, before any sampling
-    return model, tokenizer
+    return lm, tokenizer
 
 
 def greedy_generate(

@@ -6,10 +6,11 @@ import math
 from typing import Any
 
 from compute.analysis import cells_heatmap, ratio_heatmap
-from compute.artifacts import load_scores
+from compute.artifacts import load_scores, ref_of
 from compute.contract.jobresult import Heatmap, JobResult, LayerStat, SeriesPoint, null_progress
-from compute.contract.specs import DiffSpec
+from compute.contract.kinds import Refs
 from compute.diff import ATOLS, REL_TOLS, diff_checkpoints, open_checkpoint, threshold_labels
+from compute.jobs.diff import DiffSpec
 from compute.naming import layer_index, module_type
 from compute.naming import layer_sort_key as _layer_sort
 
@@ -57,11 +58,12 @@ def _finite(x: float) -> float | None:
     return x if isinstance(x, (int, float)) and math.isfinite(x) else None
 
 
-def run(spec: DiffSpec, progress: Any = null_progress) -> JobResult:
+def run(spec: DiffSpec, progress: Any = null_progress, refs: Refs | None = None) -> JobResult:
     progress(0.0, "opening checkpoints")
-    base = open_checkpoint(spec.base, "base")
-    tuned = open_checkpoint(spec.tuned, "tuned")
-    fisher = load_scores(spec.fisher, "fisher") if spec.fisher else None
+    base = open_checkpoint(ref_of(refs, "base", spec.base), "base")
+    tuned = open_checkpoint(ref_of(refs, "tuned", spec.tuned), "tuned")
+    fisher_ref = ref_of(refs, "fisher", spec.fisher)
+    fisher = load_scores(fisher_ref, "fisher") if fisher_ref is not None else None
     res = diff_checkpoints(base, tuned, fisher=fisher, topk_percent=spec.topk_percent,
                            keep_delta=spec.store_delta, svd_max_numel=spec.svd_max_numel,
                            progress=progress)
@@ -72,10 +74,11 @@ def run(spec: DiffSpec, progress: Any = null_progress) -> JobResult:
     if res.fisher is not None:
         summary.update(_fisher_summary(spec, res.fisher))
         heatmaps += _fisher_heatmaps(res.fisher, spec.topk_percent)
-    if spec.fisher:  # issue 18: the verdict of the Fisher this diff is scored against
+    fisher_ref = ref_of(refs, "fisher", spec.fisher)
+    if fisher_ref is not None:  # issue 18: the verdict of the Fisher this diff is scored against
         from compute.artifacts import fisher_provenance
 
-        summary["fisher_reliability"] = fisher_provenance(spec.fisher)
+        summary["fisher_reliability"] = fisher_provenance(fisher_ref)
     heatmaps += _sparsity_heatmaps(res)
     series = [SeriesPoint("unchanged/atol", a, g[f"unchanged_atol_{a:g}"]) for a in ATOLS]
     series += [SeriesPoint("unchanged/atol_bf16delta", a, g[f"unchanged_bf16delta_atol_{a:g}"]) for a in ATOLS]

@@ -17,7 +17,7 @@ import torch
 
 from compute import analysis
 from compute.contract.jobresult import JobResult, Progress, null_progress
-from compute.contract.specs import FisherSpec
+from compute.contract.kinds import Refs
 from compute.fisher import (
     ExactOutputUnsupported,
     FisherConfig,
@@ -25,6 +25,7 @@ from compute.fisher import (
     exact_output_fisher,
     relative_error,
 )
+from compute.jobs.fisher import FisherSpec
 
 
 def shard_range(spec: FisherSpec, shard_index: int) -> tuple[int, int]:
@@ -36,11 +37,13 @@ def shard_range(spec: FisherSpec, shard_index: int) -> tuple[int, int]:
     return lo, hi
 
 
-def _load(spec: FisherSpec) -> tuple[Any, Any]:
-    from compute.contract.modelref import resolve_model
+def _load(spec: FisherSpec, refs: Refs | None) -> tuple[Any, Any]:
+    from compute.artifacts import ref_of
     from compute.models import load_model
 
-    return load_model(resolve_model(spec.model), device=spec.device, dtype=spec.dtype)
+    model = ref_of(refs, "model", spec.model)
+    assert model is not None  # the spec requires a model
+    return load_model(model, device=spec.device, dtype=spec.dtype)
 
 
 def _config(spec: FisherSpec, n_prompts: int, start: int) -> FisherConfig:
@@ -95,7 +98,8 @@ def precision_error(model: Any, roll: Any, estimator: str, memory_budget_mb: int
                           "a float32 copy of the model") + ", on the same sampled completions"}
 
 
-def _shard(spec: FisherSpec, shard_index: int, progress: Progress, loaded: tuple | None) -> dict:
+def _shard(spec: FisherSpec, shard_index: int, progress: Progress, loaded: tuple | None,
+           refs: Refs | None = None) -> dict:
     from compute.tasks import get_task
 
     t0 = time.perf_counter()
@@ -106,7 +110,7 @@ def _shard(spec: FisherSpec, shard_index: int, progress: Progress, loaded: tuple
     if hi <= lo:
         return empty
     task = get_task(spec.task)
-    model, tok = loaded or _load(spec)
+    model, tok = loaded or _load(spec, refs)
     examples = task.examples(hi - lo, seed=spec.seed, split="train", start=spec.prompt_start + lo)
     cfg = _config(spec, hi - lo, spec.prompt_start + lo)
     res = estimate_fisher(model, tok, examples, cfg, progress=progress)
@@ -141,7 +145,7 @@ def _shard(spec: FisherSpec, shard_index: int, progress: Progress, loaded: tuple
     if half and shard_index == 0 and res.rollout is not None and spec.estimator != "batch":
         # issue 18: a half-precision Fisher states its error against the checkpoint in float32,
         # measured on the first rows
-        ref_model, _ = _load(spec.model_copy(update={"dtype": "float32"}))
+        ref_model, _ = _load(spec.model_copy(update={"dtype": "float32"}), refs)
         out["precision_error"] = precision_error(model, res.rollout, spec.estimator,
                                                  spec.memory_budget_mb, topk_percent=spec.topk_percent,
                                                  reference=ref_model)
@@ -165,12 +169,13 @@ def fisher_metadata(summary: dict[str, Any]) -> dict[str, str]:
     return {"estimator": str(summary.get("estimator")), "fisherlens": json.dumps(info, default=str)}
 
 
-def run_shard(spec: FisherSpec, shard_index: int, progress: Progress = null_progress) -> dict:
+def run_shard(spec: FisherSpec, shard_index: int, progress: Progress = null_progress,
+              refs: Refs | None = None) -> dict:
     """Un-normalised Fisher sums of one shard's prompts (tensors + JSON-able numbers).
 
     {"sums": {name: (2 halves | 1, *shape) float32}, "denoms": [d_even, d_odd] | None (batch),
      "n_rows", "n_tokens", "exact": {"sums": {name: tensor}, "count"} | None, ...}"""
-    return _shard(spec, shard_index, progress, None)
+    return _shard(spec, shard_index, progress, None, refs)
 
 
 def _add(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -246,10 +251,10 @@ def finish(spec: FisherSpec, shard_outputs: list[dict], progress: Progress = nul
     return result
 
 
-def run(spec: FisherSpec, progress: Progress = null_progress) -> JobResult:
+def run(spec: FisherSpec, progress: Progress = null_progress, refs: Refs | None = None) -> JobResult:
     """Every shard in this process (model loaded once), then `finish`."""
     progress(0.0, "loading model")
-    loaded = _load(spec)
+    loaded = _load(spec, refs)
     from compute.models import model_info
 
     info = model_info(loaded[0])
@@ -258,8 +263,8 @@ def run(spec: FisherSpec, progress: Progress = null_progress) -> JobResult:
         def sub(f: float, m: str = "", i: int = i) -> None:
             progress(0.02 + 0.95 * (i + f) / spec.shards, m)
 
-        outs.append(_shard(spec, i, sub, loaded))
-    spec, outs, rounds = extend_until_reliable(spec, outs, progress, loaded)
+        outs.append(_shard(spec, i, sub, loaded, refs))
+    spec, outs, rounds = extend_until_reliable(spec, outs, progress, loaded, refs)
     return finish(spec, outs, progress, extra={"model_info": info, **rounds})
 
 
@@ -281,7 +286,8 @@ def split_half(outs: list[dict], topk_percent: float) -> float | None:
 
 
 def extend_until_reliable(spec: FisherSpec, outs: list[dict], progress: Any = null_progress,
-                          loaded: tuple | None = None) -> tuple[FisherSpec, list[dict], dict]:
+                          loaded: tuple | None = None, refs: Refs | None = None,
+                          ) -> tuple[FisherSpec, list[dict], dict]:
     """With spec.until_reliable: while the split-half Jaccard is below FAIR_JACCARD and the
     prompts can double within spec.max_prompts, estimate on as many further prompts again (the
     sums add: the Fisher is a mean) -> (spec with the prompts used, outputs, summary extras)."""
@@ -296,7 +302,7 @@ def extend_until_reliable(spec: FisherSpec, outs: list[dict], progress: Any = nu
            and 2 * total <= spec.max_prompts):
         extra = FisherSpec.model_validate({**spec.model_dump(), "prompts": total, "shards": 1,
                                            "prompt_start": spec.prompt_start + total, "until_reliable": False})
-        loaded = loaded or _load(spec)
+        loaded = loaded or _load(spec, refs)
         progress(0.5, f"split-half Jaccard {rounds[-1]['split_half_jaccard']:.3f} < {FAIR_JACCARD}: "
                       f"{total} more prompts")
         quiet: Any = null_progress
@@ -318,10 +324,12 @@ def children(spec: FisherSpec) -> int:
     return spec.shards
 
 
-def run_child(spec: FisherSpec, index: int, progress: Progress = null_progress) -> dict:
-    return run_shard(spec, index, progress)
+def run_child(spec: FisherSpec, index: int, progress: Progress = null_progress,
+              refs: Refs | None = None) -> dict:
+    return run_shard(spec, index, progress, refs)
 
 
-def combine(spec: FisherSpec, outputs: list[dict], progress: Progress = null_progress) -> JobResult:
-    spec, outputs, rounds = extend_until_reliable(spec, outputs, progress)  # loads the model if needed
+def combine(spec: FisherSpec, outputs: list[dict], progress: Progress = null_progress,
+            refs: Refs | None = None) -> JobResult:
+    spec, outputs, rounds = extend_until_reliable(spec, outputs, progress, refs=refs)  # loads the model if needed
     return finish(spec, outputs, progress, extra=rounds)

@@ -1,7 +1,7 @@
 """Job `mask`: build a parameter mask from a Fisher (or weights, gradient, random) at a density.
 
-Also home of the layer x module heatmap helper the diff job reuses. Artifact files (paths and
-'job:<id>' references) are read through compute.artifacts.
+Also home of the layer x module heatmap helper the diff job reuses. References arrive resolved
+(`refs`, see compute/runners.py) and are read through compute.artifacts.
 """
 
 from __future__ import annotations
@@ -13,9 +13,10 @@ from typing import Any
 import torch
 
 from compute.analysis import ratio_heatmap
-from compute.artifacts import load_scores
+from compute.artifacts import load_scores, ref_of
 from compute.contract.jobresult import Heatmap, JobResult, LayerStat, null_progress
-from compute.contract.specs import MaskSpec
+from compute.contract.kinds import Ref, Refs
+from compute.jobs.mask import MaskSpec
 from compute.masks import density_by, select_mask
 from compute.naming import layer_index, module_type
 
@@ -36,7 +37,7 @@ def layer_module_heatmap(
 # ---------------------------------------------------------------------------------------------
 
 
-def sft_gradient(model_ref: str, task: str, prompts: int, seed: int, device: str = "auto"
+def sft_gradient(model_ref: Ref | str, task: str, prompts: int, seed: int, device: str = "auto"
                  ) -> dict[str, torch.Tensor]:
     """|d/dθ mean_n NLL(gold answer_n | prompt_n)| over `prompts` train prompts of `task`."""
     from compute.models import load_model
@@ -63,7 +64,7 @@ def sft_gradient(model_ref: str, task: str, prompts: int, seed: int, device: str
 # ---------------------------------------------------------------------------------------------
 
 
-def _weights(model_ref: str) -> dict[str, torch.Tensor]:
+def _weights(model_ref: Ref | str) -> dict[str, torch.Tensor]:
     from compute.diff import open_checkpoint
 
     ck = open_checkpoint(model_ref, "model")
@@ -75,10 +76,14 @@ def _weights(model_ref: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def build_mask(spec: MaskSpec, progress: Any = null_progress) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+def build_mask(spec: MaskSpec, progress: Any = null_progress, refs: Refs | None = None
+               ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The mask of a MaskSpec and a dict describing where its scores came from."""
     sel = spec.select
-    fisher = load_scores(spec.fisher, "fisher") if spec.fisher else None
+    fisher_ref = ref_of(refs, "fisher", spec.fisher)
+    model = ref_of(refs, "model", spec.model)
+    gradient = ref_of(refs, "gradient", spec.gradient)
+    fisher = load_scores(fisher_ref, "fisher") if fisher_ref is not None else None
     info: dict[str, Any] = {"fisher": spec.fisher, "model": spec.model}
     scores: dict[str, torch.Tensor] | None = None
     params: dict[str, torch.Tensor] | None = None
@@ -88,20 +93,20 @@ def build_mask(spec: MaskSpec, progress: Any = null_progress) -> tuple[dict[str,
         scores = fisher
         info["scores"] = "fisher"
     elif sel.startswith("magnitude"):
-        if not spec.model:
+        if model is None:
             raise ValueError(f"model: selector {sel!r} needs the model (its weights are ranked)")
         progress(0.1, "reading weights")
-        params = _weights(spec.model)
+        params = _weights(model)
         if fisher is not None:
             params = _restrict(params, fisher)
         info["scores"] = "|weight|"
     elif sel == "gradient":
-        if spec.gradient:
-            scores = load_scores(spec.gradient, "gradient")
+        if gradient is not None:
+            scores = load_scores(gradient, "gradient")
             info["scores"] = f"|gradient| from {spec.gradient}"
-        elif spec.model:
+        elif model is not None:
             progress(0.1, "computing the gradient")
-            scores = sft_gradient(spec.model, spec.task, spec.prompts, spec.seed, spec.device)
+            scores = sft_gradient(model, spec.task, spec.prompts, spec.seed, spec.device)
             info["scores"] = (f"|gradient| of the mean gold-answer NLL over {spec.prompts} "
                               f"train prompts of {spec.task!r} (seed {spec.seed})")
         else:
@@ -111,19 +116,19 @@ def build_mask(spec: MaskSpec, progress: Any = null_progress) -> tuple[dict[str,
     else:  # random
         if fisher is not None:
             scores = fisher
-        elif spec.model:
-            params = _weights(spec.model)
+        elif model is not None:
+            params = _weights(model)
         else:
             raise ValueError("model: selector 'random' needs --model or --fisher (for tensor shapes)")
         info["scores"] = f"uniform random per tensor, seed {spec.seed}"
-    if spec.model and fisher is not None and sel.startswith("fisher"):
-        _restrict(_shapes_only(spec.model), fisher)  # the Fisher must belong to this model
+    if model is not None and fisher is not None and sel.startswith("fisher"):
+        _restrict(_shapes_only(model), fisher)  # the Fisher must belong to this model
     progress(0.5, f"selecting {sel} at density {spec.density}")
     mask = select_mask(sel, spec.density, scores=scores, params=params, seed=spec.seed)
     return mask, {**info, "fisher_tensors": fisher}
 
 
-def _shapes_only(model_ref: str) -> dict[str, torch.Tensor]:
+def _shapes_only(model_ref: Ref | str) -> dict[str, torch.Tensor]:
     from compute.diff import open_checkpoint
 
     ck = open_checkpoint(model_ref, "model")
@@ -131,20 +136,18 @@ def _shapes_only(model_ref: str) -> dict[str, torch.Tensor]:
 
 
 def _restrict(d: Mapping[str, torch.Tensor], ref: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """d's tensors for ref's names (ValueError naming the first missing or mis-shaped one)."""
-    out = {}
-    for n in ref:
-        if n not in d:
-            raise ValueError(f"model: parameter {n!r} of the Fisher is not in the model")
-        if tuple(d[n].shape) != tuple(ref[n].shape):
-            raise ValueError(f"model: parameter {n!r} has shape {list(d[n].shape)} in the model "
-                             f"but {list(ref[n].shape)} in the Fisher")
-        out[n] = d[n]
-    return out
+    """d's tensors for ref's names (ValueError naming the first missing or mis-shaped one, by
+    compute.contract.shapes.mismatch)."""
+    from compute.contract.shapes import mismatch, shapes_of
+
+    why = mismatch(shapes_of(ref), shapes_of(d), "the Fisher", "the model")
+    if why:
+        raise ValueError(f"model: {why}")
+    return {n: d[n] for n in ref}
 
 
-def run(spec: MaskSpec, progress: Any = null_progress) -> JobResult:
-    mask, info = build_mask(spec, progress)
+def run(spec: MaskSpec, progress: Any = null_progress, refs: Refs | None = None) -> JobResult:
+    mask, info = build_mask(spec, progress, refs)
     fisher = info.pop("fisher_tensors")
     progress(0.8, "statistics")
     kept = {n: int(m.sum()) for n, m in mask.items()}
@@ -195,10 +198,11 @@ def run(spec: MaskSpec, progress: Any = null_progress) -> JobResult:
     summary["stored_dtype"] = "bool"
     summary["compute_dtype"] = "float32"  # scores ranked in float32
     metadata: dict[str, str] = {}
-    if spec.fisher:
+    fisher_ref = ref_of(refs, "fisher", spec.fisher)
+    if fisher_ref is not None:
         from compute.artifacts import fisher_provenance
 
-        summary["fisher_reliability"] = fisher_provenance(spec.fisher)
+        summary["fisher_reliability"] = fisher_provenance(fisher_ref)
         metadata["fisher_reliability"] = json.dumps(summary["fisher_reliability"], default=str)
     progress(1.0, "done")
     return JobResult(kind="mask", summary=summary, layer_stats=rows, heatmaps=[heat],

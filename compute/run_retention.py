@@ -32,7 +32,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from compute.contract.jobresult import Heatmap, JobResult, SeriesPoint, null_progress
-from compute.contract.specs import DEFAULT_TEACHERS, RetentionSpec
+from compute.contract.kinds import Refs
+from compute.jobs.retention import DEFAULT_TEACHERS, RetentionSpec
 
 SMALL_MODEL_PARAMS = 20_000_000  # below this, CPU runs use one torch thread
 FISHER_SEED = 0  # sampling seed of the initial Fisher: the same in every unit
@@ -81,11 +82,12 @@ class _Loaded:
     small: bool
 
 
-def _load(spec: RetentionSpec, shared: dict[Any, Any], progress: Any) -> _Loaded:
+def _load(spec: RetentionSpec, shared: dict[Any, Any], progress: Any, refs: Refs | None = None) -> _Loaded:
     if "loaded" in shared:
         return shared["loaded"]
     import torch
 
+    from compute.artifacts import ref_of
     from compute.distill import check_same_tokenizer
     from compute.models import load_model, resolve_device
     from compute.tasks import get_task
@@ -94,11 +96,14 @@ def _load(spec: RetentionSpec, shared: dict[Any, Any], progress: Any) -> _Loaded
     device = resolve_device(spec.device)
     torch.manual_seed(0)
     progress(0.0, f"loading {spec.model}")
-    model, tok = load_model(spec.model, device=device, dtype=spec.dtype)
+    model_ref = ref_of(refs, "model", spec.model)
+    assert model_ref is not None  # the spec requires a model
+    model, tok = load_model(model_ref, device=device, dtype=spec.dtype)
     teacher = None
     if spec.algo == "opd":
-        assert ref is not None
-        teacher, ttok = load_model(ref, device=device, dtype=spec.dtype)
+        teacher_ref_ = ref_of(refs, "teacher", ref)  # the resolver resolved the default teacher too
+        assert teacher_ref_ is not None
+        teacher, ttok = load_model(teacher_ref_, device=device, dtype=spec.dtype)
         check_same_tokenizer(tok, ttok)
     # A model this small runs several times faster on one CPU thread (measured on arith-base:
     # 100 GRPO steps in ~10 s on 1 thread, ~40 s on 2), and results are the same.
@@ -148,7 +153,7 @@ def _mask(lo: _Loaded, shared: dict[Any, Any], key: tuple[str, float], seed: int
 
 
 def run_child(spec: RetentionSpec, index: int, progress: Any = null_progress,
-              shared: dict[Any, Any] | None = None) -> dict[str, Any]:
+              shared: dict[Any, Any] | None = None, refs: Refs | None = None) -> dict[str, Any]:
     """One unit: 0 -> {"base": (n,) rewards}; 1 + i -> arm i (seed, selector, density, rewards,
     curve, actual_density; full arms also update_sparsity and the Fisher's description).
     `shared`: prerequisites kept between units of one process (see the module docstring)."""
@@ -159,7 +164,7 @@ def run_child(spec: RetentionSpec, index: int, progress: Any = null_progress,
 
     t0 = time.perf_counter()
     shared = {} if shared is None else shared
-    lo = _load(spec, shared, progress)
+    lo = _load(spec, shared, progress, refs)
     plan = lo.config.plan()
     if not 0 <= index <= len(plan):
         raise ValueError(f"index: got {index}; accepted range: 0 .. {len(plan)}")
@@ -198,11 +203,11 @@ def _sub_progress(progress: Any, i: int, n: int) -> Any:
     return sub
 
 
-def run(spec: RetentionSpec, progress: Any = null_progress) -> JobResult:
+def run(spec: RetentionSpec, progress: Any = null_progress, refs: Refs | None = None) -> JobResult:
     """The whole grid in this process: `combine` over every unit, prerequisites shared."""
     n = children(spec)
     shared: dict[Any, Any] = {}
-    outputs = [run_child(spec, i, _sub_progress(progress, i, n), shared) for i in range(n)]
+    outputs = [run_child(spec, i, _sub_progress(progress, i, n), shared, refs) for i in range(n)]
     return combine(spec, outputs, progress)
 
 
@@ -221,7 +226,8 @@ def _series(table: dict[str, Any], curves: dict[str, Any]) -> list[SeriesPoint]:
     return series
 
 
-def combine(spec: RetentionSpec, outputs: list[Any], progress: Any = null_progress) -> JobResult:
+def combine(spec: RetentionSpec, outputs: list[Any], progress: Any = null_progress,
+            refs: Refs | None = None) -> JobResult:
     """The retention JobResult from every unit's output, in index order (see `run_child`)."""
     import torch
 

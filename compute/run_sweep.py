@@ -37,7 +37,9 @@ from pathlib import Path
 from typing import Any
 
 from compute.contract.jobresult import Heatmap, JobResult, SeriesPoint, null_progress
-from compute.contract.specs import SweepSpec, TrainSpec
+from compute.contract.kinds import Refs
+from compute.jobs.sweep import SweepSpec
+from compute.jobs.train import TrainSpec
 
 POINT_KEYS = (
     "lr", "optimizer", "precision", "unchanged_exact", "unchanged_bf16", "unchanged_bf16delta_atol_1e-05",
@@ -140,20 +142,24 @@ def children(spec: SweepSpec) -> int:
     return len(grid(spec))
 
 
-def initial_fisher(spec: SweepSpec, progress: Any = null_progress) -> tuple[dict[str, Any], dict[str, Any]]:
+def initial_fisher(spec: SweepSpec, progress: Any = null_progress, refs: Refs | None = None
+                   ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The sweep's initial Fisher and its description: the given file, or estimated from samples
     independent of the training batches, at the bf16-rounded base when every point starts there
     (no fp32 point), else at the float32 base. Deterministic: every unit gets the same one."""
-    from compute.artifacts import load_scores
+    from compute.artifacts import load_scores, ref_of
     from compute.models import load_model, resolve_device
     from compute.run_train import independent_fisher
     from compute.tasks import get_task
     from compute.train import prepare_precision
 
-    if spec.fisher:
-        return load_scores(spec.fisher, "fisher"), {"source": "given", "file": spec.fisher}
+    fisher_ref = ref_of(refs, "fisher", spec.fisher)
+    if fisher_ref is not None:
+        return load_scores(fisher_ref, "fisher"), {"source": "given", "file": spec.fisher}
     progress(0.0, "initial Fisher from independent samples")
-    model, tok = load_model(spec.model, device=resolve_device(spec.device), dtype="float32")
+    model_ref = ref_of(refs, "model", spec.model)
+    assert model_ref is not None  # the spec requires a model
+    model, tok = load_model(model_ref, device=resolve_device(spec.device), dtype="float32")
     rounded = "fp32" not in spec.precision
     if rounded:
         prepare_precision(model, "bf16-mixed")
@@ -164,11 +170,12 @@ def initial_fisher(spec: SweepSpec, progress: Any = null_progress) -> tuple[dict
 
 
 def run_child(spec: SweepSpec, index: int, progress: Any = null_progress,
-              shared: dict[str, Any] | None = None) -> dict[str, Any]:
+              shared: dict[str, Any] | None = None, refs: Refs | None = None) -> dict[str, Any]:
     """One grid point: train + diff. Returns {"row": the point's row (POINT_KEYS), "initial_fisher":
     its description, "fisher": the Fisher tensors (unit 0, when estimated; else None), "seconds":
     the unit's wall time}.
-    `shared`: the Fisher kept between units of one process (see the module docstring)."""
+    `shared`: the Fisher kept between units of one process (see the module docstring);
+    `refs`: the resolved model and fisher (compute/runners.py)."""
     from compute.run_train import train_job
 
     t0 = time.perf_counter()
@@ -179,13 +186,14 @@ def run_child(spec: SweepSpec, index: int, progress: Any = null_progress,
     label = f"point {index + 1}/{len(pts)}: {opt} lr {lr:g} {prec}"
     shared = {} if shared is None else shared
     if "fisher" not in shared:
-        shared["fisher"] = initial_fisher(spec, lambda f, m="": progress(0.05 * f, f"{label}: {m}"))
+        shared["fisher"] = initial_fisher(spec, lambda f, m="": progress(0.05 * f, f"{label}: {m}"), refs)
     fisher, info = shared["fisher"]
 
     def sub(f: float, m: str = "") -> None:
         progress(0.05 + 0.95 * min(max(f, 0.0), 1.0), f"{label}: {m}" if m else label)
 
-    res = train_job(point_spec(spec, prec, opt, lr), sub, fisher=fisher, fisher_info=info)
+    model_refs = {k: v for k, v in (refs or {}).items() if k == "model"}  # the Fisher is given above
+    res = train_job(point_spec(spec, prec, opt, lr), sub, fisher=fisher, fisher_info=info, refs=model_refs)
     folder = res.files.get("model")
     if folder:
         shutil.rmtree(Path(folder).parent, ignore_errors=True)
@@ -197,7 +205,7 @@ def run_child(spec: SweepSpec, index: int, progress: Any = null_progress,
             "seconds": time.perf_counter() - t0}
 
 
-def run(spec: SweepSpec, progress: Any = null_progress) -> JobResult:
+def run(spec: SweepSpec, progress: Any = null_progress, refs: Refs | None = None) -> JobResult:
     """The whole sweep in this process: `combine` over every unit, the Fisher estimated once."""
     n = children(spec)
     shared: dict[str, Any] = {}
@@ -205,7 +213,7 @@ def run(spec: SweepSpec, progress: Any = null_progress) -> JobResult:
     def sub(i: int) -> Any:
         return lambda f, m="": progress((i + min(max(f, 0.0), 1.0)) / n, m)
 
-    return combine(spec, [run_child(spec, i, sub(i), shared) for i in range(n)], progress)
+    return combine(spec, [run_child(spec, i, sub(i), shared, refs) for i in range(n)], progress)
 
 
 DEFINITIONS = {
@@ -224,7 +232,8 @@ DEFINITIONS = {
 }
 
 
-def combine(spec: SweepSpec, outputs: list[Any], progress: Any = null_progress) -> JobResult:
+def combine(spec: SweepSpec, outputs: list[Any], progress: Any = null_progress,
+            refs: Refs | None = None) -> JobResult:
     """The sweep's JobResult from every point's output, in grid order (see `run_child`)."""
     pts = grid(spec)
     if len(outputs) != len(pts):
@@ -241,10 +250,12 @@ def combine(spec: SweepSpec, outputs: list[Any], progress: Any = null_progress) 
     # issue 18: precision per point is in the table; here the run-wide facts and the Fisher's verdict
     summary["compute_dtype"] = "per point (bfloat16 for precision bf16, else float32)"
     summary["stored_dtype"] = "per point (float32 for fp32, else bfloat16)"
-    if spec.fisher:
-        from compute.artifacts import fisher_provenance
+    from compute.artifacts import fisher_provenance, ref_of
 
-        summary["fisher_reliability"] = fisher_provenance(spec.fisher)
+    fisher_ref = ref_of(refs, "fisher", spec.fisher)
+    if fisher_ref is not None:
+
+        summary["fisher_reliability"] = fisher_provenance(fisher_ref)
     result = JobResult(kind="sweep", summary=summary)
     if outputs[0].get("fisher") is not None:
         result.tensors["fisher"] = dict(outputs[0]["fisher"])

@@ -6,7 +6,8 @@ import math
 from typing import Any
 
 from compute.contract.jobresult import Heatmap, JobResult, LayerStat, null_progress
-from compute.contract.specs import TokensSpec
+from compute.contract.kinds import Refs
+from compute.jobs.tokens import TokensSpec
 from compute.naming import layer_index, module_type
 from compute.tokens import TokensConfig, TokenSet, decode_token, encode_context, token_mechanism
 
@@ -30,11 +31,14 @@ def _nan_none(x: float) -> float | None:
     return x if math.isfinite(x) else None
 
 
-def run(spec: TokensSpec, progress: Any = null_progress) -> JobResult:
+def run(spec: TokensSpec, progress: Any = null_progress, refs: Refs | None = None) -> JobResult:
+    from compute.artifacts import ref_of
     from compute.models import load_model, model_info
 
     progress(0.0, "loading the model")
-    model, tokenizer = load_model(spec.model, device=spec.device, dtype=spec.dtype)
+    ref = ref_of(refs, "model", spec.model)
+    assert ref is not None  # the spec requires a model
+    model, tokenizer = load_model(ref, device=spec.device, dtype=spec.dtype)
     dev = next(model.parameters()).device
     ids = encode_context(tokenizer, spec.context, dev)
     cfg = TokensConfig(

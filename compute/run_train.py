@@ -15,8 +15,10 @@ from typing import Any
 
 import torch
 
+from compute.artifacts import ref_of
 from compute.contract.jobresult import JobResult, SeriesPoint, null_progress
-from compute.contract.specs import TrainSpec
+from compute.contract.kinds import Ref, Refs
+from compute.jobs.train import TrainSpec
 
 FISHER_SELECTORS = ("fisher", "fisher-tensor", "fisher-bottom")
 
@@ -108,7 +110,7 @@ def update_sparsity(
     return out
 
 
-def _load(ref: str, spec: Any) -> tuple[Any, Any]:
+def _load(ref: Ref | str, spec: Any) -> tuple[Any, Any]:
     from compute.models import load_model, resolve_device
 
     return load_model(ref, device=resolve_device(spec.device), dtype=getattr(spec, "dtype", "auto"))
@@ -186,23 +188,25 @@ def concentration_summary(conc: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def run(spec: TrainSpec, progress: Any = null_progress) -> JobResult:
-    return train_job(spec, progress)
+def run(spec: TrainSpec, progress: Any = null_progress, refs: Refs | None = None) -> JobResult:
+    return train_job(spec, progress, refs=refs)
 
 
 def train_job(
     spec: TrainSpec, progress: Any = null_progress,
     fisher: Mapping[str, torch.Tensor] | None = None, fisher_info: Mapping[str, Any] | None = None,
+    refs: Refs | None = None,
 ) -> JobResult:
     """One training run (the `train` job). fisher/fisher_info: an initial Fisher already estimated
     (e.g. once for a whole sweep) instead of spec.fisher or a fresh independent estimate.
+    refs: the resolved model / teacher / mask / fisher (compute/runners.py).
     The spec's cross-field rules (mask xor mask_select, opd teacher, dtype vs precision) hold by
     construction (compute.contract.specs.TrainSpec)."""
     import copy
 
     from compute.train import save_output, stored_state, train
 
-    run = _start(spec, progress)
+    run = _start(spec, progress, refs)
     model = run.model
     mask = _mask(run)
     # float32 twin for the Fisher and the bound when the weights are bf16 (same values, exact)
@@ -245,13 +249,14 @@ class _Run:
     teacher: Any
     config: Any
     result: JobResult
+    refs: Refs | None = None
 
     @property
     def summary(self) -> dict[str, Any]:
         return self.result.summary
 
 
-def _start(spec: TrainSpec, progress: Any) -> _Run:
+def _start(spec: TrainSpec, progress: Any, refs: Refs | None = None) -> _Run:
     """Load the task, the model at the training precision and (opd) the teacher."""
     from compute.distill import check_same_tokenizer
     from compute.tasks import get_task
@@ -260,28 +265,34 @@ def _start(spec: TrainSpec, progress: Any) -> _Run:
     task = get_task(spec.task)
     torch.manual_seed(spec.seed)
     progress(0.0, f"loading {spec.model}")
-    model, tok = _load(spec.model, spec)
+    model_ref = ref_of(refs, "model", spec.model)
+    assert model_ref is not None  # the spec requires a model
+    model, tok = _load(model_ref, spec)
     prepare_precision(model, spec.precision)
     teacher = None
     if spec.algo == "opd":
-        teacher, ttok = _load(str(spec.teacher), spec)
+        teacher_ref = ref_of(refs, "teacher", spec.teacher)
+        assert teacher_ref is not None  # TrainSpec: opd needs a teacher
+        teacher, ttok = _load(teacher_ref, spec)
         check_same_tokenizer(tok, ttok)
     config = config_from_spec(spec, track_gradients=spec.concentration)
     summary = {"model": spec.model, "task": spec.task, "algo": spec.algo, "precision": spec.precision}
-    return _Run(spec, progress, model, tok, task, teacher, config, JobResult(kind="train", summary=summary))
+    return _Run(spec, progress, model, tok, task, teacher, config, JobResult(kind="train", summary=summary),
+                refs)
 
 
 def _mask(run: _Run) -> dict[str, torch.Tensor] | None:
     """The given mask file, or one built in the job (spec.mask_select), or None (full training)."""
-    from compute.artifacts import resolve_artifact
+    from compute.artifacts import local_file
     from compute.fisher import FisherConfig
     from compute.masks import load_mask
 
     spec = run.spec
-    if spec.mask:
+    mask_ref = ref_of(run.refs, "mask", spec.mask)
+    if mask_ref is not None:
         run.summary["mask"] = {"file": spec.mask}
-        _mask_fisher_reliability(run)
-        return load_mask(resolve_artifact(spec.mask, "mask"), model=run.model,
+        _mask_fisher_reliability(run, mask_ref)
+        return load_mask(local_file(mask_ref, "mask"), model=run.model,
                          device=next(run.model.parameters()).device)
     if not spec.mask_select:
         return None
@@ -302,14 +313,14 @@ def _mask(run: _Run) -> dict[str, torch.Tensor] | None:
     return mask
 
 
-def _mask_fisher_reliability(run: _Run) -> None:
+def _mask_fisher_reliability(run: _Run, mask_ref: Ref) -> None:
     """The verdict of the Fisher a given mask file was built on (its metadata), if any."""
     from compute.artifacts import stored_metadata
 
-    if "fisher_reliability" in stored_metadata(run.spec.mask or "", "mask"):
+    if "fisher_reliability" in stored_metadata(mask_ref, "mask"):
         from compute.artifacts import fisher_provenance
 
-        rel = fisher_provenance(run.spec.mask or "", "mask")
+        rel = fisher_provenance(mask_ref, "mask")
         rel["source"] = f"the Fisher of mask {run.spec.mask} ({rel.get('source')})"
         run.summary["fisher_reliability"] = rel
 
@@ -326,12 +337,13 @@ def _initial_fisher(
     if fisher is not None:
         out_info = dict(info or {"source": "given by the caller"})
     elif spec.fisher:
-        fisher = load_scores(spec.fisher, "fisher")
+        fisher = load_scores(ref_of(run.refs, "fisher", spec.fisher) or spec.fisher, "fisher")
         out_info = {"source": "given", "file": spec.fisher}
         if "fisher_reliability" not in run.summary:  # issue 18: the given Fisher's verdict
             from compute.artifacts import fisher_provenance
 
-            run.summary["fisher_reliability"] = fisher_provenance(spec.fisher)
+            run.summary["fisher_reliability"] = fisher_provenance(ref_of(run.refs, "fisher", spec.fisher)
+                                                                  or spec.fisher)
     elif spec.concentration or (spec.algo == "grpo" and spec.bound):
         run.progress(0.1, f"initial Fisher from independent samples ({spec.independent_fisher})")
         fisher, out_info = independent_fisher(probe, run.tok, run.task, spec,

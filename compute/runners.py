@@ -1,13 +1,23 @@
 """Job kind -> pure compute entry points, imported lazily (the web process never imports torch).
 
-Every kind's module (RUNNERS below) has the entry point
+Every kind's runner module (`KIND.runner` in compute/jobs/<kind>.py) has the entry point
 
-    run(spec, progress) -> JobResult
+    run(spec, progress, refs=None) -> JobResult
 
-where `spec` is the matching pydantic model of `compute.contract.specs`, `progress(fraction, message)`
+where `spec` is the kind's pydantic spec (`KIND.spec`), `progress(fraction, message)`
 reports a fraction in [0, 1] and may raise `JobCancelled` (the user cancelled), and JobResult is
 the kind's typed result. `run` does the whole job in this process: the CLI's direct commands
 call it, and so does the worker when a job has no child units.
+
+`refs` ({field: Ref}, compute.contract.kinds) are the spec's references (model, teacher, base,
+tuned, fisher, mask, gradient), resolved once at validation by app.services.refs (owners
+checked there) and made local by the caller: the worker fetches them from the job row
+(compute.worker.refs: sha256 re-verified), the CLI resolves them as its user. A runner reads
+`refs[field].where()` (compute.artifacts.ref_of, load_model, open_checkpoint accept a Ref) and
+never resolves a reference itself; the spec keeps what the user wrote (results show `job:3`, not
+a server path). refs=None is for library callers (tests, notebooks): each field is then named
+directly (a zoo name, an allowed folder, a hub id, a file path; never job:N). The worker and
+the CLI always pass `refs=` as a keyword, to `run`, `run_child` and `combine` alike.
 
 Child units (fan-out over the workers)
 --------------------------------------
@@ -19,7 +29,7 @@ raises if only some are there):
         worker with the parsed spec and nothing else (no model load: keep it cheap and pure).
         <= 1 means "run inline": the worker calls `run(spec, progress)` as for any kind.
 
-    def run_child(spec, index, progress) -> Any
+    def run_child(spec, index, progress, refs=None) -> Any
         Compute unit `index` (0 <= index < children(spec)) of the *parent's* spec, in its own
         worker process. Returns plain data that `torch.save` writes and
         `torch.load(weights_only=True)` reads back: dicts, lists, tuples of tensors, str, int,
@@ -28,7 +38,7 @@ raises if only some are there):
         output. `progress` reports the child's own fraction in [0, 1]; the parent shows the
         mean over its children.
 
-    def combine(spec, outputs, progress) -> JobResult
+    def combine(spec, outputs, progress, refs=None) -> JobResult
         The parent's result from every child's output, `outputs[i]` being run_child(spec, i)
         (index order, all present). Runs once, in one worker, after every child succeeded.
         `progress` is the parent's.
@@ -44,7 +54,7 @@ What the worker (compute/worker) guarantees when children(spec) > 1:
   progress call or cancel point); a child that fails or is cancelled fails the parent with a
   message naming the child ("child 3 failed: ..."); a child whose worker dies is re-run like
   any job (its attempts count), and fails the parent when it gives up.
-`run(spec, progress)` should give the same result as combine(spec, [run_child(spec, i) ...]):
+`run(spec, progress, refs)` should give the same result as combine(spec, [run_child(spec, i) ...]):
 the CLI runs inline, the worker fans out, and the numbers must not depend on which.
 """
 
@@ -55,15 +65,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-RUNNERS: dict[str, str] = {
-    "fisher": "compute.run_fisher:run",
-    "mask": "compute.run_mask:run",
-    "train": "compute.run_train:run",
-    "sweep": "compute.run_sweep:run",
-    "retention": "compute.run_retention:run",
-    "diff": "compute.run_diff:run",
-    "tokens": "compute.run_tokens:run",
-}
+from compute.jobs.registry import KINDS
+
+# kind -> "module:function", read from the registry (tests point an entry at a toy runner)
+RUNNERS: dict[str, str] = {k.name: k.runner for k in KINDS.values()}
 
 CHILD_FUNCTIONS = ("children", "run_child", "combine")
 
@@ -75,7 +80,7 @@ def _module(kind: str) -> Any:
 
 
 def get_runner(kind: str) -> Callable[..., Any]:
-    """The kind's `run(spec, progress) -> JobResult`."""
+    """The kind's `run(spec, progress, refs=None) -> JobResult`."""
     return getattr(_module(kind), RUNNERS[kind].split(":")[1])
 
 
@@ -84,8 +89,8 @@ class ChildProtocol:
     """A kind's child-unit functions (see the module docstring)."""
 
     children: Callable[[Any], int]
-    run_child: Callable[[Any, int, Any], Any]
-    combine: Callable[[Any, list[Any], Any], Any]
+    run_child: Callable[..., Any]  # (spec, index, progress, refs=None)
+    combine: Callable[..., Any]  # (spec, outputs, progress, refs=None)
 
 
 def child_protocol(kind: str) -> ChildProtocol | None:

@@ -1,4 +1,13 @@
-"""Full-size tensors (Fisher, masks, deltas) and folders (trained models) under an artifact root.
+"""Full-size tensors (Fisher, masks, deltas) and folders (trained models): the artifact store.
+
+Two backends behind one interface (`Store`), chosen in one place, `open_store(settings)`:
+the local folder below (the embedded default: ARTIFACT_ROOT, FISHERLENS_HOME/artifacts) and
+S3-compatible object storage (ARTIFACT_URL=s3://BUCKET/PREFIX, storage/s3store.py) for workers on
+machines that share no disk. Every reader calls `store.fetch(rel_path, sha256)` for a verified
+local path; writers call save_tensors / save_bytes / save_folder and record the ArtifactInfo's
+sha256 in the database only after they return (the publish point).
+
+The folder backend:
 
 Layout: <root>/<job_id>/<kind>.safetensors and <root>/<job_id>/<kind>/ (folders). Files are written
 atomically (temp file in the same folder, fsync, os.replace) and their sha256 is recorded; reads
@@ -12,46 +21,27 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import re
 import shutil
 import tempfile
-from dataclasses import dataclass
+import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-_KIND = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
-
-
-class ArtifactError(ValueError):
-    """An artifact is missing, outside the root, or does not match its recorded sha256."""
-
-
-@dataclass(frozen=True)
-class ArtifactInfo:
-    kind: str
-    path: str  # relative to the artifact root
-    sha256: str
-    bytes: int
-    is_dir: bool = False
-
-
-def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while block := fh.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
-def sha256_dir(path: Path) -> tuple[str, int]:
-    """(hash of the sorted list of (relative path, file sha256), total bytes) of a folder."""
-    h = hashlib.sha256()
-    total = 0
-    for f in sorted(p for p in path.rglob("*") if p.is_file()):
-        rel = f.relative_to(path).as_posix()
-        h.update(f"{rel}\0{sha256_file(f)}\n".encode())
-        total += f.stat().st_size
-    return h.hexdigest(), total
+from storage.artifact_common import (  # noqa: F401 - re-exported: the store's public names
+    _KIND,
+    ArtifactError,
+    ArtifactInfo,
+    ArtifactMissing,
+    ArtifactStoreUnavailable,
+    check_kind,
+    on_uploaded,
+    retry_policy,
+    sha256_dir,
+    sha256_file,
+    tensors_bytes,
+    upload_retries,
+    uploaded_hook,
+)
 
 
 class ArtifactStore:
@@ -77,8 +67,7 @@ class ArtifactStore:
 
     @staticmethod
     def _check_kind(kind: str) -> None:
-        if not _KIND.match(kind):
-            raise ArtifactError(f"artifact kind {kind!r}: use letters, digits, '_', '-', '.'")
+        check_kind(kind)
 
     # -- tensors ----------------------------------------------------------------------------
     def save_tensors(
@@ -89,18 +78,8 @@ class ArtifactStore:
         metadata: dict[str, str] | None = None,
     ) -> ArtifactInfo:
         """Write {name: tensor} as <root>/<job_id>/<kind>.safetensors atomically."""
-        from safetensors.torch import save
-
         self._check_kind(kind)
-        seen: set[int] = set()
-        clean: dict[str, Any] = {}
-        for name, t in tensors.items():
-            t = t.detach().to("cpu").contiguous()
-            if t.data_ptr() in seen and t.numel() > 0:  # safetensors refuses shared storage
-                t = t.clone()
-            seen.add(t.data_ptr())
-            clean[name] = t
-        data = save(clean, metadata=metadata)
+        data = tensors_bytes(tensors, metadata)
         return self.save_bytes(job_id, f"{kind}.safetensors", data, kind=kind)
 
     def save_bytes(
@@ -181,13 +160,81 @@ class ArtifactStore:
         ArtifactError when it is missing or does not match `sha256`."""
         full = self.resolve(rel_path)
         if not full.exists():
-            raise ArtifactError(f"artifact {rel_path!r} is missing from the artifact store")
+            raise ArtifactMissing(f"artifact {rel_path!r} is missing from the artifact store")
         key = (str(full), sha256)
         fp = _fingerprint(full)
         if _VERIFIED.get(key) != fp:
             self.verify(rel_path, sha256)
             _VERIFIED[key] = fp
         return full
+
+
+    # -- the rest of the Store interface ----------------------------------------------------
+    remote = False
+
+    def describe(self) -> str:
+        return str(self.root)
+
+    def exists(self, rel_path: str) -> bool:
+        return self.resolve(rel_path).exists()
+
+    def read_bytes(self, rel_path: str) -> bytes | None:
+        """A small file's bytes (unverified: figure JSON), None when there is none."""
+        try:
+            return self.resolve(rel_path).read_bytes()
+        except (FileNotFoundError, IsADirectoryError, NotADirectoryError):
+            return None
+
+    def download_url(self, rel_path: str, sha256: str, filename: str, expires_s: int) -> str | None:
+        return None  # the web streams the verified file
+
+    def release(self, path: Path | None = None) -> None:
+        """Nothing to release: files are read in place."""
+
+    def scratch_root(self) -> Path:
+        """Where workers' per-job scratch folders go: on the store's file system, so trained
+        model folders are moved into it, not copied."""
+        return self.root / ".scratch"
+
+    def local_roots(self) -> list[Path]:
+        """Local folders whose files are artifacts of this store (a path there is an artifact)."""
+        return [self.root]
+
+    def check(self) -> str:
+        """Write, read back and delete a probe file (fisherlens doctor)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        probe = self.root / f".doctor-{os.getpid()}"
+        probe.write_bytes(b"fisherlens doctor")
+        try:
+            if probe.read_bytes() != b"fisherlens doctor":
+                raise ArtifactError(f"artifact folder {self.root}: a probe file read back different bytes")
+        finally:
+            probe.unlink()
+        return f"{self.root}: write, read back and delete ok"
+
+
+class Store(Protocol):
+    """What every artifact-store backend provides (ArtifactStore, s3store.S3ArtifactStore)."""
+
+    remote: bool
+
+    def describe(self) -> str: ...
+    def save_tensors(self, job_id: int, kind: str, tensors: dict[str, Any],
+                     metadata: dict[str, str] | None = None) -> ArtifactInfo: ...
+    def save_bytes(self, job_id: int, filename: str, data: bytes,
+                   kind: str | None = None) -> ArtifactInfo: ...
+    def save_folder(self, job_id: int, kind: str, src: Path | str) -> ArtifactInfo: ...
+    def fetch(self, rel_path: str, sha256: str) -> Path: ...
+    def load_tensors(self, rel_path: str, sha256: str | None) -> dict[str, Any]: ...
+    def exists(self, rel_path: str) -> bool: ...
+    def read_bytes(self, rel_path: str) -> bytes | None: ...
+    def download_url(self, rel_path: str, sha256: str, filename: str,
+                     expires_s: int) -> str | None: ...
+    def remove_job(self, job_id: int) -> None: ...
+    def release(self, path: Path | None = None) -> None: ...
+    def scratch_root(self) -> Path: ...
+    def local_roots(self) -> list[Path]: ...
+    def check(self) -> str: ...
 
 
 _VERIFIED: dict[tuple[str, str], tuple[Any, ...]] = {}  # (path, sha256) -> file fingerprint
@@ -198,7 +245,27 @@ def _fingerprint(path: Path) -> tuple[Any, ...]:
     return tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file())
 
 
-def open_store(settings: Any) -> ArtifactStore:
+_remote: dict[tuple[Any, ...], Store] = {}
+_remote_guard = threading.Lock()
+
+
+def open_store(settings: Any) -> Store:
     """The artifact store the settings name: the one constructor every reader and writer uses
-    (web, worker, CLI), so that the backend is chosen in one place."""
-    return ArtifactStore(settings.artifacts_dir)
+    (web, worker, CLI), so that the backend is chosen in one place. ARTIFACT_URL=s3://... selects
+    object storage (one client and cache per process and configuration), else the folder."""
+    url = getattr(settings, "artifact_url", None)
+    if not url:
+        return ArtifactStore(settings.artifacts_dir)
+    from storage.artifact_cache import ArtifactCache
+    from storage.s3store import S3ArtifactStore, make_client
+
+    secret = settings.aws_secret_access_key
+    key = (url, str(settings.artifact_cache), int(settings.artifact_cache_max_bytes),
+           settings.aws_endpoint_url, settings.aws_access_key_id,
+           secret.get_secret_value() if secret is not None else None, settings.aws_default_region)
+    with _remote_guard:
+        store = _remote.get(key)
+        if store is None:
+            cache = ArtifactCache(settings.artifact_cache, settings.artifact_cache_max_bytes)
+            store = _remote[key] = S3ArtifactStore(url, cache, make_client(settings))
+        return store

@@ -34,8 +34,8 @@ def shard_jobs(*, session: Session, parent_id: int) -> list[Job]:
 
 def create_children(*, session: Session, parent_id: int, n: int) -> list[Job]:
     """The parent's children 0..n-1, creating the missing ones in one transaction (so a crash
-    leaves all of them or none), with the parent's kind, spec and owner; the parent is handed
-    from its claimer to its children (worker NULL, n_children = n, combine_state NULL).
+    leaves all of them or none), with the parent's kind, spec, resolved refs and owner; the
+    parent is handed from its claimer to its children (worker NULL, n_children = n, combine_state NULL).
     Returns all n children, ordered by index."""
     parent = must_get(session, parent_id)
     have = {j.shard_index for j in shard_jobs(session=session, parent_id=parent_id)}
@@ -44,7 +44,7 @@ def create_children(*, session: Session, parent_id: int, n: int) -> list[Job]:
             session.add(queued_job(
                 kind=parent.kind, spec=dict(parent.spec or {}), spec_hash=parent.spec_hash,
                 model_revision=parent.model_revision, owner_id=parent.owner_id,
-                parent_id=parent_id, shard_index=i,
+                refs=parent.refs, parent_id=parent_id, shard_index=i,
             ))
     session.execute(
         update(Job)

@@ -47,16 +47,18 @@ def create_job(
     shard_index: int | None = None,
     revisions: list[str] | None = None,
     owner_id: int | None = None,
+    refs: dict[str, Any] | None = None,
 ) -> Job:
     """A queued job. `revisions` (the parts, e.g. ['model=<sha256>', 'mask=job:3:<sha256>'])
-    are stored as they are and their digest becomes model_revision (unless one is given)."""
+    are stored as they are and their digest becomes model_revision (unless one is given).
+    `refs`: {field: Ref JSON} resolved at submit (app.services.refs), what the worker reads."""
     if model_revision is None and revisions:
         model_revision = revision_digest(revisions)
     if owner_id is None and parent_id is not None:  # children belong to their parent's owner
         owner_id = session.scalar(select(Job.owner_id).where(Job.id == parent_id))
     job = queued_job(
         kind=kind, spec=spec, spec_hash=spec_hash, model_revision=model_revision,
-        revisions=list(revisions) if revisions else None, owner_id=owner_id,
+        revisions=list(revisions) if revisions else None, owner_id=owner_id, refs=refs,
         parent_id=parent_id, shard_index=shard_index,
     )
     session.add(job)

@@ -93,6 +93,9 @@ class Job(Base):
     # sha256 of the joined revision parts (revision_digest); the parts are in `revisions`.
     model_revision: Mapped[str | None] = mapped_column(String(128), default=None)
     revisions: Mapped[list[str] | None] = mapped_column(JSON, default=None)
+    # {field: Ref as JSON} resolved once at submit (app.services.refs; migration 0005); the
+    # worker re-verifies their sha256 and never resolves a reference again.
+    refs: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
     status: Mapped[str] = mapped_column(String(16), default="queued", index=True)
     progress: Mapped[float] = mapped_column(Float, default=0.0)
     message: Mapped[str] = mapped_column(Text, default="")

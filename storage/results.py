@@ -9,7 +9,7 @@ from typing import Any
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
-from storage.artifacts import ArtifactInfo, ArtifactStore
+from storage.artifacts import ArtifactInfo, Store
 from storage.jobs import must_get
 from storage.models import ArtifactRow, HeatmapRow, Job, LayerStatRow, SeriesRow, utcnow
 from storage.serialize import artifact_dict, job_dict, json_safe
@@ -20,7 +20,7 @@ def save_result(
     session: Session,
     job_id: int,
     result: Any,
-    store: ArtifactStore | None = None,
+    store: Store | None = None,
     artifacts: list[ArtifactInfo] | None = None,
 ) -> None:
     """Store a compute.contract.jobresult.JobResult for a job, replacing whatever an earlier delivery of the
@@ -30,7 +30,7 @@ def save_result(
     infos: list[ArtifactInfo] = list(artifacts or [])
     if result.tensors or result.files:
         if store is None:
-            raise ValueError("store: an ArtifactStore is needed for results with tensors or files")
+            raise ValueError("store: an artifact store is needed for results with tensors or files")
         for kind, tensors in result.tensors.items():
             infos.append(store.save_tensors(job.id, kind, tensors,
                                             metadata=getattr(result, "metadata", {}).get(kind)))

@@ -119,27 +119,6 @@ def owner_filter(settings: Any, p: Principal, owner: str | None) -> int | None:
     return user.id if user is not None else -1  # unknown user: an empty list
 
 
-def check_refs_owned(settings: Any, p: Principal, kind: str, spec: Any) -> None:
-    """A spec may name only jobs its submitter can see (job:N of another user is 'no such
-    job', the same answer as for a job that does not exist)."""
-    from compute.contract.modelref import job_ref_id, spec_job_refs
-    from compute.contract.specs import SpecError
-    from storage import repo
-
-    refs = spec_job_refs(kind, spec)
-    if not refs or p.is_admin:
-        return
-    errors = []
-    with db_sessions(settings)() as s:
-        for field, ref in refs:
-            job = repo.get_job(session=s, job_id=job_ref_id(ref) or -1)
-            if job is None or not can_see(p, job.owner_id):
-                errors.append({"field": field, "message": f"job {job_ref_id(ref)} does not exist; "
-                               "give the id of one of your succeeded jobs"})
-    if errors:
-        raise SpecError(errors)
-
-
 def token_principal(settings: Any, secret: str, kind: str | None = None) -> Principal | None:
     from storage import users
 

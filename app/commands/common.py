@@ -12,7 +12,8 @@ from typing import Any, NoReturn
 
 import click
 
-from compute.contract.specs import SpecError, parse_spec
+from compute.contract.specs import SpecError
+from compute.jobs.registry import parse_spec
 
 
 def fail(message: str, code: int = 2) -> NoReturn:
@@ -25,44 +26,28 @@ def _flag_errors(exc: SpecError) -> NoReturn:
     fail("; ".join(f"--{e['field'].replace('_', '-')}: {e['message']}" for e in exc.errors))
 
 
-def spec_from_options(kind: str, options: dict[str, Any]) -> Any:
-    """Validate CLI options (None = not given, use the spec default) into the job spec, through
-    the same checks as a submitted job (app.services.check_spec): model and job:N references,
-    layer ranges, artifact and jsonl files. Run as its user, a direct command may read any
-    file and any model folder named on its command line. Exit 2 naming the flag otherwise."""
+def spec_from_options(kind: str, options: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """(spec, refs): CLI options (None = not given, use the spec default) validated into the job
+    spec through the same checks as a submitted job (app.services.check_spec), its references
+    resolved by the same resolver (app.services.refs: zoo names, folders, hub ids, job:N with
+    its owner, files). Run as its user, a direct command may read any file and any model folder
+    named on its command line (never a path inside the artifact store: write job:N). Exit 2
+    naming the flag otherwise. Pass both to `run_job`."""
     data = {k: v for k, v in options.items() if v is not None}
     try:
         spec = parse_spec(kind, data)
     except SpecError as exc:
         _flag_errors(exc)
-    from app import services
-    from compute.contract.modelref import MODEL_FIELDS
+    from app import auth, services
     from compute.contract.settings import get_settings
 
-    allow_local_dirs(*(getattr(spec, f, None) for f in MODEL_FIELDS))
+    settings = get_settings()
     try:
-        services.check_spec(get_settings(), kind, spec, local=True)
+        _, refs = services.check_spec(settings, kind, spec, local=True,
+                                      user=auth.optional_user(settings))
     except SpecError as exc:
         _flag_errors(exc)
-    return spec
-
-
-def allow_local_dirs(*refs: str | None) -> None:
-    """Model folders named on the command line (e.g. a training output) are allowed for this
-    process (ALLOWED_MODEL_ROOTS); jobs from the web stay restricted to the operator's roots."""
-    import os
-
-    extra = []
-    for r in refs:
-        if r and not r.startswith("job:"):
-            try:
-                if Path(r).expanduser().is_dir():
-                    extra.append(str(Path(r).expanduser().resolve()))
-            except OSError:
-                continue
-    if extra:
-        current = os.environ.get("ALLOWED_MODEL_ROOTS", "")
-        os.environ["ALLOWED_MODEL_ROOTS"] = ":".join(p for p in [current, *extra] if p)
+    return spec, refs
 
 
 def write_json(path: Path, data: Any) -> None:
@@ -91,14 +76,15 @@ def cli_progress(desc: str) -> Iterator[Callable[[float, str], None]]:
         bar.close()
 
 
-def run_job(kind: str, spec: Any, desc: str | None = None) -> Any:
-    """Run the job in this process (the entry point the worker calls) with a progress bar; a
-    ValueError from the job is the user's error: one line, exit 2."""
+def run_job(kind: str, spec: Any, refs: dict[str, Any], desc: str | None = None) -> Any:
+    """Run the job in this process (the entry point the worker calls) with a progress bar and
+    the refs spec_from_options resolved; a ValueError from the job is the user's error: one
+    line, exit 2."""
     from compute.runners import get_runner
 
     try:
         with cli_progress(desc or kind) as progress:
-            return get_runner(kind)(spec, progress)
+            return get_runner(kind)(spec, progress, refs=refs)
     except ValueError as exc:
         fail(" ".join(str(exc).split()))
 

@@ -22,7 +22,10 @@ from app.commands.common import (
     write_json,
 )
 from app.commands.options import spec_options
-from compute.contract.specs import DiffSpec, MaskSpec, RetentionSpec, TokensSpec
+from compute.jobs.diff import DiffSpec
+from compute.jobs.mask import MaskSpec
+from compute.jobs.retention import RetentionSpec
+from compute.jobs.tokens import TokensSpec
 
 
 def _num(x: Any, digits: int = 4) -> str:
@@ -51,10 +54,10 @@ def _table(headers: list[str], rows: list[list[Any]]) -> str:
 @click.option("--out", "out", required=True, type=click.Path(dir_okay=False), help="mask.safetensors to write")
 def mask_cmd(out: str, **options: Any) -> None:
     """Build a boolean mask keeping exactly round(density x N) coordinates, and save it."""
-    spec = spec_from_options("mask", options)
+    spec, refs = spec_from_options("mask", options)
     from compute.masks import save_mask
 
-    res = run_job("mask", spec, f"mask {spec.select}")
+    res = run_job("mask", spec, refs, f"mask {spec.select}")
     s = res.summary
     meta = {"select": spec.select, "density": s["density"], "density_requested": spec.density,
             "seed": spec.seed, "fisher": spec.fisher or "", "model": spec.model or "", "scores": s["scores"]}
@@ -82,8 +85,8 @@ def mask_cmd(out: str, **options: Any) -> None:
 @click.option("--out", "out", required=True, type=click.Path(file_okay=False), help="output folder")
 def diff_cmd(base: str, tuned: str, out: str, **options: Any) -> None:
     """Update sparsity of TUNED relative to BASE (zoo names, local HF dirs, training outputs)."""
-    spec = spec_from_options("diff", {"base": base, "tuned": tuned, **options})
-    res = run_job("diff", spec, "diff")
+    spec, refs = spec_from_options("diff", {"base": base, "tuned": tuned, **options})
+    res = run_job("diff", spec, refs, "diff")
     s = res.summary
     out_dir = Path(out)
     result = json_safe(res.to_dict())
@@ -126,8 +129,8 @@ def diff_cmd(base: str, tuned: str, out: str, **options: Any) -> None:
 @click.option("--out", "out", type=click.Path(dir_okay=False), help="write the result as JSON")
 def tokens_cmd(out: str | None, **options: Any) -> None:
     """Next tokens after CONTEXT: probabilities, sensitivity cosines, shares of the Fisher."""
-    spec = spec_from_options("tokens", options)
-    res = run_job("tokens", spec, "tokens")
+    spec, refs = spec_from_options("tokens", options)
+    res = run_job("tokens", spec, refs, "tokens")
     s = res.summary
     click.echo(f"context {spec.context!r} ({s['n_context_tokens']} tokens), scope: {s['scope']} "
                f"({s['n_params']:,} params), entropy {s['entropy']:.4f} nats")
@@ -161,27 +164,28 @@ def tokens_cmd(out: str | None, **options: Any) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def provenance(spec: Any, seconds_wall: float, cpu_seconds: float, command: str) -> dict[str, Any]:
+def provenance(spec: Any, refs: dict[str, Any], seconds_wall: float, cpu_seconds: float,
+               command: str) -> dict[str, Any]:
     """Where a result came from: the exact command, the code (git commit), the models (sha256 of
     every weight file, so a table says which zoo made it), the machine and the time it took."""
     import platform
     import subprocess
 
-    from compute.contract.modelref import file_sha256, is_hub_id, model_revision, resolve_model
+    from compute.contract.modelref import file_sha256, folder_revision
 
     models: dict[str, Any] = {}
-    for ref in (getattr(spec, "model", None), getattr(spec, "teacher", None)):
-        if not ref:
+    for field in ("model", "teacher"):  # the resolved refs (the default OPD teacher included)
+        r = refs.get(field)
+        if r is None:
             continue
         try:
-            path = resolve_model(ref)
-            entry: dict[str, Any] = {"revision": model_revision(ref)}
-            if not is_hub_id(path):
-                entry["sha256"] = {f.name: file_sha256(f) for f in sorted(Path(path).iterdir())
+            entry: dict[str, Any] = {"revision": r.path if r.form == "hub" else folder_revision(Path(r.where()))}
+            if r.form != "hub":
+                entry["sha256"] = {f.name: file_sha256(f) for f in sorted(Path(r.where()).iterdir())
                                    if f.is_file() and f.suffix in (".safetensors", ".bin")}
-            models[ref] = entry
+            models[r.given] = entry
         except (ValueError, OSError) as exc:
-            models[ref] = {"error": str(exc)}
+            models[r.given] = {"error": str(exc)}
     git: dict[str, Any] = {}
     try:
         root = Path(__file__).resolve().parents[2]
@@ -217,15 +221,15 @@ def retention_cmd(out: str, **options: Any) -> None:
     import resource
     import time
 
-    spec = spec_from_options("retention", options)
+    spec, refs = spec_from_options("retention", options)
     t0 = time.perf_counter()
-    res = run_job("retention", spec, "retention")
+    res = run_job("retention", spec, refs, "retention")
     ru = [resource.getrusage(w) for w in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)]
     cpu = sum(r.ru_utime + r.ru_stime for r in ru)
     s = res.summary
     out_dir = Path(out)
     result = json_safe({**res.to_dict(), "spec": spec.model_dump(mode="json"),
-                        "provenance": provenance(spec, time.perf_counter() - t0, cpu,
+                        "provenance": provenance(spec, refs, time.perf_counter() - t0, cpu,
                                                  spec_command("retention", spec,
                                                                    **({"out": out} if out != "retention" else {})))})
     write_json(out_dir / "retention.json", result)

@@ -7,9 +7,9 @@ from typing import Any
 
 import click
 
-from app.commands.common import fail, run_job, spec_from_options, write_json
+from app.commands.common import run_job, spec_from_options, write_json
 from app.commands.options import spec_options
-from compute.contract.specs import FisherSpec
+from compute.jobs.fisher import FisherSpec
 
 
 def _summary_table(result: Any) -> str:
@@ -34,18 +34,8 @@ def _summary_table(result: Any) -> str:
 @click.option("--out", "out", required=True, type=click.Path(file_okay=False), help="output dir")
 def fisher(out: str, **options: Any) -> None:
     """Estimate the diagonal Fisher; write OUT/fisher.safetensors and OUT/stats.json."""
-    spec = spec_from_options("fisher", options)
-    # cheap checks first: a bad model or task name fails before torch loads anything heavy
-    from compute.contract.modelref import resolve_model
-    from compute.tasks import get_task
-
-    try:
-        get_task(spec.task)
-        resolve_model(spec.model)
-    except ValueError as exc:
-        fail(str(exc))
-
-    result = run_job("fisher", spec)
+    spec, refs = spec_from_options("fisher", options)
+    result = run_job("fisher", spec, refs)
 
     from safetensors.torch import save_file
 

@@ -20,6 +20,7 @@ import click
 
 from app.commands.common import fail
 from compute.contract.settings import get_settings
+from compute.jobs.registry import NAMES as KIND_NAMES
 
 FINAL = ("succeeded", "failed", "cancelled")
 
@@ -52,7 +53,7 @@ def _load_spec(text: str) -> dict[str, Any]:
 @click.option("--wait", is_flag=True, help="Wait until the job ends (exit 1 unless it succeeded).")
 @click.option("--timeout", default=3600.0, show_default=True, help="Seconds to --wait at most.")
 def submit_cmd(kind: str, spec_text: str, no_reuse: bool, wait: bool, timeout: float) -> None:
-    """Queue a job of KIND (fisher, mask, train, retention, diff, tokens) for the workers."""
+    """Queue a job of KIND (a registered job kind) for the workers."""
     from app import client as services  # HTTP with a token, or in-process (app/client.py)
     from compute.contract.specs import SpecError
 
@@ -69,6 +70,9 @@ def submit_cmd(kind: str, spec_text: str, no_reuse: bool, wait: bool, timeout: f
     click.echo(f"share link: {job['share_url']}")
     if wait:
         _wait_and_exit(settings, job["id"], timeout)
+
+
+submit_cmd.help = f"Queue a job of KIND ({', '.join(KIND_NAMES)}) for the workers."
 
 
 @click.command("status")

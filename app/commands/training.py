@@ -20,7 +20,8 @@ from app.commands.common import (
     write_json,
 )
 from app.commands.options import spec_options
-from compute.contract.specs import SweepSpec, TrainSpec
+from compute.jobs.sweep import SweepSpec
+from compute.jobs.train import TrainSpec
 
 
 def _fmt(x: Any) -> str:
@@ -33,11 +34,11 @@ def _fmt(x: Any) -> str:
               help="output dir: the trained model (HF format), metrics.json")
 def train_cmd(out: str, **options: Any) -> None:
     """Post-train MODEL on TASK (full, or masked), write the model and OUT/metrics.json."""
-    spec = spec_from_options("train", options)
+    spec, refs = spec_from_options("train", options)
     out_dir = Path(out)
     if out_dir.exists() and any(out_dir.iterdir()):
         fail(f"--out: {out} exists and is not empty; choose a new folder")
-    result = run_job("train", spec)
+    result = run_job("train", spec, refs)
     src = Path(result.files["model"])
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     if out_dir.exists():
@@ -90,16 +91,14 @@ def train_cmd(out: str, **options: Any) -> None:
     click.echo(f"wrote {out_dir} (model, tokenizer, metrics.json)")
 
 
-def _weights_sha256(ref: str) -> str | None:
-    """sha256 of a local model's weights file(s) (what the sweep started from), None if not local."""
+def _weights_sha256(ref: Any) -> str | None:
+    """sha256 of a local model's weights file(s) (what the sweep started from; `ref` the resolved
+    model), None if not local."""
     import hashlib
 
-    from compute.contract.modelref import resolve_model
-
-    try:
-        folder = Path(resolve_model(ref))
-    except ValueError:
+    if ref is None or not ref.local or ref.form == "hub":
         return None
+    folder = Path(ref.local)
     files = sorted(folder.glob("*.safetensors")) if folder.is_dir() else []
     if not files:
         return None
@@ -116,13 +115,13 @@ def _weights_sha256(ref: str) -> str | None:
 def sweep_cmd(out: str, **options: Any) -> None:
     """Update sparsity and the initial Fisher's AUCs across lr x optimizer x precision: one train +
     diff per grid point."""
-    spec = spec_from_options("sweep", options)
-    result = run_job("sweep", spec)
+    spec, refs = spec_from_options("sweep", options)
+    result = run_job("sweep", spec, refs)
     s = result.summary
     out_dir = Path(out)
     data = json_safe({**result.to_dict(), "points": s["points"], "spec": spec.model_dump(mode="json"),
                       "command": spec_command("sweep", spec),
-                      "model_weights_sha256": _weights_sha256(spec.model)})
+                      "model_weights_sha256": _weights_sha256(refs.get("model"))})
     write_json(out_dir / "sweep.json", data)
     (out_dir / "sweep.md").write_text(s["markdown"])
     write_html(data, out_dir / "sweep.html")

@@ -7,16 +7,17 @@ from typing import Any
 
 import plotly.graph_objects as go
 
-from compute.contract.results import (
+from compute.contract.results import HeatmapData, TypedResult
+from compute.jobs.diff import (
     FISHER_VS_DELTA,
     THRESHOLD_PROFILE,
     UNCHANGED_SERIES,
     UPDATE_SPARSITY,
     DiffResult,
-    HeatmapData,
-    TypedResult,
+    DiffSummary,
 )
 
+from . import keynumbers as kn
 from .common import (
     COLORSCALE,
     curves_figure,
@@ -27,7 +28,8 @@ from .common import (
     named_cells,
     pool_matrix,
 )
-from .registry import figure, stored_heatmap
+from .registry import figure, key_numbers, stored_heatmap, table
+from .tables import OVERLAP_TITLE, overlap_table
 
 UNCHANGED_LABELS = {"atol": "unchanged (|delta_fp32| <= atol)",
                     "atol_bf16delta": "unchanged (|delta_bf16| <= atol, published convention)",
@@ -98,3 +100,83 @@ def unchanged_curve(r: DiffResult) -> go.Figure | None:
 for _name in FISHER_VS_DELTA:
     stored_heatmap("diff", _name, title=OVERLAP_TITLES[_name])
 stored_heatmap("diff", THRESHOLD_PROFILE, title="Unchanged fraction by layer and threshold")
+
+
+table("diff", "overlap", title=OVERLAP_TITLE)(overlap_table)
+
+
+# ---------------------------------------------------------------- key numbers
+
+
+THRESHOLD_NAMES = {"exact": "exactly equal", "bf16": "equal after casting both to bf16",
+                   "below_half_ulp": "|delta| < half a bf16 ULP of |base weight|"}
+BF16_DELTA = "bf16delta_atol_"
+
+
+def _threshold_name(lab: str) -> str:
+    if lab in THRESHOLD_NAMES:
+        return THRESHOLD_NAMES[lab]
+    if lab.startswith("atol_"):
+        return f"|delta| <= {lab[5:]}"
+    if lab.startswith("rel_"):
+        return f"|delta| <= {lab[4:]} x rms(base tensor)"
+    return lab.replace("_", " ")
+
+
+def _exact_comparison(s: DiffSummary) -> bool:
+    return (s.comparison or "exact").startswith("exact")
+
+
+def _common_name(s: DiffSummary) -> str:
+    return f"equal in {s.comparison_dtype} (the lower stored precision)"
+
+
+def _unchanged_table(s: DiffSummary) -> dict[str, Any] | None:
+    """Unchanged fraction at each threshold: one row per threshold; a second column when the
+    summary also has the bf16-checkpoint convention (|bf16(tuned) - bf16(base)| <= a)."""
+    unchanged = s.unchanged()
+    if "common" in unchanged:  # the headline convention leads the table too
+        unchanged = {"common": unchanged.pop("common"), **unchanged}
+    bf16 = {lab[len(BF16_DELTA):]: v for lab, v in unchanged.items() if lab.startswith(BF16_DELTA)}
+    rows: list[list[str]] = []
+    for lab, v in unchanged.items():
+        if lab.startswith(BF16_DELTA):
+            continue  # shown next to the float32 row of the same atol
+        if lab == "common" and _exact_comparison(s):
+            continue  # the same numbers as the "exactly equal" row
+        row = [_common_name(s) if lab == "common" else _threshold_name(lab), kn.pct(v)]
+        if bf16:
+            row.append(kn.pct(bf16[lab[5:]]) if lab.startswith("atol_") and lab[5:] in bf16 else "")
+        rows.append(row)
+    if not rows:
+        return None
+    headers = ["threshold", "unchanged"]
+    if bf16:
+        headers = ["threshold", "unchanged (float32 delta)", "unchanged (both loaded in bf16)"]
+    return {"title": "Unchanged fraction by threshold", "headers": headers, "rows": rows}
+
+
+@key_numbers("diff")
+def key_numbers_diff(r: DiffResult, out: dict[str, Any]) -> None:
+    s = r.summary
+    items = out["items"]
+    if finite(s.unchanged_common) is not None and not _exact_comparison(s):
+        sd = s.stored_dtypes or {}
+        items.append(kn.item(f"Weights unchanged, compared in {s.comparison_dtype}", kn.pct(s.unchanged_common),
+                             f"base stored in {sd.get('base')}, tuned in {sd.get('tuned')}: compared at the "
+                             f"lower precision (exact equality across precisions: {kn.pct(s.unchanged_exact)})"))
+    elif finite(s.unchanged_exact) is not None:
+        note = (f"both stored in {s.comparison_dtype}; every threshold in the table below"
+                if s.comparison_dtype else "every threshold in the table below")
+        items.append(kn.item("Weights exactly unchanged", kn.pct(s.unchanged_exact), note))
+    if finite(s.auc) is not None:
+        k = (s.overlap_settings or {}).get("topk_percent") or next(
+            (row.get("k_percent") for row in s.overlap or [] if row.get("k_percent")), None)
+        top = f"top-{kn.fmt(k)}%" if k is not None else "top-k"
+        items.append(kn.item(f"Fisher AUC for the {top} |delta| coordinates", kn.fmt(s.auc),
+                           "0.5 = chance, 1 = the Fisher ranks them all first"))
+    if finite(s.changed_auc) is not None:
+        items.append(kn.item("Fisher AUC for changed-at-all coordinates", kn.fmt(s.changed_auc), "0.5 = chance"))
+    if "auc" not in s.model_fields_set:
+        items.append(kn.item("Fisher AUC", "not computed", "the diff was run without a Fisher"))
+    out["table"] = _unchanged_table(s)

@@ -7,11 +7,13 @@ from typing import Any
 
 import plotly.graph_objects as go
 
-from compute.contract.results import CONCENTRATION, FisherResult, TypedResult
+from compute.contract.results import TypedResult
+from compute.jobs.fisher import CONCENTRATION, FisherResult
 
-from .common import Table, empty_figure, fmt, heatmap_figure, layout, rows_table
+from . import keynumbers as kn
+from .common import Table, empty_figure, finite, fmt, heatmap_figure, layout, rows_table
 from .layers import has_value, layer_module_heatmap, per_layer_bars
-from .registry import figure, table
+from .registry import figure, key_numbers, table
 
 
 def _layer_module(r: FisherResult, value: str, title: str) -> go.Figure | None:
@@ -68,3 +70,36 @@ def exact_output_table(r: TypedResult[Any]) -> Table:
         return [], []
     return rows_table([{"param": k, **v.model_dump()} for k, v in rows.items()],
                       ("param", "relative_l1_error", "mc_mass", "exact_mass"))
+
+
+# ---------------------------------------------------------------- key numbers
+
+
+@key_numbers("fisher")
+def key_numbers_fisher(r: FisherResult, out: dict[str, Any]) -> None:
+    s = r.summary
+    items = out["items"]
+    if finite(s.top1_share) is not None:
+        items.append(kn.item("Fisher mass in the top 1% of coordinates", kn.pct(s.top1_share), "uniform would be 1%"))
+    if finite(s.top10_share) is not None:
+        items.append(kn.item("Fisher mass in the top 10%", kn.pct(s.top10_share)))
+    if finite(s.gini) is not None:
+        items.append(kn.item("Gini coefficient", kn.fmt(s.gini), "0 = uniform, 1 = one coordinate"))
+    k, jac = finite(s.split_half_topk_percent), finite(s.split_half_jaccard)
+    if jac is not None:
+        items.append(kn.item(f"Split-half top-{kn.fmt(k)}% Jaccard", kn.fmt(jac), "two independent halves of the samples"))
+    if "split_half_jaccard" in s.model_fields_set:
+        out["verdict"] = kn.jaccard_verdict(jac, k)
+    if s.n_samples is not None:
+        items.append(kn.item("Samples", kn.fmt(s.n_samples), str(s.estimator or "")))
+    perr = s.precision_error or {}
+    if finite(perr.get("relative_l1")) is not None:
+        out["warnings"].append(
+            f"Computed in {s.compute_dtype}: relative L1 error {kn.fmt(perr['relative_l1'])} against float32 "
+            f"(worst tensor {kn.fmt(perr.get('worst_tensor_relative_l1'))}, "
+            f"top-{kn.fmt(perr.get('topk_percent'))}% overlap {kn.fmt(perr.get('topk_jaccard'))}) on the same "
+            f"{perr.get('rows')} completions; rerun with dtype float32 for the exact Fisher.")
+    errs = [e for v in (s.exact_output or {}).values() if (e := finite(v.relative_l1_error)) is not None]
+    if errs:
+        items.append(kn.item("Output layer: relative L1 error vs exact", kn.fmt(max(errs)),
+                           "largest over the output-layer tensors"))

@@ -6,11 +6,14 @@ from typing import Any
 
 import plotly.graph_objects as go
 
-from compute.contract.results import MaskResult, TypedResult
+from compute.contract.results import TypedResult
+from compute.jobs.mask import MaskResult
 
-from .common import heatmap_figure
+from . import keynumbers as kn
+from .common import finite, heatmap_figure
 from .layers import has_value, layer_module_heatmap
-from .registry import figure
+from .registry import figure, key_numbers, table
+from .tables import OVERLAP_TITLE, overlap_table
 
 TITLE = "Mask density by layer x module"
 
@@ -28,3 +31,19 @@ def mask_density_heatmap(r: TypedResult[Any]) -> go.Figure:
 @figure("mask", "mask_density", title=TITLE)
 def mask_density(r: MaskResult) -> go.Figure | None:
     return mask_density_heatmap(r) if r.heatmap("mask_density") or has_value(r, "density") else None
+
+
+table("mask", "overlap", title=OVERLAP_TITLE)(overlap_table)
+
+
+# ---------------------------------------------------------------- key numbers
+
+
+@key_numbers("mask")
+def key_numbers_mask(r: MaskResult, out: dict[str, Any]) -> None:
+    s = r.summary
+    if finite(s.density) is not None:
+        out["items"].append(kn.item("Kept fraction", kn.pct(s.density),
+                                  f"selector {s.select}, asked {kn.pct(s.density_requested)}"))
+    if finite(s.fisher_mass_kept) is not None:
+        out["items"].append(kn.item("Fisher mass kept", kn.pct(s.fisher_mass_kept)))

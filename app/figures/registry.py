@@ -1,5 +1,6 @@
-"""The one list of what a result shows: each job kind registers its named figures and tables here,
-once, in the order a reader should see them (app/figures/<kind>.py).
+"""The one list of what a result shows: each job kind registers its named figures, tables and key
+numbers here, once, in the order a reader should see them (app/figures/<kind>.py, loaded for
+every kind of compute.jobs.registry; app/figures/tables.py registers what every kind shows).
 
     @figure("fisher", "concentration", title="Concentration of the Fisher")
     def concentration(r: FisherResult) -> go.Figure | None: ...
@@ -13,20 +14,24 @@ A stored heatmap is registered by its exact name with `stored_heatmap`.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import plotly.graph_objects as go
 
-from compute.contract.results import TypedResult, parse_result
+from compute.contract.results import TypedResult
+from compute.jobs import registry as kinds
 
 from .common import Table, heatmap_figure
 from .labels import NO_LAYER, name_layers
 
 FigureBuilder = Callable[[Any], go.Figure | None]
 TableBuilder = Callable[[Any], Table]
-KIND_MODULES = ("fisher", "mask", "train", "sweep", "retention", "diff", "tokens", "tables")
+KeyNumbersBuilder = Callable[[Any, dict[str, Any]], None]
+EVERY_KIND = "*"  # registered for every kind, after the kind's own entries
+SHARED_MODULES = ("tables",)  # builders for every kind (EVERY_KIND)
 
 
 @dataclass(frozen=True)
@@ -39,6 +44,7 @@ class Entry:
 
 _FIGURES: dict[str, list[Entry]] = {}
 _TABLES: dict[str, list[Entry]] = {}
+_KEY_NUMBERS: dict[str, KeyNumbersBuilder] = {}
 _loaded: list[bool] = []
 
 
@@ -75,21 +81,56 @@ def stored_heatmap(kind: str, name: str, *, title: str, log: bool | None = None)
     _register(_FIGURES, kind, name, title, build)
 
 
+def key_numbers(kind: str) -> Callable[[KeyNumbersBuilder], KeyNumbersBuilder]:
+    """Register the key-numbers builder of `kind`: build(typed result, out) fills out's "items",
+    "warnings", "verdict" and "table" (app/figures/keynumbers.py)."""
+    def deco(fn: KeyNumbersBuilder) -> KeyNumbersBuilder:
+        if kind in _KEY_NUMBERS:
+            raise ValueError(f"key numbers are registered twice for kind {kind!r}")
+        _KEY_NUMBERS[kind] = fn
+        return fn
+    return deco
+
+
+def figure_module(kind: str) -> str:
+    """The module holding a kind's figures, tables and key numbers."""
+    return f"app.figures.{kind}"
+
+
 def _load() -> None:
     if not _loaded:
-        for mod in KIND_MODULES:
+        for kind in kinds.NAMES:
+            if importlib.util.find_spec(figure_module(kind)) is not None:
+                importlib.import_module(figure_module(kind))
+        for mod in SHARED_MODULES:
             importlib.import_module(f"app.figures.{mod}")
         _loaded.append(True)
+
+
+def _of(book: dict[str, list[Entry]], kind: str) -> list[Entry]:
+    return [*book.get(kind, []), *book.get(EVERY_KIND, [])]
 
 
 def entries(kind: str) -> list[Entry]:
     """The registered figures of a kind, in order (for listings and tests)."""
     _load()
-    return list(_FIGURES.get(kind, []))
+    return _of(_FIGURES, kind)
+
+
+def table_entries(kind: str) -> list[Entry]:
+    """The registered tables of a kind, in order."""
+    _load()
+    return _of(_TABLES, kind)
+
+
+def key_numbers_builder(kind: Any) -> KeyNumbersBuilder | None:
+    """The kind's key-numbers builder, or None (an unknown kind, or none registered)."""
+    _load()
+    return _KEY_NUMBERS.get(kind) if isinstance(kind, str) else None
 
 
 def as_typed(result: TypedResult[Any] | Mapping[str, Any]) -> TypedResult[Any]:
-    return parse_result(result)
+    return kinds.parse_result(result)
 
 
 def _has_unnamed_layer(fig: go.Figure) -> bool:
@@ -122,9 +163,8 @@ def figures_for(result: TypedResult[Any] | Mapping[str, Any]) -> list[tuple[str,
 def tables_for(result: TypedResult[Any] | Mapping[str, Any]) -> list[tuple[str, Table]]:
     """(title, (headers, rows)) for every registered table with rows, in registration order."""
     r = as_typed(result)
-    _load()
     out = []
-    for e in _TABLES.get(r.kind, []):
+    for e in table_entries(r.kind):
         t = e.build(r)
         if t[1]:
             out.append((e.title, t))

@@ -8,17 +8,12 @@ from typing import Any
 
 import plotly.graph_objects as go
 
-from compute.contract.results import (
-    HELDOUT,
-    RETENTION,
-    TRAIN_REWARD,
-    RetentionResult,
-    RetentionRow,
-    TypedResult,
-)
+from compute.contract.results import TypedResult
+from compute.jobs.retention import HELDOUT, RETENTION, TRAIN_REWARD, RetentionResult, RetentionRow
 
+from . import keynumbers as kn
 from .common import Table, curves_figure, finite, fmt, layout, rows_table
-from .registry import figure, stored_heatmap, table
+from .registry import figure, key_numbers, stored_heatmap, table
 
 TABLE_COLUMNS = ("selector", "density", "actual_density", "reward_mean", "reward_ci", "reward_se",
                  "reward_std", "retention", "retention_ci", "retention_ci_seeds",
@@ -136,3 +131,58 @@ def training(r: RetentionResult) -> go.Figure | None:
 
 
 stored_heatmap("retention", "retention", title="Retention by selector and density (mean over seeds)")
+
+
+# ---------------------------------------------------------------- key numbers
+
+
+def _retention_warning(r: RetentionResult, out: dict[str, Any]) -> None:
+    s = r.summary
+    base, full, spread = finite(s.base_reward), finite(s.full_reward_mean), finite(s.full_reward_std)
+    if s.retention_valid is False and s.warning:  # compute.retention's own test
+        out["warnings"].append(f"No retention reported: {s.warning}")
+    elif base is not None and full is not None:
+        if full <= base:
+            out["warnings"].append(
+                f"Full training did not beat the base model (full {kn.fmt(full)} <= base {kn.fmt(base)}): "
+                "retention = (masked - base) / (full - base) has no meaning here.")
+        elif spread is not None and full - base <= spread:
+            out["warnings"].append(
+                f"Full training beat the base by {kn.fmt(full - base)}, within one seed spread "
+                f"({kn.fmt(spread)}): retention ratios are noisy.")
+
+
+def _ci(v: Any) -> str:
+    return f"[{kn.fmt(v[0])}, {kn.fmt(v[1])}]" if isinstance(v, list) and len(v) == 2 else "n/a"
+
+
+def _retention_table(rows: list[RetentionRow], confidence: float | None) -> dict[str, Any]:
+    if rows and "retention_ci" in rows[0].model_fields_set:  # ratio of means with bootstrap intervals
+        conf = f"{float(confidence or 0.95):.0%}"
+        return {
+            "headers": ["selector", "density", f"held-out reward [{conf} CI]", "retention",
+                        f"{conf} CI (seeds + prompts)"],
+            "rows": [[row.selector, kn.fmt(row.density), f"{kn.fmt(row.reward_mean)} {_ci(row.reward_ci)}",
+                      kn.fmt(row.retention), _ci(row.retention_ci)] for row in rows],
+        }
+    return {
+        "title": "Retention by selector and density (mean +- spread over seeds)",
+        "headers": ["selector", "density", "held-out reward", "retention", "retention of means"],
+        "rows": [[row.selector, kn.fmt(row.density), f"{kn.fmt(row.reward_mean)} +- {kn.fmt(row.reward_std)}",
+                  f"{kn.fmt(row.retention_mean)} +- {kn.fmt(row.retention_std)}", kn.fmt(row.retention_of_means)]
+                 for row in rows],
+    }
+
+
+@key_numbers("retention")
+def key_numbers_retention(r: RetentionResult, out: dict[str, Any]) -> None:
+    s = r.summary
+    base, full, spread = finite(s.base_reward), finite(s.full_reward_mean), finite(s.full_reward_std)
+    if base is not None:
+        out["items"].append(kn.item("Base model held-out reward", kn.fmt(base)))
+    if full is not None:
+        out["items"].append(kn.item("Full training held-out reward",
+                                  kn.fmt(full) + (f" +- {kn.fmt(spread)}" if spread is not None else ""),
+                                  f"{len(s.full_rewards or [])} seeds"))
+    _retention_warning(r, out)
+    out["table"] = _retention_table(list(s.rows), s.confidence)

@@ -1,9 +1,9 @@
 """Figures built once: a finished job's figures, tables and key numbers as one JSON file.
 
 Results are immutable once a job has finished, so what a result view shows is built the first
-time anyone asks for it (share page or UI) and kept as `<artifact root>/<job id>/share-figures.json`
-(written atomically: temp file, fsync, rename). Every later viewer, in any process, reads that
-file. The file records the job's `finished_at` and `FIGURES_KEY`, a hash of the code that draws
+time anyone asks for it (share page or UI) and kept as the artifact `<job id>/share-figures.json`
+in the artifact store (storage.artifacts.open_store: the folder, written atomically, or object
+storage). Every later viewer, in any process and on any machine, reads that file. The file records the job's `finished_at` and `FIGURES_KEY`, a hash of the code that draws
 (this package, the result schemas, the layer x module aggregation, the plotly version): when that
 code changes, the next view rebuilds it, so figures registered later show up on old results too.
 
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import math
 import threading
 from collections.abc import Callable
@@ -28,6 +29,9 @@ from app.figures.labels import name_layer_cells, name_layers
 from app.figures.registry import entries, figures_for, tables_for
 from compute import analysis
 from compute.contract import results as contract
+from compute.jobs import registry
+
+log = logging.getLogger("fisherlens.figures")
 
 FILENAME = "share-figures.json"
 # Job fields a result page may show: never `error` (an operator-only traceback) or `worker`.
@@ -38,7 +42,8 @@ PUBLIC_JOB_FIELDS = ("id", "kind", "status", "spec", "share_token", "created_at"
 def _code_key(extra: str = "") -> str:
     h = hashlib.sha256(f"plotly {plotly.__version__}\n{extra}".encode())
     here = Path(__file__).resolve().parent
-    drawing = [Path(contract.__file__).resolve(), Path(analysis.__file__).resolve()]
+    drawing = [Path(contract.__file__).resolve(), Path(analysis.__file__).resolve(),
+               *sorted(Path(registry.__file__).resolve().parent.glob("*.py"))]  # the kinds' contracts
     for path in [*drawing, *sorted(here.glob("*.py"))]:
         h.update(path.name.encode() + b"\0" + path.read_bytes())
     return h.hexdigest()[:16]
@@ -60,7 +65,7 @@ def build_payload(result: dict[str, Any]) -> dict[str, Any]:
     named layers), tables. `result` is the dict of `services.result_by_token`."""
     job = result.get("job") or {}
     kind = result.get("kind") or job.get("kind")
-    typed = contract.parse_result(result) if kind in contract.KINDS else None
+    typed = registry.parse_result(result) if kind in registry.KINDS else None
     titles = {e.name: e.title for e in entries(str(kind))} if typed else {}
     figures = []
     for name, fig in figures_for(typed) if typed else []:
@@ -91,21 +96,30 @@ def _finite(obj: Any) -> Any:
 
 
 class FigureStore:
-    """Read-or-build of the payload file of finished jobs under one artifact root."""
+    """Read-or-build of the payload file of finished jobs in one artifact store (a folder path
+    is the folder store at that root)."""
 
-    def __init__(self, root: Path | str):
-        self.root = Path(root)
+    def __init__(self, store: Any):
+        from storage.artifacts import ArtifactStore
+
+        self.store = ArtifactStore(store) if isinstance(store, Path | str) else store
         self._guard = threading.Lock()
         self._locks: dict[int, threading.Lock] = {}
 
-    def path(self, job_id: int) -> Path:
-        return self.root / str(int(job_id)) / FILENAME
+    @staticmethod
+    def rel_path(job_id: int) -> str:
+        return f"{int(job_id)}/{FILENAME}"
 
     def read(self, job_id: int, finished_at: str | None) -> dict[str, Any] | None:
         """The stored payload if it was built for this job, finish time and drawing code."""
+        from storage.artifacts import ArtifactStoreUnavailable
+
         try:
-            payload = json.loads(self.path(job_id).read_bytes())
-        except (OSError, ValueError):
+            data = self.store.read_bytes(self.rel_path(job_id))
+            payload = json.loads(data) if data is not None else None
+        except (OSError, ValueError, ArtifactStoreUnavailable):
+            return None
+        if not isinstance(payload, dict):
             return None
         job = payload.get("job") or {}
         if (payload.get("figures_key") != FIGURES_KEY or job.get("id") != job_id
@@ -136,10 +150,15 @@ class FigureStore:
             return payload
 
     def write(self, job_id: int, payload: dict[str, Any]) -> None:
-        from storage.artifacts import ArtifactStore
+        """Store the payload; an object store that cannot be reached only costs a rebuild at
+        the next view (the page is served from the payload in hand)."""
+        from storage.artifacts import ArtifactStoreUnavailable
 
         data = json.dumps(_finite(payload), separators=(",", ":"), allow_nan=False).encode()
-        ArtifactStore(self.root).save_bytes(job_id, FILENAME, data)
+        try:
+            self.store.save_bytes(job_id, FILENAME, data)
+        except ArtifactStoreUnavailable:
+            log.exception("figures of job %s not stored", job_id)
 
 
 _stores: dict[str, FigureStore] = {}
@@ -147,10 +166,13 @@ _stores_guard = threading.Lock()
 
 
 def store_for(settings: Any) -> FigureStore:
-    """One FigureStore per artifact root in this process (it holds the per-job build locks;
+    """One FigureStore per artifact store in this process (it holds the per-job build locks;
     no user data)."""
-    root = str(settings.artifacts_dir)
+    from storage.artifacts import open_store
+
+    store = open_store(settings)
+    key = store.describe()
     with _stores_guard:
-        if root not in _stores:
-            _stores[root] = FigureStore(root)
-        return _stores[root]
+        if key not in _stores:
+            _stores[key] = FigureStore(store)
+        return _stores[key]

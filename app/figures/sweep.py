@@ -6,10 +6,12 @@ from typing import Any
 
 import plotly.graph_objects as go
 
-from compute.contract.results import PRECISIONS, SWEEP_METRICS, SweepPoint, SweepResult, TypedResult
+from compute.contract.results import PRECISIONS, TypedResult
+from compute.jobs.sweep import SWEEP_METRICS, SweepPoint, SweepResult
 
+from . import keynumbers as kn
 from .common import Table, cell, empty_figure, finite, layout
-from .registry import figure, stored_heatmap, table
+from .registry import figure, key_numbers, stored_heatmap, table
 
 SWEEP_COLUMNS = ("precision", "optimizer", "lr", "unchanged_bf16", "unchanged_exact",
                  "unchanged_bf16delta_atol_1e-05", "unchanged_atol_1e-05", "fisher_auc_changed",
@@ -117,3 +119,20 @@ def sweep_table(r: TypedResult[Any]) -> Table:
     """One row per sweep point (empty for other results)."""
     rows = [p.model_dump() for p in _points(r)]
     return list(SWEEP_COLUMNS), [[cell(p.get(c)) for c in SWEEP_COLUMNS] for p in rows]
+
+
+# ---------------------------------------------------------------- key numbers
+
+
+@key_numbers("sweep")
+def key_numbers_sweep(r: SweepResult, out: dict[str, Any]) -> None:
+    pts = r.summary.points
+    if not pts:
+        return
+    out["items"].append(kn.item("Points (lr x optimizer x precision)", str(len(pts))))
+    out["table"] = {
+        "title": "Unchanged fraction (bf16) and Fisher AUC per point",
+        "headers": ["precision", "optimizer", "lr", "unchanged (bf16)", "Fisher AUC changed", "reward after"],
+        "rows": [[p.precision, p.optimizer, f"{p.lr:g}", kn.pct(p.unchanged_bf16), kn.fmt(p.fisher_auc_changed),
+                  kn.pct(p.reward_after)] for p in pts],
+    }

@@ -6,16 +6,18 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from compute.contract.results import KINDS, TypedResult
+from compute.contract.results import TypedResult
 
 from .common import Table, cell, rows_table
-from .registry import table
+from .registry import EVERY_KIND, table
 
 OVERLAP_COLUMNS = ("scope", "metric", "k_percent", "precision_at_k", "auc", "jaccard", "jaccard_random",
                    "spearman", "value")
 
 
-@table(("diff", "mask"), "overlap", title="Overlap (Fisher vs update)")
+OVERLAP_TITLE = "Overlap (Fisher vs update)"  # registered by app/figures/diff.py and mask.py
+
+
 def overlap_table(r: TypedResult[Any]) -> Table:
     """Fisher-vs-update overlap metrics (precision@k, AUC, Jaccard vs its random baseline...):
     a diff's "overlap" rows, a mask's "overlap_with_fisher_topk"."""
@@ -26,7 +28,7 @@ def overlap_table(r: TypedResult[Any]) -> Table:
     return rows_table(rows, OVERLAP_COLUMNS)
 
 
-@table(KINDS, "summary", title="Summary")
+@table(EVERY_KIND, "summary", title="Summary")
 def summary_table(r: TypedResult[Any]) -> Table:
     """Flat scalar entries of the summary (nested objects shown as text)."""
     rows: list[list[Any]] = []

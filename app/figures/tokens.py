@@ -8,11 +8,13 @@ from typing import Any
 
 import plotly.graph_objects as go
 
-from compute.contract.results import SIMILARITY, TOKEN_SETS, TokenRow, TokensResult, TypedResult
+from compute.contract.results import TypedResult
+from compute.jobs.tokens import SIMILARITY, TOKEN_SETS, TokenRow, TokensResult
 
+from . import keynumbers as kn
 from .common import empty_figure, finite, fmt, heatmap_figure, layout
 from .layers import has_value, layer_module_heatmap
-from .registry import figure
+from .registry import figure, key_numbers
 
 COLOURS = {"top": "#1f77b4", "random": "#ff7f0e", "low": "#2ca02c"}
 
@@ -124,3 +126,16 @@ def fisher_share(r: TokensResult) -> go.Figure | None:
     if not has_value(r, "share"):
         return None
     return layer_module_heatmap(r, "share", title="This position's Fisher: share by layer x module (log colour scale)")
+
+
+# ---------------------------------------------------------------- key numbers
+
+
+@key_numbers("tokens")
+def key_numbers_tokens(r: TokensResult, out: dict[str, Any]) -> None:
+    s = r.summary
+    if s.top_tokens:
+        best = max(s.top_tokens, key=lambda t: finite(t.prob) or 0.0)
+        out["items"].append(kn.item("Most likely next token", repr(best.token), f"p = {kn.fmt(best.prob)}"))
+    if finite(s.entropy) is not None:
+        out["items"].append(kn.item("Next-token entropy", kn.fmt(s.entropy), "nats"))

@@ -7,7 +7,8 @@ from typing import Any
 
 import plotly.graph_objects as go
 
-from compute.contract.results import (
+from compute.contract.results import TypedResult
+from compute.jobs.train import (
     BOUND_HIST,
     BOUND_POINTS,
     CONCENTRATION_AUC,
@@ -15,11 +16,11 @@ from compute.contract.results import (
     EVAL_ACCURACY,
     TRAIN,
     TrainResult,
-    TypedResult,
 )
 
+from . import keynumbers as kn
 from .common import MAX_POINTS, curves_figure, downsample, empty_figure, finite, fmt, layout
-from .registry import figure, stored_heatmap
+from .registry import figure, key_numbers, stored_heatmap
 
 HELDOUT_ACCURACY = "held-out accuracy (greedy)"
 TARGET_TITLES = {"grad_sq_sum": "the run's summed squared gradient (top-k)",
@@ -103,3 +104,48 @@ stored_heatmap("train", BOUND_HIST, log=True,
                title="Coordinates by log10 |gradient| (rows) and log10 sqrt(Fisher) (columns)")
 for _name, _target in zip(CONCENTRATION_AUC, CONCENTRATION_TARGETS, strict=True):
     stored_heatmap("train", _name, title=f"Initial Fisher as a predictor of {TARGET_TITLES[_target]}: ROC-AUC")
+
+
+# ---------------------------------------------------------------- key numbers
+
+
+@key_numbers("train")
+def key_numbers_train(r: TrainResult, out: dict[str, Any]) -> None:
+    s = r.summary
+    items = out["items"]
+    before, after = finite(s.accuracy_before), finite(s.accuracy_after)
+    if before is not None and after is not None:
+        n = (s.eval or {}).get("prompts")
+        note = f"greedy, {n} held-out prompts" if n else "greedy, held-out prompts"
+        items.append(kn.item("Held-out accuracy before -> after",
+                           f"{kn.pct(before)} -> {kn.pct(after)} ({'+' if after >= before else ''}"
+                           f"{100 * (after - before):.3g} points)", note))
+        if after <= before:
+            out["warnings"].append("Training did not improve held-out accuracy.")
+    curve = r.curves(TRAIN).get("reward")
+    if curve is not None and len(curve[0]) >= 2:
+        (xs, ys) = curve
+        items.append(kn.item("Sample reward, first -> last step", f"{kn.fmt(ys[0])} -> {kn.fmt(ys[-1])}",
+                           f"steps {kn.fmt(xs[0])} and {kn.fmt(xs[-1])}"))
+    if finite(s.trainable_fraction) is not None:
+        items.append(kn.item("Trainable fraction (mask density)", kn.pct(s.trainable_fraction)))
+    us = s.update_sparsity or {}
+    if finite(us.get("unchanged_exact")) is not None:
+        # both sides are the stored weights (the base rounded like the checkpoint): exact fits
+        dt = us.get("stored_dtype")
+        note = f"{dt} checkpoint vs the base stored alike" if dt else ""
+        items.append(kn.item("Stored weights exactly unchanged", kn.pct(us["unchanged_exact"]), note))
+    _bound_item(r, out)
+
+
+def _bound_item(r: TrainResult, out: dict[str, Any]) -> None:
+    """Violations of |g| <= sqrt(E A^2) sqrt(F) against the independent Fisher: the same
+    sentence as the bound figure's title (bound_holds_text)."""
+    b = r.summary.bound or {}
+    if "bound_violations" not in b:
+        return
+    text = bound_holds_text(r)
+    if text:
+        v = b["bound_violations"]
+        out["items"].append(kn.item("Cauchy-Schwarz bound, first batch", f"{v:,} violations",
+                                    text + "; Fisher from independent samples"))

@@ -20,11 +20,12 @@ from app.services.jobs import (
     submit,
     trained_models,
 )
-from app.services.results import artifact_path, result_by_id, result_by_token
+from app.services.results import artifact_path, artifact_url, result_by_id, result_by_token
 from app.services.validation import check_spec, validate
 
 __all__ = [
     "artifact_path",
+    "artifact_url",
     "cancel",
     "check_spec",
     "get_job",

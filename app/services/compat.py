@@ -8,6 +8,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from compute.contract.shapes import mismatch
+
 Shapes = dict[str, tuple[int, ...]]
 
 
@@ -69,17 +71,6 @@ def shapes(path: Path) -> Shapes | None:
     return out
 
 
-def _fits(part: Shapes, whole: Shapes, whose: str) -> str | None:
-    """Why tensors `part` (a Fisher or mask) do not belong to checkpoint `whole`, or None."""
-    for name, shape in part.items():
-        if name not in whole:
-            if name.endswith("lm_head.weight"):  # tied output layer: saved once, as the embedding
-                continue
-            return f"parameter {name!r} is not in {whose}; was it made for another model?"
-        if whole[name] != shape:
-            return (f"parameter {name!r} has shape {list(shape)} here but {list(whole[name])} "
-                    f"in {whose}")
-    return None
 
 
 def _vocab(folder: Path) -> dict[str, int] | None:
@@ -95,29 +86,29 @@ def _vocab(folder: Path) -> dict[str, int] | None:
     return {**vocab, **{t["content"]: t["id"] for t in tok.get("added_tokens") or []}}
 
 
-def compatibility(kind: str, found: dict[str, Path], algo: str | None) -> list[dict[str, str]]:
+def compatibility(found: dict[str, Path], algo: str | None) -> list[dict[str, str]]:
     """What the worker would refuse about two references together (`found`: field -> local
-    model folder or artifact file), as field errors."""
+    model folder or artifact file), as field errors. By field, whatever the kind: a Fisher or
+    mask must fit the model it is used with (or the checkpoints it is compared with), a tuned
+    checkpoint its base."""
     got = {f: shapes(p) for f, p in found.items()}
     errors = []
 
     def check(field: str, model_field: str, whose: str) -> None:
         part, whole = got.get(field), got.get(model_field)
         if part is not None and whole is not None:
-            why = _fits(part, whole, whose)
+            why = mismatch(part, whole, f"the {field}", whose, tied_ok=True)
             if why:
                 errors.append({"field": field, "message": why})
 
-    if kind in ("mask", "train"):
-        check("fisher", "model", "the model")
-        check("mask", "model", "the model")
-    if kind == "diff":
-        base, tuned = got.get("base"), got.get("tuned")
-        if base is not None and tuned is not None:
-            why = _fits(tuned, base, "base") or _fits(base, tuned, "tuned")
-            if why:
-                errors.append({"field": "tuned", "message": "different architecture: " + why})
-        check("fisher", "base", "the checkpoints")
+    check("fisher", "model", "the model")
+    check("mask", "model", "the model")
+    base, tuned = got.get("base"), got.get("tuned")
+    if base is not None and tuned is not None:
+        why = mismatch(base, tuned, "base", "tuned", both=True, tied_ok=True)
+        if why:
+            errors.append({"field": "tuned", "message": "different architecture: " + why})
+    check("fisher", "base", "the checkpoints")
     if algo == "opd" and "teacher" in found and "model" in found:
         vs, vt = _vocab(found["model"]), _vocab(found["teacher"])
         if vs is not None and vt is not None and vs != vt:

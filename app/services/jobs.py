@@ -9,7 +9,6 @@ from sqlalchemy.orm import Session
 from app.services.common import public, sessions
 from app.services.validation import validate
 from compute.celery_app import send_job
-from compute.contract.specs import parse_spec
 from storage import repo
 from storage import users as user_repo
 from storage.models import FINAL_STATUSES, revision_digest
@@ -25,9 +24,8 @@ def submit(settings: Any, kind: str, data: dict[str, Any], *, reuse: bool = True
 
     user = auth.current_user(settings)  # accounts: owner, quotas and cost ceiling (app/limits.py)
     limits.check_spec_size(data, max_keys=settings.max_spec_keys, max_string=settings.max_spec_string)
-    auth.check_refs_owned(settings, user, kind, parse_spec(kind, data))
-    spec, parts = validate(settings, kind, data)
-    limits.check_cost(limits.estimate(settings, kind, spec), user.max_job_cost)
+    spec, parts, refs = validate(settings, kind, data, user)  # every reference resolved, owners too
+    limits.check_cost(limits.estimate(settings, kind, spec, refs=refs), user.max_job_cost)
     spec_hash = spec.spec_hash()
     revision = revision_digest(parts)
     with sessions(settings)() as s:
@@ -47,6 +45,7 @@ def submit(settings: Any, kind: str, data: dict[str, Any], *, reuse: bool = True
             spec_hash=spec_hash,
             model_revision=revision,
             revisions=parts,
+            refs={f: r.stored() for f, r in refs.items()},
         )
         out = repo.job_dict(job)
     _queue(settings, out["id"])

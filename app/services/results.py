@@ -39,20 +39,40 @@ def result_by_id(settings: Any, job_id: int) -> dict[str, Any] | None:
         return _result(settings, s, visible_job(settings, s, job_id))
 
 
-def artifact_path(settings: Any, token: str, kind: str) -> Path | None:
-    """The verified file of a job's artifact (for downloads), or None when there is none.
-    Raises FileNotFoundError when the file is gone (HTTP 410) and
-    storage.artifacts.ArtifactError when it does not match its sha256 (HTTP 409)."""
-    from storage.artifacts import ArtifactStore
-
+def _artifact_row(settings: Any, token: str, kind: str) -> Any:
     with sessions(settings)() as s:
         job = _readable_by_token(settings, s, token)
         if job is None:
             return None
-        art = repo.get_artifact(session=s, job_id=job.id, kind=kind)
-        if art is None:
-            return None
-        store = ArtifactStore(settings.artifacts_dir)
-        if not store.resolve(art.path).exists():
-            raise FileNotFoundError(f"artifact {kind} of job {job.id} is no longer stored")
-        return store.verify(art.path, art.sha256)
+        return repo.get_artifact(session=s, job_id=job.id, kind=kind)
+
+
+def artifact_path(settings: Any, token: str, kind: str) -> Path | None:
+    """The verified file of a job's artifact (for downloads), or None when there is none: the
+    stored file itself (folder store) or this machine's cached copy (object store).
+    Raises FileNotFoundError when the file is gone (HTTP 410),
+    storage.artifacts.ArtifactError when it does not match its sha256 (HTTP 409) and
+    storage.artifacts.ArtifactStoreUnavailable when the store cannot be reached (HTTP 503)."""
+    from storage.artifacts import ArtifactMissing, open_store
+
+    art = _artifact_row(settings, token, kind)
+    if art is None:
+        return None
+    try:
+        return open_store(settings).fetch(art.path, art.sha256)
+    except ArtifactMissing:
+        raise FileNotFoundError(f"artifact {kind} of job {art.job_id} is no longer stored") from None
+
+
+def artifact_url(settings: Any, token: str, kind: str, filename: str) -> str | None:
+    """A short-lived presigned URL of a single-file artifact in object storage, when
+    ARTIFACT_DOWNLOAD_REDIRECT is on and the store makes them; None otherwise (stream instead)."""
+    from storage.artifacts import open_store
+
+    if not settings.artifact_download_redirect:
+        return None
+    art = _artifact_row(settings, token, kind)
+    if art is None or art.is_dir:
+        return None
+    return open_store(settings).download_url(art.path, art.sha256, filename,
+                                             settings.artifact_presign_s)

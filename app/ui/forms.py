@@ -17,7 +17,8 @@ from typing import Any, Literal
 import gradio as gr
 
 from compute.contract.spec_fields import FieldInfo
-from compute.contract.specs import SPECS, SpecError, describe_fields
+from compute.contract.specs import SpecError, describe_fields
+from compute.jobs import registry
 
 Widget = Literal["int", "float", "bool", "choice", "choices", "floats", "text"]
 NONE_LABEL = "(none)"  # the blank choice of an optional dropdown; submitted as "" (= the default)
@@ -64,7 +65,7 @@ def _widget(f: FieldInfo) -> Widget:
 
 @functools.cache
 def _fields(kind: str) -> dict[str, FieldInfo]:
-    return {f.name: f for f in describe_fields(SPECS[kind])}
+    return {f.name: f for f in describe_fields(registry.get(kind).spec)}
 
 
 def describe(kind: str, name: str) -> FieldDesc:
@@ -141,8 +142,8 @@ def opt_number(text: Any, field: str, integer: bool = False) -> int | float | No
 
 
 def _is_int_field(name: str) -> bool:
-    for cls in SPECS.values():
-        f = cls.model_fields.get(name)
+    for k in registry.KINDS.values():
+        f = k.spec.model_fields.get(name)
         if f is not None and "int" in str(f.annotation) and "float" not in str(f.annotation):
             return True
     return False

@@ -1,6 +1,7 @@
 """One job form, generated from its spec (app/ui/forms.py): the fields a tab names first, every
 other spec field under "More settings" (blank = the spec default), a cost line, a submit button.
-The per-kind modules (fisher.py, mask.py, train.py, ...) only say which fields come first."""
+Which fields come first, the tab's label and the button are the kind's `form`
+(compute/jobs/<kind>.py); `form_defs()` lists every kind that has one, in the registry's order."""
 
 from __future__ import annotations
 
@@ -14,9 +15,9 @@ from app.ui import forms
 from app.ui.common import MODEL_FIELDS, NONE_CHOICE, TASKS, submit_and_show
 from app.ui.snippets import errors_html, esc
 from compute.contract.specs import SpecError
+from compute.jobs import registry
 
 ROW = 5  # inputs per row
-REF_KINDS = {"fisher": "fisher", "mask": "mask"}  # reference fields -> the job kind they name
 
 
 @dataclass(frozen=True)
@@ -29,6 +30,20 @@ class FormDef:
     button: str
     cost: bool = True  # show the cost estimate line
     values: dict[str, Any] = field(default_factory=dict)  # starting values other than the default
+
+
+def form_defs() -> list[FormDef]:
+    """The New job forms: every registered kind with a `form`, in the registry's order."""
+    return [FormDef(k.name, k.form.tab, tuple(k.form.main), k.form.button, k.form.cost, dict(k.form.values))
+            for k in registry.KINDS.values() if k.form is not None]
+
+
+def ref_kind(kind: str, name: str) -> str | None:
+    """The job kind a job-reference dropdown of field `name` lists (the first kind providing its
+    target: a Fisher for `fisher`, a mask for `mask`), or None when `name` is not such a field."""
+    target = registry.get(kind).refs.get(name)
+    providers = registry.producers(target) if target not in (None, "model") else ()  # type: ignore[arg-type]
+    return providers[0] if providers else None
 
 
 @dataclass
@@ -54,8 +69,9 @@ def field_input(kind: str, name: str, *, blank: bool = False, value: Any = None)
     if name in MODEL_FIELDS:
         return gr.Dropdown(label=d.label, info=d.help, allow_custom_value=True, elem_id=eid,
                            choices=[NONE_CHOICE] if d.optional else [])
-    if name in REF_KINDS and d.widget == "text":
-        return gr.Dropdown(label=f"{d.label} (a succeeded {REF_KINDS[name]} job)", info=d.help,
+    listed = ref_kind(kind, name)
+    if listed is not None and d.widget == "text":
+        return gr.Dropdown(label=f"{d.label} (a succeeded {listed} job)", info=d.help,
                            choices=[NONE_CHOICE], value="", allow_custom_value=True, elem_id=eid)
     if name == "task":
         return gr.Dropdown(TASKS, value=None if blank else d.default, label=d.label, info=d.help,
@@ -82,8 +98,8 @@ def build_form(d: FormDef) -> Form:
     msg = gr.HTML(elem_id=f"{d.kind}-msg")
     names = list(comps)
     models = [(comps[n], forms.describe(d.kind, n).optional) for n in names if n in MODEL_FIELDS]
-    refs = [(comps[n], REF_KINDS[n]) for n in names
-            if n in REF_KINDS and forms.describe(d.kind, n).widget == "text"]
+    refs = [(comps[n], listed) for n in names
+            if (listed := ref_kind(d.kind, n)) is not None and forms.describe(d.kind, n).widget == "text"]
     return Form(d, names, [comps[n] for n in names], button, msg, cost, models, refs)
 
 

@@ -10,7 +10,7 @@ import gradio as gr
 
 from app import services
 from app.ui.snippets import esc, jobs_table_html, note_html
-from compute.contract.specs import SPECS
+from compute.jobs.registry import NAMES
 from storage.models import JOB_STATUSES
 
 
@@ -29,7 +29,7 @@ class JobsTab:
 
 def build() -> JobsTab:
     with gr.Row():
-        kind = gr.Dropdown([("all kinds", ""), *[(k, k) for k in SPECS]], value="", label="kind")
+        kind = gr.Dropdown([("all kinds", ""), *[(k, k) for k in NAMES]], value="", label="kind")
         status = gr.Dropdown([("any status", ""), *[(s, s) for s in JOB_STATUSES]], value="", label="status")
         owner = gr.Dropdown([("my jobs", "me"), ("all users", "all")], value="me", label="owner",
                             visible=False, elem_id="jobs-owner")

@@ -15,22 +15,10 @@ from typing import Any
 
 import gradio as gr
 
-from app.ui import (
-    compare,
-    diff,
-    fisher,
-    jobs,
-    mask,
-    models,
-    result,
-    retention,
-    sweep,
-    tokens,
-    train,
-)
+from app.ui import compare, jobs, models, result, tokens
 from app.ui.common import who_am_i
 from app.ui.figs import PLOTLY_HEAD
-from app.ui.formtab import Form, build_form, cost, submit
+from app.ui.formtab import Form, build_form, cost, form_defs, submit
 from app.ui.page import (
     COPY_JS,
     URL_JS,
@@ -43,7 +31,6 @@ from app.ui.page import (
 )
 
 POLL_S = 1.5
-FORMS = (fisher.FORM, mask.FORM, train.FORM, retention.FORM, sweep.FORM, diff.FORM)
 HEADER = ("<div class='fl-header'><a href='/' class='fl-logo'>fisherlens</a>"
           "<span class='fl-tagline'>why post-training updates so few parameters, through the "
           "diagonal Fisher</span><a class='fl-apidocs' href='/api/docs' target='_blank'>REST API</a></div>")
@@ -97,7 +84,7 @@ def build_ui(settings: Any) -> gr.Blocks:
             with gr.Tab("New job", id="new", elem_id="tab-new") as tab_new:
                 with gr.Tabs():
                     built = []
-                    for d in FORMS:
+                    for d in form_defs():  # one sub-tab per registered kind with a form
                         with gr.Tab(d.title, id=f"f-{d.kind}"):
                             built.append(build_form(d))
             with gr.Tab("Jobs", id="jobs", elem_id="tab-jobs") as tab_jobs:

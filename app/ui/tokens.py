@@ -17,7 +17,9 @@ from app.ui.formtab import field_input
 from app.ui.result import job_by_token, stored_payload
 from app.ui.snippets import downloads_html, errors_html, progress_html
 from compute.contract.specs import SpecError
+from compute.jobs.tokens import KIND
 
+TOKENS = KIND.name  # the job kind this tab submits
 FIELDS = ("model", "context", "top_k", "layer", "random_k")
 
 
@@ -38,7 +40,7 @@ def build() -> TokensTab:
                 "their parameter-sensitivity vectors, and each token's share of the Fisher "
                 "(random tokens for contrast). Click a token to extend the context.")
     with gr.Row():
-        inputs = [field_input("tokens", n, value="12+34=" if n == "context" else None) for n in FIELDS]
+        inputs = [field_input(TOKENS, n, value="12+34=" if n == "context" else None) for n in FIELDS]
     button = gr.Button("Explore", variant="primary", elem_id="tokens-submit")
     msg = gr.HTML()
     progress = gr.HTML(elem_id="tokens-progress", elem_classes=["fl-quiet"])
@@ -58,13 +60,13 @@ def poll_outputs(t: TokensTab, sig: Any) -> list[Any]:
 def run_tokens(settings: Any, *values: Any) -> tuple[str, Any, str]:
     """Updates for (message, token job's share token, its poll signature)."""
     try:
-        data = forms.form_data("tokens", list(FIELDS), values)
+        data = forms.form_data(TOKENS, list(FIELDS), values)
     except SpecError as exc:
         return errors_html(exc.errors), gr.skip(), ""
     context = values[FIELDS.index("context")]
     if isinstance(context, str) and context:
         data["context"] = context  # keep leading/trailing spaces: they are tokens
-    job, msg = do_submit(settings, "tokens", data)
+    job, msg = do_submit(settings, TOKENS, data)
     if job is None:
         return msg, gr.skip(), ""
     return msg, job["share_token"], ""

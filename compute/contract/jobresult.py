@@ -2,7 +2,7 @@
 
 Pure data (no torch import at module level): the web process reads the same shapes back from
 the database as plain dicts (see `JobResult.to_dict`); readers parse them with
-`compute.contract.results.parse_result`, whose per-kind schemas `to_dict` enforces.
+`compute.jobs.registry.parse_result`, whose per-kind contracts `to_dict` enforces.
 """
 
 from __future__ import annotations
@@ -62,10 +62,10 @@ class JobResult:
     def to_dict(self) -> dict[str, Any]:
         """The same JSON shape that `GET /api/results/{token}` returns (minus job metadata).
 
-        Checked against the kind's schema (compute/contract/results.py): a heatmap, series or
+        Checked against the kind's contract (compute/jobs/<kind>.py): a heatmap, series or
         layer_stats group the kind does not declare, or a summary field of the wrong type, raises
         ContractError naming it."""
-        from compute.contract.results import check
+        from compute.contract.results import check_declared
 
         out = {
             "kind": self.kind,
@@ -74,7 +74,7 @@ class JobResult:
             "heatmaps": [h.__dict__ for h in self.heatmaps],
             "series": [p.__dict__ for p in self.series],
         }
-        check(out)
+        check_declared(out)
         return out
 
 

@@ -45,23 +45,62 @@ class Ref(BaseModel):
     job_kind: str | None = None
     owner_id: int | None = None
     label: str = ""
+    # Where this process reads it: set by the resolver (the web's copy, for header checks) and
+    # by the worker after `open_store(settings).fetch(path, sha256)`. Never stored with the job.
+    local: str | None = None
+
+    def where(self) -> str:
+        """The local path (or hub id) the engine reads: `local` once fetched; zoo, local and hub
+        refs are readable where they are; an artifact not yet fetched is an error."""
+        if self.local:
+            return self.local
+        if self.form == "artifact":
+            raise ValueError(f"{self.field}: {self.given} was not fetched from the artifact store")
+        return self.path
+
+    def stored(self) -> dict[str, Any]:
+        """What is stored with the job (jobs.refs): everything but this process's `local`."""
+        return self.model_dump(mode="json", exclude={"local"})
+
+
+# field -> its resolved Ref: what a runner receives (`run(spec, progress, refs)`).
+Refs = Mapping[str, Ref]
+
+
+@dataclass(frozen=True)
+class KindForm:
+    """The kind's sub-tab under New job (app/ui/formtab.py builds it from the spec): the fields
+    shown first, in order; every other spec field goes under "More settings"."""
+
+    tab: str  # the sub-tab's label ("Train")
+    button: str  # the submit button ("Train")
+    main: tuple[str, ...]  # spec fields shown first, in this order
+    cost: bool = True  # show the cost-estimate line
+    values: Mapping[str, Any] = field(default_factory=dict)  # starting values other than the default
 
 
 @dataclass(frozen=True)
 class JobKind:
-    """Everything a job kind is, in one value.
+    """Everything a job kind is, in one value (declared as `KIND` in compute/jobs/<kind>.py).
 
-    name        the kind's name ("fisher"); the job row's `kind`
-    title       a short human title ("Fisher", "Checkpoint diff")
-    spec        the pydantic spec class (compute.contract.specs)
+    name        the kind's name ("fisher"): the job row's `kind`, the CLI command, the API enum
+    title       a short human title ("Fisher", "Checkpoint diff"): share page, result headings
+    spec        the pydantic spec class (a compute.contract.specs.Spec)
     contract    its typed result contract (compute.contract.results.Contract)
-    runner      "module:function" of `run(spec, progress, refs) -> JobResult`, imported lazily
+    runner      "module:function" of `run(spec, progress) -> JobResult`, imported lazily
                 (the web process never imports torch); the module may define the child protocol
-                (compute.runners)
+                (compute/runners.py)
+    cost        spec -> token-passes (app/limits.py multiplies by parameters); required: a kind
+                without one is a registry error at import
+    order       position in listings (UI tabs, CLI help, API enum): ascending
     refs        spec field -> what it names, for every field that is a reference
-    outputs     artifact kinds a `job:N` of this kind provides, by target ({"model": "model"})
-    cost        spec -> token-passes (app.limits multiplies by parameters); None = unknown
-    extra       anything else a layer needs from the kind (kept small)
+    outputs     target -> artifact kind that a `job:N` of this kind provides for a field of that
+                target ({"model": "model"}: a train job's trained model folder)
+    implied_refs  spec -> {field: reference} the runner loads although the spec leaves the field
+                empty (retention's default OPD teacher); validated like given references
+    form        the New job sub-tab, or None (no form: e.g. tokens has its own explorer tab)
+    cli_args    spec fields taken as positional CLI arguments, in order (diff BASE TUNED)
+    example     a small valid spec (tests validate it and price it; docs may show it)
     """
 
     name: str
@@ -69,7 +108,15 @@ class JobKind:
     spec: type[Any]
     contract: Any
     runner: str
+    cost: Callable[[Any], int]
+    order: int = 100
     refs: Mapping[str, RefTarget] = field(default_factory=dict)
-    outputs: Mapping[str, str] = field(default_factory=dict)
-    cost: Callable[[Any], int | None] | None = None
-    extra: Mapping[str, Any] = field(default_factory=dict)
+    outputs: Mapping[RefTarget, str] = field(default_factory=dict)
+    implied_refs: Callable[[Any], Mapping[str, str]] | None = None
+    form: KindForm | None = None
+    cli_args: tuple[str, ...] = ()
+    example: Mapping[str, Any] = field(default_factory=dict)
+
+    def ref_fields(self, *targets: RefTarget) -> tuple[str, ...]:
+        """The reference fields naming one of `targets` (all reference fields when none given)."""
+        return tuple(f for f, t in self.refs.items() if not targets or t in targets)

@@ -1,25 +1,24 @@
-"""Model and artifact references: zoo name, local HF directory (inside the allowed roots), hub
-id, or `job:N` (the saved output of a succeeded job, read from the artifact store).
+"""Reference names without a database: zoo names, local HF directories inside the allowed roots,
+hub ids, the `job:N` syntax, content hashes of model folders and files, and which spec fields are
+references.
 
-`resolve_job_ref` is the one resolver of `job:N`: the API/UI validation (app.services), the CLI's
-direct commands (through resolve_model / compute.artifacts.resolve_artifact) and the worker
-(check_spec_refs, from compute.worker.execute) all call it, so a reference accepted at submit time
-is the file the worker reads. Error messages name the field and never a server path.
-
-No torch here: the web process validates model references with this module.
+Pure (the contract imports pydantic and itself only; this module uses the standard library).
+The one resolver of every reference form, `job:N` and owners included, is app.services.refs: it
+runs once, at validation, and the worker receives its typed `Ref`s (compute.contract.kinds).
+`resolve_model` here resolves a *name* (zoo, allowed folder, hub id) for library callers that
+run the engine without refs (tests, notebooks); it refuses `job:N`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 ZOO_NAMES = ("arith-base", "arith-teacher", "arith-deep-base", "arith-deep-teacher")
 # Real pretrained models converted into the zoo by `fisherlens zoo add NAME` (compute.zoo).
-REAL_MODEL_NAMES = ("smollm2-135m",)
+REAL_MODEL_NAMES = ("smollm2-135m", "gemma3-270m")
 
 # org/name on the Hugging Face hub (no path tricks: no leading dot, no '..', exactly one '/').
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
@@ -32,32 +31,8 @@ _file_digests: dict[tuple[str, int, int], str] = {}  # (path, mtime_ns, size) ->
 
 JOB_REF = re.compile(r"^job:(\d{1,12})$")
 MODEL_FIELDS = ("model", "teacher", "base", "tuned")
-# What a `job:N` in each field must point at: field -> (job kinds accepted, artifact kind).
-# A train job stores its trained model folder as artifact "model" (and the mask it built, if any).
-JOB_REF_TARGETS: dict[str, tuple[tuple[str, ...], str]] = {
-    **{f: (("train",), "model") for f in MODEL_FIELDS},
-    "fisher": (("fisher",), "fisher"),
-    "mask": (("mask", "train"), "mask"),
-}
-# Spec fields, per job kind, that name an artifact file (path or job:N) rather than a model.
-ARTIFACT_FIELDS: dict[str, tuple[str, ...]] = {
-    "mask": ("fisher", "gradient"),
-    "train": ("mask", "fisher"),
-    "sweep": ("fisher",),
-    "diff": ("fisher",),
-}
-
-
-@dataclass(frozen=True)
-class JobArtifact:
-    """A resolved `job:N`: the verified absolute path of its artifact and what it is."""
-
-    job_id: int
-    job_kind: str
-    artifact: str
-    path: Path
-    sha256: str
-    label: str
+# Which fields are references, to what, and which job kinds provide each target (a `job:N`):
+# the kinds' `refs` and `outputs` (compute/jobs/<kind>.py, read through compute.jobs.registry).
 
 
 def job_ref_id(ref: Any) -> int | None:
@@ -73,85 +48,6 @@ def trained_model_label(job_id: int, spec: dict[str, Any]) -> str:
     if job_ref_id(base) is not None:
         base = f"#{job_ref_id(base)}"
     return f"#{job_id} train {base} {spec.get('algo', 'grpo')}{masked}"
-
-
-_verified: dict[tuple[str, str], tuple[Any, ...]] = {}  # (path, sha256) -> file fingerprint
-
-
-def _fingerprint(path: Path) -> tuple[Any, ...]:
-    files = sorted(path.rglob("*")) if path.is_dir() else [path]
-    return tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files if f.is_file())
-
-
-def resolve_job_ref(
-    ref: str, field: str, settings: Any | None = None, session: Any | None = None
-) -> JobArtifact:
-    """'job:N' in spec field `field` -> the verified artifact it names.
-
-    Checks that job N exists, has finished successfully, is of a kind that can fill `field`
-    (JOB_REF_TARGETS) and that its artifact is present and matches its recorded sha256 (folders
-    are re-hashed only when a file changed). ValueError "<field>: ..." otherwise."""
-    from storage import repo
-
-    job_id = job_ref_id(ref)
-    if job_id is None:
-        raise ValueError(f"{field}: {ref!r} is not a job reference; write job:<number>, e.g. job:3")
-    kinds, art_kind = JOB_REF_TARGETS.get(field, ((), field))
-    if not kinds:
-        raise ValueError(f"{field}: job references are not accepted here; give a file")
-    settings = _settings(settings)
-    if session is None:
-        from storage.db import session_factory
-
-        with session_factory(settings.db_url)() as s:
-            return resolve_job_ref(ref, field, settings, s)
-    try:
-        job = repo.get_job(session=session, job_id=job_id)
-    except Exception:  # noqa: BLE001 - no jobs table yet (fresh database): nothing to point at
-        job = None
-    want = " or ".join(kinds)
-    if job is None:
-        raise ValueError(f"{field}: job {job_id} does not exist; give the id of a succeeded {want} job")
-    if job.kind not in kinds:
-        raise ValueError(f"{field}: job {job_id} is a {job.kind} job; a {want} job is needed")
-    if job.status != "succeeded":
-        raise ValueError(
-            f"{field}: job {job_id} is {job.status}; only a succeeded {want} job can be used"
-        )
-    art = repo.get_artifact(session=session, job_id=job.id, kind=art_kind)
-    if art is None:
-        raise ValueError(f"{field}: job {job_id} has no {art_kind} artifact")
-    path = _verified_path(settings, art, f"{field}: the {art_kind} of job {job_id}", job_id)
-    label = (
-        trained_model_label(job.id, dict(job.spec or {}))
-        if art_kind == "model"
-        else f"#{job.id} {job.kind}"
-    )
-    return JobArtifact(job.id, job.kind, art_kind, path, art.sha256, label)
-
-
-def _verified_path(settings: Any, art: Any, what: str, job_id: int) -> Path:
-    """The absolute path of artifact row `art`, checked against its sha256 (folders re-hashed
-    only when a file changed); ValueError starting with `what` when missing or changed."""
-    from storage.artifacts import ArtifactError, ArtifactStore
-
-    store = ArtifactStore(settings.artifacts_dir)
-    try:
-        path = store.resolve(art.path)
-        key = (str(path), art.sha256)
-        if not path.exists():
-            raise ValueError(
-                f"{what} is missing from the artifact store (deleted?); re-run job {job_id}"
-            )
-        fp = _fingerprint(path)
-        if _verified.get(key) != fp:
-            store.verify(art.path, art.sha256)
-            _verified[key] = fp
-    except ArtifactError:
-        raise ValueError(
-            f"{what} does not match its recorded sha256 (corrupt or changed); re-run job {job_id}"
-        ) from None
-    return path
 
 
 def _settings(settings: Any | None) -> Any:
@@ -199,8 +95,11 @@ def resolve_model(ref: str, settings: Any | None = None) -> str:
             "model: empty model reference; give a zoo name, a local directory or org/name"
         )
     ref = ref.strip()
-    if ref.startswith("job:"):
-        return str(resolve_job_ref(ref, "model", settings).path)
+    if job_ref_id(ref) is not None:
+        raise ValueError(
+            f"model: {ref!r} is a job reference; job:N is resolved (with its owner) by "
+            "app.services.refs at validation, and runners receive the resolved Ref"
+        )
     try:
         return _resolve_name_or_path(ref, settings)
     except OSError as exc:  # e.g. a 300-character name: "File name too long"
@@ -279,20 +178,31 @@ def folder_revision(folder: Path) -> str:
     return h.hexdigest()
 
 
-def spec_job_refs(kind: str, spec: Any) -> list[tuple[str, str]]:
-    """(field, 'job:N') for every job reference in a spec of job `kind`."""
-    out = []
-    for field in (*MODEL_FIELDS, *ARTIFACT_FIELDS.get(kind, ())):
-        ref = getattr(spec, field, None)
-        if isinstance(ref, str) and ref.strip().startswith("job:"):
-            out.append((field, ref.strip()))
-    return out
+def name_ref(field: str, value: str, target: str, settings: Any | None = None) -> Any:
+    """A `Ref` (compute.contract.kinds) for library callers that run the engine without refs
+    (tests, notebooks, benchmarks): a model by name (zoo, a folder inside the allowed roots, a
+    hub id) or a file by path (a folder holding `<target>.safetensors` names that file). No
+    database and no owners: `job:N` is refused; the product resolves every reference once with
+    app.services.refs and hands runners its Refs."""
+    from compute.contract.kinds import Ref
 
-
-def check_spec_refs(kind: str, spec: Any, settings: Any | None = None, session: Any = None) -> Any:
-    """Resolve (and so verify) every `job:N` in the spec; ValueError naming the first bad one.
-    The spec is returned unchanged: references stay `job:N` (results show them, not server
-    paths) and are resolved again, by resolve_job_ref, where the files are read."""
-    for field, ref in spec_job_refs(kind, spec):
-        resolve_job_ref(ref, field, settings, session)
-    return spec
+    value = str(value).strip()
+    if target == "model":
+        try:
+            found = resolve_model(value, _settings(settings))
+        except ValueError as exc:
+            raise ValueError(str(exc).replace("model:", f"{field}:", 1)) from None
+        zoo = Path(_settings(settings).zoo_dir).expanduser().resolve()
+        form = "hub" if is_hub_id(found) else "zoo" if Path(found).parent == zoo else "local"
+        return Ref.model_validate({"field": field, "given": value, "target": "model",
+                                   "form": form, "path": found})
+    if job_ref_id(value) is not None:
+        raise ValueError(f"{field}: {value!r} is a job reference; job:N is resolved by "
+                         "app.services.refs (pass the resolved refs to the runner)")
+    path = Path(value).expanduser()
+    if path.is_dir() and (path / f"{target}.safetensors").is_file():
+        path = path / f"{target}.safetensors"
+    if not path.is_file():
+        raise ValueError(f"{field}: file not found: {value}")
+    return Ref.model_validate({"field": field, "given": value, "target": target, "form": "local",
+                               "path": str(path.resolve())})

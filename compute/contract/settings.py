@@ -6,10 +6,11 @@ Experiment knobs do not live here; they live in the per-algorithm config datacla
 
 from __future__ import annotations
 
+import re
 from functools import cached_property
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 
@@ -31,12 +32,63 @@ class Settings(BaseSettings):
     artifact_root: Path | None = Field(
         default=None, description="Where safetensors artifacts go. Default: FISHERLENS_HOME/artifacts."
     )
+    # -- the artifact store (storage/artifacts.py: open_store) -------------------------------
+    artifact_url: str | None = Field(
+        default=None,
+        description="S3-compatible object storage for artifacts, s3://BUCKET/PREFIX (workers on "
+        "several machines share nothing but the database, the broker and this store). Endpoint "
+        "and credentials: AWS_ENDPOINT_URL, AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY, "
+        "AWS_DEFAULT_REGION (or boto3's usual config). Default: the local folder ARTIFACT_ROOT.",
+    )
+    aws_endpoint_url: str | None = Field(
+        default=None, description="S3 endpoint of MinIO or another S3-compatible server "
+        "(e.g. http://minio:9000); unset for AWS S3."
+    )
+    aws_access_key_id: str | None = Field(default=None, description="S3 access key id.")
+    aws_secret_access_key: SecretStr | None = Field(default=None, description="S3 secret key.")
+    aws_default_region: str | None = Field(default=None, description="S3 region (e.g. us-east-1).")
+    artifact_cache_dir: Path | None = Field(
+        default=None,
+        description="Local cache of artifacts read from object storage, keyed by sha256. "
+        "Default: FISHERLENS_HOME/artifact-cache.",
+    )
+    artifact_cache_max_bytes: int = Field(
+        default=20 * 2**30,
+        ge=0,
+        description="Size cap of the artifact cache (bytes); least recently used entries are "
+        "evicted past it (entries in use by a running job are kept).",
+    )
+    artifact_upload_retry_s: float = Field(
+        default=900.0,
+        ge=0,
+        description="A worker whose upload to the object store fails keeps the computed result "
+        "and retries the upload (backing off) this long before failing the job.",
+    )
+    artifact_download_redirect: bool = Field(
+        default=False,
+        description="Downloads of single-file artifacts redirect to a presigned object-store URL "
+        "(valid ARTIFACT_PRESIGN_S) instead of streaming through the web; only when users' "
+        "browsers can reach AWS_ENDPOINT_URL.",
+    )
+    artifact_presign_s: int = Field(
+        default=300, ge=10, le=7 * 24 * 3600, description="Lifetime of presigned download URLs (s)."
+    )
     allowed_model_roots: str = Field(
         default="",
         description="Colon-separated folders from which local HF model directories may be registered/loaded.",
     )
     trust_remote_code: bool = Field(
-        default=False, description="Operator opt-in for transformers' trust_remote_code."
+        default=False,
+        description="Operator opt-in for transformers' trust_remote_code: off, a model whose "
+        "config.json names its own code (auto_map) is refused at submit, and the one loader "
+        "(compute.models.load_model) never runs model code.",
+    )
+    hf_hub_offline: bool = Field(
+        default=False,
+        description="HF_HUB_OFFLINE: hub models only from the local cache (1/true/yes/on).",
+    )
+    transformers_offline: bool = Field(
+        default=False, description="TRANSFORMERS_OFFLINE: the same switch, transformers' name."
     )
     public_url: str = Field(
         default="http://127.0.0.1:7860", description="Base URL used when printing share links."
@@ -62,6 +114,28 @@ class Settings(BaseSettings):
         gt=0,
         description="A job `queued` this long whose message is in no queue (nor held by a "
         "consumer for less than this) is re-sent by the reconciler.",
+    )
+
+    # -- worker processes (compute/worker/, compute/celery_app.py, compute/device.py) ----------
+    fisherlens_queue: str = Field(
+        default="fisherlens",
+        description="FISHERLENS_QUEUE: the broker queue of every job kind; separates stacks "
+        "sharing one Redis (and tests).",
+    )
+    fisherlens_max_attempts: int = Field(
+        default=2, ge=1,
+        description="FISHERLENS_MAX_ATTEMPTS: starts of a job whose worker died before it gives "
+        "up (2: a lost job is re-run once).",
+    )
+    fisherlens_worker_name: str | None = Field(
+        default=None,
+        description="FISHERLENS_WORKER_NAME: this worker's name in job rows; unset: "
+        "<prefix>-<pid>@<host>.",
+    )
+    fisherlens_device: str | None = Field(
+        default=None,
+        description="FISHERLENS_DEVICE: what device 'auto' means (cpu, cuda, cuda:N); unset: "
+        "cuda when available, else cpu.",
     )
 
     # -- accounts and limits (app/auth/, app/limits.py) -------------------------------------
@@ -101,6 +175,36 @@ class Settings(BaseSettings):
     max_spec_string: int = Field(
         default=4096, ge=16, description="Longest string value in a job spec (characters)."
     )
+
+    @field_validator("artifact_url")
+    @classmethod
+    def _s3_url(cls, v: str | None) -> str | None:
+        if v is None or not v.strip():
+            return None
+        v = v.strip()
+        m = re.fullmatch(r"s3://([a-z0-9][a-z0-9.\-]{1,61}[a-z0-9])(/[A-Za-z0-9_.\-/]*)?", v)
+        if not m or ".." in v:
+            raise ValueError(
+                f"ARTIFACT_URL: {v!r} is not an object-store URL; accepted: s3://BUCKET or "
+                "s3://BUCKET/PREFIX (bucket: 3-63 lower-case letters, digits, '.', '-'; prefix: "
+                "letters, digits, '_', '.', '-', '/'); unset it for the local folder ARTIFACT_ROOT"
+            )
+        return v.rstrip("/")
+
+    @property
+    def artifact_cache(self) -> Path:
+        return (self.artifact_cache_dir or self.home / "artifact-cache").expanduser().resolve()
+
+    @field_validator("hf_hub_offline", "transformers_offline", mode="before")
+    @classmethod
+    def _flag(cls, v: object) -> object:
+        """huggingface_hub's own reading: 1/true/yes/on (any case) is on, anything else off."""
+        return v.strip().lower() in ("1", "true", "yes", "on") if isinstance(v, str) else v
+
+    @property
+    def offline(self) -> bool:
+        """No network for the hub: HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE (parsed here only)."""
+        return self.hf_hub_offline or self.transformers_offline
 
     @property
     def home(self) -> Path:

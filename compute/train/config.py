@@ -12,8 +12,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from compute.contract.spec_fields import describe_fields
-from compute.contract.specs import TrainSpec
 from compute.grpo import AGGREGATIONS
+from compute.jobs.train import TrainSpec
 
 _SPEC = {f.name: f for f in describe_fields(TrainSpec)}
 ALGOS: tuple[str, ...] = _SPEC["algo"].choices or ()

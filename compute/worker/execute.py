@@ -13,30 +13,20 @@ from compute.worker.lifecycle import (
     compute_and_store,
     fail,
     keep_alive,
-    sessions,
 )
+from compute.worker.refs import fetch_refs
 from compute.worker.sharding import fan_out
 
 log = logging.getLogger("fisherlens.worker")
 
 
-def _check_refs(settings: Any, kind: str, spec: Any) -> Any:
-    """Check every 'job:<id>' of the spec (model, teacher, base, tuned, fisher, mask) with
-    compute.contract.modelref, the resolver the API validated it with; the spec keeps the references
-    (the compute code resolves them again where it reads the files)."""
-    from compute.contract.modelref import check_spec_refs
-
-    with sessions(settings)() as s:
-        return check_spec_refs(kind, spec, settings, s)
-
-
 def execute_job(settings: Any, job_id: int, hostname: str | None = None) -> str:
     """Run one job to a final state, or fan it out when its kind's children(spec) > 1.
     Returns what happened (for logs and tests)."""
-    from compute.contract.specs import parse_spec
+    from compute.jobs.registry import parse_spec
     from compute.runners import child_count, get_runner
 
-    worker = hostname or lifecycle.hostname()
+    worker = hostname or lifecycle.hostname(settings)
     fault_point("after_receive", f"job={job_id}")  # tests only (compute.control)
     taken = claim(settings, job_id, worker)
     if isinstance(taken, str):
@@ -45,7 +35,8 @@ def execute_job(settings: Any, job_id: int, hostname: str | None = None) -> str:
     kind = taken.kind
     try:
         with keep_alive(settings, job_id):  # child_count imports the kind's module (torch)
-            spec = _check_refs(settings, kind, parse_spec(kind, taken.spec))
+            spec = parse_spec(kind, taken.spec)
+            refs = fetch_refs(settings, job_id, taken.refs)  # resolved at submit; sha256 re-verified
             n = child_count(kind, spec)
         if n > 1:
             return fan_out(settings, job_id, n)
@@ -56,6 +47,6 @@ def execute_job(settings: Any, job_id: int, hostname: str | None = None) -> str:
 
     def compute(progress: JobProgress) -> Any:
         progress(0.0, "loading")
-        return get_runner(kind)(spec, progress)
+        return get_runner(kind)(spec, progress, refs=refs)
 
     return compute_and_store(settings, job_id, compute, "running")

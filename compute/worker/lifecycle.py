@@ -14,7 +14,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from pathlib import Path
@@ -23,13 +23,15 @@ from typing import Any
 from compute.contract.jobresult import JobCancelled
 from compute.control import cancel_scope, fault_point
 from storage import repo
-from storage.artifacts import ArtifactStore
+from storage.artifacts import on_uploaded, open_store, upload_retries
 from storage.db import session_factory
 from storage.models import FINAL_STATUSES, Job, utcnow
 
 log = logging.getLogger("fisherlens.worker")
 
-MAX_ATTEMPTS = int(os.environ.get("FISHERLENS_MAX_ATTEMPTS", "2"))  # a lost job is re-run once
+# The default of Settings.fisherlens_max_attempts (FISHERLENS_MAX_ATTEMPTS): a lost job is re-run
+# once. Code reads the setting (settings.fisherlens_max_attempts), never the environment.
+MAX_ATTEMPTS = 2
 PROGRESS_EVERY_S = 0.5  # progress writes and cancel checks hit the database at most this often
 
 # Default names carry the pid, so a worker can tell a dead sibling on its own host from a live one.
@@ -42,8 +44,13 @@ def default_worker_name(prefix: str = "worker", pid: int | None = None) -> str:
     return f"{prefix}-{pid or os.getpid()}@{socket.gethostname()}"
 
 
-def hostname() -> str:
-    return os.environ.get("FISHERLENS_WORKER_NAME") or default_worker_name()
+def hostname(settings: Any | None = None) -> str:
+    """Settings.fisherlens_worker_name (FISHERLENS_WORKER_NAME), else `<worker>-<pid>@<host>`."""
+    if settings is None:
+        from compute.contract.settings import get_settings
+
+        settings = get_settings()
+    return settings.fisherlens_worker_name or default_worker_name()
 
 
 def sessions(settings: Any) -> Any:
@@ -156,8 +163,9 @@ def keep_alive(settings: Any, job_id: int) -> Iterator[None]:
 @contextmanager
 def _scratch(settings: Any, job_id: int) -> Iterator[Path]:
     """A per-job temp folder on the artifact file system (runners' tempfile.* land here, so the
-    trained-model folders they return can be moved, not copied); removed afterwards."""
-    root = Path(settings.artifacts_dir) / ".scratch"
+    trained-model folders they return can be moved, not copied: into the artifact folder, or
+    into the local cache of an object store); removed afterwards."""
+    root = open_store(settings).scratch_root()
     root.mkdir(parents=True, exist_ok=True)
     path = Path(tempfile.mkdtemp(prefix=f"job{job_id}-", dir=root))
     old = tempfile.tempdir
@@ -179,6 +187,7 @@ class Claimed:
     spec: dict[str, Any]
     parent_id: int | None
     index: int
+    refs: dict[str, Any] | None = None  # jobs.refs: the references resolved at submit
 
 
 def _skip_reason(settings: Any, s: Any, job: Job | None, worker: str) -> str | None:
@@ -194,7 +203,7 @@ def _skip_reason(settings: Any, s: Any, job: Job | None, worker: str) -> str | N
     if job.cancel_requested:
         repo.mark_cancelled(session=s, job_id=job.id, message="cancelled before it ran")
         return "cancelled"
-    if job.attempts >= MAX_ATTEMPTS:
+    if job.attempts >= settings.fisherlens_max_attempts:
         repo.mark_failed(
             session=s,
             job_id=job.id,
@@ -220,7 +229,8 @@ def claim(settings: Any, job_id: int, worker: str) -> Claimed | str:
             log.info("job %s skipped: %s", job_id, skip)
             return skip
         assert job is not None
-        taken = Claimed(job_id, job.kind, dict(job.spec), job.parent_id, int(job.shard_index or 0))
+        taken = Claimed(job_id, job.kind, dict(job.spec), job.parent_id, int(job.shard_index or 0),
+                        job.refs)
         claimed = repo.claim_job(
             session=s, job_id=job_id, worker=worker, stale_after_s=settings.job_stale_after_s
         )
@@ -260,16 +270,12 @@ def compute_and_store(
     error, with its text). For a child, the parent's progress is refreshed."""
     try:
         progress = JobProgress(settings, job_id, parent_id=parent_id)
-        with keep_alive(settings, job_id), _scratch(settings, job_id):
+        with keep_alive(settings, job_id), _scratch(settings, job_id), _store_waits(settings, progress):
             with cancel_scope(progress.check):
                 result, artifacts = _unpack(compute(progress))
             if parent_id is None:  # a child's partial output has no result schema of its own
                 result.to_dict()  # checks the kind's result contract; a ContractError fails the job
-            with sessions(settings)() as s:
-                store = ArtifactStore(settings.artifacts_dir)
-                repo.save_result(
-                    session=s, job_id=job_id, result=result, store=store, artifacts=artifacts
-                )
+            _publish(settings, job_id, result, artifacts, progress)
         with sessions(settings)() as s:
             repo.mark_succeeded(session=s, job_id=job_id)
             if parent_id is not None:
@@ -291,6 +297,40 @@ def compute_and_store(
         log.exception("job %s failed while %s", job_id, phase)
         fail(settings, job_id, exc)
         return "failed"
+    finally:
+        try:  # cached artifacts this job read may be evicted again
+            open_store(settings).release()
+        except Exception:
+            log.exception("releasing the artifact cache after job %s failed", job_id)
+
+
+def _publish(settings: Any, job_id: int, result: Any, artifacts: list[Any],
+             progress: JobProgress) -> None:
+    """Upload the result's artifacts, then record them and the rows (repo.save_result): the
+    database names an artifact only once it is stored and verified. An object store that
+    cannot be reached is retried for ARTIFACT_UPLOAD_RETRY_S (the job's message says so; the
+    computed result is kept, nothing is recomputed); a cancel stops the waiting."""
+    with sessions(settings)() as s:
+        repo.save_result(session=s, job_id=job_id, result=result, store=open_store(settings),
+                         artifacts=artifacts)
+
+
+def _store_waits(settings: Any, progress: JobProgress) -> Any:
+    """The context in which a job's uploads run: transient store errors retried (each wait shown
+    as the job's message, with a cancel check), and the test-only fault point `artifact_uploaded`
+    after the first object a job uploads (compute.control)."""
+
+    def notify(message: str) -> None:
+        with sessions(settings)() as s:
+            cancel = repo.update_progress(session=s, job_id=progress.job_id, fraction=None,
+                                          message=message)
+        if cancel:
+            raise JobCancelled(f"job {progress.job_id} cancelled by the user")
+
+    stack = ExitStack()
+    stack.enter_context(upload_retries(settings.artifact_upload_retry_s, notify))
+    stack.enter_context(on_uploaded(lambda key: fault_point("artifact_uploaded", key)))
+    return stack
 
 
 def _unpack(out: Any) -> tuple[Any, list[Any]]:

@@ -15,7 +15,7 @@ from typing import Any
 
 import compute.celery_app as ca
 from compute.celery_app import FINISH_SHARDS, RUN_JOB, RUN_SHARD, send_job
-from compute.worker.lifecycle import MAX_ATTEMPTS, holder_dead, sessions
+from compute.worker.lifecycle import holder_dead, sessions
 from storage import repo
 from storage.models import Job, utcnow
 
@@ -53,16 +53,16 @@ class BrokerView:
 
     def load(self) -> BrokerView:
         if not self.settings.redis_url:
-            self._load_folder(Path(self.settings.queue_dir) / "messages", ca.QUEUE)
+            self._load_folder(Path(self.settings.queue_dir) / "messages", ca.queue_name(self.settings))
             return self
         with ca.celery_for(self.settings).connection_for_write() as conn:
             ch = conn.default_channel
             for pri in ch.priority_steps:
-                for raw in ch.client.lrange(ch._q_for_pri(ca.QUEUE, pri), 0, -1):
+                for raw in ch.client.lrange(ch._q_for_pri(ca.queue_name(self.settings), pri), 0, -1):
                     key = _parse_message(json.loads(raw))
                     if key:
                         self.waiting.add(key)
-            self._load_unacked(ch, ca.QUEUE)
+            self._load_unacked(ch, ca.queue_name(self.settings))
         return self
 
     def _load_folder(self, folder: Path, queue: str) -> None:
@@ -172,7 +172,7 @@ def _release_if_lost(settings: Any, s: Any, job: Job, hostname: str | None) -> O
     if not (mine or holder_dead(settings, job.worker, job.heartbeat_at or job.started_at)):
         return [], []
     who = job.worker or "unknown worker"
-    requeue = job.attempts < MAX_ATTEMPTS
+    requeue = job.attempts < settings.fisherlens_max_attempts
     if requeue:
         message, error = f"re-queued: worker {who} was lost (attempt {job.attempts})", None
     else:

@@ -26,8 +26,9 @@ from compute.worker.lifecycle import (
     keep_alive,
     sessions,
 )
+from compute.worker.refs import fetch_refs
 from storage import repo
-from storage.artifacts import ArtifactInfo, ArtifactStore
+from storage.artifacts import ArtifactInfo, open_store
 from storage.models import FINAL_STATUSES
 
 log = logging.getLogger("fisherlens.worker")
@@ -63,17 +64,17 @@ def maybe_finish(settings: Any, parent_id: int) -> bool:
 
 
 def _save_output(settings: Any, job_id: int, output: Any) -> ArtifactInfo:
-    store = ArtifactStore(settings.artifacts_dir)
+    store = open_store(settings)
     return store.save_bytes(job_id, OUTPUT_FILE, dump_output(output), kind=OUTPUT_KIND)
 
 
 def execute_shard(settings: Any, job_id: int, hostname: str | None = None) -> str:
     """Run one child unit (run_child of its parent's spec) and store its output."""
     from compute.contract.jobresult import JobResult
-    from compute.contract.specs import parse_spec
+    from compute.jobs.registry import parse_spec
 
     fault_point("after_receive", f"job={job_id}")  # tests only (compute.control)
-    taken = claim(settings, job_id, hostname or lifecycle.hostname())
+    taken = claim(settings, job_id, hostname or lifecycle.hostname(settings))
     if isinstance(taken, str):
         return taken
     fault_point("after_claim", f"job={job_id}")
@@ -83,8 +84,9 @@ def execute_shard(settings: Any, job_id: int, hostname: str | None = None) -> st
         if protocol is None:
             raise TypeError(f"kind {taken.kind!r} has child jobs but no child protocol")
         spec = parse_spec(taken.kind, taken.spec)
+        refs = fetch_refs(settings, job_id, taken.refs)  # the parent's, copied at fan-out
         progress(0.0, f"child {taken.index}")
-        output = protocol.run_child(spec, taken.index, progress)
+        output = protocol.run_child(spec, taken.index, progress, refs=refs)
         info = _save_output(settings, job_id, output)
         return JobResult(kind=taken.kind, summary={"shard": taken.index}), [info]
 
@@ -96,7 +98,7 @@ def execute_shard(settings: Any, job_id: int, hostname: str | None = None) -> st
 
 def execute_finish(settings: Any, job_id: int, hostname: str | None = None) -> str:
     """Combine the children's outputs into the parent's result (one delivery: claim_combine)."""
-    hostname = hostname or lifecycle.hostname()
+    hostname = hostname or lifecycle.hostname(settings)
     with sessions(settings)() as s:
         job = repo.get_job(session=s, job_id=job_id)
         if job is None or job.status in FINAL_STATUSES:
@@ -108,32 +110,34 @@ def execute_finish(settings: Any, job_id: int, hostname: str | None = None) -> s
             return "claimed elsewhere"
         children = repo.shard_jobs(session=s, parent_id=job_id)
         arts = [repo.get_artifact(session=s, job_id=c.id, kind=OUTPUT_KIND) for c in children]
-        taken = Claimed(job_id, job.kind, dict(job.spec), None, 0)
+        taken = Claimed(job_id, job.kind, dict(job.spec), None, 0, job.refs)
     try:
         with keep_alive(settings, job_id):  # imports torch and the kind's module, reads files
             spec, protocol, outputs = _load_outputs(settings, taken, children, arts)
+            refs = fetch_refs(settings, job_id, taken.refs)
     except Exception as exc:
         log.exception("finish of job %s failed", job_id)
         fail(settings, job_id, exc)
         return "failed"
     return compute_and_store(
-        settings, job_id, lambda progress: protocol.combine(spec, outputs, progress), "combining"
+        settings, job_id, lambda progress: protocol.combine(spec, outputs, progress, refs=refs),
+        "combining"
     )
 
 
 def _load_outputs(settings: Any, taken: Claimed, children: list[Any], arts: list[Any]) -> Any:
     """(spec, protocol, [output of child 0, 1, ...]) read back from the children's artifacts."""
-    from compute.contract.specs import parse_spec
+    from compute.jobs.registry import parse_spec
 
     protocol = child_protocol(taken.kind)
     if protocol is None:
         raise TypeError(f"kind {taken.kind!r} has child jobs but no child protocol")
     spec = parse_spec(taken.kind, taken.spec)
-    store = ArtifactStore(settings.artifacts_dir)
+    store = open_store(settings)
     outputs = []
     for child, art in zip(children, arts, strict=True):
         if art is None:
             raise ValueError(f"child {child.shard_index} (job {child.id}): its output is missing")
-        blob = store.verify(art.path, art.sha256).read_bytes()
+        blob = store.fetch(art.path, art.sha256).read_bytes()
         outputs.append(load_output(blob))
     return spec, protocol, outputs

@@ -55,9 +55,10 @@ def _on_worker_shutdown(**_: Any) -> None:
     rec.stop_reconciler()
 
 
-def worker_argv(name: str | None = None, loglevel: str = "INFO") -> list[str]:
+def worker_argv(name: str | None = None, loglevel: str = "INFO", settings: Any | None = None) -> list[str]:
     """argv for celery_app.worker_main: one solo worker (one per GPU), our queue only."""
-    argv = ["worker", "--pool=solo", "--concurrency=1", "-Q", ca.QUEUE, f"--loglevel={loglevel}"]
+    queue = ca.queue_name(settings or get_settings())
+    argv = ["worker", "--pool=solo", "--concurrency=1", "-Q", queue, f"--loglevel={loglevel}"]
     argv += ["--without-mingle", "--without-gossip"]
     argv += ["-n", name or default_hostname()]
     return argv

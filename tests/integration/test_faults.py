@@ -69,9 +69,9 @@ def test_kill_during_fanout_the_rest_of_the_shards_are_sent(stack) -> None:
     queues the combiner; the result covers every prompt exactly once."""
     import torch
 
-    from compute.contract.specs import parse_spec
+    from compute.jobs.registry import parse_spec
     from compute.run_fisher import run
-    from storage.artifacts import ArtifactStore
+    from storage.artifacts import open_store
 
     spec = SMALL | {"prompts": 6, "shards": 3, "seed": 4}
     a = stack.start_worker(faults=["during_fanout"])
@@ -97,7 +97,7 @@ def test_kill_during_fanout_the_rest_of_the_shards_are_sent(stack) -> None:
     res = services.result_by_id(stack.settings, job["id"])
     assert res["summary"]["n_rows"] == one.summary["n_rows"] == 6 * 2
     (art,) = [x for x in res["artifacts"] if x["kind"] == "fisher"]
-    stored = ArtifactStore(stack.settings.artifacts_dir).load_tensors(art["path"], art["sha256"])
+    stored = open_store(stack.settings).load_tensors(art["path"], art["sha256"])
     for k, t in one.tensors["fisher"].items():
         torch.testing.assert_close(stored[k], t, rtol=1e-5, atol=1e-12)
 

@@ -3,6 +3,11 @@ worker` processes), every step taking the previous one's result by `job:N`:
 
     fisher -> mask(fisher=job:F) -> train(mask=job:M) -> diff(tuned=job:T, fisher=job:F)
            -> tokens(model=job:T)             and   train(algo=opd, teacher=arith-teacher)
+           -> fisher(model=job:T) -> mask(fisher=job:F2) -> train(model=job:T, mask=job:M2)
+
+The references are resolved once, at submit (app.services.refs), stored with the job, and the
+workers only re-verify their sha256: the Fisher of a trained model is read from the artifact
+store, never re-resolved against the model roots.
 
 Checked: every job succeeds, its rows and artifacts are stored (sha256-verified), the trained
 weights moved only inside the mask (bit-identical elsewhere) and the diff job measured exactly
@@ -87,6 +92,27 @@ def test_fisher_mask_train_diff_tokens_and_opd_through_workers(redis_stack):
     t_res = services.result_by_token(settings, tokens["share_token"])
     assert len(t_res["summary"]["top_tokens"]) == 4 and t_res["heatmaps"]
 
+    # the loop again from the trained model: its Fisher, a mask from it, a masked train from it
+    fisher2 = _run(stack, "fisher", {"model": f"job:{train['id']}", "prompts": 4, "samples": 2, **SMALL})
+    f2_sum = services.result_by_token(settings, fisher2["share_token"])["summary"]
+    assert f2_sum["model"] == f"job:{train['id']}" and f2_sum["n_samples"] == 8
+    fisher2_t = load_file(str(_artifact(stack, fisher2, "fisher")))
+    assert set(fisher2_t) == set(load_file(str(fisher_file)))
+    assert any(not bool((fisher2_t[n] == f).all()) for n, f in load_file(str(fisher_file)).items())
+    mask2 = _run(stack, "mask", {"fisher": f"job:{fisher2['id']}", "density": 0.05})
+    mask2_t = load_file(str(_artifact(stack, mask2, "mask")))
+    train2 = _run(stack, "train", {"model": f"job:{train['id']}", "mask": f"job:{mask2['id']}", **TRAIN})
+    tuned2 = load_file(str(_artifact(stack, train2, "model") / "model.safetensors"))
+    moved2 = 0
+    for name, m in mask2_t.items():
+        if name not in tuned2:
+            continue
+        changed = tuned2[name] != tuned[name]
+        assert not bool((changed & ~m).any()), f"{name} moved outside the second mask"
+        moved2 += int(changed.sum())
+    assert moved2 > 0
+    assert [p.split("=")[0] for p in services.get_job(settings, train2["id"])["revisions"]] == ["model", "mask"]
+
     opd = stack.wait_final(opd["id"], timeout=300)
     assert opd["status"] == "succeeded", f"{opd}\n{stack.logs()}"
     o_sum = services.result_by_token(settings, opd["share_token"])["summary"]
@@ -99,7 +125,8 @@ def test_fisher_mask_train_diff_tokens_and_opd_through_workers(redis_stack):
     from app.web import create_app
 
     jobs = {j["id"]: j for j in services.list_jobs(settings, limit=50)}
-    assert set(jobs) == {fisher["id"], mask["id"], train["id"], diff["id"], tokens["id"], opd["id"]}
+    assert set(jobs) == {fisher["id"], mask["id"], train["id"], diff["id"], tokens["id"], opd["id"],
+                         fisher2["id"], mask2["id"], train2["id"]}
     assert {j["status"] for j in jobs.values()} == {"succeeded"}
     with services.sessions(settings)() as s:
         assert all(repo.get_job(session=s, job_id=i).attempts == 1 for i in jobs)

@@ -33,7 +33,6 @@ def settings(fl_home: Path, monkeypatch: pytest.MonkeyPatch):
     import compute.celery_app as ca
 
     monkeypatch.setenv("FISHERLENS_QUEUE", "fisherlens")
-    monkeypatch.setattr(ca, "QUEUE", "fisherlens")
     monkeypatch.setenv("RECONCILE_QUEUED_AFTER_S", "60")
     ca._apps.clear()
     return get_settings()

@@ -12,7 +12,7 @@ from sqlalchemy import func, select
 from app import services
 from compute.contract.specs import SpecError
 from storage import repo
-from storage.artifacts import ArtifactStore
+from storage.artifacts import open_store
 from storage.models import ArtifactRow, HeatmapRow, LayerStatRow, SeriesRow
 
 pytestmark = pytest.mark.slow
@@ -58,7 +58,7 @@ def test_fisher_job_runs_and_lands_in_the_database(stack) -> None:
     assert res["layer_stats"] and res["heatmaps"]
     assert all(h["z"] and len(h["z"]) == len(h["y_labels"]) for h in res["heatmaps"])
     (fisher,) = [a for a in res["artifacts"] if a["kind"] == "fisher"]
-    tensors = ArtifactStore(settings.artifacts_dir).load_tensors(fisher["path"], fisher["sha256"])
+    tensors = open_store(settings).load_tensors(fisher["path"], fisher["sha256"])
     assert any(name.endswith("weight") for name in tensors)
     assert all(float(t.min()) >= 0.0 for t in tensors.values())  # a diagonal Fisher is >= 0
     _assert_no_duplicates(settings, job["id"])
@@ -149,7 +149,7 @@ def test_sharded_fisher_over_two_workers_equals_one_worker(redis_stack) -> None:
     the stored Fisher equals the same spec computed start to end in one process."""
     import torch
 
-    from compute.contract.specs import parse_spec
+    from compute.jobs.registry import parse_spec
     from compute.run_fisher import run
 
     stack = redis_stack
@@ -168,7 +168,7 @@ def test_sharded_fisher_over_two_workers_equals_one_worker(redis_stack) -> None:
     assert [j["id"] for j in services.list_jobs(settings)] == [job["id"]]  # shards hidden
     res = services.result_by_id(settings, job["id"])
     (art,) = [x for x in res["artifacts"] if x["kind"] == "fisher"]
-    stored = ArtifactStore(settings.artifacts_dir).load_tensors(art["path"], art["sha256"])
+    stored = open_store(settings).load_tensors(art["path"], art["sha256"])
     assert stored.keys() == one.tensors["fisher"].keys()
     for k, t in one.tensors["fisher"].items():
         torch.testing.assert_close(stored[k], t, rtol=1e-5, atol=1e-12)

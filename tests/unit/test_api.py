@@ -124,7 +124,7 @@ def _store_result(settings: Settings, job_id: int) -> None:
 
     from app import services
     from storage import repo
-    from storage.artifacts import ArtifactStore
+    from storage.artifacts import open_store
 
     result = JobResult(
         kind="fisher",
@@ -139,7 +139,7 @@ def _store_result(settings: Settings, job_id: int) -> None:
     )
     with services.sessions(settings)() as s:
         repo.mark_running(session=s, job_id=job_id, worker="test")
-        repo.save_result(session=s, job_id=job_id, result=result, store=ArtifactStore(settings.artifacts_dir))
+        repo.save_result(session=s, job_id=job_id, result=result, store=open_store(settings))
         repo.mark_succeeded(session=s, job_id=job_id)
 
 
@@ -240,7 +240,7 @@ def test_web_process_does_not_import_torch(tmp_path):
 
 def test_ui_form_values_become_valid_specs_and_html_is_escaped():
     from app import ui
-    from compute.contract.specs import parse_spec
+    from compute.jobs.registry import parse_spec
 
     forms = {
         "fisher": dict(model="arith-base", task="arithmetic", prompts=8.0, samples=2.0, estimator="sequence",
@@ -441,7 +441,7 @@ def test_model_lists_offer_trained_models_as_job_refs(env, tmp_path):
     from app import services
     from compute.contract.jobresult import JobResult
     from storage import repo
-    from storage.artifacts import ArtifactStore
+    from storage.artifacts import open_store
 
     job = client.post("/api/jobs", json={"kind": "train", "spec": {
         "model": "arith-base", "mask_select": "fisher", "mask_density": 0.1, "seed": 77}}).json()
@@ -449,7 +449,7 @@ def test_model_lists_offer_trained_models_as_job_refs(env, tmp_path):
     with services.sessions(settings)() as s:
         repo.mark_running(session=s, job_id=job["id"], worker="w")
         repo.save_result(session=s, job_id=job["id"], result=JobResult(kind="train", summary={},
-                         files={"model": str(out)}), store=ArtifactStore(settings.artifacts_dir))
+                         files={"model": str(out)}), store=open_store(settings))
         repo.mark_succeeded(session=s, job_id=job["id"])
     models = client.get("/api/models").json()
     trained = [m for m in models if m["ref"] == f"job:{job['id']}"]

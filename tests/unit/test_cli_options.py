@@ -12,14 +12,13 @@ from click.testing import CliRunner
 from app.cli import main
 from app.commands.common import spec_command
 from app.commands.options import flag, spec_options
-from compute.contract.specs import (
-    SPECS,
-    RetentionSpec,
-    SweepSpec,
-    TrainSpec,
-    describe_fields,
-    parse_spec,
-)
+from compute.contract.specs import describe_fields
+from compute.jobs.registry import KINDS, parse_spec
+from compute.jobs.retention import RetentionSpec
+from compute.jobs.sweep import SweepSpec
+from compute.jobs.train import TrainSpec
+
+SPECS = {name: kind.spec for name, kind in KINDS.items()}
 
 # command -> (spec kind, fields given as arguments instead of options)
 COMMANDS = {"fisher": ("fisher", ()), "mask": ("mask", ()), "train": ("train", ()), "sweep": ("sweep", ()),

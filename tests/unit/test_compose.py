@@ -16,7 +16,7 @@ from compute.contract.settings import Settings
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "docker-compose.yml"
 # Environment names read by code outside Settings (each is documented where it is read).
-NON_SETTINGS_ENV = {"HF_HOME", "FISHERLENS_QUEUE", "FISHERLENS_DEVICE", "FISHERLENS_MAX_ATTEMPTS"}
+NON_SETTINGS_ENV = {"HF_HOME"}
 
 
 @pytest.fixture(scope="module")
@@ -25,8 +25,60 @@ def compose() -> dict:
 
 
 def test_services_present(compose: dict) -> None:
-    assert {"redis", "postgres", "app", "worker", "flower"} <= set(compose["services"])
-    assert {"postgres-data", "fisherlens-data"} <= set(compose["volumes"])
+    assert {"redis", "postgres", "minio", "minio-init", "app", "worker", "flower"} <= set(
+        compose["services"]
+    )
+    assert {"postgres-data", "minio-data"} <= set(compose["volumes"])
+
+
+def _named_volumes(svc: dict) -> set[str]:
+    """Named volumes a service mounts (anonymous `/path` volumes and host folders excluded)."""
+    out = set()
+    for v in svc.get("volumes") or []:
+        source = v.split(":")[0] if isinstance(v, str) and ":" in v else None
+        if source and not source.startswith((".", "/", "$", "~")):
+            out.add(source)
+    return out
+
+
+def test_web_and_workers_share_no_artifact_volume(compose: dict) -> None:
+    """Web and workers meet only in PostgreSQL, Redis and the object store: no named volume is
+    mounted by two of them (each keeps its own home: cache, zoo)."""
+    services = compose["services"]
+    fl = [n for n, svc in services.items() if "fisherlens" in " ".join(svc.get("command") or [])]
+    assert {"app", "worker", "worker-gpu1"} <= set(fl)
+    seen: dict[str, str] = {}
+    for name in fl:
+        for vol in _named_volumes(services[name]):
+            assert vol not in seen, f"{name} and {seen[vol]} share volume {vol}"
+            seen[vol] = name
+    for name in fl:
+        assert any(str(v).split(":")[0] == "/data" or str(v).endswith(":/data")
+                   for v in services[name]["volumes"]), f"{name}: no home at /data"
+
+
+def test_minio_bucket_created_at_start_and_named_by_artifact_url(compose: dict) -> None:
+    services = compose["services"]
+    minio = services["minio"]
+    assert minio["image"].startswith("minio/minio") and minio["healthcheck"]["test"]
+    assert "minio-data:/data" in minio["volumes"]
+    init = services["minio-init"]
+    assert init["image"].startswith("minio/mc") and init["restart"] == "no"
+    assert init["depends_on"]["minio"]["condition"] == "service_healthy"
+    script = " ".join(init["entrypoint"])
+    assert "mc alias set store http://minio:9000" in script
+    for name in ("app", "worker"):
+        svc = services[name]
+        assert svc["depends_on"]["minio-init"]["condition"] == "service_completed_successfully"
+        env = svc["environment"]
+        settings = Settings(**{k.lower(): v for k, v in env.items() if k.lower() in Settings.model_fields
+                               and "${" not in str(v)})
+        bucket = settings.artifact_url.removeprefix("s3://").split("/")[0]
+        assert f"mc mb --ignore-existing store/{bucket}" in script, (bucket, script)
+        assert env["AWS_ENDPOINT_URL"] == "http://minio:9000"
+        # the credentials are MinIO's root user, from the same .env variables
+        assert env["AWS_ACCESS_KEY_ID"] == minio["environment"]["MINIO_ROOT_USER"]
+        assert env["AWS_SECRET_ACCESS_KEY"] == minio["environment"]["MINIO_ROOT_PASSWORD"]
 
 
 def test_postgres_and_redis_have_healthchecks_and_volumes(compose: dict) -> None:
@@ -77,7 +129,7 @@ def test_environment_names_match_settings_fields(compose: dict) -> None:
     fields = {name.upper() for name in Settings.model_fields}
     for name, svc in compose["services"].items():
         env = svc.get("environment") or {}
-        if name in ("postgres", "redis", "flower"):
+        if name in ("postgres", "redis", "flower", "minio", "minio-init"):
             continue  # third-party images, their own variables
         unknown = set(env) - fields - NON_SETTINGS_ENV
         assert not unknown, f"{name}: environment names not in compute.contract.settings.Settings: {unknown}"

@@ -154,7 +154,7 @@ def pair(tmp_path, monkeypatch):
 
 
 def test_run_diff_job(pair) -> None:
-    from compute.contract.specs import DiffSpec
+    from compute.jobs.diff import DiffSpec
     from compute.run_diff import run
 
     root, model = pair

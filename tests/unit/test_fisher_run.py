@@ -10,7 +10,7 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 
 from app.cli import main
-from compute.contract.specs import FisherSpec
+from compute.jobs.fisher import FisherSpec
 from compute.run_fisher import finish, run, run_shard, shard_range
 
 

@@ -21,7 +21,8 @@ import pytest
 
 from app.figures.keynumbers import fmt, key_numbers, pct
 from app.figures.registry import entries, titled_figures_for
-from compute.contract.results import parse_result, reliability_level
+from compute.contract.results import reliability_level
+from compute.jobs.registry import parse_result
 
 TINY = {"steps": 2, "batch": 2, "group": 2, "max_new_tokens": 4, "eval_prompts": 4, "device": "cpu",
         "fisher_prompts": 2, "fisher_samples": 2}
@@ -76,7 +77,7 @@ class Builder:
 
     def _fisher(self) -> dict[str, Any]:
         from compute import run_fisher
-        from compute.contract.specs import FisherSpec
+        from compute.jobs.fisher import FisherSpec
 
         res = run_fisher.run(FisherSpec(model="arith-base", prompts=4, samples=2, max_new_tokens=4,
                                         device="cpu", until_reliable=False))
@@ -86,7 +87,7 @@ class Builder:
         from safetensors.torch import save_file
 
         from compute import run_mask
-        from compute.contract.specs import MaskSpec
+        from compute.jobs.mask import MaskSpec
 
         res = run_mask.run(MaskSpec(fisher=self._fisher_file(), select="fisher", density=0.05))
         save_file(res.tensors["mask"], str(self.tmp / "mask.safetensors"), metadata=res.metadata.get("mask"))
@@ -97,7 +98,7 @@ class Builder:
         import shutil
 
         from compute import run_train
-        from compute.contract.specs import TrainSpec
+        from compute.jobs.train import TrainSpec
 
         self.get("mask")
         res = run_train.run(TrainSpec(model="arith-base", mask=str(self.tmp / "mask.safetensors"),
@@ -108,7 +109,7 @@ class Builder:
 
     def _diff(self) -> dict[str, Any]:
         from compute import run_diff
-        from compute.contract.specs import DiffSpec
+        from compute.jobs.diff import DiffSpec
 
         tuned = self.get("train")["model"]
         res = run_diff.run(DiffSpec(base="arith-base", tuned=tuned, fisher=self._fisher_file()))
@@ -117,14 +118,14 @@ class Builder:
     def _diff_same(self) -> dict[str, Any]:
         """Two fp32 zoo checkpoints: exact equality is the convention that fits."""
         from compute import run_diff
-        from compute.contract.specs import DiffSpec
+        from compute.jobs.diff import DiffSpec
 
         res = run_diff.run(DiffSpec(base="arith-base", tuned="arith-teacher"))
         return {"job": res, "dict": self.stored(res)}
 
     def _tokens(self) -> dict[str, Any]:
         from compute import run_tokens
-        from compute.contract.specs import TokensSpec
+        from compute.jobs.tokens import TokensSpec
 
         res = run_tokens.run(TokensSpec(model="arith-base", context="12+34=", top_k=3, random_k=2,
                                         low_k=2, device="cpu"))
@@ -132,7 +133,7 @@ class Builder:
 
     def _sweep(self) -> dict[str, Any]:
         from compute import run_sweep
-        from compute.contract.specs import SweepSpec
+        from compute.jobs.sweep import SweepSpec
 
         res = run_sweep.run(SweepSpec(model="arith-base", lrs=[1e-3], optimizers=["sgd"],
                                       precision=["bf16-mixed"], fisher=self._fisher_file(), **TINY))
@@ -140,7 +141,7 @@ class Builder:
 
     def _retention(self) -> dict[str, Any]:
         from compute import run_retention
-        from compute.contract.specs import RetentionSpec
+        from compute.jobs.retention import RetentionSpec
 
         res = run_retention.run(RetentionSpec(
             model="arith-base", densities=[0.1], selectors=["random"], seeds=1, bootstrap=100,
@@ -387,8 +388,8 @@ def test_bf16_fisher_states_its_error_against_float32(built):
     import torch
 
     from compute import run_fisher
-    from compute.contract.specs import FisherSpec
     from compute.fisher import fisher_from_samples
+    from compute.jobs.fisher import FisherSpec
     from compute.models import load_model
 
     spec = FisherSpec(model="arith-base", prompts=4, samples=2, max_new_tokens=4, device="cpu",

@@ -67,6 +67,26 @@ def test_storage_imports_nothing_of_compute_or_app() -> None:
     assert _offenders(("storage",), ("compute", "app")) == []
 
 
+def test_the_contract_imports_pydantic_and_itself_only() -> None:
+    """compute/contract is what the web process, the CLI and the worker share: no database, no
+    artifact store, no torch (references are resolved in app/services/refs.py). specs.py still
+    imports compute.tasks to check task names (the job-kind registry's part of issue 17)."""
+    import sys
+
+    bad = []
+    for path in _sources("compute/contract"):
+        for mod in sorted(imports_of(path)):
+            top = mod.split(".")[0]
+            if mod.startswith("compute.contract") or top in ("pydantic", "pydantic_settings"):
+                continue
+            if top in sys.stdlib_module_names:
+                continue
+            if path.name == "specs.py" and mod == "compute.tasks":
+                continue
+            bad.append(f"{path.relative_to(ROOT)} imports {mod}")
+    assert bad == []
+
+
 def import_graph(folder: str) -> dict[str, set[str]]:
     """module -> the modules under `folder` it imports."""
     graph = {_module_name(p): imports_of(p) for p in _sources(folder)}
@@ -115,8 +135,8 @@ def test_the_checks_see_what_they_check() -> None:
     """The parser finds imports inside functions and resolves `from pkg import submodule`; the
     cycle finder finds cycles (so the empty answers above mean something)."""
     deps = imports_of(ROOT / "compute" / "worker" / "execute.py")
-    assert {"compute.worker.lifecycle", "compute.runners", "compute.contract.specs"} <= deps
-    assert "compute.contract.modelref" in deps  # imported inside _check_refs
+    assert {"compute.worker.lifecycle", "compute.runners", "compute.jobs.registry"} <= deps
+    assert "compute.worker.refs" in deps  # inside execute_job
     assert "compute.worker.reconciler" in imports_of(ROOT / "compute" / "worker" / "tasks.py")
     assert imports_of(ROOT / "storage" / "repo.py") >= {"storage.jobs", "storage.fanout"}
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}

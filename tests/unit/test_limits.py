@@ -61,7 +61,7 @@ def test_parameter_count_from_safetensors_headers(tmp_path: Path) -> None:
 
 def test_token_passes_by_hand() -> None:
     from app.limits import token_passes
-    from compute.contract.specs import parse_spec
+    from compute.jobs.registry import parse_spec
 
     length = 64 + 6  # assumed prompt + max_new_tokens
     base = {"model": "m", "steps": 10, "batch": 4, "group": 2, "max_new_tokens": 6, "eval_prompts": 5}
@@ -86,4 +86,5 @@ def test_token_passes_by_hand() -> None:
     tok = parse_spec("tokens", {"model": "m", "context": "12+34=", "top_k": 2, "random_k": 0,
                                 "low_k": 0, "max_tokens": 3})
     assert token_passes("tokens", tok) == 6 * (1 + 3 * (2 + 3))
-    assert token_passes("no-such-kind", tok) is None
+    with pytest.raises(ValueError, match="accepted: fisher, mask, train"):  # never an unknown cost
+        token_passes("no-such-kind", tok)

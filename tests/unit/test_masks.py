@@ -165,7 +165,7 @@ def test_save_load_roundtrip_and_validation(tmp_path) -> None:
     other = torch.nn.Sequential(torch.nn.Linear(3, 5), torch.nn.Linear(5, 2))
     with pytest.raises(ValueError, match=r"mask: parameter '0.bias' has shape \[4\] in the mask but \[5\]"):
         load_mask(path, model=other)
-    with pytest.raises(ValueError, match="mask: parameter '2.bias' of the model is missing"):
+    with pytest.raises(ValueError, match="mask: parameter '2.bias' is in the model but not in the mask"):
         load_mask(path, model=torch.nn.Sequential(model[0], model[1], torch.nn.Linear(2, 2)))
     with pytest.raises(ValueError, match="mask: file not found"):
         load_mask(tmp_path / "none.safetensors")
@@ -207,7 +207,7 @@ def model_dir(tmp_path, monkeypatch):
 
 
 def test_run_mask_fisher_and_magnitude(model_dir) -> None:
-    from compute.contract.specs import MaskSpec
+    from compute.jobs.mask import MaskSpec
     from compute.run_mask import run
 
     root, model, fisher = model_dir
@@ -229,8 +229,8 @@ def test_run_mask_fisher_and_magnitude(model_dir) -> None:
 
 
 def test_run_mask_gradient_and_errors(model_dir) -> None:
-    from compute.artifacts import resolve_artifact
-    from compute.contract.specs import MaskSpec
+    from compute.artifacts import local_file
+    from compute.jobs.mask import MaskSpec
     from compute.run_mask import run, sft_gradient
 
     root, model, fisher = model_dir
@@ -239,13 +239,13 @@ def test_run_mask_gradient_and_errors(model_dir) -> None:
     assert sum(float(g.sum()) for g in grad.values()) > 0
     want = select_mask("gradient", 0.05, scores=grad)
     assert all(torch.equal(res.tensors["mask"][n], want[n]) for n in want)
-    with pytest.raises(ValueError, match=r"fisher: job 12 does not exist"):  # via compute.contract.modelref
-        run(MaskSpec(fisher="job:12", select="fisher"))
+    with pytest.raises(ValueError, match=r"fisher: 'job:12' is a job reference; job:N is resolved by app.services.refs"):
+        run(MaskSpec(fisher="job:12", select="fisher"))  # the engine never resolves job:N itself
     with pytest.raises(ValueError, match="fisher: file not found"):
         run(MaskSpec(fisher=str(root / "nope.safetensors")))
     with pytest.raises(ValueError, match="needs a Fisher"):
         run(MaskSpec(select="fisher-tensor", model=str(root / "base")))
-    assert resolve_artifact(str(root), "fisher") == root / "fisher.safetensors"  # a folder holding one
+    assert local_file(str(root), "fisher") == (root / "fisher.safetensors").resolve()  # a folder holding one
     assert run(MaskSpec(fisher=str(root), select="random", density=0.5)).summary["kept"] == n_keep(
         0.5, sum(f.numel() for f in fisher.values()))
 

@@ -16,7 +16,7 @@ import torch
 from compute.artifacts import fisher_provenance, stored_metadata
 from compute.contract.jobresult import JobResult
 from compute.contract.results import FAIR_JACCARD, reliability_level
-from compute.contract.specs import FisherSpec
+from compute.jobs.fisher import FisherSpec
 from tests.pg import pg_schema_url
 
 
@@ -112,7 +112,7 @@ def test_fisher_verdict_travels_through_storage_to_a_mask(session, tmp_path):
     """save_result writes the Fisher's metadata into its artifact; a mask built on that file shows
     the verdict, and so does the mask's own file (what a train job on it reads)."""
     from compute import run_mask
-    from compute.contract.specs import MaskSpec
+    from compute.jobs.mask import MaskSpec
     from compute.run_fisher import fisher_metadata
     from storage import repo
     from storage.artifacts import ArtifactStore

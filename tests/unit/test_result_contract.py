@@ -11,12 +11,18 @@ import pytest
 
 from compute.contract import results as C
 from compute.contract.jobresult import Heatmap, JobResult, LayerStat, SeriesPoint
+from compute.jobs import registry as R
+from compute.jobs.diff import UPDATE_SPARSITY
+from compute.jobs.retention import RETENTION, RetentionResult
+from compute.jobs.sweep import SWEEP
+from compute.jobs.train import BOUND_RHS
 
 
 def test_every_kind_has_a_contract_and_precisions_match_the_spec():
     from compute.contract.specs import PRECISION_DTYPES, Precision
 
-    assert set(C.CONTRACTS) == set(C.KINDS) == set(typing.get_args(C.Kind))
+    assert all(R.contract(k) is R.get(k).contract and R.contract(k).kind == k for k in R.NAMES)
+    assert all(typing.get_args(R.contract(k).result.model_fields["kind"].annotation) == (k,) for k in R.NAMES)
     assert C.PRECISIONS == typing.get_args(Precision) and set(C.PRECISIONS) == set(PRECISION_DTYPES)
 
 
@@ -44,23 +50,23 @@ def test_old_results_parse_leniently():
         "series": [{"name": "reward/full", "step": 1, "value": None}],
         "heatmaps": [{"name": "retention", "x_labels": [0.01, 0.1], "y_labels": ["fisher"], "z": [[0.5, None]],
                       "meta": {}}], "layer_stats": [{"param": "w", "module": "q", "layer": 0, "values": {}}]}
-    r = C.parse_result(old)
-    assert isinstance(r, C.RetentionResult) and r.summary.rows[0].retention_mean == 0.9
+    r = R.parse_result(old)
+    assert isinstance(r, RetentionResult) and r.summary.rows[0].retention_mean == 0.9
     assert r.raw_summary["something_new"] == {"a": 1} and r.heatmap("retention").x_labels == ["0.01", "0.1"]
     assert r.curve("reward/full") is None and r.job == {"id": 3}
     # kind from the job row (GET /api/results answers both)
-    assert C.parse_result({"job": {"kind": "diff"}, "summary": {"unchanged_atol_1e-08": 0.6}}).summary.unchanged() == {
+    assert R.parse_result({"job": {"kind": "diff"}, "summary": {"unchanged_atol_1e-08": 0.6}}).summary.unchanged() == {
         "atol_1e-08": 0.6}
     with pytest.raises(C.ContractError, match="^summary.rows.0.density"):
-        C.parse_result({"kind": "retention", "summary": {"rows": [{"selector": "x", "density": "0.1"}]}})
+        R.parse_result({"kind": "retention", "summary": {"rows": [{"selector": "x", "density": "0.1"}]}})
 
 
 def test_families_are_exact_prefixes():
-    r = C.parse_result({"kind": "retention", "summary": {}, "series": [
+    r = R.parse_result({"kind": "retention", "summary": {}, "series": [
         {"name": "retention/fisher", "step": 0.1, "value": 0.9}, {"name": "retention/fisher", "step": 0.01, "value": 0.5},
         {"name": "retentionx/fisher", "step": 1, "value": 1}, {"name": "heldout/random", "step": 1, "value": 0.2}]})
-    assert r.curves(C.RETENTION) == {"fisher": ([0.01, 0.1], [0.5, 0.9])}
-    assert C.RETENTION.part("retention/") is None and C.UPDATE_SPARSITY.part("update_sparsity_bf16") == "bf16"
+    assert r.curves(RETENTION) == {"fisher": ([0.01, 0.1], [0.5, 0.9])}
+    assert RETENTION.part("retention/") is None and UPDATE_SPARSITY.part("update_sparsity_bf16") == "bf16"
 
 
 # ---------------------------------------------------------------- real runners on the tiny zoo
@@ -82,15 +88,13 @@ def runs(zoo_home, tmp_path_factory):
         run_tokens,
         run_train,
     )
-    from compute.contract.specs import (
-        DiffSpec,
-        FisherSpec,
-        MaskSpec,
-        RetentionSpec,
-        SweepSpec,
-        TokensSpec,
-        TrainSpec,
-    )
+    from compute.jobs.diff import DiffSpec
+    from compute.jobs.fisher import FisherSpec
+    from compute.jobs.mask import MaskSpec
+    from compute.jobs.retention import RetentionSpec
+    from compute.jobs.sweep import SweepSpec
+    from compute.jobs.tokens import TokensSpec
+    from compute.jobs.train import TrainSpec
 
     old = {k: os.environ.get(k) for k in ("FISHERLENS_HOME", "FISHERLENS_DEVICE")}
     os.environ.update(FISHERLENS_HOME=str(zoo_home), FISHERLENS_DEVICE="cpu")
@@ -123,15 +127,15 @@ def runs(zoo_home, tmp_path_factory):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("kind", C.KINDS)
+@pytest.mark.parametrize("kind", R.NAMES)
 def test_runner_output_matches_its_contract_and_draws(runs, kind):
     from app.figures.registry import figures_for, tables_for
 
     d = runs[kind].to_dict()  # checks the contract
     stored = json.loads(json.dumps(d, default=str).replace("NaN", "null"))  # as the database gives it back
-    r = C.parse_result(stored)
-    assert type(r) is C.CONTRACTS[kind].result and r.kind == kind
-    c = C.CONTRACTS[kind]
+    r = R.parse_result(stored)
+    assert type(r) is R.contract(kind).result and r.kind == kind
+    c = R.contract(kind)
     assert {h.name for h in r.heatmaps} <= {*c.heatmaps} | {h.name for f in c.heatmap_families for h in r.heatmaps_in(f)}
     figs = figures_for(r)
     assert figs, kind
@@ -152,8 +156,8 @@ def test_every_declared_heatmap_and_series_is_drawn_by_a_registered_figure():
     one = {"x_labels": ["q"], "y_labels": ["0"], "z": [[0.5]], "meta": {}}
     family_examples = {"update_sparsity": "update_sparsity_exact", "retention": "retention/fisher",
                        "heldout": "heldout/fisher", "train_reward": "train_reward/full"}
-    family_examples.update({f.prefix: f"{f.prefix}/adamw bf16" for f in C.SWEEP.values()})
-    for kind, c in C.CONTRACTS.items():
+    family_examples.update({f.prefix: f"{f.prefix}/adamw bf16" for f in SWEEP.values()})
+    for kind, c in ((k, R.contract(k)) for k in R.NAMES):
         names = [e.name for e in entries(kind)]
         assert len(names) == len(set(names)), kind
         heatmaps = [*c.heatmaps, *(family_examples[f.prefix] for f in c.heatmap_families)]
@@ -163,7 +167,7 @@ def test_every_declared_heatmap_and_series_is_drawn_by_a_registered_figure():
         for name in series:
             # sweep/<metric>/<run> repeat summary.points (the figures read the points) and bound/rhs
             # is the line sqrt(E[A^2]) sqrt(F) the bound figure draws from the summary's constant
-            if kind == "sweep" or name == C.BOUND_RHS:
+            if kind == "sweep" or name == BOUND_RHS:
                 continue
             res = {"kind": kind, "summary": {}, "series": [{"name": name, "step": 1e-3, "value": 0.5}]}
             assert figures_for(res), (kind, name)

@@ -56,7 +56,8 @@ def test_eval_size_for_a_stated_standard_error() -> None:
 
 
 def test_spec_picks_eval_size_from_eval_se() -> None:
-    from compute.contract.specs import SpecError, parse_spec
+    from compute.contract.specs import SpecError
+    from compute.jobs.registry import parse_spec
 
     assert parse_spec("retention", {}).eval_prompts == 2500
     assert parse_spec("retention", {"eval_se": 0.02}).eval_prompts == 625
@@ -171,7 +172,7 @@ def test_grid_units_apart_equal_the_run_and_density_one_equals_full(zoo_home, mo
     estimating its own Fisher, outputs through torch.save / weights-only load, in reverse order)
     combines to the in-process run; a density-1 mask reproduces the full run prompt for prompt
     (paired seeds: same prompts, same sampling seeds, same optimizer, same held-out prompts)."""
-    from compute.contract.specs import parse_spec
+    from compute.jobs.registry import parse_spec
     from compute.models import load_model
     from compute.run_retention import children, combine, run, run_child
 

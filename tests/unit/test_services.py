@@ -95,7 +95,7 @@ def test_job_references_must_be_succeeded_jobs_of_the_right_kind(settings) -> No
         services.submit(settings, "mask", {"fisher": "job:999"})
     with pytest.raises(SpecError, match="is a fisher job; a mask or train job is needed"):
         services.submit(settings, "train", {"model": "arith-base", "mask": f"job:{fisher['id']}"})
-    with pytest.raises(SpecError, match="outside the artifact store"):
+    with pytest.raises(SpecError, match="outside the allowed model roots"):
         services.submit(settings, "mask", {"fisher": "/etc/passwd"})
     with services.sessions(settings)() as s:
         repo.mark_succeeded(session=s, job_id=fisher["id"])
@@ -109,11 +109,11 @@ def test_job_references_must_be_succeeded_jobs_of_the_right_kind(settings) -> No
 
 def _store_result(settings, job_id: int, **kw) -> None:
     from compute.contract.jobresult import JobResult
-    from storage.artifacts import ArtifactStore
+    from storage.artifacts import open_store
 
     with services.sessions(settings)() as s:
         repo.save_result(session=s, job_id=job_id, result=JobResult(kind="x", summary={}, **kw),
-                         store=ArtifactStore(settings.artifacts_dir))
+                         store=open_store(settings))
         repo.mark_succeeded(session=s, job_id=job_id)
 
 
@@ -133,14 +133,18 @@ def test_trained_model_is_a_model_everywhere(settings, tmp_path: Path) -> None:
     """job:N of a succeeded train job is accepted as model, teacher, base and tuned; the trained
     folder lives in the artifact store (outside the allowed model roots), is verified by sha256,
     and errors name the field without server paths."""
-    from compute.contract.modelref import resolve_job_ref, resolve_model
+    from app.services.refs import resolve
+    from compute.contract.modelref import resolve_model
 
     trained = _trained(settings, tmp_path, mask_select="fisher", mask_density=0.1)
     ref = f"job:{trained['id']}"
-    art = resolve_job_ref(ref, "tuned", settings)
+    art = resolve(settings, "tuned", ref, "model")
     assert art.label == f"#{trained['id']} train arith-base grpo masked"
-    assert art.path.is_relative_to(settings.artifacts_dir) and (art.path / "config.json").is_file()
-    assert resolve_model(ref, settings) == str(art.path)
+    assert (art.form, art.job_id, art.job_kind, art.path) == ("artifact", trained["id"], "train", f"{trained['id']}/model")
+    local = Path(art.where())
+    assert local.is_relative_to(settings.artifacts_dir) and (local / "config.json").is_file()
+    with pytest.raises(ValueError, match="is a job reference"):  # the engine never resolves job:N
+        resolve_model(ref, settings)
     for kind, spec in [
         ("diff", {"base": "arith-base", "tuned": ref}),
         ("fisher", {"model": ref, "prompts": 2}),
@@ -158,14 +162,14 @@ def test_trained_model_is_a_model_everywhere(settings, tmp_path: Path) -> None:
     with pytest.raises(SpecError, match="tuned: job .* is a fisher job; a train job is needed"):
         services.submit(settings, "diff", {"base": "arith-base", "tuned": f"job:{fisher['id']}"})
     # corrupt, then missing: a clear 4xx-style message, no server path
-    (art.path / "model.safetensors").write_bytes(b"changed")
+    (local / "model.safetensors").write_bytes(b"changed")
     with pytest.raises(SpecError) as err:
         services.submit(settings, "diff", {"base": "arith-base", "tuned": ref, "topk_percent": 2})
     msg = err.value.errors[0]["message"]
     assert err.value.errors[0]["field"] == "tuned" and "does not match its recorded sha256" in msg
     import shutil
 
-    shutil.rmtree(art.path)
+    shutil.rmtree(local)
     with pytest.raises(SpecError, match="missing from the artifact store") as err:
         services.submit(settings, "diff", {"base": "arith-base", "tuned": ref, "topk_percent": 3})
     assert str(settings.home) not in str(err.value)
@@ -221,7 +225,7 @@ def test_references_that_do_not_fit_together_are_refused(settings, tmp_path: Pat
     _store_result(settings, fisher["id"], tensors={"fisher": {"w.weight": torch.ones(6, 3)}})
     with pytest.raises(SpecError) as err:
         services.submit(settings, "mask", {"fisher": f"job:{fisher['id']}", "model": "arith-base"})
-    assert err.value.errors == [{"field": "fisher", "message": "parameter 'w.weight' has shape [6, 3] here but [4, 3] in the model"}]
+    assert err.value.errors == [{"field": "fisher", "message": "parameter 'w.weight' has shape [6, 3] in the fisher but [4, 3] in the model"}]
     ok = services.submit(settings, "mask", {"fisher": f"job:{fisher['id']}", "model": "other-arch"})
     assert ok["status"] == "queued"
     with pytest.raises(SpecError, match="tuned: different architecture: parameter 'w.weight'"):
@@ -231,7 +235,11 @@ def test_references_that_do_not_fit_together_are_refused(settings, tmp_path: Pat
     mask = Path(settings.artifacts_dir) / "mask.safetensors"
     mask.parent.mkdir(parents=True, exist_ok=True)
     save_file({"x": torch.ones(2, dtype=torch.bool)}, str(mask))
-    with pytest.raises(SpecError, match="mask: parameter 'x' is not in the model"):
+    with pytest.raises(SpecError, match=r"mask: .* is inside the artifact store; write job:<id>"):
+        services.submit(settings, "train", {"model": "arith-base", "mask": str(mask)})
+    mask = Path(settings.zoo_dir) / "mask.safetensors"  # inside the allowed model roots
+    save_file({"x": torch.ones(2, dtype=torch.bool)}, str(mask))
+    with pytest.raises(SpecError, match="mask: parameter 'x' is in the mask but not in the model"):
         services.submit(settings, "train", {"model": "arith-base", "mask": str(mask)})
     assert _messages(settings) == [{"task": RUN_JOB, "args": [j], "kwargs": {}} for j in (fisher["id"], ok["id"])]
 
@@ -362,3 +370,30 @@ def test_web_side_modules_do_not_import_torch() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_a_model_that_needs_remote_code_is_refused_at_submit_unless_the_operator_allows_it(
+    settings, fl_home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """TRUST_REMOTE_CODE (Settings.trust_remote_code): off, a model whose config.json names its
+    own code (auto_map) is a 422-style field error at submit, nothing queued; on, it passes
+    validation (and compute.models.load_model passes trust_remote_code=True)."""
+    folder = fl_home / "zoo" / "custom-code"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "custom", "num_hidden_layers": 2,
+        "auto_map": {"AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"}}))
+    for spec in ({"model": "custom-code"}, {"model": "arith-base", "algo": "opd", "teacher": "custom-code"}):
+        kind = "fisher" if "teacher" not in spec else "train"
+        field = "teacher" if "teacher" in spec else "model"
+        with pytest.raises(SpecError) as err:
+            services.submit(settings, kind, spec)
+        assert [e["field"] for e in err.value.errors] == [field]
+        assert "needs its own code" in err.value.errors[0]["message"]
+        assert "TRUST_REMOTE_CODE=1" in err.value.errors[0]["message"]
+    assert _messages(settings) == []
+    monkeypatch.setenv("TRUST_REMOTE_CODE", "1")
+    allowed = get_settings()
+    assert allowed.trust_remote_code
+    spec, parts, refs = services.validate(allowed, "fisher", {"model": "custom-code"})
+    assert refs["model"].form == "zoo" and parts == [f"model={refs['model'].sha256}"]

@@ -5,17 +5,13 @@ from __future__ import annotations
 import pytest
 from pydantic import BaseModel
 
-from compute.contract.specs import (
-    SPECS,
-    FieldInfo,
-    MaskSpec,
-    ModelRef,
-    SpecError,
-    SweepSpec,
-    TrainSpec,
-    describe_fields,
-    parse_spec,
-)
+from compute.contract.specs import FieldInfo, ModelRef, SpecError, describe_fields
+from compute.jobs.mask import MaskSpec
+from compute.jobs.registry import KINDS, parse_spec
+from compute.jobs.sweep import SweepSpec
+from compute.jobs.train import TrainSpec
+
+SPECS = {name: kind.spec for name, kind in KINDS.items()}
 
 
 def _by_name(cls: type) -> dict[str, FieldInfo]:

@@ -9,7 +9,8 @@ import shutil
 
 import pytest
 
-from compute.contract.specs import SpecError, parse_spec
+from compute.contract.specs import SpecError
+from compute.jobs.registry import parse_spec
 
 
 def test_sweep_spec_validation_names_the_field() -> None:

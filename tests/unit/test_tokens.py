@@ -236,7 +236,7 @@ def test_run_tokens_job_and_cli(model_dir, tmp_path) -> None:
     from click.testing import CliRunner
 
     from app.cli import main
-    from compute.contract.specs import TokensSpec
+    from compute.jobs.tokens import TokensSpec
     from compute.run_tokens import run
 
     path, model, tok = model_dir
@@ -278,7 +278,7 @@ def test_run_tokens_job_and_cli(model_dir, tmp_path) -> None:
 
 @pytest.mark.slow
 def test_zoo_tokens(zoo_home, monkeypatch) -> None:
-    from compute.contract.specs import TokensSpec
+    from compute.jobs.tokens import TokensSpec
     from compute.run_tokens import run
 
     monkeypatch.setenv("FISHERLENS_HOME", str(zoo_home))

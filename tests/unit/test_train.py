@@ -135,7 +135,8 @@ def test_train_config_validation() -> None:
 def test_train_config_takes_defaults_and_ranges_from_the_spec() -> None:
     from dataclasses import fields
 
-    from compute.contract.specs import RetentionSpec, TrainSpec
+    from compute.jobs.retention import RetentionSpec
+    from compute.jobs.train import TrainSpec
 
     spec = TrainSpec(model="arith-base")
     cfg = TrainConfig()

@@ -14,8 +14,11 @@ import pytest
 
 from app.ui import compare, forms, formtab, jobs, page, result, tokens
 from app.ui.figs import figures_html, same_colour_range
-from compute.contract.specs import SPECS, SpecError, parse_spec
+from compute.contract.specs import SpecError
+from compute.jobs.registry import KINDS, parse_spec
 from tests.unit.test_share import _fisher_result, _job
+
+SPECS = {name: kind.spec for name, kind in KINDS.items()}
 
 
 @pytest.fixture(scope="module")

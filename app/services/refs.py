@@ -1,0 +1,343 @@
+"""The one reference resolver: every form a spec field can name (a zoo name, a local folder, a
+hub id, `job:N`, a file path) becomes a typed `Ref` (compute.contract.kinds) here, once, at
+validation; who may use it is part of resolving.
+
+    resolve_spec(settings, kind, spec, user) -> {field: Ref}    (SpecError naming each bad field)
+
+The Refs are stored with the job (`jobs.refs`); the worker receives them and only re-verifies
+their sha256 through `storage.artifacts.open_store(settings).fetch(path, sha256)`; the engine
+never opens the database and never resolves a reference again. The API, the UI, `fisherlens
+submit`, the CLI's direct commands (`local=True`), /api/estimate and model registration all call
+this module.
+
+Rules (messages name the field, echo the user's input and never a server path):
+- `job:N`: job N exists, succeeded, is of a kind that provides this field's target, its artifact
+  is present and matches its sha256, and, with AUTH_REQUIRED, the caller owns it or is an admin.
+  Another user's job is answered exactly like a job that does not exist. A share link grants
+  reading a result, not reusing its artifacts.
+- A plain path inside the artifact store (`<artifact root>/1/fisher.safetensors`, the folder
+  `<artifact root>/1`, a symlink into it) is refused with "write job:1": artifacts are named by
+  job reference, which is where ownership is checked.
+- A model: a zoo name, a folder inside the allowed model roots (any folder for the CLI's direct
+  commands), or a hub id (offline: only when cached). A model whose config.json asks for remote
+  code (`auto_map`) is refused unless the operator set TRUST_REMOTE_CODE.
+- A fisher / mask / gradient file: an absolute path inside the allowed model roots (any readable
+  path for the CLI's direct commands) of a safetensors file holding tensors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from compute.contract import modelref as mr
+from compute.contract.kinds import Ref, RefTarget
+
+
+def ref_fields(kind: str) -> dict[str, RefTarget]:
+    """Spec field -> what it names, for every reference field of job kind `kind`: the kind's
+    `KIND.refs` (compute/jobs/<kind>.py), the one place that says which fields are references."""
+    from compute.jobs import registry
+
+    return dict(registry.get(kind).refs)
+
+
+def job_outputs(field: str, target: RefTarget) -> tuple[tuple[str, ...], str]:
+    """(job kinds whose `job:N` can fill a field of `target`, the artifact kind it reads): the
+    kinds whose KIND.outputs has `target`. Every producer stores it under the same artifact kind
+    (compute/jobs/registry.py checks)."""
+    from compute.jobs import registry
+
+    kinds = registry.producers(target)
+    arts = {registry.get(k).outputs[target] for k in kinds}
+    return kinds, (arts.pop() if len(arts) == 1 else target)
+
+
+def spec_values(kind: str, spec: Any) -> dict[str, tuple[str, RefTarget]]:
+    """field -> (what the spec names, its target), for the reference fields the spec fills. A
+    retention job's default OPD teacher counts as given (it is what the worker loads)."""
+    from compute.jobs import registry
+
+    job_kind = registry.get(kind)
+    implied = dict(job_kind.implied_refs(spec)) if job_kind.implied_refs else {}
+    out: dict[str, tuple[str, RefTarget]] = {}
+    for field, target in ref_fields(kind).items():
+        value = getattr(spec, field, None)
+        if not value:
+            value = implied.get(field)
+        if isinstance(value, str) and value.strip():
+            out[field] = (value.strip(), target)
+    return out
+
+
+# -- the whole spec ----------------------------------------------------------------------------
+def resolve_spec(
+    settings: Any, kind: str, spec: Any, user: Any = None, *, local: bool = False,
+    hash_models: bool = True,
+) -> dict[str, Ref]:  # fmt: skip
+    """Every reference of `spec` resolved (see the module docstring); SpecError naming each
+    field that cannot be used. `user` is the caller (app.auth Principal; None: anonymous, or
+    the operator for the CLI's direct commands). `hash_models=False` skips hashing model
+    weights (estimates, direct CLI runs); artifacts are always checked against their sha256."""
+    from compute.contract.specs import SpecError
+
+    refs, errors = resolve_values(settings, spec_values(kind, spec), user, local=local,
+                                  hash_models=hash_models)
+    if errors:
+        raise SpecError(errors)
+    return refs
+
+
+def resolve_values(
+    settings: Any, values: dict[str, tuple[str, RefTarget]], user: Any = None, *,
+    local: bool = False, hash_models: bool = True,
+) -> tuple[dict[str, Ref], list[dict[str, str]]]:  # fmt: skip
+    """({field: Ref}, [{"field", "message"}, ...]) for field -> (value, target)."""
+    refs: dict[str, Ref] = {}
+    errors: list[dict[str, str]] = []
+    needs_db = any(mr.job_ref_id(v) is not None for v, _ in values.values())
+    with _session(settings) if needs_db else contextlib.nullcontext() as s:
+        for field, (value, target) in values.items():
+            try:
+                refs[field] = resolve(settings, field, value, target, user, session=s,
+                                      local=local, hash_models=hash_models)
+            except ValueError as exc:
+                errors.append(field_error(field, exc))
+    return refs, errors
+
+
+def revision_parts(refs: dict[str, Ref]) -> list[str]:
+    """One part per reference, in field order: what makes two jobs with the same spec the same
+    computation ('model=<folder sha256>', 'mask=job:3:<sha256>', 'fisher=file:<sha256>')."""
+    parts = []
+    for field, r in refs.items():
+        if r.form == "artifact":
+            parts.append(f"{field}=job:{r.job_id}:{r.sha256}")
+        elif r.form == "hub":
+            parts.append(f"{field}={r.path}")
+        elif r.target == "model":
+            parts.append(f"{field}={r.sha256 or r.path}")
+        else:
+            parts.append(f"{field}=file:{r.sha256}")
+    return parts
+
+
+def field_error(field: str, exc: Exception) -> dict[str, str]:
+    msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    for prefix in (f"{field}: ", "model: ", "task: "):
+        if msg.startswith(prefix):
+            msg = msg[len(prefix):]
+            break
+    return {"field": field, "message": msg}
+
+
+@contextlib.contextmanager
+def _session(settings: Any) -> Any:
+    from app.services.common import sessions
+
+    with sessions(settings)() as s:
+        yield s
+
+
+# -- one reference -----------------------------------------------------------------------------
+def resolve(
+    settings: Any, field: str, value: str, target: RefTarget, user: Any = None, *,
+    session: Any = None, local: bool = False, hash_models: bool = True,
+) -> Ref:  # fmt: skip
+    """One reference -> Ref; ValueError "<field>: ..." when it cannot be used by `user`."""
+    value = str(value).strip()
+    if not value:
+        raise ValueError(f"{field}: empty reference")
+    n = mr.job_ref_id(value)
+    if n is not None:
+        if session is None:
+            with _session(settings) as s:
+                return _job_ref(settings, s, field, value, n, target, user, local)
+        return _job_ref(settings, session, field, value, n, target, user, local)
+    if value.startswith("job:"):
+        raise ValueError(f"{field}: {value[:40]!r} is not a job reference; write job:<number>, e.g. job:3")
+    _refuse_store_path(settings, field, value, target)
+    if target == "model":
+        return _model_ref(settings, field, value, local, hash_models)
+    return _file_ref(settings, field, value, target, local)
+
+
+def _may_use(settings: Any, user: Any, owner_id: int | None, local: bool) -> bool:
+    """Owners and admins use an artifact. Without AUTH_REQUIRED everything is the local user's;
+    the CLI's direct commands (local, no signed-in user) run as the operator."""
+    if not settings.auth_required:
+        return True
+    if user is None:
+        return local
+    return bool(user.is_admin) or (owner_id is not None and owner_id == user.id)
+
+
+def _job_ref(
+    settings: Any, s: Any, field: str, value: str, n: int, target: RefTarget, user: Any,
+    local: bool,
+) -> Ref:  # fmt: skip
+    from storage import repo
+    from storage.artifacts import (
+        ArtifactError,
+        ArtifactMissing,
+        ArtifactStoreUnavailable,
+        open_store,
+    )
+
+    kinds, art_kind = job_outputs(field, target)
+    if not kinds:
+        raise ValueError(f"{field}: job references are not accepted here; give a file")
+    want = " or ".join(kinds)
+    try:
+        job = repo.get_job(session=s, job_id=n)
+    except Exception:  # noqa: BLE001 - no jobs table yet (fresh database): nothing to point at
+        job = None
+    if job is None or not _may_use(settings, user, job.owner_id, local):
+        # another user's job is answered exactly like one that does not exist
+        raise ValueError(f"{field}: job {n} does not exist; give the id of one of your "
+                         f"succeeded {want} jobs")
+    if job.kind not in kinds:
+        raise ValueError(f"{field}: job {n} is a {job.kind} job; a {want} job is needed")
+    if job.status != "succeeded":
+        raise ValueError(f"{field}: job {n} is {job.status}; only a succeeded {want} job can be used")
+    art = repo.get_artifact(session=s, job_id=job.id, kind=art_kind)
+    if art is None:
+        raise ValueError(f"{field}: job {n} has no {art_kind} artifact")
+    what = f"{field}: the {art_kind} of job {n}"
+    try:
+        path = open_store(settings).fetch(art.path, art.sha256)
+    except ArtifactMissing:
+        raise ValueError(f"{what} is missing from the artifact store (deleted?); re-run job {n}") from None
+    except ArtifactStoreUnavailable as exc:
+        raise ValueError(f"{what} cannot be read: {exc}") from None
+    except ArtifactError:
+        raise ValueError(f"{what} does not match its recorded sha256 (corrupt or changed); "
+                         f"re-run job {n}") from None
+    label = (mr.trained_model_label(job.id, dict(job.spec or {})) if art_kind == "model"
+             else f"#{job.id} {job.kind}")
+    return Ref(field=field, given=value, target=target, form="artifact", path=art.path,
+               sha256=art.sha256, job_id=job.id, job_kind=job.kind, owner_id=job.owner_id,
+               label=label, local=str(path))
+
+
+_JOB_DIR = re.compile(r"^(\d{1,12})(?:/|$)")
+
+
+def _refuse_store_path(settings: Any, field: str, value: str, target: RefTarget) -> None:
+    """ValueError "... write job:N" when `value` is a path inside the artifact store (a file or
+    folder of a job, or the store itself; symlinks followed)."""
+    try:
+        raw = Path(value).expanduser()
+        if not (mr._looks_like_path(value) or raw.is_absolute() or raw.exists()):
+            return
+        resolved = raw.resolve()
+    except (OSError, RuntimeError):
+        return  # not a usable path: the form's own check says why
+    from storage.artifacts import open_store
+
+    # the store's folder, or an object store's local cache: both hold other users' bytes
+    root = next((r for r in open_store(settings).local_roots() if resolved.is_relative_to(r)), None)
+    if root is None:
+        return
+    m = _JOB_DIR.match(resolved.relative_to(root).as_posix())
+    ref = f"job:{m.group(1)}" if m else "job:<id>"
+    raise ValueError(f"{field}: {value[:120]!r} is inside the artifact store; write {ref} "
+                     f"(artifacts are named by job, which checks who may use them)")
+
+
+def _model_ref(settings: Any, field: str, value: str, local: bool, hash_models: bool) -> Ref:
+    try:
+        path = _model_path(settings, value, local)
+    except ValueError as exc:
+        raise ValueError(str(exc).replace("model:", f"{field}:", 1)) from None
+    if mr.is_hub_id(path):
+        _check_hub_cached(settings, field, value)
+        _check_remote_code(settings, field, value, _hub_config(value))
+        return Ref(field=field, given=value, target="model", form="hub", path=path)
+    folder = Path(path)
+    _check_remote_code(settings, field, value, folder / "config.json")
+    zoo = Path(settings.zoo_dir).expanduser().resolve()
+    sha = mr.folder_revision(folder) if hash_models else None
+    return Ref(field=field, given=value, target="model", form="zoo" if folder.parent == zoo else "local",
+               path=str(folder), sha256=sha, label=folder.name, local=str(folder))
+
+
+def _model_path(settings: Any, value: str, local: bool) -> str:
+    """A zoo name, an allowed folder (any folder when `local`) or a hub id -> path or hub id."""
+    if local:
+        try:
+            raw = Path(value).expanduser()
+            if raw.is_dir():
+                if not (raw / "config.json").is_file():
+                    raise ValueError(f"model: {value!r} is not a Hugging Face model directory (no config.json)")
+                return str(raw.resolve())
+        except OSError:
+            pass
+    try:
+        return mr.resolve_model(value, settings)
+    except OSError as exc:  # e.g. a 300-character name: "File name too long"
+        shown = value if len(value) <= 80 else value[:77] + "..."
+        raise ValueError(f"model: {shown!r} is not a usable model reference "
+                         f"({exc.strerror or type(exc).__name__})") from None
+
+
+def _hub_config(repo_id: str) -> Path | None:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(repo_id, "config.json")
+    except Exception:  # noqa: BLE001 - any hub-cache error: nothing known here
+        return None
+    return Path(found) if isinstance(found, str) else None
+
+
+def _check_hub_cached(settings: Any, field: str, repo_id: str) -> None:
+    """Offline (HF_HUB_OFFLINE=1), a hub id is usable only if its files are in the local cache."""
+    if settings.offline and _hub_config(repo_id) is None:
+        raise ValueError(f"{field}: hub model {repo_id!r} is not in the local cache and this server is "
+                         "offline (HF_HUB_OFFLINE=1); give a zoo name, a local folder or job:N")
+
+
+def _check_remote_code(settings: Any, field: str, value: str, config: Path | None) -> None:
+    """A model whose config.json names its own code (`auto_map`) runs that code when loaded:
+    refused here, at submit, unless the operator opted in with TRUST_REMOTE_CODE=1."""
+    if settings.trust_remote_code or config is None:
+        return
+    try:
+        cfg = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return  # unreadable: the loader says why
+    if isinstance(cfg, dict) and cfg.get("auto_map"):
+        raise ValueError(f"{field}: {value!r} needs its own code to load (config.json has auto_map) "
+                         "and this server does not run model code; the operator can allow it with "
+                         "TRUST_REMOTE_CODE=1")
+
+
+def _file_ref(settings: Any, field: str, value: str, target: RefTarget, local: bool) -> Ref:
+    """A fisher / mask / gradient safetensors file named by path."""
+    from app.services.compat import check_safetensors
+
+    path = Path(value).expanduser()
+    if not local and not path.is_absolute():
+        raise ValueError(f"{field}: {value!r}: give an absolute path, or job:<id> of a {field} job")
+    try:
+        resolved = path.resolve()
+        if not local and not mr.inside_roots(resolved, list(settings.model_roots)):
+            raise ValueError(f"{field}: {value!r} is outside the allowed model roots; "
+                             f"use job:<id> of a {field} job")
+        if resolved.is_dir() and (resolved / f"{target}.safetensors").is_file():
+            resolved = resolved / f"{target}.safetensors"
+        if not resolved.is_file():
+            raise ValueError(f"{field}: {value!r}: file does not exist")
+        check_safetensors(resolved)
+        sha = mr.file_sha256(resolved)
+    except OSError as exc:
+        raise ValueError(f"{field}: {value[:80]!r}: not a usable path ({exc.strerror})") from None
+    except ValueError as exc:
+        msg = str(exc)
+        raise ValueError(msg if msg.startswith(f"{field}: ") else f"{field}: {value!r} {msg}") from None
+    return Ref(field=field, given=value, target=target, form="local", path=str(resolved),
+               sha256=sha, local=str(resolved))

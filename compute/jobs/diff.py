@@ -1,0 +1,103 @@
+"""The `diff` job kind: which weights a fine-tune changed, against the Fisher (compute/run_diff.py).
+
+Declares the spec, the typed result and its contract, the cost and `KIND`; figures and key numbers
+are in app/figures/diff.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field
+
+from compute.contract.kinds import JobKind, KindForm
+from compute.contract.results import Contract, Family, Summary, TypedResult
+from compute.contract.specs import (
+    ModelRef,
+    Spec,
+    TopkPercent,
+)
+
+UNCHANGED = Family("unchanged", "_")  # summary keys unchanged_<threshold label>
+
+# ---------------------------------------------------------------- spec
+
+
+class DiffSpec(Spec):
+    base: ModelRef
+    tuned: ModelRef
+    fisher: str | None = Field(None, max_length=1000, description="fisher.safetensors path or 'job:<id>'")
+    topk_percent: TopkPercent = Field(1.0,
+        description="top-k% used for the Fisher/|delta| overlap")
+    store_delta: bool = Field(False, description="also store the full float32 delta as an artifact (large)")
+    svd_max_numel: int = Field(
+        16_000_000, ge=0, le=10_000_000_000, description="skip rank/SVD of 2-D deltas above this size"
+    )
+
+
+# ---------------------------------------------------------------- result
+
+OVERLAP_METRICS = ("jaccard_lift", "auc", "precision_at_k")
+UPDATE_SPARSITY = Family("update_sparsity", "_")  # update_sparsity_<threshold label>
+FISHER_VS_DELTA = tuple(f"fisher_vs_delta_{m}" for m in OVERLAP_METRICS)
+THRESHOLD_PROFILE = "threshold_profile"
+UNCHANGED_SERIES = ("unchanged/atol", "unchanged/atol_bf16delta", "unchanged/rel_rms")
+
+
+class DiffSummary(Summary):
+    base: str | None = None
+    tuned: str | None = None
+    n_params: int | None = None
+    unchanged_exact: float | None = None
+    changed_fraction: float | None = None
+    # issue 18: the headline "unchanged" in the convention the stored dtypes call for
+    update_sparsity: float | None = None
+    unchanged_common: float | None = None
+    stored_dtypes: dict[str, str] | None = None
+    comparison_dtype: str | None = None
+    comparison: str | None = None
+    fisher: str | None = None
+    auc: float | None = None
+    changed_auc: float | None = None
+    precision_at_k: float | None = None
+    jaccard: float | None = None
+    jaccard_random: float | None = None
+    spearman: float | None = None
+    overlap: list[dict[str, Any]] | None = None
+    overlap_settings: dict[str, Any] | None = None
+
+    def unchanged(self) -> dict[str, float]:
+        """Threshold label -> unchanged fraction, from the "unchanged_<label>" fields in order."""
+        out = {}
+        for k, v in self.model_dump().items():  # declared fields and extra keys, stored order
+            lab = UNCHANGED.part(k)
+            if lab is not None and isinstance(v, int | float) and not isinstance(v, bool):
+                out[lab] = float(v)
+        return out
+
+
+class DiffResult(TypedResult[DiffSummary]):
+    kind: Literal["diff"]
+
+
+CONTRACT = Contract("diff", DiffResult, heatmaps=(*FISHER_VS_DELTA, THRESHOLD_PROFILE),
+                    heatmap_families=(UPDATE_SPARSITY,), series=UNCHANGED_SERIES,
+                    groups=("tensor", "layer_module"))
+
+
+# ---------------------------------------------------------------- the kind
+
+
+def cost(s: DiffSpec) -> int:
+    return 0  # reads two checkpoints, no forward passes (app/limits.py charges one pass over the weights)
+
+
+KIND = JobKind(
+    name="diff", title="Checkpoint diff", spec=DiffSpec, contract=CONTRACT, runner="compute.run_diff:run",
+    cost=cost, order=60,
+    refs={"base": "model", "tuned": "model", "fisher": "fisher"},
+    form=KindForm(tab="Checkpoint diff", button="Diff", cost=False,
+                  main=("base", "tuned", "fisher", "topk_percent")),
+    cli_args=("base", "tuned"),
+    example={"base": "arith-base", "tuned": "job:2"},
+)

@@ -1,0 +1,176 @@
+"""The `retention` job kind: masked training at several densities and selectors against full
+training and the base, with confidence intervals (compute/run_retention.py, compute/retention.py).
+
+Declares the spec, the typed result and its contract, the cost and `KIND`; figures and key numbers
+are in app/figures/retention.py.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, model_validator
+
+from compute.contract.cost import fisher_passes, train_passes
+from compute.contract.kinds import JobKind, KindForm
+from compute.contract.results import Contract, Family, Row, Summary, TypedResult
+from compute.contract.specs import (
+    Algo,
+    Batch,
+    Device,
+    DistillEstimator,
+    Dtype,
+    FisherPrompts,
+    FisherSamples,
+    Group,
+    KlCoef,
+    Lr,
+    MaxNewTokens,
+    ModelRef,
+    Momentum,
+    Optimizer,
+    Selector,
+    Spec,
+    Steps,
+    TaskRef,
+    Temperature,
+    WeightDecay,
+)
+
+# Retention's OPD teacher when none is given (compute/run_retention.py uses this table).
+DEFAULT_TEACHERS = {"arith-base": "arith-teacher"}
+
+# ---------------------------------------------------------------- spec
+
+
+class RetentionSpec(Spec):
+    """Defaults tuned on arith-base (GRPO, 100 steps: held-out greedy accuracy ~0.27 -> ~0.4) so the
+    default grid runs in minutes on 2 CPU cores; statistics in compute.retention."""
+
+    model: ModelRef = Field("arith-base", description="zoo name, local HF dir, hub id org/name, or job:N")
+    task: TaskRef = "arithmetic"
+    algo: Algo = Field("grpo", description="post-training algorithm")
+    teacher: ModelRef | None = Field(None,
+        description="teacher for opd (default: arith-teacher for arith-base)")
+    densities: list[Annotated[float, Field(gt=0.0, le=1.0)]] = Field(
+        default_factory=lambda: [0.01, 0.05, 0.1], min_length=1, max_length=16, description="mask densities"
+    )
+    selectors: list[Selector] = Field(
+        description="mask selectors",
+        default_factory=lambda: list[Selector](["fisher", "random", "magnitude"]), min_length=1, max_length=8
+    )
+    seeds: int = Field(3, ge=1, le=16, description="paired seeds: each runs full training and every mask")
+    steps: Steps = Field(100, description="optimizer steps per run")
+    lr: Lr = Field(2e-4, description="learning rate")
+    optimizer: Optimizer = Field("adamw", description="optimizer of every run")
+    fisher_prompts: FisherPrompts = Field(64, description="prompts of the initial Fisher")
+    fisher_samples: FisherSamples = Field(4, description="samples per prompt of the initial Fisher")
+    eval_prompts: int = Field(
+        2500, ge=2, le=100_000, description="held-out prompts (the same for every model); when not "
+        "given: ceil(0.25 / eval_se^2), so every model's mean reward has standard error <= eval_se")
+    eval_se: float = Field(
+        0.01, gt=0.0, le=0.5, description="target standard error of each model's held-out reward "
+        "(any reward in [0, 1]); sets eval_prompts when that is not given")
+    bootstrap: int = Field(2000, ge=100, le=100_000, description="bootstrap replicates of the intervals")
+    confidence: float = Field(0.95, ge=0.5, lt=1.0, description="confidence level of the intervals")
+    device: Device = "auto"
+    batch: Batch = Field(16, description="prompts per step")
+    group: Group = Field(8, description="completions sampled per prompt")
+    max_new_tokens: MaxNewTokens = Field(6, description="sampled completion length")
+    weight_decay: WeightDecay = Field(0.0, description="decoupled weight decay")
+    momentum: Momentum = Field(0.0, description="SGD momentum")
+    temperature: Temperature = Field(1.0, description="sampling temperature")
+    kl_coef: KlCoef = Field(0.0, description="GRPO KL to the reference")
+    distill_estimator: DistillEstimator = Field("full",
+        description="OPD reverse KL: exact over the vocabulary, or sampled-token estimate")
+    dtype: Dtype = Field("auto", description="dtype the models are loaded in")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _eval_size(cls, data: Any) -> Any:
+        # eval_prompts not given (or 0/None): the size that guarantees SE <= eval_se for any reward
+        # in [0, 1] (variance <= 1/4).
+        if isinstance(data, dict) and not data.get("eval_prompts"):
+            se = data.get("eval_se", 0.01)
+            if isinstance(se, int | float) and not isinstance(se, bool) and 0 < se <= 0.5:
+                data = {**data, "eval_prompts": min(100_000, math.ceil(0.25 / se**2 - 1e-9))}
+        return data
+
+    @model_validator(mode="after")
+    def _opd_teacher(self) -> RetentionSpec:
+        if self.algo == "opd" and not self.teacher and self.model not in DEFAULT_TEACHERS:
+            raise ValueError(
+                f"teacher: algo 'opd' needs a teacher model for {self.model!r} "
+                f"(a default exists only for {', '.join(DEFAULT_TEACHERS)})"
+            )
+        return self
+
+
+# ---------------------------------------------------------------- result
+
+RETENTION, HELDOUT, TRAIN_REWARD = Family("retention"), Family("heldout"), Family("train_reward")
+
+
+class RetentionRow(Row):
+    selector: str
+    density: float | None = None
+    reward_mean: float | None = None
+    reward_std: float | None = None
+    reward_ci: list[float | None] | None = None
+    retention: float | None = None
+    retention_ci: list[float | None] | None = None
+    retention_mean: float | None = None
+    retention_std: float | None = None
+    retention_of_means: float | None = None
+    retentions: list[float | None] | None = None
+
+
+class RetentionSummary(Summary):
+    algo: str | None = None
+    base_reward: float | None = None
+    base_se: float | None = None
+    full_reward_mean: float | None = None
+    full_reward_std: float | None = None
+    full_se: float | None = None
+    full_rewards: list[float | None] | None = None
+    retention_valid: bool | None = None
+    warning: str | None = None
+    confidence: float | None = None
+    rows: list[RetentionRow] = Field(default_factory=list)
+
+
+class RetentionResult(TypedResult[RetentionSummary]):
+    kind: Literal["retention"]
+
+
+CONTRACT = Contract("retention", RetentionResult, heatmaps=("retention",),
+                    series_families=(RETENTION, HELDOUT, TRAIN_REWARD))
+
+
+# ---------------------------------------------------------------- the kind
+
+
+def cost(s: RetentionSpec) -> int:
+    runs = s.seeds * (len(s.densities) * len(s.selectors) + 1)
+    one = train_passes(s.algo, s.steps, s.batch, s.group, s.max_new_tokens, s.eval_prompts)
+    fisher = fisher_passes(s.fisher_prompts, s.fisher_samples, s.max_new_tokens)
+    return runs * one + s.seeds * fisher
+
+
+def implied_refs(s: RetentionSpec) -> dict[str, str]:
+    """The OPD teacher the runner loads when none is given."""
+    if s.algo == "opd" and not s.teacher and s.model in DEFAULT_TEACHERS:
+        return {"teacher": DEFAULT_TEACHERS[s.model]}
+    return {}
+
+
+KIND = JobKind(
+    name="retention", title="Retention", spec=RetentionSpec, contract=CONTRACT,
+    runner="compute.run_retention:run", cost=cost, order=40,
+    refs={"model": "model", "teacher": "model"},
+    implied_refs=implied_refs,
+    form=KindForm(tab="Retention sweep", button="Run retention sweep",
+                  main=("model", "algo", "teacher", "densities", "selectors", "seeds", "steps", "lr")),
+    example={"model": "arith-base", "seeds": 1},
+)

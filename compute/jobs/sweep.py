@@ -1,0 +1,156 @@
+"""The `sweep` job kind: training runs over lr x optimizer x precision, each diffed against the
+base (compute/run_sweep.py; fans out one child per grid point).
+
+Declares the spec, the typed result and its contract, the cost and `KIND`; figures and key numbers
+are in app/figures/sweep.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from compute.contract.cost import fisher_passes, train_passes
+from compute.contract.kinds import JobKind, KindForm
+from compute.contract.results import PRECISIONS, Contract, Family, Row, Summary, TypedResult
+from compute.contract.specs import (
+    Algo,
+    Batch,
+    ClipEps,
+    Device,
+    DistillEstimator,
+    FisherPrompts,
+    FisherSamples,
+    Group,
+    IndependentFisher,
+    KlCoef,
+    Lr,
+    MaxNewTokens,
+    ModelRef,
+    Momentum,
+    Optimizer,
+    Precision,
+    Seed,
+    SftSource,
+    Spec,
+    Steps,
+    TaskRef,
+    Temperature,
+    TopkPercent,
+    WeightDecay,
+)
+
+# ---------------------------------------------------------------- spec
+
+
+class SweepSpec(Spec):
+    """A grid of training runs, lr x optimizer x precision, each followed by a diff of its stored
+    checkpoint against the base's (compute.run_sweep). Defaults: minutes on arith-base, 2 cores."""
+
+    model: ModelRef
+    task: TaskRef = "arithmetic"
+    algo: Algo = Field("grpo", description="post-training algorithm")
+    teacher: ModelRef | None = Field(None, description="teacher model for opd (same tokenizer)")
+    lrs: list[Lr] = Field(
+        default_factory=lambda: [1e-6, 1e-5, 1e-4, 1e-3], min_length=1, max_length=16,
+        description="learning rates of the grid")
+    optimizers: list[Optimizer] = Field(
+        description="optimizers of the grid",
+        default_factory=lambda: list[Optimizer](["adamw", "sgd"]), min_length=1, max_length=2)
+    precision: list[Precision] = Field(
+        default_factory=lambda: list[Precision](["bf16-mixed"]), min_length=1, max_length=3,
+        description="training precisions of the grid (fp32, bf16-mixed, bf16)")
+    steps: Steps = Field(20, description="optimizer steps per point")
+    batch: Batch = Field(8, description="prompts per step")
+    group: Group = Field(8, description="completions per prompt")
+    max_new_tokens: MaxNewTokens = Field(16, description="sampled completion length")
+    eval_prompts: int = Field(200, ge=1, le=100_000, description="held-out prompts for greedy accuracy")
+    seed: Seed = Field(0, description="seed of prompts and sampling")
+    weight_decay: WeightDecay = Field(0.0, description="decoupled weight decay")
+    momentum: Momentum = Field(0.0, description="SGD momentum")
+    grad_clip: float | None = Field(1.0, gt=0.0, le=1e6, description="max grad norm; None = off")
+    temperature: Temperature = Field(1.0, description="sampling temperature")
+    kl_coef: KlCoef = Field(0.0, description="GRPO KL to the reference")
+    clip_eps: ClipEps = Field(0.2, description="GRPO ratio clip")
+    sft_source: SftSource = Field("gold",
+        description="SFT targets: gold answers or the model's own correct samples")
+    distill_estimator: DistillEstimator = Field("full",
+        description="OPD reverse KL: exact over the vocabulary, or sampled-token estimate")
+    fisher: str | None = Field(
+        None, max_length=1000, description="initial Fisher (path or 'job:<id>'); default: estimated once "
+        "from independent samples")
+    independent_fisher: IndependentFisher = Field("other-prompts",
+        description="samples of the estimated initial Fisher")
+    fisher_prompts: FisherPrompts = Field(32, description="prompts of the initial Fisher")
+    fisher_samples: FisherSamples = Field(4, description="samples per prompt of the initial Fisher")
+    topk_percent: TopkPercent = Field(1.0, description="top-k% of the Fisher/gradient overlap")
+    device: Device = "auto"
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> SweepSpec:
+        if self.algo == "opd" and not self.teacher:
+            raise ValueError("teacher: algo 'opd' needs a teacher model (e.g. arith-teacher)")
+        for name in ("lrs", "optimizers", "precision"):
+            values = getattr(self, name)
+            if len(set(values)) != len(values):
+                raise ValueError(f"{name}: got {values}; each value at most once")
+        points = len(self.lrs) * len(self.optimizers) * len(self.precision)
+        if points > 48:
+            raise ValueError(f"lrs: the grid has {points} points; accepted: at most 48")
+        return self
+
+
+# ---------------------------------------------------------------- result
+
+SWEEP_METRICS = ("unchanged_bf16", "fisher_auc_changed", "fisher_auc_gradient")
+SWEEP_SERIES = ("unchanged_bf16", "unchanged_exact", "fisher_auc_changed", "fisher_auc_gradient")
+SWEEP_HEATMAPS = tuple(f"sweep_{m}_{p}" for m in SWEEP_METRICS for p in PRECISIONS)
+SWEEP = {m: Family(f"sweep/{m}") for m in SWEEP_SERIES}  # sweep/<metric>/<optimizer> <precision>
+
+
+class SweepPoint(Row):
+    lr: float
+    optimizer: str
+    precision: str
+    unchanged_bf16: float | None = None
+    unchanged_exact: float | None = None
+    fisher_auc_changed: float | None = None
+    fisher_auc_changed_within_binades: float | None = None
+    fisher_auc_gradient: float | None = None
+    fisher_auc_changed_by_binade: list[dict[str, Any]] | None = None
+    reward_before: float | None = None
+    reward_after: float | None = None
+
+
+class SweepSummary(Summary):
+    algo: str | None = None
+    points: list[SweepPoint] = Field(default_factory=list)
+    markdown: str | None = None
+
+
+class SweepResult(TypedResult[SweepSummary]):
+    kind: Literal["sweep"]
+
+
+CONTRACT = Contract("sweep", SweepResult, heatmaps=SWEEP_HEATMAPS, series_families=tuple(SWEEP.values()))
+
+
+# ---------------------------------------------------------------- the kind
+
+
+def cost(s: SweepSpec) -> int:
+    points = len(s.lrs) * len(s.optimizers) * len(s.precision)
+    one = train_passes(s.algo, s.steps, s.batch, s.group, s.max_new_tokens, s.eval_prompts)
+    fisher = 0 if s.fisher else fisher_passes(s.fisher_prompts, s.fisher_samples, s.max_new_tokens)
+    return points * one + fisher
+
+
+KIND = JobKind(
+    name="sweep", title="LR x optimizer sweep", spec=SweepSpec, contract=CONTRACT,
+    runner="compute.run_sweep:run", cost=cost, order=50,
+    refs={"model": "model", "teacher": "model", "fisher": "fisher"},
+    form=KindForm(tab="LR x optimizer sweep", button="Run sweep",
+                  main=("model", "algo", "teacher", "lrs", "optimizers", "precision", "steps", "seed")),
+    example={"model": "arith-base", "lrs": [1e-4], "optimizers": ["adamw"]},
+)

@@ -1,0 +1,173 @@
+"""The `train` job kind: one GRPO / OPD / SFT run, full or inside a mask (compute/run_train.py).
+
+Declares the spec, the typed result and its contract, the cost and `KIND`; figures and key numbers
+are in app/figures/train.py. A succeeded train job provides its trained model (`job:N` in any
+model field) and the mask it built, if any.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, model_validator
+
+from compute.contract.cost import COST_PROMPT_TOKENS, fisher_passes, train_passes
+from compute.contract.kinds import JobKind, KindForm
+from compute.contract.results import Contract, Family, Summary, TypedResult
+from compute.contract.specs import (
+    PRECISION_DTYPES,
+    Algo,
+    Batch,
+    ClipEps,
+    Device,
+    DistillEstimator,
+    Dtype,
+    FisherPrompts,
+    FisherSamples,
+    Group,
+    IndependentFisher,
+    KlCoef,
+    Lr,
+    MaxNewTokens,
+    ModelRef,
+    Momentum,
+    Optimizer,
+    Precision,
+    Seed,
+    Selector,
+    SftSource,
+    Spec,
+    Steps,
+    TaskRef,
+    Temperature,
+    TopkPercent,
+    WeightDecay,
+)
+
+# ---------------------------------------------------------------- spec
+
+
+class TrainSpec(Spec):
+    model: ModelRef
+    task: TaskRef = "arithmetic"
+    algo: Algo = Field("grpo", description="post-training algorithm")
+    teacher: ModelRef | None = Field(None, description="teacher model for opd (same tokenizer)")
+    mask: str | None = Field(None, max_length=1000, description="mask.safetensors path or 'job:<id>'")
+    mask_select: Selector | None = Field(None, description="build a mask in the job with this selector")
+    mask_density: float | None = Field(None, gt=0.0, le=1.0, description="density of mask_select")
+    optimizer: Optimizer = Field("adamw", description="optimizer of the trained coordinates")
+    lr: Lr = Field(
+        2e-4, description="AdamW 1e-3 collapses GRPO on arith-base; 2e-4 is stable"
+    )
+    weight_decay: WeightDecay = Field(0.0,
+        description="decoupled weight decay (masked coordinates only)")
+    steps: Steps = Field(30, description="optimizer steps")
+    batch: Batch = Field(8, description="prompts per step")
+    group: Group = Field(8, description="GRPO completions per prompt")
+    kl_coef: KlCoef = Field(0.0, description="GRPO KL to the reference")
+    clip_eps: ClipEps = Field(0.2, description="GRPO ratio clip")
+    sft_source: SftSource = Field("gold",
+        description="SFT targets: the task's gold answers or the model's own correct samples")
+    max_new_tokens: MaxNewTokens = Field(16, description="sampled completion length")
+    eval_prompts: int = Field(200, ge=1, le=100_000, description="held-out prompts for greedy accuracy")
+    seed: Seed = Field(0, description="seed of prompts, sampling and selectors")
+    dtype: Dtype = Field("auto", description="dtype the model is loaded in")
+    device: Device = "auto"
+    momentum: Momentum = Field(0.0, description="SGD momentum")
+    grad_clip: float | None = Field(1.0, gt=0.0, le=1e6, description="max grad norm; None = off")
+    temperature: Temperature = Field(1.0, description="sampling temperature")
+    distill_estimator: DistillEstimator = Field(
+        "full", description="OPD reverse KL: exact over the vocabulary, or sampled-token estimate"
+    )
+    fisher_prompts: FisherPrompts = Field(32, description="prompts of the Fisher for mask_select")
+    fisher_samples: FisherSamples = Field(4, description="samples per prompt of that Fisher")
+    bound: bool = Field(True, description="GRPO: check the Cauchy-Schwarz bound on the first batch "
+                        "against a Fisher from independent samples")
+    precision: Precision = Field(
+        "fp32", description="fp32 | bf16-mixed (fp32 master weights, bf16 checkpoint) | bf16 (bf16 weights: "
+        "updates below half a bf16 ULP are lost)")
+    fisher: str | None = Field(
+        None, max_length=1000, description="initial Fisher (fisher.safetensors path or 'job:<id>') for the "
+        "gradient-concentration and bound checks; default: estimated from independent samples")
+    independent_fisher: IndependentFisher = Field(
+        "other-prompts", description="samples of the estimated initial Fisher: train prompts after the "
+        "ones training uses, or other completions of the first training prompts")
+    concentration: bool = Field(
+        True, description="accumulate sum g^2 and sum |g| over all steps and compare with the initial Fisher")
+    topk_percent: TopkPercent = Field(1.0, description="top-k% of the concentration overlap")
+
+    @model_validator(mode="after")
+    def _cross_field(self) -> TrainSpec:
+        if self.algo == "opd" and not self.teacher:
+            raise ValueError("teacher: algo 'opd' needs a teacher model (e.g. arith-teacher)")
+        if self.mask and self.mask_select:
+            raise ValueError("mask: give either mask or mask_select + mask_density, not both")
+        if self.mask_select and self.mask_density is None:
+            raise ValueError("mask_density: needed with mask_select; accepted range: > 0, <= 1")
+        if self.mask_density is not None and not self.mask_select:
+            raise ValueError("mask_select: mask_density needs a selector (e.g. fisher)")
+        if self.dtype not in PRECISION_DTYPES[self.precision]:
+            raise ValueError(f"dtype: {self.dtype!r} conflicts with precision {self.precision!r}; accepted: "
+                             f"{', '.join(PRECISION_DTYPES[self.precision])}")
+        return self
+
+
+# ---------------------------------------------------------------- result
+
+TRAIN_METRICS = ("reward", "loss", "accuracy", "reverse_kl", "kl", "grad_norm")
+CONCENTRATION_TARGETS = ("grad_sq_sum", "grad_abs_sum", "abs_delta")
+BOUND_POINTS, BOUND_RHS = "bound/|grad|", "bound/rhs"
+EVAL_ACCURACY = "eval/accuracy"
+TRAIN = Family("train")
+BOUND_HIST = "bound_log_hist"
+CONCENTRATION_AUC = tuple(f"concentration_auc_{t}" for t in CONCENTRATION_TARGETS)
+
+
+class TrainSummary(Summary):
+    algo: str | None = None
+    precision: str | None = None
+    accuracy_before: float | None = None
+    accuracy_after: float | None = None
+    accuracy_gain: float | None = None
+    reward_first: float | None = None
+    reward_last: float | None = None
+    trainable_fraction: float | None = None
+    eval: dict[str, Any] | None = None
+    update_sparsity: dict[str, Any] | None = None
+    bound: dict[str, Any] | None = None
+    concentration: dict[str, Any] | None = None
+
+
+class TrainResult(TypedResult[TrainSummary]):
+    kind: Literal["train"]
+
+
+CONTRACT = Contract("train", TrainResult, heatmaps=(BOUND_HIST, *CONCENTRATION_AUC),
+                    series=(*(f"train/{m}" for m in TRAIN_METRICS), EVAL_ACCURACY, BOUND_POINTS, BOUND_RHS))
+
+
+# ---------------------------------------------------------------- the kind
+
+
+def cost(s: TrainSpec) -> int:
+    n = train_passes(s.algo, s.steps, s.batch, s.group, s.max_new_tokens, s.eval_prompts)
+    if s.mask_select:
+        n += fisher_passes(s.fisher_prompts, s.fisher_samples, s.max_new_tokens)
+    bound = s.algo == "grpo" and s.bound
+    if not s.fisher and (s.concentration or bound):
+        n += fisher_passes(s.fisher_prompts, s.fisher_samples, s.max_new_tokens)  # independent Fisher
+    if bound:  # one backward per sample of the first batch
+        n += s.batch * s.group * (COST_PROMPT_TOKENS + s.max_new_tokens) * 3
+    return n
+
+
+KIND = JobKind(
+    name="train", title="Training run", spec=TrainSpec, contract=CONTRACT, runner="compute.run_train:run",
+    cost=cost, order=30,
+    refs={"model": "model", "teacher": "model", "mask": "mask", "fisher": "fisher"},
+    outputs={"model": "model", "mask": "mask"},
+    form=KindForm(tab="Train", button="Train",
+                  main=("model", "task", "algo", "teacher", "mask", "mask_select", "mask_density",
+                        "optimizer", "lr", "steps", "batch", "group", "seed", "precision")),
+    example={"model": "arith-base", "steps": 10},
+)

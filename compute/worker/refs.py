@@ -1,0 +1,54 @@
+"""The worker's side of references: the Refs resolved at submit (jobs.refs, app.services.refs)
+made readable here. Nothing is resolved again: an artifact is fetched through the artifact store
+(`open_store(settings).fetch(key, sha256)`, which re-verifies its sha256; an object-store
+backend returns a verified local copy), a zoo or local model folder and a local file are
+re-hashed against the sha256 recorded at submit (cached per file by mtime and size), and a hub
+id is passed on as it is. Runners get {field: Ref} with `local` set (compute/runners.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from compute.contract.kinds import Ref
+from compute.contract.modelref import file_sha256, folder_revision
+
+
+class StaleJob(ValueError):
+    """A job row without resolved references (queued before they were stored with the job)."""
+
+
+def fetch_refs(settings: Any, job_id: int, stored: dict[str, Any] | None) -> dict[str, Ref]:
+    """{field: Ref with `local` set} from a job's stored refs; ValueError naming the field when
+    a file is missing or no longer matches the sha256 it had at submit."""
+    from storage.artifacts import ArtifactError, open_store
+
+    if stored is None:
+        raise StaleJob(f"refs: job {job_id} has no resolved references (it was queued before "
+                       "references were resolved at submit); re-run it")
+    store = None
+    out: dict[str, Ref] = {}
+    for field, data in stored.items():
+        ref = Ref.model_validate(data)
+        if ref.form == "artifact":
+            store = store or open_store(settings)
+            try:
+                local = str(store.fetch(ref.path, str(ref.sha256)))
+            except ArtifactError:
+                raise ValueError(f"{field}: the {ref.target} of job {ref.job_id} is missing from the "
+                                 f"artifact store or changed since submit (sha256); re-run job "
+                                 f"{ref.job_id}") from None
+        elif ref.form in ("zoo", "local") and ref.sha256 is not None:
+            path = Path(ref.path)
+            try:
+                actual = folder_revision(path) if path.is_dir() else file_sha256(path)
+            except OSError:
+                actual = None
+            if actual != ref.sha256:
+                raise ValueError(f"{field}: {ref.given} is missing or changed since the job was "
+                                 "submitted (its sha256 differs); submit it again")
+            local = ref.path
+        else:  # a hub id, or a direct CLI run's folder (not hashed)
+            local = ref.path
+        out[field] = ref.model_copy(update={"local": local})
+    return out
