@@ -55,3 +55,42 @@ def load_scores(ref: Ref | str | Path, kind: str = "fisher") -> dict[str, torch.
     if not out:
         raise ValueError(f"{kind}: {shown} holds no floating-point tensors")
     return out
+
+
+def stored_metadata(ref: Ref | str | Path, kind: str) -> dict[str, str]:
+    """The safetensors metadata of an artifact file (a Ref, or a path for library callers); {}
+    when it has none."""
+    from safetensors import safe_open
+
+    path = local_file(ref, kind)
+    try:
+        with safe_open(str(path), framework="pt") as h:
+            return dict(h.metadata() or {})
+    except Exception:  # noqa: BLE001 - unreadable files fail where their tensors are loaded
+        return {}
+
+
+def fisher_provenance(ref: Ref | str | Path, kind: str = "fisher") -> dict[str, Any]:
+    """The reliability (split-half verdict) and precision of the Fisher stored at `ref`, as a
+    result built on it shows them (summary "fisher_reliability"; issue 18).
+
+    A fisher file carries them in its metadata ("fisherlens", compute.run_fisher.fisher_metadata);
+    a file built on a Fisher (a mask) carries that Fisher's ("fisher_reliability",
+    compute.run_mask): the file's own metadata says which, whatever `kind` it is read as. A file
+    written before, or by other tools, gets a note that its reliability is unknown."""
+    import json
+
+    meta = stored_metadata(ref, kind)
+    shown = ref.given if isinstance(ref, Ref) else str(ref)
+    own = "fisherlens" in meta  # the Fisher itself, not a file built on one
+    raw = meta.get("fisherlens") if own else meta.get("fisher_reliability")
+    try:
+        info = json.loads(raw) if raw else None
+    except ValueError:
+        info = None
+    if not isinstance(info, dict):
+        return {"source": shown, "reliability": "none",
+                "note": "the Fisher's split-half reliability is unknown (a file stored without it)"}
+    if own:
+        info["source"] = shown
+    return info

@@ -1,7 +1,11 @@
 """Every device and dtype decision of the compute side, in one place.
 
 - `resolve_device`: "auto" -> Settings.fisherlens_device (FISHERLENS_DEVICE), else cuda when available, else cpu.
-- `resolve_dtype`: "auto" -> bfloat16 on a CUDA device that supports it, else float32.
+- `resolve_dtype`: "auto" -> bfloat16 on a CUDA device that supports it, else float32. The
+  Fisher job does not default to "auto": FisherSpec.dtype is float32 on every device (a bf16
+  forward/backward moves a real model's Fisher by a few % relative L1, up to ~20% on single
+  tensors), and a half-precision Fisher, when asked for, reports its error against float32
+  (compute.run_fisher.precision_error). Training, tokens and retention keep "auto".
 - `wide`: the dtype per-sample maths runs in (float32 for half-precision tensors; float64 stays).
 - `accumulator_dtype`: the dtype Fisher sums are kept in (float64 for float64 models, else
   float32, whatever the model dtype).

@@ -2,6 +2,10 @@
 
 For two checkpoints of the same architecture, per tensor and aggregated per layer, module type,
 layer x module and globally:
+- the headline, `unchanged_common`: exact equality when both checkpoints are stored in one dtype,
+  else equality after casting both to the lower of the two stored precisions (a bf16-mixed run
+  saves bf16 weights; against an fp32 base, exact equality would count every weight that bf16
+  storage rounded as changed). DiffResult.precision records both stored dtypes and the convention;
 - fraction unchanged by exact equality (in the stored dtype), by bf16 equality (both cast to
   bfloat16), by |delta| <= atol for each atol in ATOLS, and by |delta| <= r * rms(base tensor)
   for each r in REL_TOLS; delta = tuned - base computed in float32;
@@ -185,11 +189,45 @@ def check_same_architecture(base: Any, tuned: Any) -> None:
 
 
 def threshold_labels() -> list[str]:
-    """Column names of the unchanged-fraction counts, in order: exact, bf16, float32-delta atols,
-    bf16-delta atols (published convention), relative tolerances, below half a bf16 ULP."""
-    return ["exact", "bf16", *[f"atol_{a:g}" for a in ATOLS],
+    """Column names of the unchanged-fraction counts, in order: common (equal at the lower of the
+    two stored precisions: the headline), exact, bf16, float32-delta atols, bf16-delta atols
+    (published convention), relative tolerances, below half a bf16 ULP."""
+    return ["common", "exact", "bf16", *[f"atol_{a:g}" for a in ATOLS],
             *[f"bf16delta_atol_{a:g}" for a in ATOLS], *[f"rel_{r:g}" for r in REL_TOLS],
             "below_half_ulp"]
+
+
+def lower_precision(a: torch.dtype, b: torch.dtype) -> torch.dtype:
+    """The float dtype with fewer mantissa bits (larger eps): the precision two checkpoints stored
+    in `a` and `b` can both be compared in (bfloat16 for float32 vs bfloat16; a when equal)."""
+    if a == b:
+        return a
+    return a if torch.finfo(a).eps >= torch.finfo(b).eps else b
+
+
+def comparison_convention(base_dtypes: set[str], tuned_dtypes: set[str]) -> dict[str, Any]:
+    """How a diff of checkpoints stored in these (float) dtypes should count "unchanged":
+    exact equality when both are stored alike, else equality after casting both to the lower
+    stored precision (exact equality across precisions counts every rounding as a change).
+
+    -> {"stored_dtypes": {"base", "tuned"}, "comparison_dtype", "comparison": text}."""
+    def name(ds: set[str]) -> str:
+        return "+".join(sorted(ds)) or "none"
+
+    out: dict[str, Any] = {"stored_dtypes": {"base": name(base_dtypes), "tuned": name(tuned_dtypes)}}
+    if base_dtypes == tuned_dtypes and len(base_dtypes) <= 1:
+        d = name(base_dtypes)
+        out["comparison_dtype"] = d
+        out["comparison"] = f"exact equality: both checkpoints are stored in {d}"
+        return out
+    lows = {str(lower_precision(getattr(torch, a), getattr(torch, b))).replace("torch.", "")
+            for a in base_dtypes for b in tuned_dtypes}
+    low = name(lows) if len(lows) > 1 else next(iter(lows), "none")
+    out["comparison_dtype"] = low if len(lows) == 1 else f"per tensor ({low})"
+    out["comparison"] = (f"both cast to {low}, the lower of the stored precisions (base "
+                         f"{name(base_dtypes)}, tuned {name(tuned_dtypes)}): exact equality across "
+                         "precisions would count every weight that storage rounding moved as changed")
+    return out
 
 
 def half_ulp_bf16(w: torch.Tensor) -> torch.Tensor:
@@ -214,8 +252,11 @@ def tensor_diff_stats(base: torch.Tensor, tuned: torch.Tensor, svd_max_numel: in
     s: dict[str, float] = {"numel": float(n)}
     if base.dtype == tuned.dtype:
         s["unchanged_exact"] = float((base == tuned).sum())
+        s["unchanged_common"] = s["unchanged_exact"]
     else:
         s["unchanged_exact"] = float((base.double() == tuned.double()).sum())
+        low = lower_precision(base.dtype, tuned.dtype)
+        s["unchanged_common"] = float((base.to(low) == tuned.to(low)).sum())
     bb, tb = base.to(torch.bfloat16), tuned.to(torch.bfloat16)
     s["unchanged_bf16"] = float((bb == tb).sum())
     ad16 = (tb - bb).abs()  # bf16 arithmetic, as after loading both checkpoints in bf16
@@ -293,6 +334,8 @@ class DiffResult:
     fisher: dict[str, Any] | None = None  # compute.overlap.score_vs_target output (+ "changed")
     delta: dict[str, torch.Tensor] | None = None  # fp32 deltas when keep_delta
     settings: dict[str, Any] = field(default_factory=dict)
+    # stored dtypes of both sides and the convention of "unchanged_common" (comparison_convention)
+    precision: dict[str, Any] = field(default_factory=dict)
 
 
 def diff_checkpoints(
@@ -317,6 +360,7 @@ def diff_checkpoints(
     abs_delta: dict[str, torch.Tensor] = {}
     base_w: dict[str, torch.Tensor] = {}
     deltas: dict[str, torch.Tensor] = {}
+    dtypes: tuple[set[str], set[str]] = (set(), set())
     for i, n in enumerate(names):
         if progress:
             progress(0.9 * i / max(1, len(names)), f"diff {n}")
@@ -324,6 +368,8 @@ def diff_checkpoints(
         if not (tb.is_floating_point() and tt.is_floating_point()):
             skipped[n] = f"not a float tensor ({src_b.dtype(n)})"
             continue
+        dtypes[0].add(str(tb.dtype).replace("torch.", ""))
+        dtypes[1].add(str(tt.dtype).replace("torch.", ""))
         stats, delta = tensor_diff_stats(tb, tt, svd_max_numel)
         raw[n] = stats
         per_tensor[n] = {**_fractions(stats), **{k: v for k, v in stats.items()
@@ -343,7 +389,8 @@ def diff_checkpoints(
         fisher_res["changed_by_weight_binade"] = fisher_auc_by_weight_binade(
             fisher, {n: d > 0 for n, d in abs_delta.items()}, base_w)
     settings = _diff_settings(svd_max_numel, topk_percent)
-    return DiffResult(per_tensor, groups, skipped, fisher_res, deltas if keep_delta else None, settings)
+    return DiffResult(per_tensor, groups, skipped, fisher_res, deltas if keep_delta else None, settings,
+                      comparison_convention(*dtypes))
 
 
 def _check_fisher_fits(fisher: Mapping[str, torch.Tensor], src: Any, names: list[str]) -> None:
@@ -387,6 +434,8 @@ def _diff_settings(svd_max_numel: int, topk_percent: float) -> dict[str, Any]:
         "half_ulp": "unchanged_below_half_ulp: float32 |delta| < half a bf16 ULP of |w_base| "
                     "(2^(e-9) for |w| = m 2^e, m in [0.5, 1))",
         "bf16_equality": "both tensors cast to bfloat16, then compared",
+        "common_equality": "unchanged_common: exact equality when both tensors are stored in one "
+                           "dtype, else both cast to the lower of the two precisions",
         "rank_tolerance": RANK_RTOL_DOC,
         "svd_topk": list(SVD_TOPK),
         "svd_max_numel": svd_max_numel,

@@ -18,7 +18,13 @@ OVERLAP_KEYS = ("precision_at_k", "auc", "jaccard", "jaccard_baseline", "jaccard
                 "overlap", "n_a", "n_b", "n")
 
 
-def _threshold_meta(label: str) -> dict[str, Any]:
+def _threshold_meta(label: str, precision: dict[str, Any] | None = None) -> dict[str, Any]:
+    if label == "common":  # the headline convention: first in the figure (meta "headline")
+        low = (precision or {}).get("comparison_dtype", "the stored dtype")
+        exact = (precision or {}).get("comparison", "").startswith("exact")
+        return {"threshold": 0.0, "headline": True,
+                "threshold_label": f"exact equality ({low})" if exact else
+                f"equality in {low} (the lower stored precision)"}
     if label == "exact":
         return {"threshold": 0.0, "threshold_label": "exact equality"}
     if label == "bf16":
@@ -68,6 +74,11 @@ def run(spec: DiffSpec, progress: Any = null_progress, refs: Refs | None = None)
     if res.fisher is not None:
         summary.update(_fisher_summary(spec, res.fisher))
         heatmaps += _fisher_heatmaps(res.fisher, spec.topk_percent)
+    fisher_ref = ref_of(refs, "fisher", spec.fisher)
+    if fisher_ref is not None:  # issue 18: the verdict of the Fisher this diff is scored against
+        from compute.artifacts import fisher_provenance
+
+        summary["fisher_reliability"] = fisher_provenance(fisher_ref)
     heatmaps += _sparsity_heatmaps(res)
     series = [SeriesPoint("unchanged/atol", a, g[f"unchanged_atol_{a:g}"]) for a in ATOLS]
     series += [SeriesPoint("unchanged/atol_bf16delta", a, g[f"unchanged_bf16delta_atol_{a:g}"]) for a in ATOLS]
@@ -86,8 +97,12 @@ def _summary(spec: DiffSpec, res: Any) -> dict[str, Any]:
         "tuned": spec.tuned,
         "n_params": int(g["numel"]),
         "tensors": len(res.per_tensor),
-        "update_sparsity": g["unchanged_exact"],
-        "changed_fraction": g["changed_exact"],
+        # issue 18: the headline counts "unchanged" in the convention that fits the stored dtypes
+        "update_sparsity": g["unchanged_common"],
+        "changed_fraction": 1.0 - g["unchanged_common"],
+        **res.precision,  # stored_dtypes {base, tuned}, comparison_dtype, comparison
+        "compute_dtype": "float32",  # the delta and every |delta| threshold
+        "stored_dtype": "float32",  # the delta artifact (store_delta)
         **{f"unchanged_{lab}": g[f"unchanged_{lab}"] for lab in threshold_labels()},
         "changed_below_half_ulp": g["changed_below_half_ulp"],
         "conventions": {
@@ -99,6 +114,7 @@ def _summary(spec: DiffSpec, res: Any) -> dict[str, Any]:
         "delta_rms": g["delta_rms"],
         "max_abs_delta": g["max_abs_delta"],
         "by_module_unchanged_exact": {m: v["unchanged_exact"] for m, v in res.groups["module"].items()},
+        "by_module_unchanged_common": {m: v["unchanged_common"] for m, v in res.groups["module"].items()},
         "skipped": res.skipped,
         "settings": res.settings,
     }
@@ -153,7 +169,7 @@ def _sparsity_heatmaps(res: Any) -> list[Heatmap]:
         key = f"unchanged_{lab}"
         out.append(ratio_heatmap(
             f"update_sparsity_{lab}", {n: (v[key] * numel[n], numel[n]) for n, v in res.per_tensor.items()},
-            {"units": "unchanged fraction", "zmin": 0.0, "zmax": 1.0, **_threshold_meta(lab)},
+            {"units": "unchanged fraction", "zmin": 0.0, "zmax": 1.0, **_threshold_meta(lab, res.precision)},
         ))
     layers = sorted(res.groups["layer"], key=_layer_sort)
     out.append(Heatmap(

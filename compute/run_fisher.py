@@ -55,6 +55,49 @@ def _config(spec: FisherSpec, n_prompts: int, start: int) -> FisherConfig:
     )
 
 
+PRECISION_CHECK_ROWS = 16  # rows of the first shard scored again in float32 (half-precision runs)
+
+
+def precision_error(model: Any, roll: Any, estimator: str, memory_budget_mb: int | None = None,
+                    rows: int = PRECISION_CHECK_ROWS, topk_percent: float = 1.0,
+                    reference: Any = None) -> dict[str, Any] | None:
+    """The error of a half-precision Fisher, measured: the first `rows` sampled completions
+    scored by the model as it is and by `reference`, the same checkpoint loaded in float32 (default:
+    a float32 copy of `model`, which leaves out the rounding of the weights). The same completions,
+    so the difference is the precision alone. None for a float32/float64 model.
+
+    -> {relative_l1 (whole model), worst_tensor_relative_l1, worst_tensor, topk_jaccard (top-k%
+    sets), topk_percent, rows, dtype, reference}."""
+    import copy
+
+    from compute.fisher import fisher_from_samples
+
+    dtype = next(model.parameters()).dtype
+    if dtype not in (torch.bfloat16, torch.float16):
+        return None
+    n = min(rows, roll.input_ids.shape[0])
+    ids, am, cm = (t[:n] for t in (roll.input_ids, roll.attention_mask, roll.completion_mask))
+    est = "sequence" if estimator == "empirical" else estimator
+    # one forward batch of all n rows: a half-precision result depends on the batch's padding
+    # width, so the check must not depend on the automatic batch size (free memory)
+    low = fisher_from_samples(model, ids, am, cm, est, memory_budget_mb=memory_budget_mb, batch_size=n)
+    ref_model = reference if reference is not None else copy.deepcopy(model).float()
+    try:
+        ref = fisher_from_samples(ref_model, ids, am, cm, est, memory_budget_mb=memory_budget_mb,
+                                  batch_size=n)
+    finally:
+        del ref_model
+    per = {name: relative_error(low[name], ref[name]) for name in ref}
+    worst = max(per, key=lambda k: per[k])
+    num = sum(float((low[k].double() - ref[k].double()).abs().sum()) for k in ref)
+    den = sum(float(ref[k].double().abs().sum()) for k in ref)
+    return {"relative_l1": num / den if den > 0 else 0.0, "worst_tensor_relative_l1": per[worst],
+            "worst_tensor": worst, "topk_jaccard": analysis.topk_jaccard(low, ref, topk_percent),
+            "topk_percent": topk_percent, "rows": n, "dtype": str(dtype).replace("torch.", ""),
+            "reference": ("the checkpoint loaded in float32" if reference is not None else
+                          "a float32 copy of the model") + ", on the same sampled completions"}
+
+
 def _shard(spec: FisherSpec, shard_index: int, progress: Progress, loaded: tuple | None,
            refs: Refs | None = None) -> dict:
     from compute.tasks import get_task
@@ -96,8 +139,34 @@ def _shard(spec: FisherSpec, shard_index: int, progress: Progress, loaded: tuple
             skipped = str(exc)
     out = dict(empty)
     out.update(sums=sums, denoms=denoms, n_rows=res.n_rows, n_tokens=res.n_tokens, exact=exact,
-               exact_skipped=skipped, seconds=round(time.perf_counter() - t0, 3))
+               exact_skipped=skipped, seconds=round(time.perf_counter() - t0, 3),
+               compute_dtype=str(next(model.parameters()).dtype).replace("torch.", ""))
+    half = next(model.parameters()).dtype in (torch.bfloat16, torch.float16)
+    if half and shard_index == 0 and res.rollout is not None and spec.estimator != "batch":
+        # issue 18: a half-precision Fisher states its error against the checkpoint in float32,
+        # measured on the first rows
+        ref_model, _ = _load(spec.model_copy(update={"dtype": "float32"}), refs)
+        out["precision_error"] = precision_error(model, res.rollout, spec.estimator,
+                                                 spec.memory_budget_mb, topk_percent=spec.topk_percent,
+                                                 reference=ref_model)
+        del ref_model
     return out
+
+
+def fisher_metadata(summary: dict[str, Any]) -> dict[str, str]:
+    """safetensors metadata of a stored Fisher: its reliability and precision travel with the
+    file, so a mask, train or diff built on it can show them (compute.artifacts.fisher_provenance)."""
+    import json
+
+    from compute.contract.results import reliability_level
+
+    keep = ("estimator", "model", "task", "n_prompts", "n_samples", "split_half_jaccard",
+            "split_half_topk_percent", "compute_dtype", "accumulate_dtype")
+    info = {k: summary.get(k) for k in keep}
+    info["reliability"] = reliability_level(summary.get("split_half_jaccard"))
+    if summary.get("precision_error"):
+        info["precision_relative_l1"] = summary["precision_error"].get("relative_l1")
+    return {"estimator": str(summary.get("estimator")), "fisherlens": json.dumps(info, default=str)}
 
 
 def run_shard(spec: FisherSpec, shard_index: int, progress: Progress = null_progress,
@@ -145,6 +214,13 @@ def finish(spec: FisherSpec, shard_outputs: list[dict], progress: Progress = nul
         "seconds": round(sum(o["seconds"] for o in outs), 3), "settings": spec.model_dump(),
     }
     summary["n_samples"] = summary["n_tokens"] if spec.estimator == "token" else summary["n_rows"]
+    # issue 18: the precision the Fisher was computed, accumulated and stored in
+    summary["compute_dtype"] = next((o["compute_dtype"] for o in outs if o.get("compute_dtype")), None)
+    summary["accumulate_dtype"] = "float32"
+    summary["stored_dtype"] = "float32"
+    perr = next((o["precision_error"] for o in outs if o.get("precision_error")), None)
+    if perr:
+        summary["precision_error"] = perr
     summary.update(analysis.summary(fisher))
     if not batch and denoms[0] > 0 and denoms[1] > 0:
         halves = [{n: sums[n][k].double() / denoms[k] for n in order} for k in (0, 1)]
@@ -169,6 +245,7 @@ def finish(spec: FisherSpec, shard_outputs: list[dict], progress: Progress = nul
     result = JobResult(
         kind="fisher", summary=summary, layer_stats=analysis.to_layer_stats(fisher),
         heatmaps=analysis.to_heatmaps(fisher), series=series, tensors={"fisher": fisher},
+        metadata={"fisher": fisher_metadata(summary)},
     )
     progress(1.0, "done")
     return result
@@ -186,8 +263,60 @@ def run(spec: FisherSpec, progress: Progress = null_progress, refs: Refs | None 
         def sub(f: float, m: str = "", i: int = i) -> None:
             progress(0.02 + 0.95 * (i + f) / spec.shards, m)
 
-        outs.append(_shard(spec, i, sub, loaded))
-    return finish(spec, outs, progress, extra={"model_info": info})
+        outs.append(_shard(spec, i, sub, loaded, refs))
+    spec, outs, rounds = extend_until_reliable(spec, outs, progress, loaded, refs)
+    return finish(spec, outs, progress, extra={"model_info": info, **rounds})
+
+
+# -- until_reliable (issue 18): more prompts until the split-half verdict is at least "fair" ----
+def split_half(outs: list[dict], topk_percent: float) -> float | None:
+    """The split-half top-k Jaccard of the Fisher the shard outputs sum to (None: batch)."""
+    sums: dict[str, torch.Tensor] = {}
+    denoms = [0.0, 0.0]
+    for o in outs:
+        if o["denoms"] is None:
+            return None
+        sums = _add(sums, o["sums"])
+        denoms = [denoms[0] + o["denoms"][0], denoms[1] + o["denoms"][1]]
+    if not sums or denoms[0] <= 0 or denoms[1] <= 0:
+        return None
+    order = next(list(o["sums"]) for o in outs if o["sums"])
+    halves = [{n: sums[n][k].double() / denoms[k] for n in order} for k in (0, 1)]
+    return analysis.topk_jaccard(halves[0], halves[1], topk_percent)
+
+
+def extend_until_reliable(spec: FisherSpec, outs: list[dict], progress: Any = null_progress,
+                          loaded: tuple | None = None, refs: Refs | None = None,
+                          ) -> tuple[FisherSpec, list[dict], dict]:
+    """With spec.until_reliable: while the split-half Jaccard is below FAIR_JACCARD and the
+    prompts can double within spec.max_prompts, estimate on as many further prompts again (the
+    sums add: the Fisher is a mean) -> (spec with the prompts used, outputs, summary extras)."""
+    from compute.contract.results import FAIR_JACCARD
+
+    if not spec.until_reliable or spec.estimator == "batch":
+        return spec, outs, {}
+    outs = list(outs)
+    rounds = [{"prompts": spec.prompts, "split_half_jaccard": split_half(outs, spec.topk_percent)}]
+    total = spec.prompts
+    while (rounds[-1]["split_half_jaccard"] is not None and rounds[-1]["split_half_jaccard"] < FAIR_JACCARD
+           and 2 * total <= spec.max_prompts):
+        extra = FisherSpec.model_validate({**spec.model_dump(), "prompts": total, "shards": 1,
+                                           "prompt_start": spec.prompt_start + total, "until_reliable": False})
+        loaded = loaded or _load(spec, refs)
+        progress(0.5, f"split-half Jaccard {rounds[-1]['split_half_jaccard']:.3f} < {FAIR_JACCARD}: "
+                      f"{total} more prompts")
+        quiet: Any = null_progress
+        out = _shard(extra, 0, quiet, loaded)
+        out["shard"] = max(o["shard"] for o in outs) + 1
+        out.pop("precision_error", None)  # measured once, on the first rows
+        outs.append(out)
+        total *= 2
+        rounds.append({"prompts": total, "split_half_jaccard": split_half(outs, spec.topk_percent)})
+    final = FisherSpec.model_validate({**spec.model_dump(), "prompts": total})
+    note = ("reached 'fair'" if (rounds[-1]["split_half_jaccard"] or 0) >= FAIR_JACCARD else
+            f"still below 'fair' at max_prompts={spec.max_prompts}")
+    return final, outs, {"until_reliable": {"rounds": rounds, "prompts_asked": spec.prompts,
+                                            "prompts_used": total, "note": note}}
 
 
 # -- child units (the protocol of compute/runners.py): one child per prompt shard --------------
@@ -202,4 +331,5 @@ def run_child(spec: FisherSpec, index: int, progress: Progress = null_progress,
 
 def combine(spec: FisherSpec, outputs: list[dict], progress: Progress = null_progress,
             refs: Refs | None = None) -> JobResult:
-    return finish(spec, outputs, progress)
+    spec, outputs, rounds = extend_until_reliable(spec, outputs, progress, refs=refs)  # loads the model if needed
+    return finish(spec, outputs, progress, extra=rounds)

@@ -6,6 +6,7 @@ Also home of the layer x module heatmap helper the diff job reuses. References a
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
 from typing import Any
 
@@ -192,6 +193,17 @@ def run(spec: MaskSpec, progress: Any = null_progress, refs: Refs | None = None)
         "mask_density", {n: (float(kept[n]), float(m.numel())) for n, m in mask.items()},
         {"units": "kept fraction", "zmin": 0.0, "zmax": 1.0, "title": f"{spec.select} mask density"},
     )
+    # issue 18: the precision of the stored mask, and the verdict of the Fisher it was built on
+    # (also in the mask file, so a train job on this mask shows it)
+    summary["stored_dtype"] = "bool"
+    summary["compute_dtype"] = "float32"  # scores ranked in float32
+    metadata: dict[str, str] = {}
+    fisher_ref = ref_of(refs, "fisher", spec.fisher)
+    if fisher_ref is not None:
+        from compute.artifacts import fisher_provenance
+
+        summary["fisher_reliability"] = fisher_provenance(fisher_ref)
+        metadata["fisher_reliability"] = json.dumps(summary["fisher_reliability"], default=str)
     progress(1.0, "done")
     return JobResult(kind="mask", summary=summary, layer_stats=rows, heatmaps=[heat],
-                     tensors={"mask": mask})
+                     tensors={"mask": mask}, metadata={"mask": metadata} if metadata else {})

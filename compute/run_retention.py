@@ -252,6 +252,9 @@ def combine(spec: RetentionSpec, outputs: list[Any], progress: Any = null_progre
                  "decoding": "greedy", "max_new_tokens": rcfg.eval_max_new_tokens,
                  "reward": "task reward of each held-out prompt (accuracy), the same prompts for every model"},
         **table,
+        # issue 18: the training precision of every run (TrainConfig.precision)
+        "compute_dtype": "bfloat16" if rcfg.train.precision == "bf16" else "float32",
+        "stored_dtype": "float32",  # the per-prompt rewards artifact
     }
     z = [[next((r["retention"] for r in table["rows"]
                 if r["selector"] == s and r["density"] == d), None) for d in rcfg.densities]

@@ -247,6 +247,15 @@ def combine(spec: SweepSpec, outputs: list[Any], progress: Any = null_progress,
                                "grid": {"lrs": list(spec.lrs), "optimizers": list(spec.optimizers),
                                         "precision": list(spec.precision)},
                                "initial_fisher": dict(outputs[0]["initial_fisher"])}
+    # issue 18: precision per point is in the table; here the run-wide facts and the Fisher's verdict
+    summary["compute_dtype"] = "per point (bfloat16 for precision bf16, else float32)"
+    summary["stored_dtype"] = "per point (float32 for fp32, else bfloat16)"
+    from compute.artifacts import fisher_provenance, ref_of
+
+    fisher_ref = ref_of(refs, "fisher", spec.fisher)
+    if fisher_ref is not None:
+
+        summary["fisher_reliability"] = fisher_provenance(fisher_ref)
     result = JobResult(kind="sweep", summary=summary)
     if outputs[0].get("fisher") is not None:
         result.tensors["fisher"] = dict(outputs[0]["fisher"])

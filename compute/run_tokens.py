@@ -75,6 +75,8 @@ def run(spec: TokensSpec, progress: Any = null_progress, refs: Refs | None = Non
         # trace F vs the counterfactual of mutually orthogonal sensitivities (compute.tokens)
         "similarity": {k: (_nan_none(v) if isinstance(v, float) else v) for k, v in res.similarity.items()},
         "settings": {**res.settings, "layer": spec.layer, "dtype": str(next(model.parameters()).dtype)},
+        # issue 18: the precision of the forward/backward (nothing is stored but these rows)
+        "compute_dtype": str(next(model.parameters()).dtype).replace("torch.", ""),
     }
     heatmaps = []
     for which, ts in (("top", res.top), ("random", res.random), ("low", res.low)):

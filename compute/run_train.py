@@ -53,9 +53,17 @@ def build_mask_in_memory(
             from compute.fisher import estimate_fisher
 
             progress(0.0, "estimating the Fisher for the mask")
-            fisher = estimate_fisher(model, tokenizer, task, fisher_config).fisher
+            est = estimate_fisher(model, tokenizer, task, fisher_config)
+            fisher = est.fisher
             info["fisher"] = {"prompts": fisher_config.prompts, "samples": fisher_config.samples,
                               "estimator": fisher_config.estimator}
+            if est.halves is not None:  # issue 18: the verdict of the Fisher the mask is built on
+                from compute.analysis import topk_jaccard
+                from compute.contract.results import reliability_level
+
+                jac = topk_jaccard(est.half(0), est.half(1), 1.0)
+                info["fisher"].update(split_half_jaccard=jac, split_half_topk_percent=1.0,
+                                      reliability=reliability_level(jac))
         mask = select_mask(selector, density, scores=dict(fisher), params=model, seed=seed)
     elif selector == "gradient":
         from compute.train import objective_gradient
@@ -221,6 +229,9 @@ def train_job(
     _record_run(run, res)
     run.summary["update_sparsity"] = update_sparsity(stored_base, stored_state(model, spec.precision), fisher)
     run.summary["update_sparsity"]["stored_dtype"] = res.settings["stored_dtype"]
+    # issue 18: the precision the run computed in and its checkpoint is stored in
+    run.summary["compute_dtype"] = "bfloat16" if spec.precision == "bf16" else "float32"
+    run.summary["stored_dtype"] = res.settings["stored_dtype"]
     if spec.concentration and res.grad_sq_sum is not None and res.grad_abs_sum is not None:
         progress(0.95, "gradient concentration")
         _concentration(run, res, fisher, master_base)
@@ -285,6 +296,7 @@ def _mask(run: _Run) -> dict[str, torch.Tensor] | None:
     mask_ref = ref_of(run.refs, "mask", spec.mask)
     if mask_ref is not None:
         run.summary["mask"] = {"file": spec.mask}
+        _mask_fisher_reliability(run, mask_ref)
         return load_mask(local_file(mask_ref, "mask"), model=run.model,
                          device=next(run.model.parameters()).device)
     if not spec.mask_select:
@@ -297,8 +309,25 @@ def _mask(run: _Run) -> dict[str, torch.Tensor] | None:
         progress=lambda f, m="": run.progress(0.1 * f, m),
     )
     run.summary["mask"] = info
+    if "split_half_jaccard" in (info.get("fisher") or {}):
+        f = info["fisher"]
+        run.summary["fisher_reliability"] = {
+            "source": f"the mask's Fisher, estimated in this job ({f['prompts']} prompts x {f['samples']} samples)",
+            **{k: f[k] for k in ("split_half_jaccard", "split_half_topk_percent", "reliability")}}
     run.result.tensors["mask"] = {n: m.cpu() for n, m in mask.items()}
     return mask
+
+
+def _mask_fisher_reliability(run: _Run, mask_ref: Ref) -> None:
+    """The verdict of the Fisher a given mask file was built on (its metadata), if any."""
+    from compute.artifacts import stored_metadata
+
+    if "fisher_reliability" in stored_metadata(mask_ref, "mask"):
+        from compute.artifacts import fisher_provenance
+
+        rel = fisher_provenance(mask_ref, "mask")
+        rel["source"] = f"the Fisher of mask {run.spec.mask} ({rel.get('source')})"
+        run.summary["fisher_reliability"] = rel
 
 
 def _initial_fisher(
@@ -315,6 +344,11 @@ def _initial_fisher(
     elif spec.fisher:
         fisher = load_scores(ref_of(run.refs, "fisher", spec.fisher) or spec.fisher, "fisher")
         out_info = {"source": "given", "file": spec.fisher}
+        if "fisher_reliability" not in run.summary:  # issue 18: the given Fisher's verdict
+            from compute.artifacts import fisher_provenance
+
+            run.summary["fisher_reliability"] = fisher_provenance(ref_of(run.refs, "fisher", spec.fisher)
+                                                                  or spec.fisher)
     elif spec.concentration or (spec.algo == "grpo" and spec.bound):
         run.progress(0.1, f"initial Fisher from independent samples ({spec.independent_fisher})")
         fisher, out_info = independent_fisher(probe, run.tok, run.task, spec,

@@ -32,7 +32,8 @@ def save_result(
         if store is None:
             raise ValueError("store: an artifact store is needed for results with tensors or files")
         for kind, tensors in result.tensors.items():
-            infos.append(store.save_tensors(job.id, kind, tensors))
+            infos.append(store.save_tensors(job.id, kind, tensors,
+                                            metadata=getattr(result, "metadata", {}).get(kind)))
         for kind, path in result.files.items():
             infos.append(store.save_folder(job.id, kind, path))
     for table in (LayerStatRow, HeatmapRow, SeriesRow, ArtifactRow):

@@ -100,9 +100,12 @@ def diff_cmd(base: str, tuned: str, out: str, **options: Any) -> None:
     from compute.analysis import aggregate
 
     by_layer = aggregate([r for r in res.layer_stats if r.group == "layer_module"], by=("layer",))
-    click.echo(_table(["layer", "params", "unchanged", "bf16-equal", "|d|<=1e-5"],
-                      [[layer_name(layer), int(c["numel"]), c["unchanged_exact"], c["unchanged_bf16"],
-                        c["unchanged_atol_1e-05"]] for (layer,), c in by_layer.items()]))
+    click.echo(_table(["layer", "params", f"unchanged ({s['comparison_dtype']})", "exact", "bf16-equal",
+                       "|d|<=1e-5"],
+                      [[layer_name(layer), int(c["numel"]), c["unchanged_common"], c["unchanged_exact"],
+                        c["unchanged_bf16"], c["unchanged_atol_1e-05"]] for (layer,), c in by_layer.items()]))
+    # issue 18: the first number in the convention the stored dtypes call for
+    click.echo(f"unchanged: {s['unchanged_common']:.4f} ({s['comparison']})")
     click.echo(f"all: {s['n_params']:,} params; unchanged exactly {s['unchanged_exact']:.4f}, "
                f"bf16-equal {s['unchanged_bf16']:.4f}, |delta_fp32|<=1e-5 {s['unchanged_atol_1e-05']:.4f}, "
                f"|delta_bf16|<=1e-5 (published convention, both loaded in bf16) "

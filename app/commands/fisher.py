@@ -42,7 +42,8 @@ def fisher(out: str, **options: Any) -> None:
     out_dir = Path(out)
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors = {n: t.detach().float().contiguous().cpu() for n, t in result.tensors["fisher"].items()}
-    save_file(tensors, str(out_dir / "fisher.safetensors"), metadata={"estimator": spec.estimator})
+    save_file(tensors, str(out_dir / "fisher.safetensors"),
+              metadata=result.metadata.get("fisher") or {"estimator": spec.estimator})
     write_json(out_dir / "stats.json", result.to_dict())
     s = result.summary
     click.echo(_summary_table(result))
@@ -54,6 +55,20 @@ def fisher(out: str, **options: Any) -> None:
         f"top 1% holds {s['top1%_share']:.1%} of the mass, split-half top-{spec.topk_percent:g}% "
         f"Jaccard {stab_txt}"
     )
+    from compute.contract.results import reliability_level
+
+    level = reliability_level(stab)
+    click.echo(f"reliability: {level} (split-half Jaccard {stab_txt}; fair >= 0.5, good >= 0.8)"
+               + ("; rerun with --until-reliable for more samples" if level == "poor" else ""))
+    rounds = s.get("until_reliable")
+    if rounds:
+        click.echo("until_reliable: " + " -> ".join(f"{r['prompts']} prompts ({r['split_half_jaccard']:.3f})"
+                                                    for r in rounds["rounds"]) + f"; {rounds['note']}")
+    perr = s.get("precision_error")
+    if perr:
+        click.echo(f"precision: computed in {s.get('compute_dtype')}; relative L1 error {perr['relative_l1']:.3g} "
+                   f"against float32 on the first {perr['rows']} completions (worst tensor "
+                   f"{perr['worst_tensor_relative_l1']:.3g})")
     for name, e in (s.get("exact_output") or {}).items():
         click.echo(f"exact output-layer check ({name}): relative L1 error "
                    f"{e['relative_l1_error']:.3f}")

@@ -40,6 +40,8 @@ OVERLAP_TITLES = {"fisher_vs_delta_jaccard_lift": "Top-k Fisher vs top-k |delta|
 
 
 def _threshold_key(h: HeatmapData) -> tuple[int, float, str]:
+    if h.meta.get("headline"):  # the convention the key numbers lead with comes first
+        return (-1, 0.0, "")
     t = finite(h.meta.get("threshold"))
     return (0, t, "") if t is not None else (1, 0.0, h.name)
 
@@ -121,16 +123,28 @@ def _threshold_name(lab: str) -> str:
     return lab.replace("_", " ")
 
 
+def _exact_comparison(s: DiffSummary) -> bool:
+    return (s.comparison or "exact").startswith("exact")
+
+
+def _common_name(s: DiffSummary) -> str:
+    return f"equal in {s.comparison_dtype} (the lower stored precision)"
+
+
 def _unchanged_table(s: DiffSummary) -> dict[str, Any] | None:
     """Unchanged fraction at each threshold: one row per threshold; a second column when the
     summary also has the bf16-checkpoint convention (|bf16(tuned) - bf16(base)| <= a)."""
     unchanged = s.unchanged()
+    if "common" in unchanged:  # the headline convention leads the table too
+        unchanged = {"common": unchanged.pop("common"), **unchanged}
     bf16 = {lab[len(BF16_DELTA):]: v for lab, v in unchanged.items() if lab.startswith(BF16_DELTA)}
     rows: list[list[str]] = []
     for lab, v in unchanged.items():
         if lab.startswith(BF16_DELTA):
             continue  # shown next to the float32 row of the same atol
-        row = [_threshold_name(lab), kn.pct(v)]
+        if lab == "common" and _exact_comparison(s):
+            continue  # the same numbers as the "exactly equal" row
+        row = [_common_name(s) if lab == "common" else _threshold_name(lab), kn.pct(v)]
         if bf16:
             row.append(kn.pct(bf16[lab[5:]]) if lab.startswith("atol_") and lab[5:] in bf16 else "")
         rows.append(row)
@@ -146,8 +160,15 @@ def _unchanged_table(s: DiffSummary) -> dict[str, Any] | None:
 def key_numbers_diff(r: DiffResult, out: dict[str, Any]) -> None:
     s = r.summary
     items = out["items"]
-    if finite(s.unchanged_exact) is not None:
-        items.append(kn.item("Weights exactly unchanged", kn.pct(s.unchanged_exact), "every threshold in the table below"))
+    if finite(s.unchanged_common) is not None and not _exact_comparison(s):
+        sd = s.stored_dtypes or {}
+        items.append(kn.item(f"Weights unchanged, compared in {s.comparison_dtype}", kn.pct(s.unchanged_common),
+                             f"base stored in {sd.get('base')}, tuned in {sd.get('tuned')}: compared at the "
+                             f"lower precision (exact equality across precisions: {kn.pct(s.unchanged_exact)})"))
+    elif finite(s.unchanged_exact) is not None:
+        note = (f"both stored in {s.comparison_dtype}; every threshold in the table below"
+                if s.comparison_dtype else "every threshold in the table below")
+        items.append(kn.item("Weights exactly unchanged", kn.pct(s.unchanged_exact), note))
     if finite(s.auc) is not None:
         k = (s.overlap_settings or {}).get("topk_percent") or next(
             (row.get("k_percent") for row in s.overlap or [] if row.get("k_percent")), None)

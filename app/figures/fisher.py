@@ -92,6 +92,13 @@ def key_numbers_fisher(r: FisherResult, out: dict[str, Any]) -> None:
         out["verdict"] = kn.jaccard_verdict(jac, k)
     if s.n_samples is not None:
         items.append(kn.item("Samples", kn.fmt(s.n_samples), str(s.estimator or "")))
+    perr = s.precision_error or {}
+    if finite(perr.get("relative_l1")) is not None:
+        out["warnings"].append(
+            f"Computed in {s.compute_dtype}: relative L1 error {kn.fmt(perr['relative_l1'])} against float32 "
+            f"(worst tensor {kn.fmt(perr.get('worst_tensor_relative_l1'))}, "
+            f"top-{kn.fmt(perr.get('topk_percent'))}% overlap {kn.fmt(perr.get('topk_jaccard'))}) on the same "
+            f"{perr.get('rows')} completions; rerun with dtype float32 for the exact Fisher.")
     errs = [e for v in (s.exact_output or {}).values() if (e := finite(v.relative_l1_error)) is not None]
     if errs:
         items.append(kn.item("Output layer: relative L1 error vs exact", kn.fmt(max(errs)),

@@ -15,14 +15,13 @@ from typing import Any
 
 from app.figures.common import finite
 from app.figures.registry import key_numbers_builder
-from compute.contract.results import TypedResult, result_kind
+from compute.contract.results import FAIR_JACCARD, RELIABLE_JACCARD, TypedResult, result_kind
 from compute.jobs import registry
+from compute.jobs.diff import DiffSummary
 
-# Split-half top-k Jaccard: two independent halves of the samples should select the same top-k
-# coordinates. >= 0.8: the top set is stable; 0.5..0.8: usable for aggregates (layer x module),
-# not for single coordinates; < 0.5: the estimate is mostly sampling noise: take more samples.
-RELIABLE_JACCARD = 0.8
-FAIR_JACCARD = 0.5
+# the thresholds of the split-half verdict (FAIR_JACCARD, RELIABLE_JACCARD) live with the results
+# (compute.contract.results), re-exported here for the figures
+__all__ = ["FAIR_JACCARD", "RELIABLE_JACCARD"]
 
 Item = dict[str, str]
 
@@ -66,15 +65,48 @@ def jaccard_verdict(jaccard: float | None, topk_percent: float | None) -> dict[s
         return {"level": "fair", "text": "fair: trust layer x module aggregates, not single "
                                          f"coordinates; more samples would firm it up{vs}"}
     return {"level": "poor", "text": "unreliable: the top set is mostly sampling noise; take more "
-                                     f"samples{vs}"}
+                                     f"samples (rerun with until_reliable, CLI --until-reliable){vs}"}
+
+
+def fisher_verdict(rel: Mapping[str, Any]) -> dict[str, str]:
+    """The verdict of the Fisher a result was built on (summary "fisher_reliability")."""
+    src = rel.get("source") or "the Fisher"
+    v = jaccard_verdict(finite(rel.get("split_half_jaccard")), finite(rel.get("split_half_topk_percent")))
+    if rel.get("split_half_jaccard") is None and rel.get("note"):
+        v = {"level": "none", "text": str(rel["note"])}
+    return {"level": v["level"], "text": f"built on {src}: {v['text']}"}
+
+
+def _precision_item(r: TypedResult[Any], out: dict[str, Any]) -> None:
+    """Where a result says it, the precision it was computed and stored in (issue 18)."""
+    s = r.summary
+    if isinstance(s, DiffSummary) and s.stored_dtypes:
+        sd = s.stored_dtypes
+        out["items"].append(item("Precision", f"base {sd.get('base')}, tuned {sd.get('tuned')}",
+                                 f"stored dtypes; compared in {s.comparison_dtype}, deltas in "
+                                 f"{s.compute_dtype or 'float32'}"))
+        return
+    if s.compute_dtype or s.stored_dtype:
+        bits = [f"computed in {s.compute_dtype}" if s.compute_dtype else "",
+                f"stored in {s.stored_dtype}" if s.stored_dtype else ""]
+        err = r.raw_summary.get("precision_error") or {}
+        note = (f"vs float32 on the same samples: relative L1 {fmt(err.get('relative_l1'))}, worst tensor "
+                f"{fmt(err.get('worst_tensor_relative_l1'))}" if finite(err.get("relative_l1")) is not None else "")
+        out["items"].append(item("Precision", ", ".join(b for b in bits if b), note))
 
 
 def key_numbers(result: TypedResult[Any] | Mapping[str, Any]) -> dict[str, Any]:
     """The key numbers of a result: its kind's builder (`@key_numbers(kind)` in
     app/figures/<kind>.py) fills items, warnings, verdict and table; nothing for a kind without
-    one (or an unknown kind)."""
+    one (or an unknown kind). Then, for every kind: the verdict of the Fisher a result was built
+on (summary "fisher_reliability") when the builder gave none, and the precision item."""
     out: dict[str, Any] = {"items": [], "warnings": [], "verdict": None, "table": None}
     build = key_numbers_builder(result_kind(result))
     if build is not None:
-        build(registry.parse_result(result), out)
+        r = registry.parse_result(result)
+        build(r, out)
+        rel = r.summary.fisher_reliability
+        if rel and out["verdict"] is None:  # a mask, train, diff ... shows its Fisher's verdict
+            out["verdict"] = fisher_verdict(rel)
+        _precision_item(r, out)
     return out

@@ -26,6 +26,7 @@ from .common import (
     downsample,
     empty_figure,
     finite,
+    fmt,
     layout,
     rows_table,
 )
@@ -44,6 +45,24 @@ def bound_constant(r: TypedResult[Any]) -> tuple[float | None, float | None]:
     c = finite(s.get("bound_constant") or s.get("bound_rms_advantage"))
     held = finite(s.get("bound_fraction_holds", s.get("bound_holds_fraction")))
     return c, held
+
+
+def bound_holds_text(r: TypedResult[Any]) -> str | None:
+    """"the bound fails for 5 of 1,234 coordinates (max ratio 1.423)" / "holds for all ...",
+    from the summary's violation count (never a rounded fraction: 5 in a million reads 100%)."""
+    s = {**r.raw_summary, **(r.raw_summary.get("bound") or {})}
+    v, n = s.get("bound_violations"), s.get("bound_coordinates")
+    if not isinstance(v, int) or isinstance(v, bool):
+        _, held = bound_constant(r)
+        return f"the bound holds for {100 * held:.4g}% of coordinates" if held is not None else None
+    mx = finite(s.get("bound_max_ratio"))
+    tail = f" (max ratio {fmt(mx)})" if mx is not None else ""
+    of = f" of {n:,}" if isinstance(n, int) else ""
+    if v == 0 and s.get("bound_rms_advantage") == 0:
+        return "no test of the bound: every advantage of the first batch is 0 (g = 0)"
+    if v == 0:
+        return f"the bound holds for all{of} coordinates{tail}"
+    return f"the bound fails for {v:,}{of} coordinates{tail}"
 
 
 def bound_scatter(r: TypedResult[Any], max_points: int = MAX_POINTS) -> go.Figure:
@@ -67,7 +86,8 @@ def bound_scatter(r: TypedResult[Any], max_points: int = MAX_POINTS) -> go.Figur
     fig.update_xaxes(title_text="sqrt(Fisher)", type="log")
     fig.update_yaxes(title_text="|gradient|", type="log")
     note = f" ({len(keep)} of {len(xs)} points)" if len(keep) < len(xs) else ""
-    extra = f"; the bound holds for {100 * held:.4g}% of coordinates" if held is not None else ""
+    holds_text = bound_holds_text(r)
+    extra = f"; {holds_text}" if holds_text else ""
     return layout(fig, f"Gradient vs Fisher bound{note}{extra}")
 
 
@@ -134,4 +154,21 @@ def key_numbers_train(r: TrainResult, out: dict[str, Any]) -> None:
         items.append(kn.item("Trainable fraction (mask density)", kn.pct(s.trainable_fraction)))
     us = s.update_sparsity or {}
     if finite(us.get("unchanged_exact")) is not None:
-        items.append(kn.item("Weights exactly unchanged", kn.pct(us["unchanged_exact"])))
+        # both sides are the stored weights (the base rounded like the checkpoint): exact fits
+        dt = us.get("stored_dtype")
+        note = f"{dt} checkpoint vs the base stored alike" if dt else ""
+        items.append(kn.item("Stored weights exactly unchanged", kn.pct(us["unchanged_exact"]), note))
+    _bound_item(r, out)
+
+
+def _bound_item(r: TrainResult, out: dict[str, Any]) -> None:
+    """Violations of |g| <= sqrt(E A^2) sqrt(F) against the independent Fisher: the same
+    sentence as the bound figure's title (bound_holds_text)."""
+    b = r.summary.bound or {}
+    if "bound_violations" not in b:
+        return
+    text = bound_holds_text(r)
+    if text:
+        v = b["bound_violations"]
+        out["items"].append(kn.item("Cauchy-Schwarz bound, first batch", f"{v:,} violations",
+                                    text + "; Fisher from independent samples"))

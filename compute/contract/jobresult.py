@@ -56,6 +56,8 @@ class JobResult:
     series: list[SeriesPoint] = field(default_factory=list)
     tensors: dict[str, dict[str, Any]] = field(default_factory=dict)
     files: dict[str, str] = field(default_factory=dict)
+    # artifact kind -> safetensors metadata of that file (e.g. a Fisher's reliability; issue 18)
+    metadata: dict[str, dict[str, str]] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         """The same JSON shape that `GET /api/results/{token}` returns (minus job metadata).

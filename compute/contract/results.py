@@ -91,6 +91,26 @@ class Summary(Row):
     task: str | None = None
     seconds: float | None = None
     settings: dict[str, Any] | None = None
+    # issue 18 (precision and reliability travel with every result; move with the summaries):
+    compute_dtype: str | None = None  # dtype the forward/backward (or arithmetic) ran in
+    stored_dtype: str | None = None  # dtype of the stored tensors (artifact / checkpoint)
+    fisher_reliability: dict[str, Any] | None = None  # the verdict of the Fisher a result used
+
+
+# ---------------------------------------------------------------- reliability (issue 18)
+# Split-half top-k Jaccard: two independent halves of the samples should select the same top-k
+# coordinates. >= 0.8: the top set is stable; 0.5..0.8: usable for aggregates (layer x module),
+# not for single coordinates; < 0.5: the estimate is mostly sampling noise: take more samples.
+RELIABLE_JACCARD = 0.8
+FAIR_JACCARD = 0.5
+LEVELS = ("none", "poor", "fair", "good")
+
+
+def reliability_level(jaccard: float | None) -> str:
+    """"good" | "fair" | "poor" from a split-half Jaccard; "none" without one."""
+    if jaccard is None or jaccard != jaccard:  # None or NaN
+        return "none"
+    return "good" if jaccard >= RELIABLE_JACCARD else "fair" if jaccard >= FAIR_JACCARD else "poor"
 
 
 # ---------------------------------------------------------------- the typed result

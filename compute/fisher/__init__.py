@@ -71,7 +71,7 @@ class FisherConfig:
     memory_budget_mb: int | None = _f(None, "bound on per-sample-gradient temporaries, in MiB "
                                             "(None = a quarter of free device memory)")
     device: str = _f("auto", "auto | cpu | cuda | cuda:N")
-    dtype: str = _f("auto", "auto | float32 | bfloat16 | float16")
+    dtype: str = _f("float32", "float32 (default on every device) | bfloat16 | float16 | auto")
 
     def __post_init__(self) -> None:
         if self.estimator not in ESTIMATORS:

@@ -141,10 +141,31 @@ def _one_pass(model: nn.Module, store: Store, params: dict[str, nn.Parameter], c
             check_coverage(hooks, reached, params)
 
 
+def _check_positions(model: nn.Module, ids: torch.Tensor, am: torch.Tensor, tol: float) -> None:
+    """The engine feeds position_ids counted over real tokens (0, 1, ...): the model's own forward
+    of an unpadded row must give the same logits. Models that derive positions from the token ids
+    (RoBERTa's padding_idx offset) compute another function under the engine: refuse them."""
+    w = int(am[0].sum())
+    row, ram = ids[:1, :w], am[:1, :w]
+    with torch.no_grad():
+        own = model(input_ids=row, use_cache=False).logits.float()
+        ours = model(input_ids=row, attention_mask=ram, position_ids=position_ids_from_mask(ram),
+                     use_cache=False).logits.float()
+    diff = float((own - ours).abs().max())
+    if diff > tol * max(float(own.abs().max()), 1e-6):
+        raise UnsupportedModel(
+            f"model: {type(model).__name__} is not supported by the exact per-sample engine: its own "
+            "forward of an unpadded row differs from the forward with position_ids 0, 1, ... "
+            f"(max |logit difference| {diff:.3g}): it derives positions its own way (e.g. from the "
+            "token ids and a padding index), so the engine would compute another model's Fisher")
+
+
 def _verify(model: nn.Module, params: dict[str, nn.Parameter], chunk: tuple, budget: int) -> None:
-    """Once per model: per-row gradients of a few rows must add up to autograd's gradient."""
+    """Once per model: the engine's inputs give the model's own outputs (positions), and per-row
+    gradients of a few rows must add up to autograd's gradient."""
     ids, am, cm, scale, grp = (t[:_VERIFY_ROWS] for t in chunk)
     dtypes = [p.dtype for p in params.values()]
+    _check_positions(model, ids, am, check_tolerance(dtypes))
     store = Store({n: p.shape for n, p in params.items()}, 1, accumulator_dtype(dtypes),
                   ids.device, check=True)
     _one_pass(model, store, params, (ids, am, cm, scale, torch.zeros_like(grp)), budget, True)
@@ -201,12 +222,34 @@ def per_sample_square_sums(
     bs = batch_size or _auto_batch(model, ids.shape[1], budget, _shared_numel(model, params))
     store = Store({n: p.shape for n, p in params.items()}, n_groups,
                   accumulator_dtype([p.dtype for p in params.values()]), device)
-    with _eval(model):
+    with _eval(model), _refusing(model):
         for i, chunk in enumerate(_chunks(ids, am, cm, w, grp, bs, device)):
             if i == 0 and model not in _VERIFIED:
                 _verify(model, params, chunk, budget)
             _one_pass(model, store, params, chunk, budget, coverage=i == 0)
     return store.finish()
+
+
+@contextlib.contextmanager
+def _refusing(model: nn.Module) -> Iterator[None]:
+    """Any other error while the engine runs the model (a forward that breaks on padded batched
+    rows, an in-place op on a hooked leaf, an autograd.Function vmap cannot see through) becomes
+    UnsupportedModel naming the model and the cause: refuse, never a stray exception (issue 18).
+    Out-of-memory and cancellation pass through unchanged: they are not about the model."""
+    from compute.contract.jobresult import JobCancelled
+
+    try:
+        yield
+    except (UnsupportedModel, torch.OutOfMemoryError, JobCancelled):
+        raise
+    except Exception as exc:  # noqa: BLE001 - re-raised as the refusal it is
+        arch = getattr(getattr(model, "config", None), "architectures", None)
+        name = arch[0] if arch else type(model).__name__
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        raise UnsupportedModel(
+            f"model: {name} is not supported by the exact per-sample engine: its forward or "
+            f"backward fails on the engine's batched, padded rows with hooks attached "
+            f"({type(exc).__name__}: {first})") from exc
 
 
 def expand_tokens(

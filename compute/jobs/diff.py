@@ -50,6 +50,12 @@ class DiffSummary(Summary):
     n_params: int | None = None
     unchanged_exact: float | None = None
     changed_fraction: float | None = None
+    # issue 18: the headline "unchanged" in the convention the stored dtypes call for
+    update_sparsity: float | None = None
+    unchanged_common: float | None = None
+    stored_dtypes: dict[str, str] | None = None
+    comparison_dtype: str | None = None
+    comparison: str | None = None
     fisher: str | None = None
     auc: float | None = None
     changed_auc: float | None = None

@@ -125,9 +125,10 @@ def run(spec: SeriesSpec, progress: Any = None, refs: Any = None) -> Any:
     summary_extra: dict[str, Any] = {}
     fisher_ref = ref_of(refs, "fisher", spec.fisher, "fisher")
     if fisher_ref is not None:
-        fisher_path = local_file(fisher_ref, "fisher")
-        fisher = LazyTensors(fisher_path, "fisher")
-        summary_extra = _fisher_reliability(fisher_path)
+        from compute.artifacts import fisher_provenance
+
+        fisher = LazyTensors(local_file(fisher_ref, "fisher"), "fisher")
+        summary_extra = {"fisher_reliability": fisher_provenance(fisher_ref)}  # the Fisher's verdict
     config = SeriesConfig(atol=spec.atol, support_percent=spec.support_percent)
     res = checkpoint_series(base, run_dir, fisher=fisher, config=config,
                             progress=lambda f, m="": progress(0.95 * f, m))
@@ -139,26 +140,6 @@ def run(spec: SeriesSpec, progress: Any = None, refs: Any = None) -> Any:
                        heatmaps=_heatmaps(res, spec.atol), files={"series": str(path)})
     progress(1.0, f"{len(res.points)} checkpoints")
     return result
-
-
-def _fisher_reliability(path: Any) -> dict[str, Any]:
-    """The split-half Jaccard the Fisher file records in its own metadata (a fisherlens Fisher
-    job writes it there, so it travels with the file, whatever names it); nothing when absent."""
-    try:
-        from safetensors import safe_open
-
-        with safe_open(str(path), "pt") as f:
-            meta = dict(f.metadata() or {})
-    except Exception:  # noqa: BLE001 - a verdict is optional; the numbers stand without it
-        return {}
-    out: dict[str, Any] = {}
-    for key, name in (("split_half_jaccard", "fisher_split_half_jaccard"),
-                      ("split_half_topk_percent", "fisher_split_half_topk_percent")):
-        try:
-            out[name] = float(meta[key])
-        except (KeyError, ValueError):
-            continue
-    return out
 
 
 def _g(point: dict[str, Any], pair: str, key: str, atol: float) -> Any:

@@ -283,7 +283,7 @@ def test_key_numbers_train_diff_retention():
     assert items["Held-out accuracy before -> after"]["value"] == "20% -> 39% (+19 points)"
     assert items["Held-out accuracy before -> after"]["note"] == "greedy, 500 held-out prompts"
     assert items["Sample reward, first -> last step"]["value"] == "0.25 -> 0.5"
-    assert items["Weights exactly unchanged"]["value"] == "0.6%" and not train["warnings"]
+    assert items["Stored weights exactly unchanged"]["value"] == "0.6%" and not train["warnings"]
 
     diff = keynumbers.key_numbers({"kind": "diff", "summary": {
         "unchanged_exact": 0.5, "unchanged_bf16": 0.75, "unchanged_atol_1e-08": 0.6,
