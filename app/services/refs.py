@@ -28,7 +28,6 @@ Rules (messages name the field, echo the user's input and never a server path):
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import re
 from pathlib import Path
@@ -168,14 +167,7 @@ def resolve(
     return _file_ref(settings, field, value, target, local)
 
 
-_CHECKPOINT = re.compile(r"checkpoint-\d+")
-
-
-def checkpoints(folder: Path) -> list[Path]:
-    """The checkpoint-<step> subfolders of a run folder (TRL / HF Trainer / fisherlens train
-    --save-steps), in step order."""
-    found = [p for p in folder.iterdir() if _CHECKPOINT.fullmatch(p.name) and p.is_dir()]
-    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+checkpoints = mr.checkpoints  # the checkpoint-<step> folders of a run folder, in step order
 
 
 def _run_dir_ref(settings: Any, field: str, value: str, local: bool, hash_models: bool) -> Ref:
@@ -198,12 +190,7 @@ def _run_dir_ref(settings: Any, field: str, value: str, local: bool, hash_models
     if not ckpts:
         raise ValueError(f"{field}: {value!r} holds no checkpoint-<step> folder (save with "
                          "save_steps, or fisherlens train --save-steps)")
-    sha = None
-    if hash_models:
-        h = hashlib.sha256()
-        for c in ckpts:
-            h.update(f"{c.name}\0{mr.folder_revision(c)}\n".encode())
-        sha = h.hexdigest()
+    sha = mr.run_dir_revision(folder) if hash_models else None
     return Ref(field=field, given=value, target="run_dir", form="local", path=str(folder),
                sha256=sha, local=str(folder))
 

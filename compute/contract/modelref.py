@@ -206,3 +206,23 @@ def name_ref(field: str, value: str, target: str, settings: Any | None = None) -
         raise ValueError(f"{field}: file not found: {value}")
     return Ref.model_validate({"field": field, "given": value, "target": target, "form": "local",
                                "path": str(path.resolve())})
+
+
+_CHECKPOINT = re.compile(r"checkpoint-\d+")
+
+
+def checkpoints(folder: Path) -> list[Path]:
+    """The checkpoint-<step> subfolders of a run folder (TRL / HF Trainer / fisherlens train
+    --save-steps), in step order."""
+    found = [p for p in folder.iterdir() if _CHECKPOINT.fullmatch(p.name) and p.is_dir()]
+    return sorted(found, key=lambda p: int(p.name.split("-")[1]))
+
+
+def run_dir_revision(folder: Path) -> str:
+    """sha256 hex over (checkpoint name, folder_revision) of every checkpoint of a run folder: what
+    the resolver records for a run_dir reference and the worker re-verifies."""
+    h = hashlib.sha256()
+    for c in checkpoints(folder):
+        h.update(f"{c.name}\0{folder_revision(c)}\n".encode())
+    return h.hexdigest()
+

@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from compute.contract.kinds import Ref
-from compute.contract.modelref import file_sha256, folder_revision
+from compute.contract.modelref import file_sha256, folder_revision, run_dir_revision
 
 
 class StaleJob(ValueError):
@@ -41,7 +41,10 @@ def fetch_refs(settings: Any, job_id: int, stored: dict[str, Any] | None) -> dic
         elif ref.form in ("zoo", "local") and ref.sha256 is not None:
             path = Path(ref.path)
             try:
-                actual = folder_revision(path) if path.is_dir() else file_sha256(path)
+                if ref.target == "run_dir":
+                    actual = run_dir_revision(path)
+                else:
+                    actual = folder_revision(path) if path.is_dir() else file_sha256(path)
             except OSError:
                 actual = None
             if actual != ref.sha256:

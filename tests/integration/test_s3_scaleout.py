@@ -130,7 +130,7 @@ def test_research_loop_web_and_two_workers_share_no_disk(cluster: Cluster) -> No
 
     from app.web import create_app
 
-    client = TestClient(create_app(settings))
+    client = TestClient(create_app(settings), base_url="http://127.0.0.1")  # embedded Host allow-list
     r = client.get(f"/api/results/{fisher['share_token']}/artifacts/fisher")
     (art,) = [a for a in services.result_by_id(settings, fisher["id"])["artifacts"]
               if a["kind"] == "fisher"]
@@ -238,6 +238,6 @@ def test_store_down_mid_upload_then_a_corrupted_object(cluster: Cluster) -> None
 
     from app.web import create_app
 
-    r = TestClient(create_app(settings)).get(f"/api/results/{fisher['share_token']}/artifacts/fisher")
+    r = TestClient(create_app(settings), base_url="http://127.0.0.1").get(f"/api/results/{fisher['share_token']}/artifacts/fisher")
     assert r.status_code == 409 and "sha256" in r.json()["detail"]
     cluster.no_local_artifacts()

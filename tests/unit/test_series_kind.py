@@ -64,7 +64,8 @@ def test_api_worker_and_share_page(trl_run, zoo_home: Path, monkeypatch: pytest.
     monkeypatch.delenv("DATABASE_URL", raising=False)
     monkeypatch.delenv("REDIS_URL", raising=False)
     settings = Settings()
-    client = TestClient(create_app(settings), follow_redirects=False)
+    client = TestClient(create_app(settings), follow_redirects=False,
+                        base_url="http://127.0.0.1")  # embedded mode: a loopback Host
     # refused at submit, naming the field
     for run_dir, words in ((str(zoo_home), "outside the allowed model roots"),
                            (str(root), "holds no checkpoint-<step> folder")):
