@@ -110,7 +110,7 @@ def compatibility(found: dict[str, Path], algo: str | None) -> list[dict[str, st
             errors.append({"field": "tuned", "message": "different architecture: " + why})
     check("fisher", "base", "the checkpoints")
     if base is not None and "run_dir" in found:  # every checkpoint of a run folder fits its base
-        from app.services.refs import checkpoints
+        from compute.contract.modelref import checkpoints
 
         for c in checkpoints(found["run_dir"]):
             got_c = shapes(c)
