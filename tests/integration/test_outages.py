@@ -130,7 +130,7 @@ def test_reconciler_drops_unacked_messages_of_ended_jobs(private_redis, private_
         body = base64.b64encode(json.dumps([[job_id], {}, {}]).encode()).decode()
         payload = {"headers": {"task": ca.RUN_JOB}, "body": body,
                    "properties": {"body_encoding": "base64", "delivery_tag": f"tag-{job_id}"}}
-        r.hset("unacked", f"tag-{job_id}", json.dumps([payload, "", ca.QUEUE]))
+        r.hset("unacked", f"tag-{job_id}", json.dumps([payload, "", ca.queue_name(stack.settings)]))
         r.zadd("unacked_index", {f"tag-{job_id}": time.time() - 600})  # taken 10 min ago
     reconcile(stack.settings)
     assert set(r.hkeys("unacked")) == {f"tag-{running}".encode()}

@@ -137,7 +137,9 @@ def test_share_links_follow_the_request_host_without_public_url(tmp_path, zoo_ho
     from compute.contract.settings import Settings
 
     shutil.copytree(zoo_home / "zoo", tmp_path / "zoo")
-    settings = Settings(fisherlens_home=tmp_path, database_url=None, redis_url=None)
+    # embedded mode answers only names it was told (the DNS-rebinding guard): the operator lists them
+    hosts = "10.1.2.3,lens.example.org"
+    settings = Settings(fisherlens_home=tmp_path, database_url=None, redis_url=None, allowed_hosts=hosts)
     assert "public_url" not in settings.model_fields_set
     client = TestClient(create_app(settings), base_url="http://10.1.2.3:7860")
     r = client.post("/api/jobs", json={"kind": "fisher", "spec": {"model": "arith-base", "prompts": 2}},
@@ -147,6 +149,7 @@ def test_share_links_follow_the_request_host_without_public_url(tmp_path, zoo_ho
     assert job["share_url"] == f"http://10.1.2.3:7860/r/{job['share_token']}"
     behind = client.get(f"/api/jobs/{job['id']}", headers={"Host": "lens.example.org", "X-Forwarded-Proto": "https"})
     assert behind.json()["share_url"] == f"https://lens.example.org/r/{job['share_token']}"
-    fixed = Settings(fisherlens_home=tmp_path, database_url=None, redis_url=None, public_url="http://pub:1")
+    fixed = Settings(fisherlens_home=tmp_path, database_url=None, redis_url=None, public_url="http://pub:1",
+                     allowed_hosts=hosts)
     r2 = TestClient(create_app(fixed), base_url="http://10.1.2.3:7860").get(f"/api/jobs/{job['id']}")
     assert r2.json()["share_url"] == f"http://pub:1/r/{job['share_token']}"

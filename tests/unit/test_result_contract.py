@@ -117,6 +117,16 @@ def runs(zoo_home, tmp_path_factory):
         out["retention"] = run_retention.run(RetentionSpec(
             model="arith-base", densities=[0.1], selectors=["random"], seeds=1, bootstrap=100,
             **{**small, "eval_prompts": 8}))
+        # a run folder: two checkpoints of the base's architecture (the teacher, then the base)
+        import shutil
+
+        from compute.jobs.series import SeriesSpec
+        from compute.jobs.series import run as run_series
+
+        run_dir = tmp / "run"
+        shutil.copytree(tuned, run_dir / "checkpoint-1")
+        shutil.copytree(base, run_dir / "checkpoint-2")
+        out["series"] = run_series(SeriesSpec(base=base, run_dir=str(run_dir), fisher=fisher))
     finally:
         for k, v in old.items():
             if v is None:
@@ -157,6 +167,8 @@ def test_every_declared_heatmap_and_series_is_drawn_by_a_registered_figure():
     family_examples = {"update_sparsity": "update_sparsity_exact", "retention": "retention/fisher",
                        "heldout": "heldout/fisher", "train_reward": "train_reward/full"}
     family_examples.update({f.prefix: f"{f.prefix}/adamw bf16" for f in SWEEP.values()})
+    family_examples.update({"vs_base": "vs_base/unchanged_bf16", "vs_prev": "vs_prev/unchanged_bf16",
+                            "sync": "sync/sparse_bytes", "fisher": "fisher/auc_vs_base"})
     for kind, c in ((k, R.contract(k)) for k in R.NAMES):
         names = [e.name for e in entries(kind)]
         assert len(names) == len(set(names)), kind
