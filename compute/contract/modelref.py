@@ -200,6 +200,11 @@ def name_ref(field: str, value: str, target: str, settings: Any | None = None) -
         raise ValueError(f"{field}: {value!r} is a job reference; job:N is resolved by "
                          "app.services.refs (pass the resolved refs to the runner)")
     path = Path(value).expanduser()
+    if target == "run_dir":  # a folder of checkpoint-<step>
+        if not path.is_dir():
+            raise ValueError(f"{field}: folder not found: {value}")
+        return Ref.model_validate({"field": field, "given": value, "target": target,
+                                   "form": "local", "path": str(path.resolve())})
     if path.is_dir() and (path / f"{target}.safetensors").is_file():
         path = path / f"{target}.safetensors"
     if not path.is_file():
