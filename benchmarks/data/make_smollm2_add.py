@@ -1,0 +1,32 @@
+"""Writes benchmarks/data/smollm2_add.jsonl: 1,000 additions a + b (a < 100, b < 10) in the
+prompt format SmolLM2-135M-Instruct completes best among the ones tried (benchmarks/real_smollm2.py):
+
+    Q: 37 + 5 = ?
+    A: 37 + 5 =            -> " 42" (reward: the completion's first number, match=numeric)
+
+Measured before training (12 prompts x 4 samples, temperature 1): 73% correct with a < 10, 21% with
+10 <= a, b < 100; "37+5=" alone gives 10%. A mix of both keeps GRPO groups mixed (some right, some
+wrong), so the advantages are not all zero. Splits: by hash of the prompt (compute's task loader).
+
+    python benchmarks/data/make_smollm2_add.py
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+OUT = Path(__file__).with_name("smollm2_add.jsonl")
+
+
+def main() -> None:
+    with OUT.open("w") as f:
+        for a in range(100):
+            for b in range(10):
+                prompt = f"Q: {a} + {b} = ?\nA: {a} + {b} ="
+                f.write(json.dumps({"prompt": prompt, "answer": str(a + b)}) + "\n")
+    print(f"wrote {OUT} (1000 lines)")
+
+
+if __name__ == "__main__":
+    main()
