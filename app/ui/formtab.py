@@ -38,10 +38,20 @@ def form_defs() -> list[FormDef]:
             for k in registry.KINDS.values() if k.form is not None]
 
 
+RUN_DIR_LABEL = "run folder (run_dir)"
+RUN_DIR_PLACEHOLDER = "/data/runs/grpo-qwen (holds checkpoint-1, checkpoint-2, ...) or job:12"
+RUN_DIR_INFO = ("a folder on the server holding checkpoint-<step> subfolders: a TRL / HF Trainer "
+                "output_dir saved with save_steps, or `fisherlens train --save-steps`; or job:<id> of "
+                "such a train job. It must be inside the allowed model roots (ALLOWED_MODEL_ROOTS)")
+
+
 def ref_kind(kind: str, name: str) -> str | None:
     """The job kind a job-reference dropdown of field `name` lists (the first kind providing its
-    target: a Fisher for `fisher`, a mask for `mask`), or None when `name` is not such a field."""
+    target: a Fisher for `fisher`, a mask for `mask`), or None when `name` is not such a field.
+    A run folder (`run_dir`) is a text box (a path on the server), never a dropdown."""
     target = registry.get(kind).refs.get(name)
+    if target == "run_dir":
+        return None
     providers = registry.producers(target) if target not in (None, "model") else ()  # type: ignore[arg-type]
     return providers[0] if providers else None
 
@@ -69,6 +79,9 @@ def field_input(kind: str, name: str, *, blank: bool = False, value: Any = None)
     if name in MODEL_FIELDS:  # wide enough for 'smollm2-135m (dequantised from Q4_1)' uncut
         return gr.Dropdown(label=d.label, info=d.help, allow_custom_value=True, elem_id=eid,
                            choices=[NONE_CHOICE] if d.optional else [], scale=2, min_width=340)
+    if registry.get(kind).refs.get(name) == "run_dir":  # a folder path first, job:N also works
+        return gr.Textbox(label=RUN_DIR_LABEL, info=RUN_DIR_INFO, placeholder=RUN_DIR_PLACEHOLDER,
+                          elem_id=eid, scale=3, min_width=420)
     listed = ref_kind(kind, name)
     if listed is not None and d.widget == "text":
         return gr.Dropdown(label=f"{d.label} (a succeeded {listed} job)", info=d.help,

@@ -221,17 +221,30 @@ def _refuse_sharded(args: Any) -> None:
 class FisherMaskCallback(TrainerCallback):
     """Train only inside a fisherlens mask (see the module docstring for the guarantees).
 
-    mask: a fisherlens mask `.safetensors` path (`fisherlens mask --out`) or a dict name -> bool
-    (or 0/1) tensor, True = trainable. unmasked: what happens to model parameters absent from the
+    mask: a fisherlens mask `.safetensors` path (`fisherlens mask --out`), a dict name -> bool
+    (or 0/1) tensor, True = trainable, or `job:N`: the mask of job N of a fisherlens server
+    (`server`, else FISHERLENS_URL; `token`, else FISHERLENS_TOKEN), downloaded through its REST
+    API, sha256-verified and cached in `cache_dir` (compute/integrations/server_mask.py); a job
+    that is not a succeeded mask (or train) job of yours, or a server that cannot be reached, is
+    refused with a ValueError naming the job and the HTTP status. unmasked: what happens to model parameters absent from the
     mask: 'freeze' (default, as fisherlens' own training does), 'train' (dense) or 'error'.
 
     After training, `summary` holds the counts: trainable / total coordinates, parameters trained
     densely, partly masked and frozen.
     """
 
-    def __init__(self, mask: str | Path | Mapping[str, torch.Tensor], unmasked: str = "freeze"):
+    def __init__(self, mask: str | Path | Mapping[str, torch.Tensor], unmasked: str = "freeze", *,
+                 server: str | None = None, token: str | None = None,
+                 cache_dir: str | Path | None = None):
         if unmasked not in UNMASKED:
             raise ValueError(f"unmasked: got {unmasked!r}; accepted: {', '.join(UNMASKED)}")
+        self.source: str | None = None  # 'job:N' of a fisherlens server, when the mask came from one
+        if isinstance(mask, str) and mask.strip().startswith("job:"):
+            from compute.integrations.server_mask import fetch_mask
+
+            self.source = mask.strip()
+            mask = fetch_mask(mask, server=server, token=token, cache_dir=cache_dir)
+        self.mask_file = Path(mask) if isinstance(mask, (str, Path)) else None
         self.mask = as_bool_mask(mask)
         self.unmasked = unmasked
         self.summary: dict[str, float] = {}

@@ -8,6 +8,7 @@ written to docs/screenshots/.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -17,6 +18,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -58,15 +60,15 @@ def browser():
         b.close()
 
 
-@pytest.fixture(scope="module")
-def server(browser, zoo_home: Path, tmp_path_factory: pytest.TempPathFactory):
-    """`fisherlens up` on a fresh home holding a copy of the session's zoo; yields the base URL."""
-    home = tmp_path_factory.mktemp("e2e_home")
+@contextlib.contextmanager
+def up_server(home: Path, zoo_home: Path, **extra_env: str) -> Iterator[str]:
+    """`fisherlens up` on `home` holding a copy of the session's zoo (and `extra_env`, e.g.
+    ALLOWED_MODEL_ROOTS); yields the base URL, stops the server (and its worker) after."""
     shutil.copytree(zoo_home / "zoo", home / "zoo")
     port = _free_port()
     env = {k: v for k, v in os.environ.items() if k not in ("DATABASE_URL", "REDIS_URL", "PUBLIC_URL")}
     env.update(FISHERLENS_HOME=str(home), FISHERLENS_DEVICE="cpu", OMP_NUM_THREADS="1",
-               GRADIO_ANALYTICS_ENABLED="False")
+               GRADIO_ANALYTICS_ENABLED="False", **extra_env)
     ARTIFACTS.mkdir(parents=True, exist_ok=True)
     log = open(ARTIFACTS / "server.log", "wb")  # noqa: SIM115 - closed below
     proc = subprocess.Popen([sys.executable, "-m", "app.cli", "up", "--port", str(port)], cwd=ROOT,
@@ -94,6 +96,13 @@ def server(browser, zoo_home: Path, tmp_path_factory: pytest.TempPathFactory):
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
         log.close()
+
+
+@pytest.fixture(scope="module")
+def server(browser, zoo_home: Path, tmp_path_factory: pytest.TempPathFactory):
+    """`fisherlens up` on a fresh home holding a copy of the session's zoo; yields the base URL."""
+    with up_server(tmp_path_factory.mktemp("e2e_home"), zoo_home) as base:
+        yield base
 
 
 def _open(browser, url: str, clipboard: bool = False):
