@@ -6,7 +6,7 @@ import math
 from typing import Any
 
 from compute.analysis import cells_heatmap, ratio_heatmap
-from compute.artifacts import load_scores, ref_of
+from compute.artifact_files import load_scores, ref_of
 from compute.contract.jobresult import Heatmap, JobResult, LayerStat, SeriesPoint, null_progress
 from compute.contract.kinds import Refs
 from compute.diff import ATOLS, REL_TOLS, diff_checkpoints, open_checkpoint, threshold_labels
@@ -76,7 +76,7 @@ def run(spec: DiffSpec, progress: Any = null_progress, refs: Refs | None = None)
         heatmaps += _fisher_heatmaps(res.fisher, spec.topk_percent)
     fisher_ref = ref_of(refs, "fisher", spec.fisher)
     if fisher_ref is not None:  # issue 18: the verdict of the Fisher this diff is scored against
-        from compute.artifacts import fisher_provenance
+        from compute.artifact_files import fisher_provenance
 
         summary["fisher_reliability"] = fisher_provenance(fisher_ref)
     heatmaps += _sparsity_heatmaps(res)

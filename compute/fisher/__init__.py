@@ -18,7 +18,7 @@ Layout: hooks.py (capture x and g inside a context manager, refusals), persample
 per-layer maths on tensors: linear, Conv1D, rank-1, bias, embedding, affine, generic),
 accumulate.py (per-group sums, shared parameters, routing a captured call to the maths),
 estimators.py (sequence, token, batch; padding, sorting, chunking, verification),
-exact_output.py (closed-form output layer), this module (FisherConfig, FisherResult,
+exact_output.py (closed-form output layer), this module (FisherConfig, FisherEstimate,
 estimate_fisher end to end).
 """
 
@@ -98,7 +98,7 @@ class FisherConfig:
 
 
 @dataclass
-class FisherResult:
+class FisherEstimate:
     """fisher: name -> float32 (param shape). n_rows sequences, n_tokens counted tokens.
 
     halves: per-parameter sums over two independent halves of the samples (even / odd prompt
@@ -168,10 +168,10 @@ def _half_sums(model: nn.Module, roll: Rollout, n_prompts: int, est: str, config
 def estimate_fisher(
     model: nn.Module, tokenizer: Any, task_or_prompts: Any, config: FisherConfig,
     progress: Callable[[float, str], None] | None = None,
-) -> FisherResult:
+) -> FisherEstimate:
     """Sample on-policy (sequence/token) or take gold answers (empirical/batch), then estimate.
 
-    task_or_prompts: a compute.tasks.Task, a list of prompt strings, or a list of Examples.
+    task_or_prompts: a compute.verifiable_tasks.Task, a list of prompt strings, or a list of Examples.
     Rows are processed in chunks of prompts with progress(fraction, message) after each chunk.
     """
     prog = progress or (lambda f, m="": None)
@@ -211,7 +211,7 @@ def estimate_fisher(
                     sample_seconds=round(t_sample, 3),
                     total_seconds=round(time.perf_counter() - t0, 3))
     prog(1.0, "done")
-    return FisherResult(fisher, len(roll), n_tokens, config.estimator, settings, halves,
+    return FisherEstimate(fisher, len(roll), n_tokens, config.estimator, settings, halves,
                         half_denoms, roll)
 
 
@@ -223,7 +223,7 @@ def relative_error(est: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 __all__ = [
-    "ESTIMATORS", "ExactOutputUnsupported", "FisherConfig", "FisherResult", "UnsupportedModel",
+    "ESTIMATORS", "ExactOutputUnsupported", "FisherConfig", "FisherEstimate", "UnsupportedModel",
     "batch_fisher", "estimate_fisher", "exact_output_fisher", "expand_tokens",
     "fisher_from_samples", "fisher_sums", "per_sample_square_sums", "relative_error",
     "right_padded", "trainable_parameters",
