@@ -97,7 +97,7 @@ def update_sparsity(
         fisher = {n: f for n, f in fisher.items() if n in tuned_sd}
     d = diff_checkpoints(dict(base), tuned_sd, fisher=fisher, svd_max_numel=0)
     glob = next(iter(d.groups["global"].values()))
-    out = {k: v for k, v in glob.items() if k.startswith(("unchanged_", "changed_"))}
+    out: dict[str, Any] = {k: v for k, v in glob.items() if k.startswith(("unchanged_", "changed_"))}
     if d.fisher is not None:
         g = d.fisher.get("global", {})
         allm = next(iter(g.values())) if g else {}
@@ -385,10 +385,10 @@ def _record_run(run: _Run, res: Any) -> None:
     )
     rewards = [row["reward"] for row in res.curve if "reward" in row]
     if rewards:
-        k = max(1, min(5, len(rewards) // 2))
-        s["reward_first"] = sum(rewards[:k]) / k
-        s["reward_last"] = sum(rewards[-k:]) / k
-        s["reward_window"] = k
+        window = max(1, min(5, len(rewards) // 2))
+        s["reward_first"] = sum(rewards[:window]) / window
+        s["reward_last"] = sum(rewards[-window:]) / window
+        s["reward_window"] = window
     series = run.result.series
     for row in res.curve:
         for k in ("reward", "loss", "accuracy", "reverse_kl", "kl", "grad_norm"):

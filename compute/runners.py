@@ -105,7 +105,7 @@ def child_protocol(kind: str) -> ChildProtocol | None:
             f"kind {kind!r}: {module.__name__} defines only part of the child protocol; "
             f"missing {', '.join(missing)} (define all of {', '.join(CHILD_FUNCTIONS)} or none)"
         )
-    return ChildProtocol(**found)
+    return ChildProtocol(module.children, module.run_child, module.combine)
 
 
 def child_count(kind: str, spec: Any) -> int:

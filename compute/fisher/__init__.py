@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
+from compute.contract.jobresult import Progress, null_progress
 from compute.fisher.estimators import (
     _model_device,
     batch_fisher,
@@ -138,7 +138,7 @@ def _prompts_and_answers(task_or_prompts: Any, config: FisherConfig) -> tuple[li
 
 
 def _half_sums(model: nn.Module, roll: Rollout, n_prompts: int, est: str, config: FisherConfig,
-               prog: Callable) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+               prog: Progress) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """(name -> (2, *shape) sums over the even / odd prompt halves, (2,) denominators), in
     chunks of prompts so progress is reported and the expanded token rows stay bounded."""
     groups = ((roll.prompt_index + config.prompt_start) % 2).cpu()
@@ -167,14 +167,14 @@ def _half_sums(model: nn.Module, roll: Rollout, n_prompts: int, est: str, config
 
 def estimate_fisher(
     model: nn.Module, tokenizer: Any, task_or_prompts: Any, config: FisherConfig,
-    progress: Callable[[float, str], None] | None = None,
+    progress: Progress | None = None,
 ) -> FisherEstimate:
     """Sample on-policy (sequence/token) or take gold answers (empirical/batch), then estimate.
 
     task_or_prompts: a compute.verifiable_tasks.Task, a list of prompt strings, or a list of Examples.
     Rows are processed in chunks of prompts with progress(fraction, message) after each chunk.
     """
-    prog = progress or (lambda f, m="": None)
+    prog = progress or null_progress
     prompts, answers = _prompts_and_answers(task_or_prompts, config)
     if not prompts:
         raise ValueError("prompts: no prompts to estimate the Fisher on")

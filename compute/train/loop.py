@@ -169,10 +169,11 @@ def _result(model: torch.nn.Module, config: TrainConfig, mask: Any, params: Para
 
 
 def save_output(
-    model: torch.nn.Module, tokenizer: Any, out_dir: str | Path, metrics: Mapping[str, Any],
+    model: Any, tokenizer: Any, out_dir: str | Path, metrics: Mapping[str, Any],
     precision: str = "fp32",
 ) -> Path:
-    """Write the trained model + tokenizer (HF format) and metrics.json into out_dir.
+    """Write the trained model (a transformers PreTrainedModel: it has save_pretrained) +
+    tokenizer (HF format) and metrics.json into out_dir.
 
     precision 'bf16-mixed' / 'bf16' save the weights in bfloat16 (as published checkpoints are)."""
     out = Path(out_dir)
