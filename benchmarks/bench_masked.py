@@ -64,14 +64,14 @@ def main() -> None:
 
     from compute.masks import random_mask
     from compute.sampling import build_rollout, token_logprobs
-    from compute.sft import sft_loss
-    from compute.tasks import get_task
     from compute.train import (
         MaskedOptimizer,
         clip_grad_norm,
         mask_gradients,
         prepare_masked_params,
     )
+    from compute.train.objectives.sft import sft_loss
+    from compute.verifiable_tasks import get_task
     from compute.zoo import ZooRecipe, build_model, build_tokenizer
 
     tok = build_tokenizer()

@@ -300,8 +300,8 @@ def first_step_bound(
 ) -> BoundResult:
     """Sample the first GRPO batch (train prompts 0..prompts-1, seed as in compute.train), compute
     group advantages from the task reward, and accumulate the per-sample bound terms."""
-    from compute.grpo import group_advantages
     from compute.sampling import sample_completions
+    from compute.train.objectives.grpo import group_advantages
 
     examples = task.examples(prompts, seed=seed, split="train", start=0)
     roll = sample_completions(model, tokenizer, [e.prompt for e in examples], samples=group,

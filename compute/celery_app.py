@@ -32,7 +32,9 @@ def queue_name(settings: Any) -> str:
 
 
 class _AtomicFilesystemChannel(_kombu_fs.Channel):
-    def _put(self, queue: str, payload: Any, **kwargs: Any) -> None:
+    # Ignored for mypy: kombu's filesystem Channel._put names its argument `payload`, the base
+    # AbstractChannel._put `message` (kombu calls it positionally); this matches the class it extends
+    def _put(self, queue: str, payload: Any, **kwargs: Any) -> None:  # type: ignore[override]
         """Write the message under a temporary name, then rename it into place. kombu writes
         the final file in place, so a consumer listing the folder between open() and write()
         read an empty file, and the worker died with "Unrecoverable error: JSONDecodeError"

@@ -5,7 +5,7 @@ layer x module and globally:
 - the headline, `unchanged_common`: exact equality when both checkpoints are stored in one dtype,
   else equality after casting both to the lower of the two stored precisions (a bf16-mixed run
   saves bf16 weights; against an fp32 base, exact equality would count every weight that bf16
-  storage rounded as changed). DiffResult.precision records both stored dtypes and the convention;
+  storage rounded as changed). CheckpointDiff.precision records both stored dtypes and the convention;
 - fraction unchanged by exact equality (in the stored dtype), by bf16 equality (both cast to
   bfloat16), by |delta| <= atol for each atol in ATOLS, and by |delta| <= r * rms(base tensor)
   for each r in REL_TOLS; delta = tuned - base computed in float32;
@@ -327,7 +327,7 @@ def _fractions(counts: Mapping[str, float]) -> dict[str, float]:
 
 
 @dataclass
-class DiffResult:
+class CheckpointDiff:
     per_tensor: dict[str, dict[str, float]]  # name -> fractions + tensor stats
     groups: dict[str, dict[str, dict[str, float]]]  # grouping -> group -> fractions
     skipped: dict[str, str] = field(default_factory=dict)  # name -> why (non-float tensors)
@@ -346,7 +346,7 @@ def diff_checkpoints(
     keep_delta: bool = False,
     svd_max_numel: int = SVD_MAX_NUMEL,
     progress: Progress | None = None,
-) -> DiffResult:
+) -> CheckpointDiff:
     """Update sparsity of `tuned` relative to `base` (each a Checkpoint, a model reference string,
     a folder, an nn.Module or a state dict). ValueError for different architectures."""
     src_b, src_t = _source(base, "base"), _source(tuned, "tuned")
@@ -389,7 +389,7 @@ def diff_checkpoints(
         fisher_res["changed_by_weight_binade"] = fisher_auc_by_weight_binade(
             fisher, {n: d > 0 for n, d in abs_delta.items()}, base_w)
     settings = _diff_settings(svd_max_numel, topk_percent)
-    return DiffResult(per_tensor, groups, skipped, fisher_res, deltas if keep_delta else None, settings,
+    return CheckpointDiff(per_tensor, groups, skipped, fisher_res, deltas if keep_delta else None, settings,
                       comparison_convention(*dtypes))
 
 

@@ -333,7 +333,7 @@ class RetentionConfig:
 def heldout_rewards(model: torch.nn.Module, tokenizer: Any, task: Any, n: int, max_new_tokens: int) -> torch.Tensor:
     """(n,) float64 per-prompt task reward of greedy completions on held-out prompts 0..n-1 of the
     test split (seed 0): the same prompts for every model, so comparisons are paired."""
-    from compute.models import greedy_generate
+    from compute.causal_lm import greedy_generate
 
     examples = task.examples(n, seed=0, split="test")
     completions = greedy_generate(model, tokenizer, [e.prompt for e in examples], max_new_tokens)

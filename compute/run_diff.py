@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 from compute.analysis import cells_heatmap, ratio_heatmap
-from compute.artifacts import load_scores, ref_of
+from compute.artifact_files import load_scores, ref_of
 from compute.contract.jobresult import Heatmap, JobResult, LayerStat, SeriesPoint, null_progress
 from compute.contract.kinds import Refs
 from compute.diff import ATOLS, REL_TOLS, diff_checkpoints, open_checkpoint, threshold_labels
@@ -76,7 +77,7 @@ def run(spec: DiffSpec, progress: Any = null_progress, refs: Refs | None = None)
         heatmaps += _fisher_heatmaps(res.fisher, spec.topk_percent)
     fisher_ref = ref_of(refs, "fisher", spec.fisher)
     if fisher_ref is not None:  # issue 18: the verdict of the Fisher this diff is scored against
-        from compute.artifacts import fisher_provenance
+        from compute.artifact_files import fisher_provenance
 
         summary["fisher_reliability"] = fisher_provenance(fisher_ref)
     heatmaps += _sparsity_heatmaps(res)
@@ -143,13 +144,18 @@ def _fisher_summary(spec: DiffSpec, fr: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _metric_of(metric: str) -> Callable[[dict[str, Any]], float | None]:
+    """A heatmap cell's value: its finite `metric`."""
+    return lambda cell: _finite(cell[metric])
+
+
 def _fisher_heatmaps(fr: dict[str, Any], topk_percent: float) -> list[Heatmap]:
     """layer x module heatmaps of the Fisher-vs-|delta| metrics (compute.analysis.cells_heatmap
     over the overlap's "layer/module" groups)."""
     cells = {_layer_module(k): v for k, v in fr["layer_module"].items()}
     cells = dict(sorted(cells.items(), key=lambda kv: (kv[0][0] is None, kv[0][0] or 0)))
     return [
-        cells_heatmap(f"fisher_vs_delta_{metric}", cells, lambda c, m=metric: _finite(c[m]),
+        cells_heatmap(f"fisher_vs_delta_{metric}", cells, _metric_of(metric),
                       {"units": metric, "topk_percent": topk_percent})
         for metric in ("jaccard_lift", "auc", "precision_at_k")
     ]

@@ -38,8 +38,8 @@ def shard_range(spec: FisherSpec, shard_index: int) -> tuple[int, int]:
 
 
 def _load(spec: FisherSpec, refs: Refs | None) -> tuple[Any, Any]:
-    from compute.artifacts import ref_of
-    from compute.models import load_model
+    from compute.artifact_files import ref_of
+    from compute.causal_lm import load_model
 
     model = ref_of(refs, "model", spec.model)
     assert model is not None  # the spec requires a model
@@ -100,7 +100,7 @@ def precision_error(model: Any, roll: Any, estimator: str, memory_budget_mb: int
 
 def _shard(spec: FisherSpec, shard_index: int, progress: Progress, loaded: tuple | None,
            refs: Refs | None = None) -> dict:
-    from compute.tasks import get_task
+    from compute.verifiable_tasks import get_task
 
     t0 = time.perf_counter()
     lo, hi = shard_range(spec, shard_index)
@@ -155,7 +155,7 @@ def _shard(spec: FisherSpec, shard_index: int, progress: Progress, loaded: tuple
 
 def fisher_metadata(summary: dict[str, Any]) -> dict[str, str]:
     """safetensors metadata of a stored Fisher: its reliability and precision travel with the
-    file, so a mask, train or diff built on it can show them (compute.artifacts.fisher_provenance)."""
+    file, so a mask, train or diff built on it can show them (compute.artifact_files.fisher_provenance)."""
     import json
 
     from compute.contract.results import reliability_level
@@ -255,7 +255,7 @@ def run(spec: FisherSpec, progress: Progress = null_progress, refs: Refs | None 
     """Every shard in this process (model loaded once), then `finish`."""
     progress(0.0, "loading model")
     loaded = _load(spec, refs)
-    from compute.models import model_info
+    from compute.causal_lm import model_info
 
     info = model_info(loaded[0])
     outs = []

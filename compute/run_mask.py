@@ -1,7 +1,7 @@
 """Job `mask`: build a parameter mask from a Fisher (or weights, gradient, random) at a density.
 
 Also home of the layer x module heatmap helper the diff job reuses. References arrive resolved
-(`refs`, see compute/runners.py) and are read through compute.artifacts.
+(`refs`, see compute/runners.py) and are read through compute.artifact_files.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from compute.analysis import ratio_heatmap
-from compute.artifacts import load_scores, ref_of
+from compute.artifact_files import load_scores, ref_of
 from compute.contract.jobresult import Heatmap, JobResult, LayerStat, null_progress
 from compute.contract.kinds import Ref, Refs
 from compute.jobs.mask import MaskSpec
@@ -40,9 +40,9 @@ def layer_module_heatmap(
 def sft_gradient(model_ref: Ref | str, task: str, prompts: int, seed: int, device: str = "auto"
                  ) -> dict[str, torch.Tensor]:
     """|d/dθ mean_n NLL(gold answer_n | prompt_n)| over `prompts` train prompts of `task`."""
-    from compute.models import load_model
+    from compute.causal_lm import load_model
     from compute.sampling import build_rollout, token_logprobs
-    from compute.tasks import get_task
+    from compute.verifiable_tasks import get_task
 
     model, tok = load_model(model_ref, device=device, dtype="float32")
     examples = get_task(task).examples(prompts, seed=seed, split="train")
@@ -200,7 +200,7 @@ def run(spec: MaskSpec, progress: Any = null_progress, refs: Refs | None = None)
     metadata: dict[str, str] = {}
     fisher_ref = ref_of(refs, "fisher", spec.fisher)
     if fisher_ref is not None:
-        from compute.artifacts import fisher_provenance
+        from compute.artifact_files import fisher_provenance
 
         summary["fisher_reliability"] = fisher_provenance(fisher_ref)
         metadata["fisher_reliability"] = json.dumps(summary["fisher_reliability"], default=str)

@@ -87,10 +87,10 @@ def _load(spec: RetentionSpec, shared: dict[Any, Any], progress: Any, refs: Refs
         return shared["loaded"]
     import torch
 
-    from compute.artifacts import ref_of
-    from compute.distill import check_same_tokenizer
-    from compute.models import load_model, resolve_device
-    from compute.tasks import get_task
+    from compute.artifact_files import ref_of
+    from compute.causal_lm import load_model, resolve_device
+    from compute.train.objectives.distill import check_same_tokenizer
+    from compute.verifiable_tasks import get_task
 
     ref = teacher_ref(spec)
     device = resolve_device(spec.device)

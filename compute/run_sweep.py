@@ -147,11 +147,11 @@ def initial_fisher(spec: SweepSpec, progress: Any = null_progress, refs: Refs | 
     """The sweep's initial Fisher and its description: the given file, or estimated from samples
     independent of the training batches, at the bf16-rounded base when every point starts there
     (no fp32 point), else at the float32 base. Deterministic: every unit gets the same one."""
-    from compute.artifacts import load_scores, ref_of
-    from compute.models import load_model, resolve_device
+    from compute.artifact_files import load_scores, ref_of
+    from compute.causal_lm import load_model, resolve_device
     from compute.run_train import independent_fisher
-    from compute.tasks import get_task
     from compute.train import prepare_precision
+    from compute.verifiable_tasks import get_task
 
     fisher_ref = ref_of(refs, "fisher", spec.fisher)
     if fisher_ref is not None:
@@ -250,7 +250,7 @@ def combine(spec: SweepSpec, outputs: list[Any], progress: Any = null_progress,
     # issue 18: precision per point is in the table; here the run-wide facts and the Fisher's verdict
     summary["compute_dtype"] = "per point (bfloat16 for precision bf16, else float32)"
     summary["stored_dtype"] = "per point (float32 for fp32, else bfloat16)"
-    from compute.artifacts import fisher_provenance, ref_of
+    from compute.artifact_files import fisher_provenance, ref_of
 
     fisher_ref = ref_of(refs, "fisher", spec.fisher)
     if fisher_ref is not None:

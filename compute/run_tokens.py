@@ -32,8 +32,8 @@ def _nan_none(x: float) -> float | None:
 
 
 def run(spec: TokensSpec, progress: Any = null_progress, refs: Refs | None = None) -> JobResult:
-    from compute.artifacts import ref_of
-    from compute.models import load_model, model_info
+    from compute.artifact_files import ref_of
+    from compute.causal_lm import load_model, model_info
 
     progress(0.0, "loading the model")
     ref = ref_of(refs, "model", spec.model)

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from compute.artifacts import ref_of
+from compute.artifact_files import ref_of
 from compute.contract.jobresult import JobResult, SeriesPoint, null_progress
 from compute.contract.kinds import Ref, Refs
 from compute.jobs.train import TrainSpec
@@ -97,7 +97,7 @@ def update_sparsity(
         fisher = {n: f for n, f in fisher.items() if n in tuned_sd}
     d = diff_checkpoints(dict(base), tuned_sd, fisher=fisher, svd_max_numel=0)
     glob = next(iter(d.groups["global"].values()))
-    out = {k: v for k, v in glob.items() if k.startswith(("unchanged_", "changed_"))}
+    out: dict[str, Any] = {k: v for k, v in glob.items() if k.startswith(("unchanged_", "changed_"))}
     if d.fisher is not None:
         g = d.fisher.get("global", {})
         allm = next(iter(g.values())) if g else {}
@@ -111,7 +111,7 @@ def update_sparsity(
 
 
 def _load(ref: Ref | str, spec: Any) -> tuple[Any, Any]:
-    from compute.models import load_model, resolve_device
+    from compute.causal_lm import load_model, resolve_device
 
     return load_model(ref, device=resolve_device(spec.device), dtype=getattr(spec, "dtype", "auto"))
 
@@ -263,9 +263,9 @@ class _Run:
 
 def _start(spec: TrainSpec, progress: Any, refs: Refs | None = None) -> _Run:
     """Load the task, the model at the training precision and (opd) the teacher."""
-    from compute.distill import check_same_tokenizer
-    from compute.tasks import get_task
     from compute.train import prepare_precision
+    from compute.train.objectives.distill import check_same_tokenizer
+    from compute.verifiable_tasks import get_task
 
     task = get_task(spec.task)
     torch.manual_seed(spec.seed)
@@ -288,7 +288,7 @@ def _start(spec: TrainSpec, progress: Any, refs: Refs | None = None) -> _Run:
 
 def _mask(run: _Run) -> dict[str, torch.Tensor] | None:
     """The given mask file, or one built in the job (spec.mask_select), or None (full training)."""
-    from compute.artifacts import local_file
+    from compute.artifact_files import local_file
     from compute.fisher import FisherConfig
     from compute.masks import load_mask
 
@@ -320,10 +320,10 @@ def _mask(run: _Run) -> dict[str, torch.Tensor] | None:
 
 def _mask_fisher_reliability(run: _Run, mask_ref: Ref) -> None:
     """The verdict of the Fisher a given mask file was built on (its metadata), if any."""
-    from compute.artifacts import stored_metadata
+    from compute.artifact_files import stored_metadata
 
     if "fisher_reliability" in stored_metadata(mask_ref, "mask"):
-        from compute.artifacts import fisher_provenance
+        from compute.artifact_files import fisher_provenance
 
         rel = fisher_provenance(mask_ref, "mask")
         rel["source"] = f"the Fisher of mask {run.spec.mask} ({rel.get('source')})"
@@ -335,7 +335,7 @@ def _initial_fisher(
 ) -> tuple[Mapping[str, torch.Tensor] | None, dict[str, Any] | None]:
     """The initial Fisher: the caller's, the spec's file, or estimated from independent samples
     when the concentration or the bound needs one."""
-    from compute.artifacts import load_scores
+    from compute.artifact_files import load_scores
 
     spec = run.spec
     out_info: dict[str, Any] | None = None
@@ -345,7 +345,7 @@ def _initial_fisher(
         fisher = load_scores(ref_of(run.refs, "fisher", spec.fisher) or spec.fisher, "fisher")
         out_info = {"source": "given", "file": spec.fisher}
         if "fisher_reliability" not in run.summary:  # issue 18: the given Fisher's verdict
-            from compute.artifacts import fisher_provenance
+            from compute.artifact_files import fisher_provenance
 
             run.summary["fisher_reliability"] = fisher_provenance(ref_of(run.refs, "fisher", spec.fisher)
                                                                   or spec.fisher)
@@ -385,10 +385,10 @@ def _record_run(run: _Run, res: Any) -> None:
     )
     rewards = [row["reward"] for row in res.curve if "reward" in row]
     if rewards:
-        k = max(1, min(5, len(rewards) // 2))
-        s["reward_first"] = sum(rewards[:k]) / k
-        s["reward_last"] = sum(rewards[-k:]) / k
-        s["reward_window"] = k
+        window = max(1, min(5, len(rewards) // 2))
+        s["reward_first"] = sum(rewards[:window]) / window
+        s["reward_last"] = sum(rewards[-window:]) / window
+        s["reward_window"] = window
     series = run.result.series
     for row in res.curve:
         for k in ("reward", "loss", "accuracy", "reverse_kl", "kl", "grad_norm"):

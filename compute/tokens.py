@@ -93,7 +93,7 @@ class TokenSet:
 
 
 @dataclass
-class TokensResult:
+class TokenMechanism:
     context_ids: list[int]
     probs: torch.Tensor  # (V,) float32
     entropy: float
@@ -196,9 +196,9 @@ def token_mechanism(
     keep_fisher: bool = False,
     progress: Progress | None = None,
     method: str = "auto",
-) -> TokensResult:
+) -> TokenMechanism:
     """Sensitivities, cosine similarities and Fisher shares of the next tokens after one context.
-    (Over 60 lines only because it fills the TokensResult record field by field.)
+    (Over 60 lines only because it fills the TokenMechanism record field by field.)
 
     input_ids: (1, L) or (L,) long on the model's device. The model is used in eval mode (no
     dropout) and its parameters' .grad are left untouched (autograd.grad is used).
@@ -232,7 +232,7 @@ def token_mechanism(
     top_idx = torch.tensor([row[v] for v in top], dtype=torch.long)
     similarity = counterfactual_orthogonal(p_cov, m.gvv_cov, gbar_sq, exact, trace, probs[top],
                                            gram[top_idx][:, top_idx])
-    return TokensResult(
+    return TokenMechanism(
         context_ids=input_ids[0].tolist(),
         probs=probs.float().cpu(),
         entropy=ent,

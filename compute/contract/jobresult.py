@@ -8,7 +8,7 @@ the database as plain dicts (see `JobResult.to_dict`); readers parse them with
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 
 @dataclass
@@ -78,11 +78,12 @@ class JobResult:
         return out
 
 
-class Progress:
-    """Progress callback protocol: progress(fraction in [0,1], message). Raise JobCancelled to stop."""
+class Progress(Protocol):
+    """What a job reports progress to: progress(fraction in [0,1], message), both positional.
+    Any function of that shape is one (a lambda, null_progress, the worker's JobProgress). It
+    may raise JobCancelled to stop the job."""
 
-    def __call__(self, fraction: float, message: str = "") -> None:  # pragma: no cover - protocol
-        ...
+    def __call__(self, fraction: float, message: str, /) -> None: ...
 
 
 class JobCancelled(Exception):

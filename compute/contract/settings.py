@@ -81,7 +81,7 @@ class Settings(BaseSettings):
         default=False,
         description="Operator opt-in for transformers' trust_remote_code: off, a model whose "
         "config.json names its own code (auto_map) is refused at submit, and the one loader "
-        "(compute.models.load_model) never runs model code.",
+        "(compute.causal_lm.load_model) never runs model code.",
     )
     hf_hub_offline: bool = Field(
         default=False,

@@ -27,6 +27,7 @@ from pydantic import (
 from compute.contract.spec_fields import BOUND_KEYS, constraints
 from compute.contract.spec_fields import FieldInfo as FieldInfo
 from compute.contract.spec_fields import describe_fields as describe_fields
+from compute.contract.tasknames import parse_task_name
 
 Dtype = Literal["auto", "float32", "bfloat16", "float16"]
 Estimator = Literal["sequence", "token", "empirical", "batch"]
@@ -49,8 +50,6 @@ class Spec(BaseModel):
 def _check_task(name: str) -> str:
     """Task name and options (e.g. arithmetic?digits=1000000 is refused here, not in a worker).
     jsonl: files are checked where the allowed roots are known (app.services.validate)."""
-    from compute.tasks import get_task
-
     if name.startswith("jsonl:"):
         path, _, query = name[len("jsonl:"):].partition("?")
         if not path.strip():
@@ -62,7 +61,7 @@ def _check_task(name: str) -> str:
                 raise ValueError(f"match={value!r} is not accepted; accepted: exact, numeric")
         return name
     try:
-        get_task(name)
+        parse_task_name(name)
     except ValueError as exc:
         msg = str(exc)
         raise ValueError(msg[len("task: "):] if msg.startswith("task: ") else msg) from None

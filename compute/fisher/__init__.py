@@ -18,7 +18,7 @@ Layout: hooks.py (capture x and g inside a context manager, refusals), persample
 per-layer maths on tensors: linear, Conv1D, rank-1, bias, embedding, affine, generic),
 accumulate.py (per-group sums, shared parameters, routing a captured call to the maths),
 estimators.py (sequence, token, batch; padding, sorting, chunking, verification),
-exact_output.py (closed-form output layer), this module (FisherConfig, FisherResult,
+exact_output.py (closed-form output layer), this module (FisherConfig, FisherEstimate,
 estimate_fisher end to end).
 """
 
@@ -26,13 +26,13 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import torch
 from torch import nn
 
+from compute.contract.jobresult import Progress, null_progress
 from compute.fisher.estimators import (
     _model_device,
     batch_fisher,
@@ -98,7 +98,7 @@ class FisherConfig:
 
 
 @dataclass
-class FisherResult:
+class FisherEstimate:
     """fisher: name -> float32 (param shape). n_rows sequences, n_tokens counted tokens.
 
     halves: per-parameter sums over two independent halves of the samples (even / odd prompt
@@ -138,7 +138,7 @@ def _prompts_and_answers(task_or_prompts: Any, config: FisherConfig) -> tuple[li
 
 
 def _half_sums(model: nn.Module, roll: Rollout, n_prompts: int, est: str, config: FisherConfig,
-               prog: Callable) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+               prog: Progress) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """(name -> (2, *shape) sums over the even / odd prompt halves, (2,) denominators), in
     chunks of prompts so progress is reported and the expanded token rows stay bounded."""
     groups = ((roll.prompt_index + config.prompt_start) % 2).cpu()
@@ -167,14 +167,14 @@ def _half_sums(model: nn.Module, roll: Rollout, n_prompts: int, est: str, config
 
 def estimate_fisher(
     model: nn.Module, tokenizer: Any, task_or_prompts: Any, config: FisherConfig,
-    progress: Callable[[float, str], None] | None = None,
-) -> FisherResult:
+    progress: Progress | None = None,
+) -> FisherEstimate:
     """Sample on-policy (sequence/token) or take gold answers (empirical/batch), then estimate.
 
-    task_or_prompts: a compute.tasks.Task, a list of prompt strings, or a list of Examples.
+    task_or_prompts: a compute.verifiable_tasks.Task, a list of prompt strings, or a list of Examples.
     Rows are processed in chunks of prompts with progress(fraction, message) after each chunk.
     """
-    prog = progress or (lambda f, m="": None)
+    prog = progress or null_progress
     prompts, answers = _prompts_and_answers(task_or_prompts, config)
     if not prompts:
         raise ValueError("prompts: no prompts to estimate the Fisher on")
@@ -211,7 +211,7 @@ def estimate_fisher(
                     sample_seconds=round(t_sample, 3),
                     total_seconds=round(time.perf_counter() - t0, 3))
     prog(1.0, "done")
-    return FisherResult(fisher, len(roll), n_tokens, config.estimator, settings, halves,
+    return FisherEstimate(fisher, len(roll), n_tokens, config.estimator, settings, halves,
                         half_denoms, roll)
 
 
@@ -223,7 +223,7 @@ def relative_error(est: torch.Tensor, ref: torch.Tensor) -> float:
 
 
 __all__ = [
-    "ESTIMATORS", "ExactOutputUnsupported", "FisherConfig", "FisherResult", "UnsupportedModel",
+    "ESTIMATORS", "ExactOutputUnsupported", "FisherConfig", "FisherEstimate", "UnsupportedModel",
     "batch_fisher", "estimate_fisher", "exact_output_fisher", "expand_tokens",
     "fisher_from_samples", "fisher_sums", "per_sample_square_sums", "relative_error",
     "right_padded", "trainable_parameters",

@@ -67,9 +67,10 @@ def _row_loss(model: nn.Module, ids: torch.Tensor, am: torch.Tensor, cm: torch.T
 def _auto_batch(model: nn.Module, L: int, budget_bytes: int, shared_numel: int) -> int:
     """Rows per forward so that activations + per-row buffers of shared params fit the budget."""
     cfg = getattr(model, "config", None)
-    hidden = getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", 256)
-    layers = getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer", 4)
-    vocab = getattr(cfg, "vocab_size", 32000)
+    # a size a config lacks (or holds as None) is guessed small: this only sizes batches
+    hidden = int(getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", None) or 256)
+    layers = int(getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer", None) or 4)
+    vocab = int(getattr(cfg, "vocab_size", None) or 32000)
     inter = getattr(cfg, "intermediate_size", None) or 4 * hidden
     per_row = 4 * L * (layers * (12 * hidden + 4 * inter) + 4 * vocab) + 4 * shared_numel
     return max(1, budget_bytes // max(1, per_row))

@@ -21,14 +21,17 @@ class ExactOutputUnsupported(ValueError):
     """The closed-form output-layer Fisher does not apply to this model (message: why)."""
 
 
-def _output_layer(model: nn.Module) -> tuple[nn.Module, str, str | None]:
-    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    if head is None or not hasattr(head, "weight"):
+def _output_layer(model: nn.Module) -> tuple[nn.Module, torch.Tensor, str, str | None]:
+    """(head, its weight, the weight's parameter name, the bias's or None)."""
+    get_head = getattr(model, "get_output_embeddings", None)
+    head = get_head() if callable(get_head) else None
+    weight = getattr(head, "weight", None)
+    if not isinstance(head, nn.Module) or not isinstance(weight, torch.Tensor):
         raise ExactOutputUnsupported("model: has no output embedding (unembedding) layer")
     by_id = {id(p): n for n, p in model.named_parameters()}
-    w_name = by_id[id(head.weight)]
+    w_name = by_id[id(weight)]
     b = getattr(head, "bias", None)
-    return head, w_name, (by_id[id(b)] if b is not None else None)
+    return head, weight, w_name, (by_id[id(b)] if b is not None else None)
 
 
 def _check_plain_head(model: nn.Module, head: nn.Module, h: torch.Tensor,
@@ -67,10 +70,10 @@ def exact_output_fisher(
     """
     if normalize not in ("sequence", "token"):
         raise ValueError(f"normalize: got {normalize!r}; accepted: sequence, token")
-    head, w_name, b_name = _output_layer(model)
+    head, weight, w_name, b_name = _output_layer(model)
     device = _model_device(model)
-    V = head.weight.shape[0]
-    fw = torch.zeros(head.weight.shape, dtype=torch.float64, device=device)
+    V = weight.shape[0]
+    fw = torch.zeros(weight.shape, dtype=torch.float64, device=device)
     fb = torch.zeros((V,), dtype=torch.float64, device=device) if b_name else None
     captured: list[torch.Tensor] = []
     handle = head.register_forward_hook(lambda m, a, o: captured.append(a[0].detach()))

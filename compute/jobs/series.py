@@ -111,7 +111,7 @@ def run(spec: SeriesSpec, progress: Any = None, refs: Any = None) -> Any:
     import tempfile
     from pathlib import Path
 
-    from compute.artifacts import local_file, ref_of
+    from compute.artifact_files import local_file, ref_of
     from compute.checkpoint_series import LazyTensors, SeriesConfig, checkpoint_series, write_series
     from compute.contract.jobresult import JobResult, null_progress
 
@@ -125,7 +125,7 @@ def run(spec: SeriesSpec, progress: Any = None, refs: Any = None) -> Any:
     summary_extra: dict[str, Any] = {}
     fisher_ref = ref_of(refs, "fisher", spec.fisher, "fisher")
     if fisher_ref is not None:
-        from compute.artifacts import fisher_provenance
+        from compute.artifact_files import fisher_provenance
 
         fisher = LazyTensors(local_file(fisher_ref, "fisher"), "fisher")
         summary_extra = {"fisher_reliability": fisher_provenance(fisher_ref)}  # the Fisher's verdict

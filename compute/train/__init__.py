@@ -2,13 +2,14 @@
 
     config.py       TrainConfig: the loop's knobs, defaults and ranges taken from TrainSpec
     loop.py         train(): one loop over any objective; save_output, save_checkpoint, objective_gradient
-    objectives/     one per algorithm (make_batch, loss); the maths is in compute.grpo,
-                    compute.distill, compute.sft
+    objectives/     one module per algorithm, its maths (pure loss functions on tensors) and its
+                    objective (make_batch, loss): grpo.py, distill.py (OPD), sft.py; base.py the
+                    shared batch, log-probs and loss reduction
     optimizers.py   the mask-aware AdamW/SGD (frozen coordinates bit-identical) and precision
 """
 
 from compute.train.config import ALGOS, OPTIMIZERS, PRECISIONS, TrainConfig
-from compute.train.loop import TrainResult, objective_gradient, save_checkpoint, save_output, train
+from compute.train.loop import TrainOutcome, objective_gradient, save_checkpoint, save_output, train
 from compute.train.optimizers import (
     MaskedOptimizer,
     clip_grad_norm,
@@ -20,7 +21,7 @@ from compute.train.optimizers import (
 )
 
 __all__ = [
-    "ALGOS", "OPTIMIZERS", "PRECISIONS", "MaskedOptimizer", "TrainConfig", "TrainResult", "clip_grad_norm",
+    "ALGOS", "OPTIMIZERS", "PRECISIONS", "MaskedOptimizer", "TrainConfig", "TrainOutcome", "clip_grad_norm",
     "mask_gradients", "objective_gradient", "prepare_masked_params", "prepare_precision", "save_checkpoint", "save_output",
     "stored_dtype", "stored_state", "train",
 ]

@@ -12,8 +12,8 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from compute.contract.spec_fields import describe_fields
-from compute.grpo import AGGREGATIONS
 from compute.jobs.train import TrainSpec
+from compute.train.objectives.base import AGGREGATIONS
 
 _SPEC = {f.name: f for f in describe_fields(TrainSpec)}
 ALGOS: tuple[str, ...] = _SPEC["algo"].choices or ()

@@ -37,7 +37,7 @@ StepHook = Callable[[int, torch.nn.Module, list[dict[str, float]]], None]
 
 
 @dataclass
-class TrainResult:
+class TrainOutcome:
     curve: list[dict[str, float]]  # one row per step: reward, loss, grad_norm, ... (+ accuracy)
     accuracy_before: float
     accuracy_after: float
@@ -101,7 +101,7 @@ def train(
     evaluate: bool = True,
     grad_hook: GradHook | None = None,
     step_hook: StepHook | None = None,
-) -> TrainResult:
+) -> TrainOutcome:
     """Train `model` in place on `task` with config.algo's objective; returns curves and accuracies.
 
     mask: name -> bool (True = trainable); frozen coordinates stay bit-identical. grad_hook(step,
@@ -140,7 +140,7 @@ def train(
 
 
 def _accuracy(model: torch.nn.Module, tokenizer: Any, task: Any, config: TrainConfig) -> float:
-    from compute.models import greedy_accuracy
+    from compute.causal_lm import greedy_accuracy
 
     return greedy_accuracy(model, tokenizer, task, n=config.eval_prompts, split="test", seed=0,
                            max_new_tokens=config.eval_max_new_tokens)
@@ -153,7 +153,7 @@ def _message(row: dict[str, float], step: int, steps: int, rows: int) -> str:
 
 
 def _result(model: torch.nn.Module, config: TrainConfig, mask: Any, params: Params, update: _Step,
-            curve: list[dict[str, float]], before: float, after: float, seconds: float) -> TrainResult:
+            curve: list[dict[str, float]], before: float, after: float, seconds: float) -> TrainOutcome:
     n_total = sum(p.numel() for p in model.parameters())
     n_train = sum(int(m.sum()) if m is not None else p.numel() for _, p, m in params)
     settings = asdict(config)
@@ -161,7 +161,7 @@ def _result(model: torch.nn.Module, config: TrainConfig, mask: Any, params: Para
     settings["compute_dtype"] = "bfloat16" if config.precision == "bf16" else "float32"
     settings["stored_dtype"] = str(stored_dtype(config.precision)).replace("torch.", "")
     settings["optimizer_state_dtype"] = "float32"
-    res = TrainResult(curve, before, after, settings, seconds, n_train / max(1, n_total), update.updates)
+    res = TrainOutcome(curve, before, after, settings, seconds, n_train / max(1, n_total), update.updates)
     if update.sq is not None and update.abs is not None:
         res.grad_sq_sum = {n: t.cpu() for n, t in update.sq.items()}
         res.grad_abs_sum = {n: t.cpu() for n, t in update.abs.items()}
@@ -169,10 +169,11 @@ def _result(model: torch.nn.Module, config: TrainConfig, mask: Any, params: Para
 
 
 def save_output(
-    model: torch.nn.Module, tokenizer: Any, out_dir: str | Path, metrics: Mapping[str, Any],
+    model: Any, tokenizer: Any, out_dir: str | Path, metrics: Mapping[str, Any],
     precision: str = "fp32",
 ) -> Path:
-    """Write the trained model + tokenizer (HF format) and metrics.json into out_dir.
+    """Write the trained model (a transformers PreTrainedModel: it has save_pretrained) +
+    tokenizer (HF format) and metrics.json into out_dir.
 
     precision 'bf16-mixed' / 'bf16' save the weights in bfloat16 (as published checkpoints are)."""
     out = Path(out_dir)

@@ -92,12 +92,12 @@ def prepare_masked_params(
             )
     out = []
     for n, p in named.items():
-        m = mask.get(n)
-        if m is None or not bool(m.any()):
+        given = mask.get(n)
+        if given is None or not bool(given.any()):
             p.requires_grad_(False)
             continue
         p.requires_grad_(True)
-        mf = None if bool(m.all()) else m.to(device=p.device, dtype=p.dtype)
+        mf = None if bool(given.all()) else given.to(device=p.device, dtype=p.dtype)
         out.append((n, p, mf))
     if not out:
         raise ValueError("mask: selects no coordinate of the model; nothing would train")
@@ -143,30 +143,30 @@ class MaskedOptimizer:
     @torch.no_grad()
     def step(self) -> None:
         self.t += 1
-        live = [(n, p, m) for n, p, m in self.params if p.grad is not None]
-        full = [(n, p, m) for n, p, m in live if p.dtype == torch.float32]
-        low = [(n, p, m) for n, p, m in live if p.dtype != torch.float32]
+        live = [(n, p, g, m) for n, p, m in self.params if (g := p.grad) is not None]
+        full = [(n, p, g, m) for n, p, g, m in live if p.dtype == torch.float32]
+        low = [(n, p, g, m) for n, p, g, m in live if p.dtype != torch.float32]
         if self.kind == "adamw":
-            self._adamw_foreach([n for n, _p, _m in full], [p for _, p, _m in full],
-                                [p.grad for _, p, _m in full], [m for _, _p, m in full])
+            self._adamw_foreach([n for n, _p, _g, _m in full], [p for _, p, _g, _m in full],
+                                [g for _, _p, g, _m in full], [m for _, _p, _g, m in full])
         else:
-            for name, p, m in full:
-                g = p.grad if m is None else p.grad * m  # re-mask: the invariant holds even if
-                self._sgd(name, p, g, m)  # the caller forgot mask_gradients
+            for name, p, g, m in full:
+                # re-mask: the invariant holds even if the caller forgot mask_gradients
+                self._sgd(name, p, g if m is None else g * m, m)
         # Low-precision weights (precision 'bf16'): float32 optimizer state and update, then the
         # weight is written back rounded, round(w - update): an update below half an ULP of w is
         # lost. Off the mask the update is exactly 0, and bf16 -> float32 -> bf16 is exact.
         if low:
-            p32 = [p.detach().float() for _, p, _m in low]
-            g32 = [p.grad.float() for _, p, _m in low]
-            m32 = [None if m is None else m.float() for _, _p, m in low]
-            names = [n for n, _p, _m in low]
+            p32 = [p.detach().float() for _, p, _g, _m in low]
+            g32 = [g.float() for _, _p, g, _m in low]
+            m32 = [None if m is None else m.float() for _, _p, _g, m in low]
+            names = [n for n, _p, _g, _m in low]
             if self.kind == "adamw":
                 self._adamw_foreach(names, p32, g32, m32)
             else:
-                for name, p, g, m in zip(names, p32, g32, m32, strict=True):
-                    self._sgd(name, p, g if m is None else g * m, m)
-            for (_, p, _m), w in zip(low, p32, strict=True):
+                for name, w, g, m in zip(names, p32, g32, m32, strict=True):
+                    self._sgd(name, w, g if m is None else g * m, m)
+            for (_, p, _g, _m), w in zip(low, p32, strict=True):
                 p.copy_(w)
 
     def _adamw_foreach(self, names: list[str], params: list[torch.Tensor], grads: list[torch.Tensor],
@@ -179,8 +179,9 @@ class MaskedOptimizer:
                 self.state[n] = {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
         grads = list(grads)
         masked = [i for i, m in enumerate(masks) if m is not None]
+        mask_of = [m for m in masks if m is not None]  # the masks of `masked`, in order
         if masked:  # re-mask: the invariant holds even if the caller forgot mask_gradients
-            gm = torch._foreach_mul([grads[i] for i in masked], [masks[i] for i in masked])
+            gm = torch._foreach_mul([grads[i] for i in masked], mask_of)
             for i, g in zip(masked, gm, strict=True):
                 grads[i] = g
         m1 = [self.state[n]["exp_avg"] for n in names]
@@ -204,7 +205,7 @@ class MaskedOptimizer:
                                     alpha=self.lr * self.wd)
             if masked:  # decoupled decay only on the mask
                 torch._foreach_addcmul_([updates[i] for i in masked], [params[i] for i in masked],
-                                        [masks[i] for i in masked], value=self.lr * self.wd)
+                                        mask_of, value=self.lr * self.wd)
         torch._foreach_sub_(params, updates)
 
     def _sgd(self, name: str, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor | None) -> None:

@@ -12,16 +12,16 @@ import shutil
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from compute.causal_lm import greedy_generate
+from compute.contract.jobresult import Progress
 from compute.contract.modelref import ZOO_NAMES, file_sha256, folder_revision
-from compute.models import greedy_generate
-from compute.tasks import get_task
+from compute.verifiable_tasks import get_task
 from compute.zoo.folders import INFO_FILE, is_built, save
 from compute.zoo.recipe import FAMILIES, ZooRecipe, build_model, family_of
 from compute.zoo.shipped import (
@@ -73,9 +73,7 @@ def _check_build_args(
 def build_zoo(
     zoo_dir: str | Path,
     names: list[str] | tuple[str, ...] | None = None,
-    # any f(fraction, message): compute.contract.jobresult.Progress is a nominal class a plain function
-    # (the CLI's progress bar) is not an instance of
-    progress: Callable[[float, str], None] | None = None,
+    progress: Progress | None = None,
     seed: int = 0,
     force: bool = True,
     recipe: ZooRecipe | None = None,
@@ -113,7 +111,7 @@ def _train_families(
     zoo_dir: Path,
     todo: list[str],
     results: dict[str, Any],
-    report: Callable[[float, str], None],
+    report: Progress,
     seed: int,
     recipe: ZooRecipe | None,
 ) -> None:
@@ -174,7 +172,7 @@ class _SFTRun:
     """One family's SFT run: the model, its optimiser, the SFT pool and the validation set."""
 
     def __init__(
-        self, zoo_dir: Path, recipe: ZooRecipe, seed: int, report: Callable[[float, str], None]
+        self, zoo_dir: Path, recipe: ZooRecipe, seed: int, report: Progress
     ):
         self.t0, self.c0 = time.perf_counter(), time.process_time()
         self.zoo_dir, self.recipe, self.seed, self.report = zoo_dir, recipe, seed, report

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
+from compute.causal_lm import greedy_generate
 from compute.contract.modelref import file_sha256
-from compute.models import greedy_generate
 from compute.zoo.folders import INFO_FILE, is_built, save
 
 
@@ -139,7 +139,9 @@ def _load_dequantised(gguf_path: Path, report: Callable[[float, str], None]) -> 
         gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
     )
     report(0.6, "converting to bf16")
-    model = model.to(torch.bfloat16).eval()
+    # Ignored for mypy: transformers wraps PreTrainedModel.to with functools.wraps, whose typeshed
+    # _Wrapped is not a descriptor, so mypy expects `self` as the first argument of a bound call
+    model = model.to(torch.bfloat16).eval()  # type: ignore[arg-type]
     # The dequantised weights are plain tensors now: drop the GGUF quantiser so the saved folder
     # loads as an ordinary HF model.
     if hasattr(model.config, "quantization_config"):

@@ -315,9 +315,9 @@ def test_real_trl_grpo_run_folder(zoo_home: Path, tmp_path: Path, dtype: str,
                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """GRPOTrainer (TRL) with save_steps=1 for 3 steps on arith-base; the series of its folder
     against the base, with a real Fisher of the base, equals compute.diff on every pair."""
+    from compute.causal_lm import load_model
     from compute.fisher import FisherConfig, estimate_fisher
-    from compute.models import load_model
-    from compute.tasks import get_task
+    from compute.verifiable_tasks import get_task
     from tests.trl_runs import grpo_run_folder
 
     monkeypatch.setenv("FISHERLENS_HOME", str(zoo_home))

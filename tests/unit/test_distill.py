@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from compute.distill import check_same_tokenizer, distill_loss, reverse_kl_full
 from compute.train import TrainConfig
+from compute.train.objectives.distill import check_same_tokenizer, distill_loss, reverse_kl_full
 
 
 def test_full_reverse_kl_hand_value() -> None:

@@ -8,8 +8,9 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from compute.grpo import aggregate, group_advantages, grpo_loss, k3_kl
 from compute.train import TrainConfig
+from compute.train.objectives.base import aggregate
+from compute.train.objectives.grpo import group_advantages, grpo_loss, k3_kl
 
 
 def test_group_advantages_hand_values() -> None:

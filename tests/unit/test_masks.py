@@ -229,7 +229,7 @@ def test_run_mask_fisher_and_magnitude(model_dir) -> None:
 
 
 def test_run_mask_gradient_and_errors(model_dir) -> None:
-    from compute.artifacts import local_file
+    from compute.artifact_files import local_file
     from compute.jobs.mask import MaskSpec
     from compute.run_mask import run, sft_gradient
 

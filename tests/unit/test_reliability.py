@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from compute.artifacts import fisher_provenance, stored_metadata
+from compute.artifact_files import fisher_provenance, stored_metadata
 from compute.contract.jobresult import JobResult
 from compute.contract.results import FAIR_JACCARD, reliability_level
 from compute.jobs.fisher import FisherSpec

@@ -172,8 +172,8 @@ def test_grid_units_apart_equal_the_run_and_density_one_equals_full(zoo_home, mo
     estimating its own Fisher, outputs through torch.save / weights-only load, in reverse order)
     combines to the in-process run; a density-1 mask reproduces the full run prompt for prompt
     (paired seeds: same prompts, same sampling seeds, same optimizer, same held-out prompts)."""
+    from compute.causal_lm import load_model
     from compute.jobs.registry import parse_spec
-    from compute.models import load_model
     from compute.run_retention import children, combine, run, run_child
 
     monkeypatch.setenv("FISHERLENS_HOME", str(zoo_home))

@@ -377,7 +377,7 @@ def test_a_model_that_needs_remote_code_is_refused_at_submit_unless_the_operator
 ) -> None:
     """TRUST_REMOTE_CODE (Settings.trust_remote_code): off, a model whose config.json names its
     own code (auto_map) is a 422-style field error at submit, nothing queued; on, it passes
-    validation (and compute.models.load_model passes trust_remote_code=True)."""
+    validation (and compute.causal_lm.load_model passes trust_remote_code=True)."""
     folder = fl_home / "zoo" / "custom-code"
     folder.mkdir(parents=True)
     (folder / "config.json").write_text(json.dumps({

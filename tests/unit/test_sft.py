@@ -8,8 +8,8 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from compute.sft import keep_rewarded, sft_loss
 from compute.train import TrainConfig
+from compute.train.objectives.sft import keep_rewarded, sft_loss
 
 
 def test_sft_nll_hand_value() -> None:

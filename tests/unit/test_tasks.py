@@ -1,4 +1,4 @@
-"""compute.tasks: deterministic, disjoint splits; rewards on hand cases; JSONL errors."""
+"""compute.verifiable_tasks: deterministic, disjoint splits; rewards on hand cases; JSONL errors."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from compute.tasks import Example, cut_completion, first_number, get_task
+from compute.verifiable_tasks import ArithmeticTask, Example, cut_completion, first_number, get_task
 
 
 @pytest.mark.parametrize("name", ["arithmetic", "arithmetic-add", "arithmetic-mul"])
@@ -169,6 +169,31 @@ def test_jsonl_missing_file_and_bad_option(tmp_path: Path) -> None:
 
 
 def test_tasks_and_modelref_do_not_import_torch() -> None:
-    code = "import sys, compute.tasks, compute.contract.modelref; print('torch' in sys.modules)"
+    code = "import sys, compute.verifiable_tasks, compute.contract.modelref; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["arithmetic", "arithmetic-add?digits=3", "arithmetic-mul?mul_digits=2", "arithmetic?mul_share=1",
+     "arithmetic?digits=7", "arithmetic?mul_digits=0", "arithmetic?mul_share=1.5", "arithmetic?mul_share=x",
+     "arithmetic?digits=two", "arithmetic-add?mul_share=0.5", "arithmetic?x=1", "arith", "", "jsonl:",
+     "jsonl:/no/such.jsonl?match=fuzzy", "jsonl:/no/such.jsonl?other=1"],
+)
+def test_the_contract_parses_task_names_as_get_task_builds_them(name: str) -> None:
+    """compute.contract.tasknames (what the spec validators use, no task built) accepts exactly
+    the names get_task builds, with the same error; get_task builds the parsed settings."""
+    from compute.contract.tasknames import ArithmeticName, parse_task_name
+
+    try:
+        task = get_task(name)
+    except ValueError as exc:
+        with pytest.raises(ValueError) as parsed_exc:
+            parse_task_name(name)
+        assert str(parsed_exc.value) == str(exc)
+        return
+    parsed = parse_task_name(name)
+    assert isinstance(parsed, ArithmeticName) and isinstance(task, ArithmeticTask)
+    assert (task.ops, task.digits, task.mul_digits, task.mul_share) == (
+        parsed.ops, parsed.digits, parsed.mul_digits, parsed.mul_share)

@@ -10,7 +10,6 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from compute.tasks import get_task
 from compute.train import (
     MaskedOptimizer,
     TrainConfig,
@@ -19,6 +18,7 @@ from compute.train import (
     prepare_masked_params,
     train,
 )
+from compute.verifiable_tasks import get_task
 from tests.unit.fisher_tiny import char_tokenizer, tiny_model
 
 

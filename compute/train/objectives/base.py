@@ -17,6 +17,8 @@ import torch
 
 from compute.sampling import Rollout, build_rollout, sample_completions, token_logprobs
 
+AGGREGATIONS = ("token", "sequence")  # how a per-token loss is reduced (aggregate)
+
 
 @dataclass
 class Batch:
@@ -94,3 +96,20 @@ def gold_rollout(model: torch.nn.Module, tokenizer: Any, task: Any, config: Any,
     """The task's gold answers to the prompts of `step`, one row each."""
     prompts, answers = step_examples(task, config, step)
     return build_rollout(tokenizer, prompts, answers, device=next(model.parameters()).device)
+
+
+def aggregate(per_token: torch.Tensor, mask: torch.Tensor, aggregation: str = "token") -> torch.Tensor:
+    """Reduce a (N, T) per-token loss over the (N, T) bool mask to a scalar.
+
+    'token': sum / number of masked tokens; 'sequence': mean over sequences with at least one token
+    of (sequence sum / sequence length).
+    """
+    m = mask.to(per_token.dtype)
+    if aggregation == "token":
+        return (per_token * m).sum() / m.sum().clamp(min=1)
+    if aggregation == "sequence":
+        lengths = m.sum(dim=1)  # (N,)
+        keep = lengths > 0
+        per_seq = (per_token * m).sum(dim=1)[keep] / lengths[keep]
+        return per_seq.mean() if keep.any() else per_token.sum() * 0
+    raise ValueError(f"aggregation: got {aggregation!r}; accepted: {', '.join(AGGREGATIONS)}")

@@ -1,5 +1,6 @@
-"""SFT objective: NLL of the gold answers, or of the model's own samples that earned reward 1
-(near-policy SFT; maths in compute.sft)."""
+"""SFT: negative log-likelihood of completions, on gold answers or on the model's own samples
+filtered to reward 1 (near-policy SFT: its gradient is E_y[1{r(y)=1} grad log p(y)], the form of
+SCIENCE.md section 3 with A = reward). The maths and the objective."""
 
 from __future__ import annotations
 
@@ -7,8 +8,23 @@ from typing import Any
 
 import torch
 
-from compute.sft import keep_rewarded, sft_loss
-from compute.train.objectives.base import Batch, gold_rollout, policy_logprobs, sampled_rollout
+from compute.train.objectives.base import (
+    Batch,
+    aggregate,
+    gold_rollout,
+    policy_logprobs,
+    sampled_rollout,
+)
+
+
+def sft_loss(logp: torch.Tensor, mask: torch.Tensor, aggregation: str = "token") -> torch.Tensor:
+    """Mean negative log-likelihood of the completion tokens. logp, mask: (N, T)."""
+    return aggregate(-logp, mask, aggregation)
+
+
+def keep_rewarded(rewards: torch.Tensor, threshold: float = 1.0) -> torch.Tensor:
+    """Indices (K,) of samples whose reward >= threshold (near-policy SFT filter). rewards: (N,)."""
+    return torch.nonzero(rewards >= threshold, as_tuple=False).flatten()
 
 
 class SFT:

@@ -1,6 +1,7 @@
 """Verifiable tasks: deterministic prompt generators and 0/1 reward functions.
 
-No torch here: the web process imports this to validate task names.
+No torch here. The names and their options are parsed in compute.contract.tasknames (the spec
+validators use that, without building a task).
 
 Task names accepted by `get_task`:
 - ``arithmetic``      addition and multiplication, 3:1 (the zoo's task);
@@ -32,9 +33,14 @@ import random
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import parse_qsl
 
-TASK_NAMES = ("arithmetic", "arithmetic-add", "arithmetic-mul", "jsonl:PATH")
+from compute.contract.tasknames import (
+    ArithmeticName,
+    check_arithmetic,
+    check_match,
+    parse_task_name,
+)
+
 SPLITS = ("train", "test")
 TEST_PERCENT = 20  # share of problems held out for the test split (by hash)
 
@@ -48,10 +54,6 @@ _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?|-?\.\d+")
 class Example:
     prompt: str
     answer: str
-
-
-def _unknown(name: str) -> ValueError:
-    return ValueError(f"task: unknown task {name!r}; accepted: {', '.join(TASK_NAMES)}")
 
 
 def is_test(key: str) -> bool:
@@ -138,13 +140,7 @@ class ArithmeticTask(Task):
         mul_digits: int = 1,
         mul_share: float = 0.25,
     ) -> None:
-        if not ops or any(op not in ("+", "*") for op in ops):
-            raise ValueError(f"ops: {ops!r} is not accepted; accepted: '+', '*'")
-        if not 0.0 <= mul_share <= 1.0:
-            raise ValueError(f"mul_share: {mul_share} is out of range; accepted: 0..1")
-        for field, value in (("digits", digits), ("mul_digits", mul_digits)):
-            if not 1 <= value <= 6:
-                raise ValueError(f"{field}: {value} is out of range; accepted: 1..6")
+        check_arithmetic(tuple(ops), digits, mul_digits, mul_share)
         self.name = name
         self.ops = tuple(ops)
         self.digits = digits
@@ -188,8 +184,7 @@ class JsonlTask(Task):
     """A user's file of ``{"prompt": str, "answer": str|number}`` lines."""
 
     def __init__(self, path: str | Path, match: str = "exact") -> None:
-        if match not in ("exact", "numeric"):
-            raise ValueError(f"task: match={match!r} is not accepted; accepted: exact, numeric")
+        check_match(match)
         self.path = Path(path).expanduser()
         self.match = match
         self.name = f"jsonl:{path}" + ("?match=numeric" if match == "numeric" else "")
@@ -255,49 +250,12 @@ class JsonlTask(Task):
         return exact_match(completion, answer)
 
 
-def _options(name: str, query: str, allowed: tuple[str, ...]) -> dict[str, str]:
-    opts = dict(parse_qsl(query, keep_blank_values=True))
-    for key in opts:
-        if key not in allowed:
-            raise ValueError(
-                f"task: unknown option {key!r} in {name!r}; accepted: {', '.join(allowed)}"
-            )
-    return opts
-
-
-def _int_option(opts: dict[str, str], key: str, default: int) -> int:
-    try:
-        return int(opts.get(key, default))
-    except ValueError:
-        raise ValueError(f"task: option {key}={opts[key]!r} is not an integer") from None
-
-
 def get_task(name: str) -> Task:
     """Task by name (see the module docstring). ValueError "task: ..." for unknown names."""
-    if not isinstance(name, str) or not name:
-        raise _unknown(str(name))
-    if name.startswith("jsonl:"):
-        path, _, query = name[len("jsonl:") :].partition("?")
-        if not path:
-            raise ValueError("task: 'jsonl:' needs a path, e.g. jsonl:/data/gsm8k.jsonl")
-        opts = _options(name, query, ("match",))
-        return JsonlTask(path, match=opts.get("match", "exact"))
-    base, _, query = name.partition("?")
-    ops = {"arithmetic": ("+", "*"), "arithmetic-add": ("+",), "arithmetic-mul": ("*",)}
-    if base not in ops:
-        raise _unknown(name)
-    allowed = (
-        ("digits", "mul_digits", "mul_share") if base == "arithmetic" else ("digits", "mul_digits")
-    )
-    opts = _options(name, query, allowed)
-    try:
-        mul_share = float(opts.get("mul_share", 0.25))
-    except ValueError:
-        raise ValueError(f"task: option mul_share={opts['mul_share']!r} is not a number") from None
-    return ArithmeticTask(
-        name=name,
-        ops=ops[base],
-        digits=_int_option(opts, "digits", 2),
-        mul_digits=_int_option(opts, "mul_digits", 1),
-        mul_share=mul_share,
-    )
+    parsed = parse_task_name(name)
+    if isinstance(parsed, ArithmeticName):
+        return ArithmeticTask(
+            name=parsed.name, ops=parsed.ops, digits=parsed.digits, mul_digits=parsed.mul_digits,
+            mul_share=parsed.mul_share,
+        )
+    return JsonlTask(parsed.path, match=parsed.match)

@@ -130,7 +130,7 @@ def greedy_accuracy(
     start: int = 0,
 ) -> float:
     """Mean task reward of greedy completions on `n` prompts of `split` (task: Task or name)."""
-    from compute.tasks import get_task
+    from compute.verifiable_tasks import get_task
 
     if isinstance(task, str):
         task = get_task(task)
