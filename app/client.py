@@ -21,38 +21,12 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 from compute.contract.specs import SpecError
 
-
-def credentials_path() -> Path:
-    env = os.environ.get("FISHERLENS_CREDENTIALS")
-    if env:
-        return Path(env).expanduser()
-    base = Path(os.environ.get("XDG_CONFIG_HOME") or Path.home() / ".config")
-    return base / "fisherlens" / "credentials.json"
-
-
-def load_credentials() -> dict[str, Any]:
-    path = credentials_path()
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError):
-        return {}
-    return data if isinstance(data, dict) else {}
-
-
-def save_credentials(url: str, token: str, name: str) -> Path:
-    """Write {url, token, name} readable by this user only (0600, from creation on)."""
-    path = credentials_path()
-    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as fh:
-        json.dump({"url": url, "token": token, "name": name}, fh)
-    os.chmod(path, 0o600)
-    return path
+# `fisherlens login` / `logout` (app/commands/users.py) save and remove them through this module
+from compute.credentials import credentials_path, load_credentials, save_credentials  # noqa: F401
 
 
 def remote() -> tuple[str, str | None] | None:

@@ -22,8 +22,9 @@ import math
 from typing import Any
 
 # The spec FIELDS that say what a result is about, in the order the header names them (field
-# names: "fisher" and "mask" here are the reference fields, not job kinds).
-HEAD_FIELDS = tuple("model base tuned task algo fisher mask select density precision".split())
+# names: "fisher" and "mask" here are the reference fields, not job kinds). A share link's job
+# names a reference given by server path by its label (app/figures/public.py), never the path.
+HEAD_FIELDS = tuple("model base tuned run_dir task algo fisher mask select density precision".split())
 
 _CSS = """
 .fl-result{color:#212529;font-size:15px;line-height:1.4}

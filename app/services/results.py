@@ -19,18 +19,24 @@ def _readable_by_token(settings: Any, s: Any, token: str) -> Any:
     return job if job is not None and auth.can_read_result(settings, job) else None
 
 
-def _result(settings: Any, s: Any, job: Any) -> dict[str, Any] | None:
+def _result(settings: Any, s: Any, job: Any, by_token: bool = False) -> dict[str, Any] | None:
     if job is None:
         return None
     out = repo.result_dict(session=s, job=job)
     out["job"] = public(settings, out["job"])
+    if by_token:  # whoever holds the link: references given by server path shown by label
+        from app.figures.public import public_result
+
+        out = public_result(out, job.refs)
     return out
 
 
 def result_by_token(settings: Any, token: str) -> dict[str, Any] | None:
-    """GET /api/results/{token}: the job and all its stored rows, or None for unknown tokens."""
+    """GET /api/results/{token}: the job and all its stored rows, or None for unknown tokens.
+    A share link is public: a model, run folder or file the spec named by a server path is shown
+    by its label ('grpo (local folder)', app/figures/public.py), in the spec and the summary."""
     with sessions(settings)() as s:
-        return _result(settings, s, _readable_by_token(settings, s, token))
+        return _result(settings, s, _readable_by_token(settings, s, token), by_token=True)
 
 
 def result_by_id(settings: Any, job_id: int) -> dict[str, Any] | None:

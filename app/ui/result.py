@@ -69,13 +69,16 @@ VIEW = 5  # index of the result view in `outputs(...)`
 
 
 def job_by_token(settings: Any, token: str) -> dict[str, Any] | None:
-    """The job row of a share token (no result rows), if this user may read it."""
+    """The job row of a share token (no result rows), if this user may read it; its spec names
+    references given by server path by label, as the share page does (app/figures/public.py):
+    this tab also shows share links (`/?view=<token>`)."""
+    from app.figures.public import public_job
     from storage import repo
 
     with services.sessions(settings)() as s:
         job = repo.get_job_by_token(session=s, token=token)
         ok = job is not None and auth.can_read_result(settings, job)  # link off: owner only
-        return repo.job_dict(job) if job is not None and ok else None
+        return public_job(repo.job_dict(job), job.refs) if job is not None and ok else None
 
 
 def stored_payload(settings: Any, meta: dict[str, Any]) -> dict[str, Any] | None:

@@ -2,6 +2,10 @@
 `FisherMaskCallback("job:12", server=..., token=...)`.
 
     path = fetch_mask("job:12", server="http://host:8000", token="...")  # or FISHERLENS_URL / _TOKEN
+    path = fetch_mask("job:12")  # after `fisherlens login`: its saved server and token
+
+Server and token: the arguments, else FISHERLENS_URL / FISHERLENS_TOKEN, else what `fisherlens
+login` saved (compute/credentials.py; the saved token only goes to the saved server).
 
 What it asks the server (every request carries `Authorization: Bearer <token>`, the API token
 `fisherlens user token` / `fisherlens login` gives):
@@ -89,16 +93,19 @@ def fetch_mask(
     cache_dir: str | Path | None = None, timeout: float = 60.0,
 ) -> Path:  # fmt: skip
     """The local, sha256-verified file of the mask of job `ref` ('job:N') on a fisherlens server
-    (`server`, else FISHERLENS_URL; `token`, else FISHERLENS_TOKEN). ValueError naming the job,
+    (`server`, else FISHERLENS_URL, else the URL `fisherlens login` saved; `token`, else
+    FISHERLENS_TOKEN, else the saved token when the server is the saved one). ValueError naming the job,
     the server and the HTTP status when it cannot be used (see the module docstring)."""
     n = job_id(ref)
     if n is None:
         raise ValueError(f"mask: {ref[:40]!r} is not a job reference; write job:<number>, e.g. job:12")
-    url = server or os.environ.get("FISHERLENS_URL")
+    from compute.credentials import server_and_token
+
+    url, token = server_and_token(server, token)
     if not url:
         raise ValueError(f"mask: job:{n} is a job of a fisherlens server: pass server='http://host:port' "
-                         "(and token=...) or set FISHERLENS_URL (and FISHERLENS_TOKEN)")
-    token = token or os.environ.get("FISHERLENS_TOKEN")
+                         "(and token=...), set FISHERLENS_URL (and FISHERLENS_TOKEN) or run "
+                         "`fisherlens login`")
     what = f"mask job:{n}"
     srv = _Server(what, url, token, timeout)
     try:
@@ -109,7 +116,7 @@ def fetch_mask(
                              "it does not exist or belongs to another user)") from None
         if exc.status in (401, 403):
             raise ValueError(f"{what}: the server at {srv.url} refused the token (HTTP {exc.status}: "
-                             f"{exc.detail}); pass token= or set FISHERLENS_TOKEN") from None
+                             f"{exc.detail}); pass token=, set FISHERLENS_TOKEN or run `fisherlens login`") from None
         raise ValueError(f"{what}: the server at {srv.url} answered HTTP {exc.status}: {exc.detail}") from None
     from compute.jobs import registry
 

@@ -223,7 +223,8 @@ class FisherMaskCallback(TrainerCallback):
 
     mask: a fisherlens mask `.safetensors` path (`fisherlens mask --out`), a dict name -> bool
     (or 0/1) tensor, True = trainable, or `job:N`: the mask of job N of a fisherlens server
-    (`server`, else FISHERLENS_URL; `token`, else FISHERLENS_TOKEN), downloaded through its REST
+    (`server`, else FISHERLENS_URL, else the server `fisherlens login` saved; `token`, else
+    FISHERLENS_TOKEN, else the saved token for the saved server), downloaded through its REST
     API, sha256-verified and cached in `cache_dir` (compute/integrations/server_mask.py); a job
     that is not a succeeded mask (or train) job of yours, or a server that cannot be reached, is
     refused with a ValueError naming the job and the HTTP status. unmasked: what happens to model parameters absent from the

@@ -1,7 +1,8 @@
 """The `series` job kind end to end on a real TRL run folder (GRPOTrainer, save_steps=1, 3 steps
 on arith-base): `fisherlens series` writes DIR/series.json; `POST /api/jobs {"kind": "series"}`
 validates (allowed roots, checkpoints that fit the base), the job runs in process as a worker runs
-it, and its share page renders the figures; a folder outside the roots or without checkpoints is
+it, and its share page renders the figures and names the run folder and the Fisher file by label
+('grpo (local folder)'), never by server path; a folder outside the roots or without checkpoints is
 refused at submit with the field named."""
 
 from __future__ import annotations
@@ -88,3 +89,20 @@ def test_api_worker_and_share_page(trl_run, zoo_home: Path, monkeypatch: pytest.
     assert page.status_code == 200
     for title in ("Update sparsity over steps", "Sparse sync per step", "Run folder series"):
         assert title in page.text, title
+    # a public link names the run folder and the Fisher file by label, never by server path: on
+    # the page (meta line, settings), in the result JSON (spec and summary) and in the explorer's
+    # result tab; the owner's job API keeps the spec as submitted
+    for text in (page.text, client.get(f"/api/results/{job['share_token']}").text):
+        assert str(root) not in text and str(root.resolve()) not in text
+    assert "run_dir <b>grpo (local folder)</b>" in page.text
+    assert "fisher.safetensors (local file)" in page.text
+    assert (result["summary"]["run_dir"], result["summary"]["fisher"]) == (
+        "grpo (local folder)", "fisher.safetensors (local file)")
+    assert result["job"]["spec"]["run_dir"] == "grpo (local folder)"
+    from app.ui.result import job_by_token, stored_payload, view_html
+
+    meta = job_by_token(settings, job["share_token"])
+    assert meta is not None
+    tab = view_html(stored_payload(settings, meta), meta)
+    assert str(root) not in tab and "grpo (local folder)" in tab
+    assert got["spec"]["run_dir"] == str(run) and got["spec"]["fisher"] == str(fisher)

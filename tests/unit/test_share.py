@@ -58,13 +58,14 @@ def _fisher_result() -> JobResult:
 
 
 def _job(settings: Settings, status: str, result: JobResult | None = None, message: str = "",
-         error: str | None = None, kind: str = "fisher") -> tuple[int, str]:
+         error: str | None = None, kind: str = "fisher", spec: dict | None = None,
+         refs: dict | None = None) -> tuple[int, str]:
     from app import services
     from storage import repo
 
     with services.sessions(settings)() as s:
-        job = repo.create_job(session=s, kind=kind, spec={"model": "arith-base", "prompts": 8},
-                              spec_hash=f"h{status}{id(result)}")
+        job = repo.create_job(session=s, kind=kind, spec=spec or {"model": "arith-base", "prompts": 8},
+                              spec_hash=f"h{status}{id(result)}", refs=refs)
         job_id, token = job.id, job.share_token
         if status == "queued":
             return job_id, token
@@ -117,6 +118,52 @@ def test_finished_fisher_page_embeds_named_figures_and_key_numbers_first(env):
     # built once: stored next to the job's artifacts
     stored = json.loads((settings.artifacts_dir / str(job_id) / "share-figures.json").read_text())
     assert stored["figures_key"] == FIGURES_KEY and [f["figure"] for f in stored["figures"]] == figs
+
+
+def test_a_model_folder_given_by_path_is_shown_by_label(env, tmp_path: Path):
+    """A model named by a server path: the share page, /api/results/<token>, its stats JSON and
+    the explorer's result tab show 'my-llama (local folder)', never the path; the owner's job API
+    keeps the spec as submitted (Rerun sends it again). A job stored before refs existed (no
+    jobs.refs) is labelled from its spec."""
+    from app.services import refs as refs_mod
+    from app.ui.result import job_by_token, stored_payload, view_html
+
+    settings, client = env
+    folder = tmp_path / "srv-models" / "my-llama"
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text("{}")
+    ref = refs_mod.resolve(settings, "model", str(folder), "model", local=True, hash_models=False)
+    assert ref.form == "local" and ref.path == str(folder.resolve())
+    res = _fisher_result()
+    res.summary["model"] = str(folder)  # as run_fisher records it: the spec's value
+    job_id, token = _job(settings, "succeeded", res, spec={"model": str(folder), "prompts": 8},
+                         refs={"model": ref.stored()})
+    raw = str(tmp_path)
+    page = client.get(f"/r/{token}").text
+    assert raw not in page and "srv-models" not in page
+    assert "my-llama (local folder)" in page  # the meta line and the settings table
+    api = client.get(f"/api/results/{token}")
+    assert raw not in api.text and api.json()["job"]["spec"]["model"] == "my-llama (local folder)"
+    assert api.json()["summary"]["model"] == "my-llama (local folder)"
+    assert raw not in client.get(f"/api/results/{token}/stats.json").text
+    meta = job_by_token(settings, token)
+    assert meta is not None and meta["spec"]["model"] == "my-llama (local folder)"
+    tab = view_html(stored_payload(settings, meta), meta)
+    assert raw not in tab and "my-llama (local folder)" in tab
+    assert client.get(f"/api/jobs/{job_id}").json()["spec"]["model"] == str(folder)  # the owner's API
+
+    _, old = _job(settings, "succeeded", _fisher_result(), spec={"model": "/srv/old/models/llama-7b", "prompts": 8})
+    page = client.get(f"/r/{old}").text
+    assert "/srv/old" not in page and "llama-7b (local folder)" in page
+    # names, hub ids and job references are shown as given
+    from app.figures.public import ref_label
+
+    assert ref_label({"form": "zoo", "given": "arith-base", "path": "/h/zoo/arith-base"}) == "arith-base"
+    assert ref_label({"form": "zoo", "given": "/h/zoo/arith-base", "path": "/h/zoo/arith-base"}) == "arith-base"
+    assert ref_label({"form": "hub", "given": "org/model", "path": "org/model"}) == "org/model"
+    assert ref_label({"form": "artifact", "given": "job:3", "path": "3/fisher.safetensors", "job_id": 3}) == "job:3"
+    assert ref_label({"form": "local", "given": "/a/b/f.safetensors", "path": "/a/b/f.safetensors",
+                      "target": "fisher"}) == "f.safetensors (local file)"
 
 
 def test_etag_304_and_cache_headers(env):

@@ -8,7 +8,8 @@ The jobs are real: alice's Fisher job and her mask job (5% of that Fisher) are c
 process by the worker's own function (compute.worker.execute.execute_job). Refused, each naming
 the job and the HTTP status or the network error: a job that is not a mask job, one that has not
 succeeded, another user's job (404, as if it did not exist), no token (401), a server that cannot
-be reached, and no server at all.
+be reached, and no server at all. Without arguments or FISHERLENS_URL / FISHERLENS_TOKEN, the
+server and token `fisherlens login` saved (the token only for that server).
 """
 
 from __future__ import annotations
@@ -158,12 +159,64 @@ def test_server_and_token_from_the_environment(app: App, jobs, tmp_path: Path,
     assert cb.mask_file == tmp_path / "envcache" / "masks" / f"{sha}.safetensors"
 
 
+def test_server_and_token_saved_by_fisherlens_login(app: App, jobs, tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Neither argument nor environment: the server and token the real `fisherlens login` saved
+    (checked against the running app). The saved token goes only to the saved server: the same
+    app under another address gets no token (HTTP 401). A training process fetching the mask
+    this way imports no app, storage, database or web module."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from click.testing import CliRunner
+
+    from app.cli import main
+    from compute.integrations.trl import FisherMaskCallback
+
+    creds = tmp_path / "cfg" / "credentials.json"
+    monkeypatch.setenv("FISHERLENS_CREDENTIALS", str(creds))
+    monkeypatch.delenv("FISHERLENS_URL", raising=False)
+    monkeypatch.delenv("FISHERLENS_TOKEN", raising=False)
+    res = CliRunner().invoke(main, ["login", "--url", app.url, "--token", app.tokens["alice"]])
+    assert res.exit_code == 0, res.output
+    assert json.loads(creds.read_text())["url"] == app.url and creds.stat().st_mode & 0o077 == 0
+
+    m = jobs["mask"]["id"]
+    stored, sha = _stored_mask(app, jobs["mask"])
+    cb = FisherMaskCallback(f"job:{m}", cache_dir=tmp_path / "cache")
+    assert cb.source == f"job:{m}" and cb.mask_file.read_bytes() == stored.read_bytes()
+    assert cb.mask_file == tmp_path / "cache" / f"{sha}.safetensors"
+    # the saved URL with an explicit server= equal to it: the saved token too
+    assert FisherMaskCallback(f"job:{m}", server=app.url + "/", cache_dir=tmp_path / "cache").mask_file == cb.mask_file
+    # another address of the same server: the saved token is not sent
+    other = app.url.replace("127.0.0.1", "localhost")
+    with pytest.raises(ValueError) as exc:
+        FisherMaskCallback(f"job:{m}", server=other, cache_dir=tmp_path / "c2")
+    assert "HTTP 401" in str(exc.value) and other in str(exc.value) and "fisherlens login" in str(exc.value)
+    # an explicit token still wins over the saved one (bob's: alice's job is not his)
+    with pytest.raises(ValueError, match="HTTP 404"):
+        FisherMaskCallback(f"job:{m}", token=app.tokens["bob"], cache_dir=tmp_path / "c2")
+
+    code = ("import sys, json; from compute.integrations.server_mask import fetch_mask; "
+            f"p = fetch_mask('job:{m}', cache_dir={str(tmp_path / 'sub')!r}); "
+            "print(json.dumps([str(p), sorted(n for n in sys.modules if n.split('.')[0] in "
+            "('app', 'storage', 'gradio', 'sqlalchemy', 'celery', 'redis', 'fastapi', 'uvicorn'))]))")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    path, heavy = json.loads(out.stdout.strip().splitlines()[-1])
+    assert Path(path).read_bytes() == stored.read_bytes() and heavy == []
+
+
 def test_refusals_name_the_job_and_the_status(app: App, jobs, tmp_path: Path,
                                               monkeypatch: pytest.MonkeyPatch) -> None:
     from compute.integrations.trl import FisherMaskCallback
 
     monkeypatch.delenv("FISHERLENS_URL", raising=False)
     monkeypatch.delenv("FISHERLENS_TOKEN", raising=False)
+    monkeypatch.setenv("FISHERLENS_CREDENTIALS", str(tmp_path / "none.json"))  # no `fisherlens login` either
     alice, m = app.tokens["alice"], jobs["mask"]["id"]
     f, q = jobs["fisher"]["id"], jobs["queued"]["id"]
 
