@@ -57,7 +57,8 @@ def compute_results(zoo_home: Path) -> list[Any]:
     os.environ["FISHERLENS_HOME"] = str(zoo_home)
     from safetensors.torch import save_file
 
-    from compute import run_diff, run_fisher, run_tokens
+    from compute.jobs import diff_run as run_diff
+    from compute.jobs import run_fisher, run_tokens
     from compute.jobs.diff import DiffSpec
     from compute.jobs.fisher import FisherSpec
     from compute.jobs.tokens import TokensSpec

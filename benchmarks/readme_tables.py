@@ -192,8 +192,8 @@ def render_bench_masked(data: dict[str, Any]) -> str:
 
 
 def render_sweep(data: dict[str, Any]) -> str:
-    """A `fisherlens sweep` result (OUT/sweep.json): the points table of compute.run_sweep."""
-    from compute.run_sweep import markdown_table
+    """A `fisherlens sweep` result (OUT/sweep.json): the points table of compute.jobs.sweep_run."""
+    from compute.jobs.sweep_run import markdown_table
 
     return markdown_table(data["points"]) + "\n"
 

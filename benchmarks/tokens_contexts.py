@@ -4,7 +4,7 @@ tokens were mutually orthogonal (issue #11). Writes benchmarks/results/tokens_co
 (`contexts`: [{command, model, summary}], `provenance`), which benchmarks/readme_tables.py renders.
 
 Each row runs through the entry point `fisherlens tokens` uses (app.commands.common
-spec_from_options -> run_job -> compute.run_tokens.run), so `command` is a command that remakes it.
+spec_from_options -> run_job -> compute.jobs.tokens_run.run), so `command` is a command that remakes it.
 
 The two zoos live in different homes, so the file is made in two invocations, the second merging
 into the first (rows of the models it runs are replaced, the others kept):

@@ -74,9 +74,9 @@ def fisher_provenance(ref: Ref | str | Path, kind: str = "fisher") -> dict[str, 
     """The reliability (split-half verdict) and precision of the Fisher stored at `ref`, as a
     result built on it shows them (summary "fisher_reliability"; issue 18).
 
-    A fisher file carries them in its metadata ("fisherlens", compute.run_fisher.fisher_metadata);
+    A fisher file carries them in its metadata ("fisherlens", compute.jobs.fisher_run.fisher_metadata);
     a file built on a Fisher (a mask) carries that Fisher's ("fisher_reliability",
-    compute.run_mask): the file's own metadata says which, whatever `kind` it is read as. A file
+    compute.jobs.mask_run): the file's own metadata says which, whatever `kind` it is read as. A file
     written before, or by other tools, gets a note that its reliability is unknown."""
     import json
 

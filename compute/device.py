@@ -5,7 +5,7 @@
   Fisher job does not default to "auto": FisherSpec.dtype is float32 on every device (a bf16
   forward/backward moves a real model's Fisher by a few % relative L1, up to ~20% on single
   tensors), and a half-precision Fisher, when asked for, reports its error against float32
-  (compute.run_fisher.precision_error). Training, tokens and retention keep "auto".
+  (compute.jobs.fisher_run.precision_error). Training, tokens and retention keep "auto".
 - `wide`: the dtype per-sample maths runs in (float32 for half-precision tensors; float64 stays).
 - `accumulator_dtype`: the dtype Fisher sums are kept in (float64 for float64 models, else
   float32, whatever the model dtype).

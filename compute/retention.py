@@ -26,7 +26,7 @@ predicts that update.
 
 This module is the maths and the parts of the grid: `train_arm` trains and evaluates one arm
 (through compute.train's pure `train`), `grid_table` combines the base rewards and the arms into the
-table. compute.run_retention runs the arms as independent units (child jobs when queued) and
+table. compute.jobs.retention_run runs the arms as independent units (child jobs when queued) and
 chooses the masks; random and gradient masks depend on the seed, the others do not.
 """
 

@@ -42,7 +42,7 @@ class SeriesPoint:
 
 @dataclass
 class JobResult:
-    """Returned by every `compute.run_*.run(spec, progress)`.
+    """Returned by every `compute.jobs.<kind>_run.run(spec, progress, refs)`.
 
     summary: JSON-able dict of headline numbers and settings (what the result used).
     tensors: artifact kind -> {name: tensor}; saved as one safetensors file per kind.

@@ -1,4 +1,4 @@
-"""The `diff` job kind: which weights a fine-tune changed, against the Fisher (compute/run_diff.py).
+"""The `diff` job kind: which weights a fine-tune changed, against the Fisher (compute/jobs/diff_run.py).
 
 Declares the spec, the typed result and its contract, the cost and `KIND`; figures and key numbers
 are in app/figures/diff.py.
@@ -93,7 +93,7 @@ def cost(s: DiffSpec) -> int:
 
 
 KIND = JobKind(
-    name="diff", title="Checkpoint diff", spec=DiffSpec, contract=CONTRACT, runner="compute.run_diff:run",
+    name="diff", title="Checkpoint diff", spec=DiffSpec, contract=CONTRACT, runner="compute.jobs.diff_run:run",
     cost=cost, order=60,
     refs={"base": "model", "tuned": "model", "fisher": "fisher"},
     form=KindForm(tab="Checkpoint diff", button="Diff", cost=False,

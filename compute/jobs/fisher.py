@@ -1,4 +1,4 @@
-"""The `fisher` job kind: the diagonal Fisher of a model on a task (compute/run_fisher.py).
+"""The `fisher` job kind: the diagonal Fisher of a model on a task (compute/jobs/fisher_run.py).
 
 Declares the spec, the typed result and its contract, the cost and `KIND`; figures and key numbers
 are in app/figures/fisher.py.
@@ -132,7 +132,7 @@ def cost(s: FisherSpec) -> int:
 
 
 KIND = JobKind(
-    name="fisher", title="Fisher", spec=FisherSpec, contract=CONTRACT, runner="compute.run_fisher:run",
+    name="fisher", title="Fisher", spec=FisherSpec, contract=CONTRACT, runner="compute.jobs.fisher_run:run",
     cost=cost, order=10,
     refs={"model": "model"},
     outputs={"fisher": "fisher"},

@@ -1,4 +1,4 @@
-"""The `mask` job kind: a parameter mask from a Fisher, weights or gradients (compute/run_mask.py).
+"""The `mask` job kind: a parameter mask from a Fisher, weights or gradients (compute/jobs/mask_run.py).
 
 Declares the spec, the typed result and its contract, the cost and `KIND`; figures and key numbers
 are in app/figures/mask.py.
@@ -90,7 +90,7 @@ def cost(s: MaskSpec) -> int:
 
 
 KIND = JobKind(
-    name="mask", title="Mask", spec=MaskSpec, contract=CONTRACT, runner="compute.run_mask:run",
+    name="mask", title="Mask", spec=MaskSpec, contract=CONTRACT, runner="compute.jobs.mask_run:run",
     cost=cost, order=20,
     refs={"model": "model", "fisher": "fisher", "gradient": "gradient"},
     outputs={"mask": "mask"},

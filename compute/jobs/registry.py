@@ -67,8 +67,8 @@ def _discover() -> dict[str, JobKind]:
 
     found: list[JobKind] = []
     for info in pkgutil.iter_modules(package.__path__):
-        if info.name == "registry" or info.name.startswith("_"):
-            continue
+        if info.name == "registry" or info.name.startswith("_") or info.name.endswith("_run"):
+            continue  # <kind>_run.py: the kind's runner (torch), imported only when a job runs
         module = importlib.import_module(f"compute.jobs.{info.name}")
         kind = getattr(module, "KIND", None)
         if not isinstance(kind, JobKind):

@@ -1,5 +1,5 @@
 """The `retention` job kind: masked training at several densities and selectors against full
-training and the base, with confidence intervals (compute/run_retention.py, compute/retention.py).
+training and the base, with confidence intervals (compute/jobs/retention_run.py, compute/retention.py).
 
 Declares the spec, the typed result and its contract, the cost and `KIND`; figures and key numbers
 are in app/figures/retention.py.
@@ -38,7 +38,7 @@ from compute.contract.specs import (
     WeightDecay,
 )
 
-# Retention's OPD teacher when none is given (compute/run_retention.py uses this table).
+# Retention's OPD teacher when none is given (compute/jobs/retention_run.py uses this table).
 DEFAULT_TEACHERS = {"arith-base": "arith-teacher"}
 
 # ---------------------------------------------------------------- spec
@@ -167,7 +167,7 @@ def implied_refs(s: RetentionSpec) -> dict[str, str]:
 
 KIND = JobKind(
     name="retention", title="Retention", spec=RetentionSpec, contract=CONTRACT,
-    runner="compute.run_retention:run", cost=cost, order=40,
+    runner="compute.jobs.retention_run:run", cost=cost, order=40,
     refs={"model": "model", "teacher": "model"},
     implied_refs=implied_refs,
     form=KindForm(tab="Retention sweep", button="Run retention sweep",

@@ -1,5 +1,5 @@
 """The `sweep` job kind: training runs over lr x optimizer x precision, each diffed against the
-base (compute/run_sweep.py; fans out one child per grid point).
+base (compute/jobs/sweep_run.py; fans out one child per grid point).
 
 Declares the spec, the typed result and its contract, the cost and `KIND`; figures and key numbers
 are in app/figures/sweep.py.
@@ -46,7 +46,7 @@ from compute.contract.specs import (
 
 class SweepSpec(Spec):
     """A grid of training runs, lr x optimizer x precision, each followed by a diff of its stored
-    checkpoint against the base's (compute.run_sweep). Defaults: minutes on arith-base, 2 cores."""
+    checkpoint against the base's (compute.jobs.sweep_run). Defaults: minutes on arith-base, 2 cores."""
 
     model: ModelRef
     task: TaskRef = "arithmetic"
@@ -148,7 +148,7 @@ def cost(s: SweepSpec) -> int:
 
 KIND = JobKind(
     name="sweep", title="LR x optimizer sweep", spec=SweepSpec, contract=CONTRACT,
-    runner="compute.run_sweep:run", cost=cost, order=50,
+    runner="compute.jobs.sweep_run:run", cost=cost, order=50,
     refs={"model": "model", "teacher": "model", "fisher": "fisher"},
     form=KindForm(tab="LR x optimizer sweep", button="Run sweep",
                   main=("model", "algo", "teacher", "lrs", "optimizers", "precision", "steps", "seed")),

@@ -1,5 +1,5 @@
 """The `tokens` job kind: the next tokens after a context, their parameter sensitivities and
-shares of the Fisher (compute/run_tokens.py). It has no New job form: the explorer's Token
+shares of the Fisher (compute/jobs/tokens_run.py). It has no New job form: the explorer's Token
 explorer tab (app/ui/tokens.py) submits it.
 
 Declares the spec, the typed result and its contract, the cost and `KIND`; figures and key numbers
@@ -94,7 +94,7 @@ def cost(s: TokensSpec) -> int:
 
 
 KIND = JobKind(
-    name="tokens", title="Token explorer", spec=TokensSpec, contract=CONTRACT, runner="compute.run_tokens:run",
+    name="tokens", title="Token explorer", spec=TokensSpec, contract=CONTRACT, runner="compute.jobs.tokens_run:run",
     cost=cost, order=70,
     refs={"model": "model"},
     example={"model": "arith-base", "context": "12+34="},

@@ -1,4 +1,4 @@
-"""The `train` job kind: one GRPO / OPD / SFT run, full or inside a mask (compute/run_train.py).
+"""The `train` job kind: one GRPO / OPD / SFT run, full or inside a mask (compute/jobs/train_run.py).
 
 Declares the spec, the typed result and its contract, the cost and `KIND`; figures and key numbers
 are in app/figures/train.py. A succeeded train job provides its trained model (`job:N` in any
@@ -173,7 +173,7 @@ def cost(s: TrainSpec) -> int:
 
 
 KIND = JobKind(
-    name="train", title="Training run", spec=TrainSpec, contract=CONTRACT, runner="compute.run_train:run",
+    name="train", title="Training run", spec=TrainSpec, contract=CONTRACT, runner="compute.jobs.train_run:run",
     cost=cost, order=30,
     refs={"model": "model", "teacher": "model", "mask": "mask", "fisher": "fisher"},
     outputs={"model": "model", "mask": "mask", "run_dir": "model"},  # run_dir: checkpoint-N with save_steps

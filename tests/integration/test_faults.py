@@ -69,8 +69,8 @@ def test_kill_during_fanout_the_rest_of_the_shards_are_sent(stack) -> None:
     queues the combiner; the result covers every prompt exactly once."""
     import torch
 
+    from compute.jobs.fisher_run import run
     from compute.jobs.registry import parse_spec
-    from compute.run_fisher import run
     from storage.artifacts import open_store
 
     spec = SMALL | {"prompts": 6, "shards": 3, "seed": 4}

@@ -159,8 +159,8 @@ def test_sharded_fisher_one_shard_on_each_machine(cluster: Cluster) -> None:
     one shard, the combine read both from the store, and the result is the one-process one."""
     import torch
 
+    from compute.jobs.fisher_run import run
     from compute.jobs.registry import parse_spec
-    from compute.run_fisher import run
 
     cluster.machine("gpu-a", faults=("mid_job",))
     cluster.machine("gpu-b")

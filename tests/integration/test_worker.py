@@ -149,8 +149,8 @@ def test_sharded_fisher_over_two_workers_equals_one_worker(redis_stack) -> None:
     the stored Fisher equals the same spec computed start to end in one process."""
     import torch
 
+    from compute.jobs.fisher_run import run
     from compute.jobs.registry import parse_spec
-    from compute.run_fisher import run
 
     stack = redis_stack
     stack.start_worker("w1@test")

@@ -338,7 +338,7 @@ def test_failed_job_shows_one_line_cause_and_no_traceback(env):
     from storage import repo
 
     job = _submit(client, prompts=7, seed=505)
-    trace = ("Traceback (most recent call last):\n  File \"/srv/fisherlens/compute/run_fisher.py\", "
+    trace = ("Traceback (most recent call last):\n  File \"/srv/fisherlens/compute/jobs/fisher_run.py\", "
              "line 3, in run\nValueError: fisher: cannot read /srv/data/x.safetensors as safetensors")
     with services.sessions(settings)() as s:
         repo.mark_running(session=s, job_id=job["id"], worker="w")

@@ -155,7 +155,7 @@ def pair(tmp_path, monkeypatch):
 
 def test_run_diff_job(pair) -> None:
     from compute.jobs.diff import DiffSpec
-    from compute.run_diff import run
+    from compute.jobs.diff_run import run
 
     root, model = pair
     total = sum(p.numel() for p in model.parameters())

@@ -1,4 +1,4 @@
-"""compute.run_fisher (job + shards) and `fisherlens fisher` on the real zoo model."""
+"""compute.jobs.fisher_run (job + shards) and `fisherlens fisher` on the real zoo model."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from safetensors.torch import load_file
 
 from app.cli import main
 from compute.jobs.fisher import FisherSpec
-from compute.run_fisher import finish, run, run_shard, shard_range
+from compute.jobs.fisher_run import finish, run, run_shard, shard_range
 
 
 @pytest.fixture

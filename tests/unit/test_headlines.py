@@ -76,7 +76,7 @@ class Builder:
         return str(path)
 
     def _fisher(self) -> dict[str, Any]:
-        from compute import run_fisher
+        from compute.jobs import fisher_run as run_fisher
         from compute.jobs.fisher import FisherSpec
 
         res = run_fisher.run(FisherSpec(model="arith-base", prompts=4, samples=2, max_new_tokens=4,
@@ -86,7 +86,7 @@ class Builder:
     def _mask(self) -> dict[str, Any]:
         from safetensors.torch import save_file
 
-        from compute import run_mask
+        from compute.jobs import mask_run as run_mask
         from compute.jobs.mask import MaskSpec
 
         res = run_mask.run(MaskSpec(fisher=self._fisher_file(), select="fisher", density=0.05))
@@ -97,7 +97,7 @@ class Builder:
         """The issue's run: GRPO on the Fisher mask, bf16-mixed (a bf16 checkpoint)."""
         import shutil
 
-        from compute import run_train
+        from compute.jobs import train_run as run_train
         from compute.jobs.train import TrainSpec
 
         self.get("mask")
@@ -108,7 +108,7 @@ class Builder:
         return {"job": res, "dict": self.stored(res), "model": str(out)}
 
     def _diff(self) -> dict[str, Any]:
-        from compute import run_diff
+        from compute.jobs import diff_run as run_diff
         from compute.jobs.diff import DiffSpec
 
         tuned = self.get("train")["model"]
@@ -117,14 +117,14 @@ class Builder:
 
     def _diff_same(self) -> dict[str, Any]:
         """Two fp32 zoo checkpoints: exact equality is the convention that fits."""
-        from compute import run_diff
+        from compute.jobs import diff_run as run_diff
         from compute.jobs.diff import DiffSpec
 
         res = run_diff.run(DiffSpec(base="arith-base", tuned="arith-teacher"))
         return {"job": res, "dict": self.stored(res)}
 
     def _tokens(self) -> dict[str, Any]:
-        from compute import run_tokens
+        from compute.jobs import tokens_run as run_tokens
         from compute.jobs.tokens import TokensSpec
 
         res = run_tokens.run(TokensSpec(model="arith-base", context="12+34=", top_k=3, random_k=2,
@@ -132,7 +132,7 @@ class Builder:
         return {"job": res, "dict": self.stored(res)}
 
     def _sweep(self) -> dict[str, Any]:
-        from compute import run_sweep
+        from compute.jobs import sweep_run as run_sweep
         from compute.jobs.sweep import SweepSpec
 
         res = run_sweep.run(SweepSpec(model="arith-base", lrs=[1e-3], optimizers=["sgd"],
@@ -140,7 +140,7 @@ class Builder:
         return {"job": res, "dict": self.stored(res)}
 
     def _retention(self) -> dict[str, Any]:
-        from compute import run_retention
+        from compute.jobs import retention_run as run_retention
         from compute.jobs.retention import RetentionSpec
 
         res = run_retention.run(RetentionSpec(
@@ -387,9 +387,9 @@ def test_bf16_fisher_states_its_error_against_float32(built):
     one between the bf16 engine and a float32 run on the same sampled completions."""
     import torch
 
-    from compute import run_fisher
     from compute.causal_lm import load_model
     from compute.fisher import fisher_from_samples
+    from compute.jobs import fisher_run as run_fisher
     from compute.jobs.fisher import FisherSpec
 
     spec = FisherSpec(model="arith-base", prompts=4, samples=2, max_new_tokens=4, device="cpu",

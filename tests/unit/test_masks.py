@@ -208,7 +208,7 @@ def model_dir(tmp_path, monkeypatch):
 
 def test_run_mask_fisher_and_magnitude(model_dir) -> None:
     from compute.jobs.mask import MaskSpec
-    from compute.run_mask import run
+    from compute.jobs.mask_run import run
 
     root, model, fisher = model_dir
     res = run(MaskSpec(fisher=str(root / "fisher.safetensors"), select="fisher", density=0.1,
@@ -231,7 +231,7 @@ def test_run_mask_fisher_and_magnitude(model_dir) -> None:
 def test_run_mask_gradient_and_errors(model_dir) -> None:
     from compute.artifact_files import local_file
     from compute.jobs.mask import MaskSpec
-    from compute.run_mask import run, sft_gradient
+    from compute.jobs.mask_run import run, sft_gradient
 
     root, model, fisher = model_dir
     res = run(MaskSpec(select="gradient", density=0.05, model=str(root / "base"), prompts=4))

@@ -164,7 +164,7 @@ def test_curves_one_line_per_mask_and_metric_menu():
 
 
 def test_tables():
-    # compute.run_retention's summary: base/full rewards and one row per (selector, density)
+    # compute.jobs.retention_run's summary: base/full rewards and one row per (selector, density)
     res = {"kind": "retention", "summary": {
         "rows": [{"selector": "fisher", "density": 0.05, "retention_mean": 0.91234567, "retention_std": 0.1,
                   "rewards": [0.5, 0.6]},
@@ -219,7 +219,7 @@ def test_empty_result_gives_message_figures():
 
 
 def test_train_job_curves_bound_and_eval():
-    # compute.run_train names: train/<metric>, eval/accuracy, bound/|grad| and bound/rhs points
+    # compute.jobs.train_run names: train/<metric>, eval/accuracy, bound/|grad| and bound/rhs points
     series = [{"name": "train/reward", "step": s, "value": 0.1 * s} for s in range(1, 4)]
     series += [{"name": "train/loss", "step": s, "value": 1.0 / s} for s in range(1, 4)]
     series += [{"name": "eval/accuracy", "step": 0, "value": 0.2}, {"name": "eval/accuracy", "step": 3, "value": 0.5}]

@@ -136,7 +136,7 @@ def test_a_kind_without_cost_or_with_a_wrong_form_is_refused() -> None:
         (replace(fisher, cost=None), "cost is missing"),
         (replace(fisher, form=KindForm("F", "Go", ("no_such_field",))), "no_such_field"),
         (replace(fisher, refs={"model": "nothing"}), "refs"),
-        (replace(fisher, runner="compute.run_fisher"), "module:function"),
+        (replace(fisher, runner="compute.jobs.fisher_run"), "module:function"),
         (replace(fisher, name="other"), "module's name"),
     ):
         with pytest.raises(registry.RegistryError, match=match):

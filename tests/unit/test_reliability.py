@@ -40,7 +40,7 @@ def test_until_reliable_is_the_fisher_of_the_prompts_it_reached(zoo_env):
     """2 prompts are far from 'fair': the job doubles them (rounds recorded, each with its
     Jaccard) up to max_prompts; the Fisher equals a plain run on that many prompts, inline and
     through the worker's children/combine path."""
-    from compute import run_fisher
+    from compute.jobs import fisher_run as run_fisher
 
     spec = FisherSpec(**TINY, prompts=2, until_reliable=True, max_prompts=8)
     got = run_fisher.run(spec)
@@ -111,9 +111,9 @@ def session(request: pytest.FixtureRequest, tmp_path: Path):
 def test_fisher_verdict_travels_through_storage_to_a_mask(session, tmp_path):
     """save_result writes the Fisher's metadata into its artifact; a mask built on that file shows
     the verdict, and so does the mask's own file (what a train job on it reads)."""
-    from compute import run_mask
+    from compute.jobs import mask_run as run_mask
+    from compute.jobs.fisher_run import fisher_metadata
     from compute.jobs.mask import MaskSpec
-    from compute.run_fisher import fisher_metadata
     from storage import repo
     from storage.artifacts import ArtifactStore
 

@@ -174,7 +174,7 @@ def test_grid_units_apart_equal_the_run_and_density_one_equals_full(zoo_home, mo
     (paired seeds: same prompts, same sampling seeds, same optimizer, same held-out prompts)."""
     from compute.causal_lm import load_model
     from compute.jobs.registry import parse_spec
-    from compute.run_retention import children, combine, run, run_child
+    from compute.jobs.retention_run import children, combine, run, run_child
 
     monkeypatch.setenv("FISHERLENS_HOME", str(zoo_home))
     spec = parse_spec("retention", {"model": "arith-base", "selectors": ["random", "fisher"],

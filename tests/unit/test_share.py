@@ -23,7 +23,7 @@ from app.figures.store import FIGURES_KEY, FigureStore, build_payload
 from compute.contract.jobresult import Heatmap, JobResult, LayerStat, SeriesPoint
 from compute.contract.settings import Settings
 
-TRACEBACK = ('Traceback (most recent call last):\n  File "/srv/fisherlens/compute/run_fisher.py", '
+TRACEBACK = ('Traceback (most recent call last):\n  File "/srv/fisherlens/compute/jobs/fisher_run.py", '
              'line 12, in run\nValueError: secret internals')
 
 

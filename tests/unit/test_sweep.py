@@ -27,7 +27,7 @@ def test_sweep_spec_validation_names_the_field() -> None:
 
 
 def test_grid_order_and_point_specs() -> None:
-    from compute.run_sweep import grid, point_spec
+    from compute.jobs.sweep_run import grid, point_spec
 
     s = parse_spec("sweep", {"model": "arith-base", "lrs": [1e-6, 1e-3], "optimizers": ["sgd", "adamw"],
                              "precision": ["fp32", "bf16"], "steps": 3, "seed": 7})
@@ -70,7 +70,7 @@ def test_sweep_figures_and_markdown() -> None:
         sweep_binade_figure,
         sweep_sparsity_figure,
     )
-    from compute.run_sweep import markdown_table
+    from compute.jobs.sweep_run import markdown_table
 
     result = {"kind": "sweep", "summary": {"points": _points()}, "heatmaps": [], "series": []}
     names = [n for n, _ in result_figures(result)]
@@ -207,7 +207,7 @@ def test_sweep_units_run_apart_combine_to_the_in_process_run(zoo_home, monkeypat
     Fisher estimate is deterministic, so every unit computes the same one."""
     import torch
 
-    from compute.run_sweep import children, combine, initial_fisher, run, run_child
+    from compute.jobs.sweep_run import children, combine, initial_fisher, run, run_child
 
     monkeypatch.setenv("FISHERLENS_HOME", str(zoo_home))
     spec = parse_spec("sweep", {"model": "arith-base", "lrs": [1e-6, 1e-2], "optimizers": ["sgd"],

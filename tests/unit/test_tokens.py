@@ -237,7 +237,7 @@ def test_run_tokens_job_and_cli(model_dir, tmp_path) -> None:
 
     from app.cli import main
     from compute.jobs.tokens import TokensSpec
-    from compute.run_tokens import run
+    from compute.jobs.tokens_run import run
 
     path, model, tok = model_dir
     res = run(TokensSpec(model=str(path), context="12+3", top_k=4, random_k=3, low_k=2, device="cpu"))
@@ -279,7 +279,7 @@ def test_run_tokens_job_and_cli(model_dir, tmp_path) -> None:
 @pytest.mark.slow
 def test_zoo_tokens(zoo_home, monkeypatch) -> None:
     from compute.jobs.tokens import TokensSpec
-    from compute.run_tokens import run
+    from compute.jobs.tokens_run import run
 
     monkeypatch.setenv("FISHERLENS_HOME", str(zoo_home))
     res = run(TokensSpec(model="arith-base", context="12+34=", top_k=4, random_k=4, low_k=4, device="cpu"))

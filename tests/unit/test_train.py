@@ -294,7 +294,7 @@ def test_train_cli_on_zoo_masked_run(algo: str, zoo_home, tmp_path, monkeypatch)
 
 
 def test_objective_gradient_and_in_memory_masks_leave_the_model_unchanged() -> None:
-    from compute.run_train import build_mask_in_memory
+    from compute.jobs.train_run import build_mask_in_memory
     from compute.train import objective_gradient
 
     tok, task = char_tokenizer(), get_task("arithmetic-add?digits=1")

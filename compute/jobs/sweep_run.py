@@ -2,7 +2,7 @@
 x precision (SCIENCE.md section 6).
 
 Each grid point is one unit (a child job when queued, so N workers run N points at once;
-compute.runners' protocol): one `train` run (compute.run_train, same seed, so every point sees the
+compute.runners' protocol): one `train` run (compute.jobs.train_run, same seed, so every point sees the
 same prompts) followed by a diff of its stored checkpoint against the base's stored checkpoint (both
 in the precision's stored dtype). `combine` gathers the points in grid order; `run` (the CLI, or a
 job that is not fanned out) is `combine` over every unit run in this process.
@@ -149,7 +149,7 @@ def initial_fisher(spec: SweepSpec, progress: Any = null_progress, refs: Refs | 
     (no fp32 point), else at the float32 base. Deterministic: every unit gets the same one."""
     from compute.artifact_files import load_scores, ref_of
     from compute.causal_lm import load_model, resolve_device
-    from compute.run_train import independent_fisher
+    from compute.jobs.train_run import independent_fisher
     from compute.train import prepare_precision
     from compute.verifiable_tasks import get_task
 
@@ -176,7 +176,7 @@ def run_child(spec: SweepSpec, index: int, progress: Any = null_progress,
     the unit's wall time}.
     `shared`: the Fisher kept between units of one process (see the module docstring);
     `refs`: the resolved model and fisher (compute/runners.py)."""
-    from compute.run_train import train_job
+    from compute.jobs.train_run import train_job
 
     t0 = time.perf_counter()
     pts = grid(spec)

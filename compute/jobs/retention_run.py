@@ -51,8 +51,8 @@ def teacher_ref(spec: RetentionSpec) -> str | None:
 def retention_config(spec: RetentionSpec) -> Any:
     """The compute.retention.RetentionConfig of a spec (training seed replaced per arm)."""
     from compute.fisher import FisherConfig
+    from compute.jobs.train_run import config_from_spec
     from compute.retention import BootstrapConfig, RetentionConfig
-    from compute.run_train import config_from_spec
 
     config = config_from_spec(spec, seed=0, steps=spec.steps, kl_coef=spec.kl_coef)
     fcfg = FisherConfig(prompts=spec.fisher_prompts, samples=spec.fisher_samples,
@@ -139,8 +139,8 @@ def _fisher(lo: _Loaded, shared: dict[Any, Any], progress: Any) -> tuple[dict[st
 def _mask(lo: _Loaded, shared: dict[Any, Any], key: tuple[str, float], seed: int,
           progress: Any) -> tuple[Any, float]:
     """The mask of one arm and its actual density; seed-independent masks built once per `shared`."""
+    from compute.jobs.train_run import FISHER_SELECTORS, build_mask_in_memory
     from compute.retention import SEED_DEPENDENT, with_seed
-    from compute.run_train import FISHER_SELECTORS, build_mask_in_memory
 
     sel, dens = key
     cache_key = ("mask", sel, dens, seed if sel in SEED_DEPENDENT else -1)
@@ -159,8 +159,8 @@ def run_child(spec: RetentionSpec, index: int, progress: Any = null_progress,
     `shared`: prerequisites kept between units of one process (see the module docstring)."""
     import torch
 
+    from compute.jobs.train_run import update_sparsity
     from compute.retention import arm_label, heldout_rewards, train_arm
-    from compute.run_train import update_sparsity
 
     t0 = time.perf_counter()
     shared = {} if shared is None else shared
