@@ -130,6 +130,13 @@ def number(v: float | int) -> str:
         return "n/a"
     if v.is_integer() and abs(v) < 1e15 and abs(v) >= 1:  # a count stored as a float
         return number(int(v))
+    return significant(v)
+
+
+def significant(v: float) -> str:
+    """A finite float to 4 significant digits, scientific below 1e-3 and from 1e5; "0" for zero.
+    The one float format of the result view: table cells (`number`) and key numbers
+    (app/figures/keynumbers.py `fmt`)."""
     if v == 0:
         return "0"
     if abs(v) < 1e-3 or abs(v) >= 1e5:

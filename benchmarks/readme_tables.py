@@ -172,6 +172,30 @@ def render_tokens(data: dict[str, Any]) -> str:
 register("tokens_counterfactual", "benchmarks/results/tokens_counterfactual.json", render_tokens)
 
 
+def render_fisher_reliability(data: dict[str, Any]) -> str:
+    """benchmarks/fisher_reliability.py: the default Fisher's split-half Jaccard per prompt count."""
+    by_prompts: dict[int, list[dict[str, Any]]] = {}
+    for r in data["runs"]:
+        by_prompts.setdefault(r["prompts"], []).append(r)
+    seeds = sorted({r["seed"] for r in data["runs"]})
+    lines = ["| prompts x samples | " + " | ".join(f"seed {s}" for s in seeds) + " |",
+             "|---|" + "---:|" * len(seeds)]
+    for p, runs in sorted(by_prompts.items()):
+        cells = {r["seed"]: f"{_g(r['split_half_jaccard'], '.3f')} ({r['verdict']})" for r in runs}
+        lines.append(f"| {p} x {runs[0]['samples']} | " + " | ".join(cells.get(s, "-") for s in seeds) + " |")
+    r0 = data["runs"][0]
+    t = data["thresholds"]
+    k = r0["split_half_topk_percent"]
+    lines += ["", f"Split-half top-{k:g}% Jaccard of `fisherlens fisher --model {r0['model']} --prompts P "
+              f"[--seed S]` ({r0['estimator']} estimator, every other option at its default); verdict fair >= "
+              f"{t['fair']:g}, reliable >= {t['reliable']:g}; two random top-{k:g}% sets: "
+              f"{(k / 100) / (2 - k / 100):.4f}."]
+    return "\n".join(lines) + "\n"
+
+
+register("fisher_reliability", "benchmarks/results/fisher_reliability.json", render_fisher_reliability)
+
+
 def _bench_tables() -> Any:
     """benchmarks/tables.py (the benchmark JSON -> markdown renderers), imported by path."""
     import importlib.util

@@ -22,6 +22,7 @@ import math
 import random
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from limits import RateLimitItem, parse_many
@@ -125,38 +126,41 @@ class Throttle:
         self.limiter = FixedWindowRateLimiter(storage)
         self.tiers: list[RateLimitItem] = list(parse_many(tiers)) if tiers.strip() else []
 
+    def _each_window(self, keys: list[Key], act: Callable[[RateLimitItem, str, str], Any],
+                     unavailable: str) -> bool:
+        """act(window, what, who) for every key and window. A storage that cannot be reached
+        (Redis or the database away) stops it: logged with `unavailable`, and False."""
+        try:
+            for what, who in keys:
+                for tier in self.tiers:
+                    act(tier, what, who)
+        except Exception:  # noqa: BLE001 - Redis or the database away: do not throttle
+            log.warning("throttle storage unavailable; %s", unavailable, exc_info=True)
+            return False
+        return True
+
     def retry_after(self, keys: list[Key]) -> int | None:
         """Seconds the caller must wait (some window of some key is used up), else None.
         A storage that cannot be reached throttles nothing (logged): the credential check
         still runs; throttling only guards its cost."""
-        wait = 0.0
-        try:
-            for what, who in keys:
-                for tier in self.tiers:
-                    if not self.limiter.test(tier, what, who):
-                        reset = self.limiter.get_window_stats(tier, what, who).reset_time
-                        wait = max(wait, reset - time.time())
-        except Exception:  # noqa: BLE001 - Redis or the database away: do not throttle
-            log.warning("throttle storage unavailable; not throttling", exc_info=True)
+        waits = [0.0]
+
+        def check(tier: RateLimitItem, what: str, who: str) -> None:
+            if not self.limiter.test(tier, what, who):
+                reset = self.limiter.get_window_stats(tier, what, who).reset_time
+                waits.append(reset - time.time())
+
+        if not self._each_window(keys, check, "not throttling"):
             return None
+        wait = max(waits)
         return max(1, math.ceil(wait)) if wait > 0 else None
 
     def fail(self, keys: list[Key]) -> None:
         """Count one failed attempt against every key and window."""
-        try:
-            for what, who in keys:
-                for tier in self.tiers:
-                    self.limiter.hit(tier, what, who)
-        except Exception:  # noqa: BLE001
-            log.warning("throttle storage unavailable; failure not counted", exc_info=True)
+        self._each_window(keys, self.limiter.hit, "failure not counted")
 
     def clear(self, keys: list[Key]) -> None:
-        try:
-            for what, who in keys:
-                for tier in self.tiers:
-                    self.limiter.clear(tier, what, who)
-        except Exception:  # noqa: BLE001
-            log.warning("throttle storage unavailable; not cleared", exc_info=True)
+        self._each_window(keys, self.limiter.clear, "not cleared")
 
 
 _lock = threading.Lock()

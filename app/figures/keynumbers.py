@@ -15,6 +15,7 @@ from typing import Any
 
 from app.figures.common import finite
 from app.figures.registry import key_numbers_builder
+from app.render import significant
 from compute.contract.results import FAIR_JACCARD, RELIABLE_JACCARD, TypedResult, result_kind
 from compute.jobs import registry
 from compute.jobs.diff import DiffSummary
@@ -27,14 +28,9 @@ Item = dict[str, str]
 
 
 def fmt(v: Any) -> str:
+    """A key number's value: "n/a" unless finite, else app.render.significant (as a table cell)."""
     f = finite(v)
-    if f is None:
-        return "n/a"
-    if f == 0:
-        return "0"
-    if abs(f) < 1e-3 or abs(f) >= 1e5:
-        return f"{f:.3e}"
-    return f"{f:.4g}"
+    return "n/a" if f is None else significant(f)
 
 
 def pct(v: Any) -> str:

@@ -138,10 +138,5 @@ def key_numbers_series(r: SeriesResult, out: dict[str, Any]) -> None:
     if finite(s.mean_step_auc) is not None:
         items.append(kn.item("Fisher AUC for the coordinates a step changes (mean)", kn.fmt(s.mean_step_auc),
                              "0.5 = chance"))
-    if s.fisher:
-        if "fisher_split_half_jaccard" in s.model_fields_set:
-            out["verdict"] = kn.jaccard_verdict(finite(s.fisher_split_half_jaccard),
-                                                finite(s.fisher_split_half_topk_percent))
-        else:
-            out["warnings"].append("the Fisher's reliability is not known (a file, not a fisherlens Fisher job): "
-                                   "its split-half check is not recorded")
+    # the Fisher's verdict (its split-half check, or a note that it is unknown) comes from summary
+    # "fisher_reliability", written by the runner (app.figures.keynumbers.key_numbers)

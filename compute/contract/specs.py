@@ -1,5 +1,6 @@
 """What job specs share: the base class, field types and ranges several kinds use, and the
-friendly validation errors. Each kind's spec class is in compute/jobs/<kind>.py.
+friendly validation errors. Each kind's spec class is in compute/jobs/<kind>.py; the training
+knobs train, sweep and retention share are declared once, in `TrainingKnobs` and `RunKnobs`.
 
 Specs are validated at the edge (CLI, REST API, UI) before anything is queued.
 
@@ -112,6 +113,40 @@ Optimizer = Literal["adamw", "sgd"]
 SftSource = Literal["gold", "self"]
 DistillEstimator = Literal["full", "sampled"]
 IndependentFisher = Literal["other-prompts", "other-completions"]
+
+
+class TrainingKnobs(Spec):
+    """The training knobs of every kind that trains (train, sweep, retention), each declared once
+    here. A kind that needs another default or description redeclares the field in its own class
+    (it keeps its place in the field order)."""
+
+    model: ModelRef
+    task: TaskRef = "arithmetic"
+    algo: Algo = Field("grpo", description="post-training algorithm")
+    teacher: ModelRef | None = Field(None, description="teacher model for opd (same tokenizer)")
+    batch: Batch = Field(8, description="prompts per step")
+    group: Group = Field(8, description="completions per prompt")
+    max_new_tokens: MaxNewTokens = Field(16, description="sampled completion length")
+    eval_prompts: int = Field(200, ge=1, le=100_000, description="held-out prompts for greedy accuracy")
+    weight_decay: WeightDecay = Field(0.0, description="decoupled weight decay")
+    momentum: Momentum = Field(0.0, description="SGD momentum")
+    temperature: Temperature = Field(1.0, description="sampling temperature")
+    kl_coef: KlCoef = Field(0.0, description="GRPO KL to the reference")
+    distill_estimator: DistillEstimator = Field(
+        "full", description="OPD reverse KL: exact over the vocabulary, or sampled-token estimate"
+    )
+    fisher_prompts: FisherPrompts = Field(32, description="prompts of the initial Fisher")
+    fisher_samples: FisherSamples = Field(4, description="samples per prompt of the initial Fisher")
+    device: Device = "auto"
+
+
+class RunKnobs(TrainingKnobs):
+    """The knobs of one training run that train and sweep expose (retention keeps their defaults)."""
+
+    grad_clip: float | None = Field(1.0, gt=0.0, le=1e6, description="max grad norm; None = off")
+    clip_eps: ClipEps = Field(0.2, description="GRPO ratio clip")
+    sft_source: SftSource = Field("gold",
+        description="SFT targets: gold answers or the model's own correct samples")
 
 
 # dtypes a model may be loaded in for each training precision (precision sets the training dtype)

@@ -34,8 +34,9 @@ from compute.contract.specs import (
 class FisherSpec(Spec):
     model: ModelRef
     task: TaskRef = "arithmetic"
-    # issue 18: the default gives a 'fair' split-half verdict on arith-base (measured: 16 x 4 samples
-    # -> top-1% Jaccard 0.35 'unreliable', 32 -> 0.48, 64 -> 0.55 'fair')
+    # issue 18: the default gives a 'fair' split-half verdict on arith-base (measured, seed 0: 16 x 4
+    # samples -> top-1% Jaccard 0.347 'poor', 32 -> 0.479, 64 -> 0.548 'fair'; seeds 1-2 and the
+    # command: benchmarks/results/fisher_reliability.json, made by benchmarks/fisher_reliability.py)
     prompts: FisherPrompts = Field(64, description="number of task prompts (64 x 4 samples: split-half "
                                    "verdict 'fair' on arith-base; 16 gave 'unreliable')")
     samples: FisherSamples = Field(4, description="sampled completions per prompt")

@@ -16,26 +16,17 @@ from compute.contract.cost import fisher_passes, train_passes
 from compute.contract.kinds import JobKind, KindForm
 from compute.contract.results import Contract, Family, Row, Summary, TypedResult
 from compute.contract.specs import (
-    Algo,
     Batch,
-    Device,
-    DistillEstimator,
     Dtype,
     FisherPrompts,
-    FisherSamples,
     Group,
-    KlCoef,
     Lr,
     MaxNewTokens,
     ModelRef,
-    Momentum,
     Optimizer,
     Selector,
-    Spec,
     Steps,
-    TaskRef,
-    Temperature,
-    WeightDecay,
+    TrainingKnobs,
 )
 
 # Retention's OPD teacher when none is given (compute/jobs/retention_run.py uses this table).
@@ -44,15 +35,22 @@ DEFAULT_TEACHERS = {"arith-base": "arith-teacher"}
 # ---------------------------------------------------------------- spec
 
 
-class RetentionSpec(Spec):
+class RetentionSpec(TrainingKnobs):
     """Defaults tuned on arith-base (GRPO, 100 steps: held-out greedy accuracy ~0.27 -> ~0.4) so the
     default grid runs in minutes on 2 CPU cores; statistics in compute.retention."""
 
+    # shared knobs (momentum, temperature, kl_coef, ...): compute.contract.specs.TrainingKnobs;
+    # redeclared here where retention's default or description differs
     model: ModelRef = Field("arith-base", description="zoo name, local HF dir, hub id org/name, or job:N")
-    task: TaskRef = "arithmetic"
-    algo: Algo = Field("grpo", description="post-training algorithm")
     teacher: ModelRef | None = Field(None,
         description="teacher for opd (default: arith-teacher for arith-base)")
+    batch: Batch = Field(16, description="prompts per step")
+    group: Group = Field(8, description="completions sampled per prompt")
+    max_new_tokens: MaxNewTokens = Field(6, description="sampled completion length")
+    eval_prompts: int = Field(
+        2500, ge=2, le=100_000, description="held-out prompts (the same for every model); when not "
+        "given: ceil(0.25 / eval_se^2), so every model's mean reward has standard error <= eval_se")
+    fisher_prompts: FisherPrompts = Field(64, description="prompts of the initial Fisher")
     densities: list[Annotated[float, Field(gt=0.0, le=1.0)]] = Field(
         default_factory=lambda: [0.01, 0.05, 0.1], min_length=1, max_length=16, description="mask densities"
     )
@@ -64,26 +62,11 @@ class RetentionSpec(Spec):
     steps: Steps = Field(100, description="optimizer steps per run")
     lr: Lr = Field(2e-4, description="learning rate")
     optimizer: Optimizer = Field("adamw", description="optimizer of every run")
-    fisher_prompts: FisherPrompts = Field(64, description="prompts of the initial Fisher")
-    fisher_samples: FisherSamples = Field(4, description="samples per prompt of the initial Fisher")
-    eval_prompts: int = Field(
-        2500, ge=2, le=100_000, description="held-out prompts (the same for every model); when not "
-        "given: ceil(0.25 / eval_se^2), so every model's mean reward has standard error <= eval_se")
     eval_se: float = Field(
         0.01, gt=0.0, le=0.5, description="target standard error of each model's held-out reward "
         "(any reward in [0, 1]); sets eval_prompts when that is not given")
     bootstrap: int = Field(2000, ge=100, le=100_000, description="bootstrap replicates of the intervals")
     confidence: float = Field(0.95, ge=0.5, lt=1.0, description="confidence level of the intervals")
-    device: Device = "auto"
-    batch: Batch = Field(16, description="prompts per step")
-    group: Group = Field(8, description="completions sampled per prompt")
-    max_new_tokens: MaxNewTokens = Field(6, description="sampled completion length")
-    weight_decay: WeightDecay = Field(0.0, description="decoupled weight decay")
-    momentum: Momentum = Field(0.0, description="SGD momentum")
-    temperature: Temperature = Field(1.0, description="sampling temperature")
-    kl_coef: KlCoef = Field(0.0, description="GRPO KL to the reference")
-    distill_estimator: DistillEstimator = Field("full",
-        description="OPD reverse KL: exact over the vocabulary, or sampled-token estimate")
     dtype: Dtype = Field("auto", description="dtype the models are loaded in")
 
     @model_validator(mode="before")

@@ -69,8 +69,6 @@ class SeriesSummary(Summary):
     mean_captured_sq_share: float | None = None
     mean_step_auc: float | None = None
     support_percent: float | None = None
-    fisher_split_half_jaccard: float | None = None
-    fisher_split_half_topk_percent: float | None = None
     points: list[dict[str, Any]] | None = None  # per checkpoint: step and the global numbers
 
 

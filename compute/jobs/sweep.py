@@ -15,43 +15,24 @@ from compute.contract.cost import fisher_passes, train_passes
 from compute.contract.kinds import JobKind, KindForm
 from compute.contract.results import PRECISIONS, Contract, Family, Row, Summary, TypedResult
 from compute.contract.specs import (
-    Algo,
-    Batch,
-    ClipEps,
-    Device,
-    DistillEstimator,
-    FisherPrompts,
-    FisherSamples,
-    Group,
     IndependentFisher,
-    KlCoef,
     Lr,
-    MaxNewTokens,
-    ModelRef,
-    Momentum,
     Optimizer,
     Precision,
+    RunKnobs,
     Seed,
-    SftSource,
-    Spec,
     Steps,
-    TaskRef,
-    Temperature,
     TopkPercent,
-    WeightDecay,
 )
 
 # ---------------------------------------------------------------- spec
 
 
-class SweepSpec(Spec):
+class SweepSpec(RunKnobs):
     """A grid of training runs, lr x optimizer x precision, each followed by a diff of its stored
     checkpoint against the base's (compute.jobs.sweep_run). Defaults: minutes on arith-base, 2 cores."""
 
-    model: ModelRef
-    task: TaskRef = "arithmetic"
-    algo: Algo = Field("grpo", description="post-training algorithm")
-    teacher: ModelRef | None = Field(None, description="teacher model for opd (same tokenizer)")
+    # shared knobs (batch, group, max_new_tokens, kl_coef, ...): compute.contract.specs.RunKnobs
     lrs: list[Lr] = Field(
         default_factory=lambda: [1e-6, 1e-5, 1e-4, 1e-3], min_length=1, max_length=16,
         description="learning rates of the grid")
@@ -62,30 +43,13 @@ class SweepSpec(Spec):
         default_factory=lambda: list[Precision](["bf16-mixed"]), min_length=1, max_length=3,
         description="training precisions of the grid (fp32, bf16-mixed, bf16)")
     steps: Steps = Field(20, description="optimizer steps per point")
-    batch: Batch = Field(8, description="prompts per step")
-    group: Group = Field(8, description="completions per prompt")
-    max_new_tokens: MaxNewTokens = Field(16, description="sampled completion length")
-    eval_prompts: int = Field(200, ge=1, le=100_000, description="held-out prompts for greedy accuracy")
     seed: Seed = Field(0, description="seed of prompts and sampling")
-    weight_decay: WeightDecay = Field(0.0, description="decoupled weight decay")
-    momentum: Momentum = Field(0.0, description="SGD momentum")
-    grad_clip: float | None = Field(1.0, gt=0.0, le=1e6, description="max grad norm; None = off")
-    temperature: Temperature = Field(1.0, description="sampling temperature")
-    kl_coef: KlCoef = Field(0.0, description="GRPO KL to the reference")
-    clip_eps: ClipEps = Field(0.2, description="GRPO ratio clip")
-    sft_source: SftSource = Field("gold",
-        description="SFT targets: gold answers or the model's own correct samples")
-    distill_estimator: DistillEstimator = Field("full",
-        description="OPD reverse KL: exact over the vocabulary, or sampled-token estimate")
     fisher: str | None = Field(
         None, max_length=1000, description="initial Fisher (path or 'job:<id>'); default: estimated once "
         "from independent samples")
     independent_fisher: IndependentFisher = Field("other-prompts",
         description="samples of the estimated initial Fisher")
-    fisher_prompts: FisherPrompts = Field(32, description="prompts of the initial Fisher")
-    fisher_samples: FisherSamples = Field(4, description="samples per prompt of the initial Fisher")
     topk_percent: TopkPercent = Field(1.0, description="top-k% of the Fisher/gradient overlap")
-    device: Device = "auto"
 
     @model_validator(mode="after")
     def _cross_field(self) -> SweepSpec:

@@ -16,30 +16,19 @@ from compute.contract.kinds import JobKind, KindForm
 from compute.contract.results import Contract, Family, Summary, TypedResult
 from compute.contract.specs import (
     PRECISION_DTYPES,
-    Algo,
-    Batch,
-    ClipEps,
-    Device,
-    DistillEstimator,
     Dtype,
     FisherPrompts,
     FisherSamples,
     Group,
     IndependentFisher,
-    KlCoef,
     Lr,
-    MaxNewTokens,
-    ModelRef,
-    Momentum,
     Optimizer,
     Precision,
+    RunKnobs,
     Seed,
     Selector,
     SftSource,
-    Spec,
     Steps,
-    TaskRef,
-    Temperature,
     TopkPercent,
     WeightDecay,
 )
@@ -47,11 +36,16 @@ from compute.contract.specs import (
 # ---------------------------------------------------------------- spec
 
 
-class TrainSpec(Spec):
-    model: ModelRef
-    task: TaskRef = "arithmetic"
-    algo: Algo = Field("grpo", description="post-training algorithm")
-    teacher: ModelRef | None = Field(None, description="teacher model for opd (same tokenizer)")
+class TrainSpec(RunKnobs):
+    # shared knobs (batch, max_new_tokens, kl_coef, ...): compute.contract.specs.TrainingKnobs;
+    # redeclared here where train's default or description differs
+    group: Group = Field(8, description="GRPO completions per prompt")
+    weight_decay: WeightDecay = Field(0.0,
+        description="decoupled weight decay (masked coordinates only)")
+    sft_source: SftSource = Field("gold",
+        description="SFT targets: the task's gold answers or the model's own correct samples")
+    fisher_prompts: FisherPrompts = Field(32, description="prompts of the Fisher for mask_select")
+    fisher_samples: FisherSamples = Field(4, description="samples per prompt of that Fisher")
     mask: str | None = Field(None, max_length=1000, description="mask.safetensors path or 'job:<id>'")
     mask_select: Selector | None = Field(None, description="build a mask in the job with this selector")
     mask_density: float | None = Field(None, gt=0.0, le=1.0, description="density of mask_select")
@@ -59,28 +53,9 @@ class TrainSpec(Spec):
     lr: Lr = Field(
         2e-4, description="AdamW 1e-3 collapses GRPO on arith-base; 2e-4 is stable"
     )
-    weight_decay: WeightDecay = Field(0.0,
-        description="decoupled weight decay (masked coordinates only)")
     steps: Steps = Field(30, description="optimizer steps")
-    batch: Batch = Field(8, description="prompts per step")
-    group: Group = Field(8, description="GRPO completions per prompt")
-    kl_coef: KlCoef = Field(0.0, description="GRPO KL to the reference")
-    clip_eps: ClipEps = Field(0.2, description="GRPO ratio clip")
-    sft_source: SftSource = Field("gold",
-        description="SFT targets: the task's gold answers or the model's own correct samples")
-    max_new_tokens: MaxNewTokens = Field(16, description="sampled completion length")
-    eval_prompts: int = Field(200, ge=1, le=100_000, description="held-out prompts for greedy accuracy")
     seed: Seed = Field(0, description="seed of prompts, sampling and selectors")
     dtype: Dtype = Field("auto", description="dtype the model is loaded in")
-    device: Device = "auto"
-    momentum: Momentum = Field(0.0, description="SGD momentum")
-    grad_clip: float | None = Field(1.0, gt=0.0, le=1e6, description="max grad norm; None = off")
-    temperature: Temperature = Field(1.0, description="sampling temperature")
-    distill_estimator: DistillEstimator = Field(
-        "full", description="OPD reverse KL: exact over the vocabulary, or sampled-token estimate"
-    )
-    fisher_prompts: FisherPrompts = Field(32, description="prompts of the Fisher for mask_select")
-    fisher_samples: FisherSamples = Field(4, description="samples per prompt of that Fisher")
     bound: bool = Field(True, description="GRPO: check the Cauchy-Schwarz bound on the first batch "
                         "against a Fisher from independent samples")
     precision: Precision = Field(

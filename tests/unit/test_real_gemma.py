@@ -17,9 +17,9 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
 
 from compute.zoo import INFO_FILE, REAL_INSTALL_HINT, add_real_model
+from tests.unit.fisher_tiny import check_sequence_fisher_per_row
 
 NAME = "gemma3-270m"
 pytestmark = pytest.mark.slow
@@ -78,44 +78,7 @@ def test_greedy_facts(gemma: tuple) -> None:
 
 def test_sequence_fisher_matches_per_row_reference(gemma: tuple) -> None:
     """The engine (batch_size 1 < N rows, right padding) against one backward per row, float32."""
-    from compute.fisher import fisher_from_samples
-
     model, tok = gemma
-    texts = ["The capital of France is Paris.", "2+2=4"]
-    enc = [tok(t)["input_ids"] for t in texts]
-    width = max(len(e) for e in enc)
-    ids = torch.full((len(enc), width), tok.pad_token_id, dtype=torch.long)
-    am = torch.zeros_like(ids)
-    for i, e in enumerate(enc):
-        ids[i, : len(e)] = torch.tensor(e)
-        am[i, : len(e)] = 1
-    cm = am.clone()
-    cm[:, :2] = 0  # the first two tokens are the "prompt"
-
-    got = fisher_from_samples(model, ids, am, cm, estimator="sequence", batch_size=1)
-
-    ref: dict[str, torch.Tensor] = {}
-    for i, e in enumerate(enc):
-        n = len(e)
-        model.zero_grad(set_to_none=True)
-        logits = model(input_ids=ids[i : i + 1, :n]).logits[0, :-1].float()  # (n-1, V)
-        lp = logits.log_softmax(-1).gather(-1, ids[i, 1:n, None]).squeeze(-1)  # (n-1,)
-        (lp * cm[i, 1:n].float()).sum().backward()
-        for name, p in model.named_parameters():
-            if p.grad is None:
-                continue
-            g2 = p.grad.float().square()
-            ref[name] = ref[name] + g2 if name in ref else g2
-    model.zero_grad(set_to_none=True)
-    ref = {k: v / len(enc) for k, v in ref.items()}
-
-    assert set(got) == set(ref)
-    total_err = sum(float((got[k] - ref[k]).abs().sum()) for k in ref)
-    total = sum(float(ref[k].abs().sum()) for k in ref)
-    assert total > 0 and total_err / total <= 1e-4, total_err / total
-    for k in ref:
-        denom = float(ref[k].abs().sum())
-        if denom == 0:  # e.g. a norm weight the two rows never reach: the engine must agree
-            assert float(got[k].abs().sum()) == 0, k
-            continue
-        assert float((got[k] - ref[k]).abs().sum()) / denom <= 1e-3, k
+    check_sequence_fisher_per_row(
+        model, tok, ["The capital of France is Paris.", "2+2=4"], allow_unreached=True
+    )

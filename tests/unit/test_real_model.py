@@ -17,7 +17,6 @@ import os
 from pathlib import Path
 
 import pytest
-import torch
 from click.testing import CliRunner
 
 from app.cli import main
@@ -29,6 +28,7 @@ from compute.zoo import (
     real_gguf_path,
     zoo_list,
 )
+from tests.unit.fisher_tiny import check_sequence_fisher_per_row
 
 NAME = "smollm2-135m"
 
@@ -111,44 +111,9 @@ def test_greedy_paris(smol: tuple) -> None:
 @pytest.mark.slow
 def test_sequence_fisher_matches_per_sample_reference(smol: tuple) -> None:
     """The engine (chunked with batch_size < N) against one backward per row, float32."""
-    from compute.fisher import fisher_from_samples
-
     model, tok = smol
-    texts = ["The capital of France is Paris.", "2+2=4"]
-    enc = [tok(t)["input_ids"] for t in texts]
-    width = max(len(e) for e in enc)
-    ids = torch.full((len(enc), width), tok.pad_token_id, dtype=torch.long)
-    am = torch.zeros_like(ids)
-    for i, e in enumerate(enc):
-        ids[i, : len(e)] = torch.tensor(e)
-        am[i, : len(e)] = 1
-    cm = am.clone()
-    cm[:, :2] = 0  # the first two tokens are the "prompt"
-
-    got = fisher_from_samples(model, ids, am, cm, estimator="sequence", batch_size=1)
-
-    ref: dict[str, torch.Tensor] = {}
-    for i, e in enumerate(enc):
-        n = len(e)
-        model.zero_grad(set_to_none=True)
-        logits = model(input_ids=ids[i : i + 1, :n]).logits[0, :-1].float()  # (n-1, V)
-        lp = logits.log_softmax(-1).gather(-1, ids[i, 1:n, None]).squeeze(-1)  # (n-1,)
-        (lp * cm[i, 1:n].float()).sum().backward()
-        for name, p in model.named_parameters():
-            g2 = p.grad.float().square()
-            ref[name] = ref[name] + g2 if name in ref else g2
-    model.zero_grad(set_to_none=True)
-    ref = {k: v / len(enc) for k, v in ref.items()}
-
-    assert set(got) == set(ref)  # tied: one entry for embed_tokens/lm_head
-    assert "lm_head.weight" not in got
-    total_err = sum(float((got[k] - ref[k]).abs().sum()) for k in ref)
-    total = sum(float(ref[k].abs().sum()) for k in ref)
-    assert total > 0 and total_err / total <= 1e-4, total_err / total
-    for k in ref:  # every tensor, not just the sum (a zero-filled one would fail here)
-        denom = float(ref[k].abs().sum())
-        assert denom > 0, k
-        assert float((got[k] - ref[k]).abs().sum()) / denom <= 1e-3, k
+    got = check_sequence_fisher_per_row(model, tok, ["The capital of France is Paris.", "2+2=4"])
+    assert "lm_head.weight" not in got  # tied: one entry for embed_tokens/lm_head
 
 
 def test_add_unknown_name_and_missing_package_errors(
