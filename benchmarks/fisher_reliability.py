@@ -6,7 +6,7 @@ verdict, ...}], `provenance`), which benchmarks/readme_tables.py renders; it is 
 behind FisherSpec's default of 64 prompts (compute/jobs/fisher.py).
 
 Each run goes through the entry point `fisherlens fisher` uses (app.commands.common
-spec_from_options -> run_job -> compute.run_fisher.run), so `command` remakes it. Seconds on
+spec_from_options -> run_job -> compute.jobs.fisher_run.run), so `command` remakes it. Seconds on
 2 CPU cores for the defaults:
 
     FISHERLENS_HOME=/tmp/flzoo .venv/bin/python benchmarks/fisher_reliability.py \\
