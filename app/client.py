@@ -26,16 +26,23 @@ from typing import Any
 from compute.contract.specs import SpecError
 
 # `fisherlens login` / `logout` (app/commands/users.py) save and remove them through this module
-from compute.credentials import credentials_path, load_credentials, save_credentials  # noqa: F401
+from compute.credentials import (  # noqa: F401
+    credentials_path,
+    load_credentials,
+    login_hint,
+    save_credentials,
+    server_and_token,
+)
 
 
 def remote() -> tuple[str, str | None] | None:
-    """(server URL, token) when the CLI should talk HTTP, else None."""
-    saved = load_credentials()
-    url = os.environ.get("FISHERLENS_URL") or saved.get("url")
+    """(server URL, token) when the CLI should talk HTTP, else None. FISHERLENS_TOKEN goes to
+    whatever FISHERLENS_URL names; the token `fisherlens login` saved goes only to the server it
+    was saved for (compute.credentials.server_and_token, the TRL callback's rule too)."""
+    url, token = server_and_token()
     if not url:
         return None
-    return str(url).rstrip("/"), os.environ.get("FISHERLENS_TOKEN") or saved.get("token")
+    return url, token
 
 
 def request(method: str, url: str, token: str | None, path: str, body: Any = None) -> tuple[int, Any]:
@@ -59,7 +66,9 @@ def request(method: str, url: str, token: str | None, path: str, body: Any = Non
         raise RuntimeError(f"cannot reach the fisherlens server at {url}: {exc.reason}") from None
 
 
-def _raise_for(status: int, payload: Any, job_id: int | None = None) -> None:
+def _raise_for(status: int, payload: Any, job_id: int | None = None,
+               server: tuple[str, str | None] | None = None) -> None:
+    """`server`: the (URL, token) the request went to, for the hint of a refused credential."""
     from app.commands.common import fail
     from app.limits import QuotaExceeded
 
@@ -67,8 +76,10 @@ def _raise_for(status: int, payload: Any, job_id: int | None = None) -> None:
     if status < 400:
         return
     if status in (401, 403):
-        hint = " (set FISHERLENS_TOKEN or run `fisherlens login`)" if status == 401 else ""
-        fail(f"the server refused: {detail}{hint}", code=1)
+        where = f"the server at {server[0]}" if server else "the server"
+        hint = f" ({login_hint(server[0] if server else None, bool(server and server[1]))})" \
+            if status == 401 else ""
+        fail(f"{where} refused: {detail}{hint}", code=1)
     if status == 404:
         raise LookupError(detail if isinstance(detail, str) else f"job: no job with id {job_id}")
     if status == 429 and isinstance(detail, list):
@@ -112,7 +123,7 @@ def submit(settings: Any, kind: str, data: dict[str, Any], *, reuse: bool = True
         fail("--no-reuse: not available through the server's API; submit, then "
              "`fisherlens rerun JOB_ID` to compute a stored result again")
     status, payload = request("POST", r[0], r[1], "/api/jobs", {"kind": kind, "spec": data})
-    _raise_for(status, payload)
+    _raise_for(status, payload, server=r)
     return dict(payload)
 
 
@@ -126,7 +137,7 @@ def get_job(settings: Any, job_id: int) -> dict[str, Any] | None:
     status, payload = request("GET", r[0], r[1], f"/api/jobs/{int(job_id)}")
     if status == 404:
         return None
-    _raise_for(status, payload, job_id)
+    _raise_for(status, payload, job_id, r)
     return dict(payload)
 
 
@@ -139,7 +150,7 @@ def list_jobs(settings: Any, limit: int = 100, **filters: Any) -> list[dict[str,
             return services.list_jobs(s, limit=limit, **filters)
     query = urllib.parse.urlencode({"limit": limit, **{k: v for k, v in filters.items() if v}})
     status, payload = request("GET", r[0], r[1], f"/api/jobs?{query}")
-    _raise_for(status, payload)
+    _raise_for(status, payload, server=r)
     return list(payload)
 
 
@@ -152,7 +163,7 @@ def _job_action(action: str, job_id: int) -> dict[str, Any]:
         with _local_user() as s:
             return dict(getattr(services, action)(s, job_id))
     status, payload = request("POST", r[0], r[1], f"/api/jobs/{int(job_id)}/{action}")
-    _raise_for(status, payload, job_id)
+    _raise_for(status, payload, job_id, r)
     return dict(payload)
 
 

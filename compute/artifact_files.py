@@ -77,11 +77,23 @@ def fisher_provenance(ref: Ref | str | Path, kind: str = "fisher") -> dict[str, 
     A fisher file carries them in its metadata ("fisherlens", compute.jobs.fisher_run.fisher_metadata);
     a file built on a Fisher (a mask) carries that Fisher's ("fisher_reliability",
     compute.jobs.mask_run): the file's own metadata says which, whatever `kind` it is read as. A file
-    written before, or by other tools, gets a note that its reliability is unknown."""
+    written before, or by other tools, gets a note that its reliability is unknown.
+
+    "source" names the Fisher, and for a Ref (the worker's and the CLI's runs) never by path: its
+    label ('job:3', 'fisher.safetensors (local file)', compute.contract.provenance) with
+    "source_sha256", the sha256 the file was resolved with; a mask's copy keeps the label and
+    sha256 of the Fisher it was built on. Library callers that pass a path see that path. A path
+    in an older file's "model" or "source" is read back as its label: nothing here depends on it."""
     import json
 
+    from compute.contract.provenance import ref_provenance, value_label
+
     meta = stored_metadata(ref, kind)
-    shown = ref.given if isinstance(ref, Ref) else str(ref)
+    if isinstance(ref, Ref):
+        prov = ref_provenance(ref)
+        shown, sha = prov["label"], prov["sha256"]
+    else:
+        shown, sha = str(ref), None
     own = "fisherlens" in meta  # the Fisher itself, not a file built on one
     raw = meta.get("fisherlens") if own else meta.get("fisher_reliability")
     try:
@@ -89,8 +101,16 @@ def fisher_provenance(ref: Ref | str | Path, kind: str = "fisher") -> dict[str, 
     except ValueError:
         info = None
     if not isinstance(info, dict):
-        return {"source": shown, "reliability": "none",
-                "note": "the Fisher's split-half reliability is unknown (a file stored without it)"}
+        out: dict[str, Any] = {"source": shown, "reliability": "none",
+                               "note": "the Fisher's split-half reliability is unknown (a file stored without it)"}
+        if sha and kind == "fisher":
+            out["source_sha256"] = sha
+        return out
+    for key, target in (("model", "model"), ("source", "fisher")):
+        if key in info:
+            info[key] = value_label(info[key], target)
     if own:
         info["source"] = shown
+        if sha:
+            info["source_sha256"] = sha
     return info

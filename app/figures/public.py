@@ -22,38 +22,16 @@ before it, which may hold a path, are rebuilt on their next view.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from pathlib import PureWindowsPath
 from typing import Any
 
-FOLDER_TARGETS = ("model", "run_dir")
-
-
-def _is_path(value: str) -> bool:
-    """A value written as a path (absolute, relative with a folder, ~, ./), not a name."""
-    return "/" in value or "\\" in value or value.startswith(("~", "."))
-
-
-def _base_name(path: str) -> str:
-    return PureWindowsPath(path.rstrip("/\\")).name or path  # splits on both / and \\
-
-
-def path_label(path: str, target: str) -> str:
-    """'grpo (local folder)' / 'fisher.safetensors (local file)' for a path on the server."""
-    return f"{_base_name(path)} ({'local folder' if target in FOLDER_TARGETS else 'local file'})"
-
-
-def ref_label(ref: Mapping[str, Any]) -> str:
-    """How a stored Ref (compute.contract.kinds.Ref as JSON) is shown to a share-link reader."""
-    given = str(ref.get("given") or "")
-    form = ref.get("form")
-    if form == "artifact":
-        return f"job:{ref['job_id']}" if ref.get("job_id") is not None else given
-    if form == "hub" or not _is_path(given):
-        return given  # a hub id, a zoo or registered model's name
-    path = str(ref.get("path") or given)
-    if form == "zoo":
-        return _base_name(path)  # the zoo model's name
-    return path_label(path, str(ref.get("target") or ""))
+# the labelling rules are shared with the files a job writes (compute.contract.provenance)
+from compute.contract.provenance import (  # noqa: F401 - re-exported
+    FOLDER_TARGETS,
+    path_label,
+    path_names,
+    ref_label,
+    scrub,
+)
 
 
 def public_names(kind: str | None, spec: Mapping[str, Any] | None,
@@ -61,14 +39,7 @@ def public_names(kind: str | None, spec: Mapping[str, Any] | None,
     """{server path or what the user wrote: its label} for every reference of the job that was
     given by path. Jobs stored before refs existed: the spec's reference fields holding an
     absolute path (or ~) get the base-name label."""
-    names: dict[str, str] = {}
-    for ref in (refs or {}).values():
-        if not isinstance(ref, Mapping) or ref.get("form") not in ("local", "zoo"):
-            continue
-        label = ref_label(ref)
-        for raw in (ref.get("given"), ref.get("path")):
-            if isinstance(raw, str) and raw.strip() and raw != label and _is_path(raw):
-                names[raw] = label
+    names = path_names({k: r for k, r in (refs or {}).items() if isinstance(r, Mapping)})
     try:
         from compute.jobs import registry
 
@@ -80,25 +51,6 @@ def public_names(kind: str | None, spec: Mapping[str, Any] | None,
         if isinstance(value, str) and value not in names and value.strip().startswith(("/", "~", "\\")):
             names[value] = path_label(value.strip(), target)
     return names
-
-
-def scrub(obj: Any, names: Mapping[str, str]) -> Any:
-    """`obj` with every string equal to a key of `names` replaced by its label, and every path
-    key inside a longer string too (a copy; dicts and lists walked)."""
-    if not names:
-        return obj
-    if isinstance(obj, str):
-        if obj in names:
-            return names[obj]
-        for raw in sorted(names, key=len, reverse=True):
-            if len(raw) > 1 and raw in obj:
-                obj = obj.replace(raw, names[raw])
-        return obj
-    if isinstance(obj, Mapping):
-        return {k: scrub(v, names) for k, v in obj.items()}
-    if isinstance(obj, list | tuple):
-        return [scrub(v, names) for v in obj]
-    return obj
 
 
 def public_job(job: dict[str, Any], refs: Mapping[str, Any] | None) -> dict[str, Any]:

@@ -28,6 +28,7 @@ from app.figures.keynumbers import key_numbers
 from app.figures.labels import name_layer_cells, name_layers
 from app.figures.registry import entries, figures_for, tables_for
 from compute import analysis
+from compute.contract import provenance
 from compute.contract import results as contract
 from compute.jobs import registry
 
@@ -43,6 +44,7 @@ def _code_key(extra: str = "") -> str:
     h = hashlib.sha256(f"plotly {plotly.__version__}\n{extra}".encode())
     here = Path(__file__).resolve().parent
     drawing = [Path(contract.__file__).resolve(), Path(analysis.__file__).resolve(),
+               Path(provenance.__file__).resolve(),  # how references are labelled
                *sorted(Path(registry.__file__).resolve().parent.glob("*.py"))]  # the kinds' contracts
     for path in [*drawing, *sorted(here.glob("*.py"))]:
         h.update(path.name.encode() + b"\0" + path.read_bytes())

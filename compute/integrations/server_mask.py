@@ -115,8 +115,12 @@ def fetch_mask(
             raise ValueError(f"{what}: the server at {srv.url} has no job {n} you may use (HTTP 404: "
                              "it does not exist or belongs to another user)") from None
         if exc.status in (401, 403):
-            raise ValueError(f"{what}: the server at {srv.url} refused the token (HTTP {exc.status}: "
-                             f"{exc.detail}); pass token=, set FISHERLENS_TOKEN or run `fisherlens login`") from None
+            from compute.credentials import login_hint
+
+            hint = (login_hint(srv.url, False) if not token else
+                    "set FISHERLENS_TOKEN or run `fisherlens login` with a valid token")
+            raise ValueError(f"{what}: the server at {srv.url} refused the {'token' if token else 'request'} "
+                             f"(HTTP {exc.status}: {exc.detail}); pass token=, or {hint}") from None
         raise ValueError(f"{what}: the server at {srv.url} answered HTTP {exc.status}: {exc.detail}") from None
     from compute.jobs import registry
 

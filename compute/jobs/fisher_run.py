@@ -153,16 +153,27 @@ def _shard(spec: FisherSpec, shard_index: int, progress: Progress, loaded: tuple
     return out
 
 
-def fisher_metadata(summary: dict[str, Any]) -> dict[str, str]:
+def fisher_metadata(summary: dict[str, Any], model: Any = None) -> dict[str, str]:
     """safetensors metadata of a stored Fisher: its reliability and precision travel with the
-    file, so a mask, train or diff built on it can show them (compute.artifact_files.fisher_provenance)."""
+    file, so a mask, train or diff built on it can show them (compute.artifact_files.fisher_provenance).
+
+    The model is named by label, never by server path (compute.contract.provenance): `model`
+    is its resolved Ref (the worker's and the CLI's runs), recorded with the sha256 it was
+    resolved with ("model_sha256": the folder's content revision; None for a hub id or an
+    unhashed folder); without it, a path in summary["model"] is written as its label."""
     import json
 
+    from compute.contract.provenance import ref_provenance, value_label
     from compute.contract.results import reliability_level
 
     keep = ("estimator", "model", "task", "n_prompts", "n_samples", "split_half_jaccard",
             "split_half_topk_percent", "compute_dtype", "accumulate_dtype")
     info = {k: summary.get(k) for k in keep}
+    if model is not None:
+        prov = ref_provenance(model)
+        info["model"], info["model_sha256"] = prov["label"], prov["sha256"]
+    else:
+        info["model"] = value_label(info["model"], "model")
     info["reliability"] = reliability_level(summary.get("split_half_jaccard"))
     if summary.get("precision_error"):
         info["precision_relative_l1"] = summary["precision_error"].get("relative_l1")
@@ -183,8 +194,9 @@ def _add(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, to
 
 
 def finish(spec: FisherSpec, shard_outputs: list[dict], progress: Progress = null_progress,
-           extra: dict | None = None) -> JobResult:
-    """Combine shard sums into the Fisher and its statistics."""
+           extra: dict | None = None, refs: Refs | None = None) -> JobResult:
+    """Combine shard sums into the Fisher and its statistics (`refs`: the resolved model, named
+    by label and sha256 in the file's metadata)."""
     progress(0.97, "statistics")
     outs = sorted(shard_outputs, key=lambda o: o["shard"])
     sums: dict[str, torch.Tensor] = {}
@@ -245,7 +257,7 @@ def finish(spec: FisherSpec, shard_outputs: list[dict], progress: Progress = nul
     result = JobResult(
         kind="fisher", summary=summary, layer_stats=analysis.to_layer_stats(fisher),
         heatmaps=analysis.to_heatmaps(fisher), series=series, tensors={"fisher": fisher},
-        metadata={"fisher": fisher_metadata(summary)},
+        metadata={"fisher": fisher_metadata(summary, (refs or {}).get("model"))},
     )
     progress(1.0, "done")
     return result
@@ -265,7 +277,7 @@ def run(spec: FisherSpec, progress: Progress = null_progress, refs: Refs | None 
 
         outs.append(_shard(spec, i, sub, loaded, refs))
     spec, outs, rounds = extend_until_reliable(spec, outs, progress, loaded, refs)
-    return finish(spec, outs, progress, extra={"model_info": info, **rounds})
+    return finish(spec, outs, progress, extra={"model_info": info, **rounds}, refs=refs)
 
 
 # -- until_reliable (issue 18): more prompts until the split-half verdict is at least "fair" ----
@@ -332,4 +344,4 @@ def run_child(spec: FisherSpec, index: int, progress: Progress = null_progress,
 def combine(spec: FisherSpec, outputs: list[dict], progress: Progress = null_progress,
             refs: Refs | None = None) -> JobResult:
     spec, outputs, rounds = extend_until_reliable(spec, outputs, progress, refs=refs)  # loads the model if needed
-    return finish(spec, outputs, progress, extra=rounds)
+    return finish(spec, outputs, progress, extra=rounds, refs=refs)

@@ -213,7 +213,7 @@ def run(spec: SweepSpec, progress: Any = null_progress, refs: Refs | None = None
     def sub(i: int) -> Any:
         return lambda f, m="": progress((i + min(max(f, 0.0), 1.0)) / n, m)
 
-    return combine(spec, [run_child(spec, i, sub(i), shared, refs) for i in range(n)], progress)
+    return combine(spec, [run_child(spec, i, sub(i), shared, refs) for i in range(n)], progress, refs=refs)
 
 
 DEFINITIONS = {

@@ -235,11 +235,25 @@ def train_job(
     if spec.concentration and res.grad_sq_sum is not None and res.grad_abs_sum is not None:
         progress(0.95, "gradient concentration")
         _concentration(run, res, fisher, master_base)
-    metrics = {"curve": res.curve, **run.summary, "spec": spec.model_dump(mode="json")}
+    metrics = train_metrics(res.curve, run.summary, spec, refs)
     save_output(model, run.tok, out, metrics, precision=spec.precision)
     run.result.files["model"] = str(out)
     progress(1.0, f"accuracy {res.accuracy_before:.3f} -> {res.accuracy_after:.3f}")
     return run.result
+
+
+def train_metrics(curve: list[dict[str, float]], summary: Mapping[str, Any], spec: TrainSpec,
+                  refs: Refs | None) -> dict[str, Any]:
+    """The trained model's metrics.json: the curve, the summary and the spec, its references
+    (model, teacher, mask, fisher) named by label, never by server path, and listed under
+    "references" with the sha256 each was resolved with (compute.contract.provenance): the
+    folder is an artifact a share link downloads."""
+    from compute.contract.provenance import labelled, references
+
+    metrics = {"curve": curve, **summary, "spec": spec.model_dump(mode="json")}
+    out = labelled(metrics, refs)
+    out["references"] = references(refs)
+    return out
 
 
 @dataclass
@@ -326,7 +340,9 @@ def _mask_fisher_reliability(run: _Run, mask_ref: Ref) -> None:
         from compute.artifact_files import fisher_provenance
 
         rel = fisher_provenance(mask_ref, "mask")
-        rel["source"] = f"the Fisher of mask {run.spec.mask} ({rel.get('source')})"
+        from compute.contract.provenance import ref_label
+
+        rel["source"] = f"the Fisher of mask {ref_label(mask_ref)} ({rel.get('source')})"
         run.summary["fisher_reliability"] = rel
 
 
