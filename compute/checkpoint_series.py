@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -287,6 +288,63 @@ def plan_fisher(fisher: Mapping[str, torch.Tensor], base: Any, config: SeriesCon
         members[grouping] = groups
         ranks[grouping] = {g: midranks(torch.cat([scores[n] for n in ms])) for g, ms in groups.items()}
     return _FisherPlan(names, k, total, support, sample, ranks, members, sampled)
+
+
+_ST_DTYPES = {"BF16": (torch.bfloat16, np.uint16), "F16": (torch.float16, np.float16),
+              "F32": (torch.float32, np.float32), "F64": (torch.float64, np.float64)}
+
+
+class _Reader:
+    """A source's tensors read into one reusable buffer (its role's): a safetensors file's header
+    parsed once, each tensor brought in with one pread (a copy from the page cache, no mapping
+    kept), so the series holds the base's, the previous and the current tensor of one name and
+    nothing else. Sources that are not safetensors folders (state dicts, modules) use their `get`."""
+
+    def __init__(self, source: Any) -> None:
+        self.source = source
+        self._where: dict[str, tuple[Path, str, int, int]] = {}  # name -> (file, dtype, start, end)
+        where = getattr(source, "_where", None)
+        if isinstance(where, dict):
+            for f in sorted(set(where.values())):
+                with open(f, "rb") as h:
+                    size = int.from_bytes(h.read(8), "little")
+                    header = json.loads(h.read(size))
+                for n, meta in header.items():
+                    if n != "__metadata__" and where.get(n) == f and meta.get("dtype") in _ST_DTYPES:
+                        b, e = meta["data_offsets"]
+                        self._where[n] = (f, meta["dtype"], 8 + size + b, 8 + size + e)
+        self._fds: dict[Path, int] = {}
+        self._buf = np.empty(0, np.uint8)
+
+    def get(self, name: str) -> torch.Tensor:
+        """The flat tensor `name`; a view of this reader's buffer for safetensors sources (valid
+        until the next get)."""
+        w = self._where.get(name)
+        if w is None:
+            return self.source.get(name).flatten()
+        f, dt, start, end = w
+        nbytes = end - start
+        if self._buf.size < nbytes:
+            self._buf = np.empty(nbytes, np.uint8)
+        fd = self._fds.get(f)
+        if fd is None:
+            fd = self._fds[f] = os.open(f, os.O_RDONLY)
+        view = memoryview(self._buf)[:nbytes]
+        got = 0
+        while got < nbytes:
+            k = os.preadv(fd, [view[got:]], start + got)
+            if k <= 0:
+                raise ValueError(f"{f}: tensor {name!r} is cut short (file truncated while reading?)")
+            got += k
+        tdt, ndt = _ST_DTYPES[dt]
+        arr = self._buf[:nbytes].view(ndt)
+        t = torch.from_numpy(arr)
+        return t.view(torch.bfloat16) if tdt == torch.bfloat16 else t
+
+    def close(self) -> None:
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -562,14 +620,22 @@ def checkpoint_series(
     work = _Work(CHUNK)
     points = []
     t_start = time.perf_counter()
-    for i, ck in enumerate(ckpts):
-        progress(i / len(ckpts), f"{ck.name} ({i + 1}/{len(ckpts)})")
-        prev = ckpts[i - 1].source if i else src_b
-        t0 = time.perf_counter()
-        point = _point(ck, src_b, prev, names, plan, config, work)
-        point["prev_step"] = ckpts[i - 1].step if i else 0
-        point["seconds"] = round(time.perf_counter() - t0, 4)
-        points.append(point)
+    base_reader = _Reader(src_b)
+    try:
+        for i, ck in enumerate(ckpts):
+            progress(i / len(ckpts), f"{ck.name} ({i + 1}/{len(ckpts)})")
+            t0 = time.perf_counter()
+            cur, prev = _Reader(ck.source), _Reader(ckpts[i - 1].source if i else src_b)
+            try:
+                point = _point(ck, cur, base_reader, prev, names, plan, config, work)
+            finally:
+                cur.close()
+                prev.close()
+            point["prev_step"] = ckpts[i - 1].step if i else 0
+            point["seconds"] = round(time.perf_counter() - t0, 4)
+            points.append(point)
+    finally:
+        base_reader.close()
     progress(1.0, f"{len(ckpts)} checkpoints in {time.perf_counter() - t_start:.1f} s")
     return SeriesResult(points, _settings(config, plan), skipped)
 
@@ -578,17 +644,17 @@ def _is_float(dtype: str) -> bool:
     return dtype.upper().replace("TORCH.", "").startswith(("F", "BF"))
 
 
-def _point(ck: RunCheckpoint, base: Any, prev: Any, names: list[str], plan: _FisherPlan | None,
-           config: SeriesConfig, work: _Work) -> dict[str, Any]:
+def _point(ck: RunCheckpoint, source: _Reader, base: _Reader, prev: _Reader, names: list[str],
+           plan: _FisherPlan | None, config: SeriesConfig, work: _Work) -> dict[str, Any]:
     per: dict[str, dict[str, dict[str, float]]] = {p: {} for p in PAIRS}
     labels: dict[str, dict[str, torch.Tensor]] = {p: {} for p in PAIRS}
     dtypes: dict[str, int] = {}
     for n in names:
-        cur = ck.source.get(n).flatten()
+        cur = source.get(n)
         dt = str(cur.dtype).replace("torch.", "")
         dtypes[dt] = dtypes.get(dt, 0) + cur.numel()
         in_fisher = plan is not None and n in plan.support
-        refs = [base.get(n).flatten(), prev.get(n).flatten()]
+        refs = [base.get(n), prev.get(n)]
         res = tensor_counts(cur, refs, config.atol, work,
                             support=plan.support[n] if plan is not None and in_fisher else None,
                             sample=plan.sample[n] if plan is not None and in_fisher else None,
