@@ -238,16 +238,22 @@ def _fisher_shape(fisher: Mapping[str, torch.Tensor], name: str) -> tuple[int, .
 class _FisherPlan:
     """What the series needs of the Fisher, computed once: the support's flat indices per tensor,
     the AUC sample's indices per tensor (None = every coordinate) and the Fisher's mid-ranks per
-    group of the sample (the score is fixed, only the labels change from point to point)."""
+    group of the sample (the score is fixed, only the labels change from point to point).
+
+    The sample's indices are sorted (gathers walk memory forward; the ranks are permuted with
+    them, so every rank sum, hence every AUC, is the same), and each tensor keeps its slice of
+    its groups' mid-ranks as one (m, len(GROUPINGS)) float64 matrix: a point's rank sums over
+    the changed coordinates are then one matrix-vector product per tensor and pair."""
 
     names: list[str]
     k: int
     total: int
-    support: dict[str, torch.Tensor]  # name -> int64 flat indices of S in that tensor
-    sample: dict[str, torch.Tensor | None]
-    ranks: dict[str, dict[str, torch.Tensor]]  # grouping -> group -> float64 mid-ranks
+    support: dict[str, torch.Tensor]  # name -> int64 flat indices of S in that tensor (sorted)
+    sample: dict[str, torch.Tensor | None]  # name -> sorted int64 indices (None: every coordinate)
+    rank_cols: dict[str, torch.Tensor]  # name -> (m, len(GROUPINGS)) float64 mid-ranks in its groups
     members: dict[str, dict[str, list[str]]]  # grouping -> group -> names (in self.names order)
     sampled: bool
+    auc_n: int  # coordinates the AUC ranks
 
 
 def plan_fisher(fisher: Mapping[str, torch.Tensor], base: Any, config: SeriesConfig) -> _FisherPlan:
@@ -274,20 +280,27 @@ def plan_fisher(fisher: Mapping[str, torch.Tensor], base: Any, config: SeriesCon
         f = fisher[n].flatten().float()
         if sampled:
             idx = _sample_index(n, f.numel(), round_half_up_ratio(config.auc_cap, f.numel(), total),
-                                config.seed, f.device)
+                                config.seed, f.device).sort().values
             sample[n], scores[n] = idx, f[idx].clone()
         else:
             sample[n], scores[n] = None, f.clone()
         del f
     members: dict[str, dict[str, list[str]]] = {}
-    ranks: dict[str, dict[str, torch.Tensor]] = {}
-    for grouping in GROUPINGS:
+    rank_cols = {n: torch.empty((scores[n].numel(), len(GROUPINGS)), dtype=torch.float64) for n in names}
+    for j, grouping in enumerate(GROUPINGS):
         groups: dict[str, list[str]] = {}
         for n in names:
             groups.setdefault(group_key(n, grouping), []).append(n)
         members[grouping] = groups
-        ranks[grouping] = {g: midranks(torch.cat([scores[n] for n in ms])) for g, ms in groups.items()}
-    return _FisherPlan(names, k, total, support, sample, ranks, members, sampled)
+        for ms in groups.values():
+            r, at = midranks(torch.cat([scores[n] for n in ms])), 0
+            for n in ms:
+                m = scores[n].numel()
+                rank_cols[n][:, j] = r[at:at + m]
+                at += m
+            del r
+    auc_n = sum(int(v.numel()) for v in scores.values())
+    return _FisherPlan(names, k, total, support, sample, rank_cols, members, sampled, auc_n)
 
 
 _ST_DTYPES = {"BF16": (torch.bfloat16, np.uint16), "F16": (torch.float16, np.float16),
@@ -487,6 +500,9 @@ def tensor_counts(
                 a["unchanged_bf16"] += int(np.count_nonzero(np.less_equal(dd, zero, out=b)))
                 a["unchanged_bf16delta_atol"] += int(np.count_nonzero(le16(dd, t16_32, out=b)))
     out: list[tuple[dict[str, float], torch.Tensor | None]] = []
+    cf = cur.flatten()
+    c_support = cf.index_select(0, support).float() if support is not None else None
+    c_sample = (cf.index_select(0, sample) if sample is not None else cf) if want_labels else None
     for j, (a, ref) in enumerate(zip(acc, refs, strict=True)):
         changed = int(a.pop("changed"))
         st: dict[str, float] = {"numel": float(n), **{k: float(v) for k, v in a.items()}}
@@ -495,18 +511,28 @@ def tensor_counts(
             st["unchanged_bf16"] = float(n - changed)  # bf16 equality is equality
         st["dense_bytes"] = float(n * item)
         st["sparse_bytes"] = float(changed * (idx_bytes + item))
-        if support is not None:
-            g = cur.flatten()[support].float() - ref.flatten()[support].float()  # the float32 delta on S
+        rf = ref.flatten()
+        if c_support is not None and support is not None:
+            g = c_support - rf.index_select(0, support).float()  # the float32 delta on S
             st["support_size"] = float(support.numel())
             st["support_changed"] = float(torch.count_nonzero(g))
             st["support_sq"] = float(torch.sum(g.double().square()))
             st["support_bytes"] = float(support.numel() * item)
         labels = None
-        if want_labels:
-            cf, rf = cur.flatten(), ref.flatten()
-            labels = cf[sample] != rf[sample] if sample is not None else cf != rf
+        if c_sample is not None:
+            labels = _not_equal(c_sample, rf.index_select(0, sample) if sample is not None else rf)
         out.append((st, labels))
     return out
+
+
+def _not_equal(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`a != b` as PyTorch evaluates it (both promoted to a common dtype), with numpy's vectorised
+    compare: bfloat16 / float16 / float32 values are exact in float32, so comparing there is the
+    same (NaN unequal, -0 == +0); float64 goes through PyTorch."""
+    if torch.float64 in (a.dtype, b.dtype):
+        return a != b
+    an, bn = _as_numpy(a.float()), _as_numpy(b.float())
+    return torch.from_numpy(np.not_equal(an, bn))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -567,13 +593,13 @@ def _group(per_tensor: Mapping[str, Mapping[str, float]], atol: float) -> dict[s
     return out
 
 
-def _auc_from_ranks(ranks: torch.Tensor, labels: torch.Tensor) -> float:
-    """Mann-Whitney AUC from the score's mid-ranks (compute.overlap.roc_auc, ranks precomputed)."""
-    n_pos = int(labels.sum())
-    n_neg = labels.numel() - n_pos
+def _auc_from_sums(rank_sum: float, n_pos: int, n: int) -> float:
+    """Mann-Whitney AUC (compute.overlap.roc_auc: ties one half) from the sum of the score's
+    mid-ranks over the positives, their number and the sample's size."""
+    n_neg = n - n_pos
     if n_pos == 0 or n_neg == 0:
         return float("nan")
-    return (float(ranks[labels].sum()) - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)
+    return (rank_sum - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -647,7 +673,9 @@ def _is_float(dtype: str) -> bool:
 def _point(ck: RunCheckpoint, source: _Reader, base: _Reader, prev: _Reader, names: list[str],
            plan: _FisherPlan | None, config: SeriesConfig, work: _Work) -> dict[str, Any]:
     per: dict[str, dict[str, dict[str, float]]] = {p: {} for p in PAIRS}
-    labels: dict[str, dict[str, torch.Tensor]] = {p: {} for p in PAIRS}
+    # per pair and tensor: (rank sum over the changed sample coordinates per grouping, changed, m);
+    # mid-ranks are half-integers, so these float64 sums are exact (below 2^52) and add up exactly
+    ranked: dict[str, dict[str, tuple[list[float], int, int]]] = {p: {} for p in PAIRS}
     dtypes: dict[str, int] = {}
     for n in names:
         cur = source.get(n)
@@ -663,18 +691,20 @@ def _point(ck: RunCheckpoint, source: _Reader, base: _Reader, prev: _Reader, nam
             if plan is not None and not in_fisher:  # outside the Fisher: not in the support
                 counts.update(support_size=0.0, support_changed=0.0, support_sq=0.0, support_bytes=0.0)
             per[pair][n] = counts
-            if lab is not None:
-                labels[pair][n] = lab
+            if lab is not None and plan is not None:
+                sums = torch.mv(plan.rank_cols[n].t(), lab.to(torch.float64)).tolist()
+                ranked[pair][n] = (sums, int(np.count_nonzero(_as_numpy(lab))), lab.numel())
         del cur, refs, res
     point: dict[str, Any] = {"step": ck.step, "checkpoint": ck.name,
                              "dtype": max(dtypes, key=lambda k: dtypes[k]) if dtypes else None}
     for pair in PAIRS:
         groups = _group(per[pair], config.atol)
         if plan is not None:
-            for grouping, gs in plan.members.items():
+            for j, (grouping, gs) in enumerate(plan.members.items()):
                 for g, ms in gs.items():
-                    lab = torch.cat([labels[pair][m] for m in ms])
-                    groups[grouping].setdefault(g, {})["auc"] = _auc_from_ranks(plan.ranks[grouping][g], lab)
+                    rs = [ranked[pair][m] for m in ms]
+                    auc = _auc_from_sums(sum(r[0][j] for r in rs), sum(r[1] for r in rs), sum(r[2] for r in rs))
+                    groups[grouping].setdefault(g, {})["auc"] = auc
         point[pair] = groups
     if ck.trainer:
         point["trainer"] = ck.trainer
@@ -709,7 +739,7 @@ def _settings(config: SeriesConfig, plan: _FisherPlan | None) -> dict[str, Any]:
         out["fisher"] = {"k": plan.k, "n": plan.total, "tensors": len(plan.names),
                          "support": f"global top-{config.support_percent:g}% (compute.masks.topk_mask)",
                          "auc_sampled": plan.sampled, "auc_cap": config.auc_cap,
-                         "auc_n": sum(int(r.numel()) for r in plan.ranks["global"].values()),
+                         "auc_n": plan.auc_n,
                          "auc": "ROC-AUC of the Fisher for 'changed' (exact), ties one half"}
     return out
 
