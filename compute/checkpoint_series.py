@@ -59,6 +59,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from compute import series_kernel
 from compute.contract.jobresult import null_progress
 from compute.masks import group_key, n_keep, topk_mask
 from compute.overlap import DEFAULT_CAP, _sample_index, midranks, round_half_up_ratio
@@ -342,7 +343,7 @@ class _Reader:
         fd = self._fds.get(f)
         if fd is None:
             fd = self._fds[f] = os.open(f, os.O_RDONLY)
-        view = memoryview(self._buf)[:nbytes]
+        view = self._buf.data[:nbytes]
         got = 0
         while got < nbytes:
             k = os.preadv(fd, [view[got:]], start + got)
@@ -438,7 +439,7 @@ def _round_bf16(x: np.ndarray, work: _Work, key: str) -> np.ndarray:
 def tensor_counts(
     cur: torch.Tensor, refs: Sequence[torch.Tensor], atol: float, work: _Work | None = None,
     support: torch.Tensor | None = None, sample: torch.Tensor | None = None, want_labels: bool = False,
-    chunk: int | None = None,
+    chunk: int | None = None, kernel: bool | None = None,
 ) -> list[tuple[dict[str, float], torch.Tensor | None]]:
     """Counts of one tensor against each reference (flat tensors of one length), in one sweep.
 
@@ -446,7 +447,9 @@ def tensor_counts(
     unchanged_bf16delta_atol, sq_sum, max_abs, dense_bytes, sparse_bytes[, support_size,
     support_changed, support_sq, support_bytes]}, labels), labels = "changed" at the sample's
     coordinates (every coordinate when sample is None) when want_labels, else None.
-    chunk: elements per sweep step (default CHUNK).
+    chunk: elements per sweep step (default CHUNK). kernel: None (default) uses
+    compute.series_kernel's fused C loop for bfloat16 / float32 pairs when it could be built,
+    False always the numpy sweep, True requires the kernel (RuntimeError without it).
 
     The tensors are swept in chunks that stay in the CPU cache while every count of every
     reference is taken from them, with numpy's vectorised comparisons and counts (PyTorch's
@@ -467,15 +470,27 @@ def tensor_counts(
     f64 = [cur.dtype == torch.float64 or r.dtype == torch.float64 for r in refs]
     acc = [{"changed": 0, "unchanged_atol": 0, "unchanged_bf16": 0, "unchanged_bf16delta_atol": 0,
             "sq_sum": 0.0, "max_abs": 0.0} for _ in refs]
-    for s0 in range(0, n, chunk):
+    lib = series_kernel.kernel() if kernel is not False else None
+    if kernel and lib is None:
+        raise RuntimeError("the series kernel is not available (no C compiler, or FISHERLENS_SERIES_KERNEL=0)")
+    fused = [lib is not None and not f64[j] and series_kernel.supported(cn, rn) for j, rn in enumerate(rns)]
+    for j, rn in enumerate(rns):
+        if fused[j]:
+            k, sq, mx = series_kernel.pair_counts(lib, cn, rn, atol32, t16_32, inclusive16)
+            acc[j].update(changed=n - k[0], unchanged_atol=k[1], sq_sum=sq, max_abs=mx,
+                          unchanged_bf16=k[3], unchanged_bf16delta_atol=k[2] if both16[j] else k[4])
+    swept: list[np.ndarray | None] = [None if fused[j] else rn for j, rn in enumerate(rns)]
+    for s0 in range(0, 0 if all(fused) else n, chunk):
         m = min(chunk, n - s0)
         c = cn[s0:s0 + m]
         c32 = _f32(c, work, "c32")
         c16: np.ndarray | None = None
         d, b = work.get("d", np.float32, m), work.get("b", np.bool_, m)
-        for j, rn in enumerate(rns):
+        for j, rj in enumerate(swept):
+            if rj is None:
+                continue
             a = acc[j]
-            r = rn[s0:s0 + m]
+            r = rj[s0:s0 + m]
             r32 = _f32(r, work, "r32")
             np.subtract(c32, r32, out=d)  # float32 arithmetic: exact zero iff equal (finite weights)
             np.abs(d, out=d)
