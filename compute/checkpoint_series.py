@@ -308,11 +308,24 @@ _ST_DTYPES = {"BF16": (torch.bfloat16, np.uint16), "F16": (torch.float16, np.flo
               "F32": (torch.float32, np.float32), "F64": (torch.float64, np.float64)}
 
 
+class _Slot:
+    """A reusable byte buffer that holds one tensor at a time (grown to the largest)."""
+
+    def __init__(self) -> None:
+        self.buf = np.empty(0, np.uint8)
+
+    def take(self, nbytes: int) -> np.ndarray:
+        if self.buf.size < nbytes:
+            self.buf = np.empty(nbytes, np.uint8)
+        return self.buf[:nbytes]
+
+
 class _Reader:
-    """A source's tensors read into one reusable buffer (its role's): a safetensors file's header
-    parsed once, each tensor brought in with one pread (a copy from the page cache, no mapping
-    kept), so the series holds the base's, the previous and the current tensor of one name and
-    nothing else. Sources that are not safetensors folders (state dicts, modules) use their `get`."""
+    """A source's tensors read into a caller's reusable buffer (a _Slot): a safetensors file's
+    header parsed once, each tensor brought in with one pread (a copy from the page cache, no
+    mapping kept, no file left open), so the series holds the base's, the previous and the
+    current tensor of one name and nothing else. Sources that are not safetensors folders
+    (state dicts, modules) use their `get`."""
 
     def __init__(self, source: Any) -> None:
         self.source = source
@@ -327,38 +340,30 @@ class _Reader:
                     if n != "__metadata__" and where.get(n) == f and meta.get("dtype") in _ST_DTYPES:
                         b, e = meta["data_offsets"]
                         self._where[n] = (f, meta["dtype"], 8 + size + b, 8 + size + e)
-        self._fds: dict[Path, int] = {}
-        self._buf = np.empty(0, np.uint8)
 
-    def get(self, name: str) -> torch.Tensor:
-        """The flat tensor `name`; a view of this reader's buffer for safetensors sources (valid
-        until the next get)."""
+    def get(self, name: str, slot: _Slot) -> torch.Tensor:
+        """The flat tensor `name`; for safetensors sources a view of `slot` (valid until the
+        slot's next use)."""
         w = self._where.get(name)
         if w is None:
             return self.source.get(name).flatten()
         f, dt, start, end = w
         nbytes = end - start
-        if self._buf.size < nbytes:
-            self._buf = np.empty(nbytes, np.uint8)
-        fd = self._fds.get(f)
-        if fd is None:
-            fd = self._fds[f] = os.open(f, os.O_RDONLY)
-        view = self._buf.data[:nbytes]
-        got = 0
-        while got < nbytes:
-            k = os.preadv(fd, [view[got:]], start + got)
-            if k <= 0:
-                raise ValueError(f"{f}: tensor {name!r} is cut short (file truncated while reading?)")
-            got += k
-        tdt, ndt = _ST_DTYPES[dt]
-        arr = self._buf[:nbytes].view(ndt)
-        t = torch.from_numpy(arr)
-        return t.view(torch.bfloat16) if tdt == torch.bfloat16 else t
-
-    def close(self) -> None:
-        for fd in self._fds.values():
+        buf = slot.take(nbytes)
+        view = buf.data
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            got = 0
+            while got < nbytes:
+                k = os.preadv(fd, [view[got:]], start + got)
+                if k <= 0:
+                    raise ValueError(f"{f}: tensor {name!r} is cut short (file truncated while reading?)")
+                got += k
+        finally:
             os.close(fd)
-        self._fds.clear()
+        tdt, ndt = _ST_DTYPES[dt]
+        t = torch.from_numpy(buf.view(ndt))
+        return t.view(torch.bfloat16) if tdt == torch.bfloat16 else t
 
 
 # ---------------------------------------------------------------------------------------------
@@ -659,24 +664,32 @@ def checkpoint_series(
                if not _is_float(src_b.dtype(n)) or any(not _is_float(c.source.dtype(n)) for c in ckpts)}
     names = [n for n in names if n not in skipped]
     work = _Work(CHUNK)
-    points = []
     t_start = time.perf_counter()
-    base_reader = _Reader(src_b)
-    try:
-        for i, ck in enumerate(ckpts):
-            progress(i / len(ckpts), f"{ck.name} ({i + 1}/{len(ckpts)})")
+    # name by name, every checkpoint in step order: each tensor is read once (the base's, then
+    # checkpoint k's, which is the previous one of checkpoint k+1), into three reusable slots
+    readers = [_Reader(src_b)] + [_Reader(ck.source) for ck in ckpts]
+    slots = (_Slot(), _Slot(), _Slot())
+    accs = [_PointAcc() for _ in ckpts]
+    for j, n in enumerate(names):
+        progress(j / len(names), f"{n} ({j + 1}/{len(names)} tensors x {len(ckpts)} checkpoints)")
+        t0 = time.perf_counter()
+        base_t = readers[0].get(n, slots[0])
+        base_s = (time.perf_counter() - t0) / len(ckpts)  # the base's read, shared by every point
+        prev_t = base_t
+        for i, acc in enumerate(accs):
             t0 = time.perf_counter()
-            cur, prev = _Reader(ck.source), _Reader(ckpts[i - 1].source if i else src_b)
-            try:
-                point = _point(ck, cur, base_reader, prev, names, plan, config, work)
-            finally:
-                cur.close()
-                prev.close()
-            point["prev_step"] = ckpts[i - 1].step if i else 0
-            point["seconds"] = round(time.perf_counter() - t0, 4)
-            points.append(point)
-    finally:
-        base_reader.close()
+            cur_t = readers[i + 1].get(n, slots[1 + i % 2])
+            acc.add(n, cur_t, base_t, prev_t, plan, config, work)
+            acc.seconds += time.perf_counter() - t0 + base_s
+            prev_t = cur_t
+        del base_t, prev_t
+    points = []
+    for i, (ck, acc) in enumerate(zip(ckpts, accs, strict=True)):
+        t0 = time.perf_counter()
+        point = acc.finish(ck, plan, config)
+        point["prev_step"] = ckpts[i - 1].step if i else 0
+        point["seconds"] = round(acc.seconds + time.perf_counter() - t0, 4)
+        points.append(point)
     progress(1.0, f"{len(ckpts)} checkpoints in {time.perf_counter() - t_start:.1f} s")
     return SeriesResult(points, _settings(config, plan), skipped)
 
@@ -685,45 +698,53 @@ def _is_float(dtype: str) -> bool:
     return dtype.upper().replace("TORCH.", "").startswith(("F", "BF"))
 
 
-def _point(ck: RunCheckpoint, source: _Reader, base: _Reader, prev: _Reader, names: list[str],
-           plan: _FisherPlan | None, config: SeriesConfig, work: _Work) -> dict[str, Any]:
-    per: dict[str, dict[str, dict[str, float]]] = {p: {} for p in PAIRS}
-    # per pair and tensor: (rank sum over the changed sample coordinates per grouping, changed, m);
-    # mid-ranks are half-integers, so these float64 sums are exact (below 2^52) and add up exactly
-    ranked: dict[str, dict[str, tuple[list[float], int, int]]] = {p: {} for p in PAIRS}
-    dtypes: dict[str, int] = {}
-    for n in names:
-        cur = source.get(n)
+class _PointAcc:
+    """One checkpoint's per-tensor counts as the names stream by, and its seconds."""
+
+    def __init__(self) -> None:
+        self.per: dict[str, dict[str, dict[str, float]]] = {p: {} for p in PAIRS}
+        # per pair and tensor: (rank sum over the changed sample coordinates per grouping, changed,
+        # m); mid-ranks are half-integers, so these float64 sums are exact (below 2^52) and add up
+        # exactly
+        self.ranked: dict[str, dict[str, tuple[list[float], int, int]]] = {p: {} for p in PAIRS}
+        self.dtypes: dict[str, int] = {}
+        self.seconds = 0.0
+
+    def add(self, n: str, cur: torch.Tensor, base: torch.Tensor, prev: torch.Tensor, plan: _FisherPlan | None,
+            config: SeriesConfig, work: _Work) -> None:
         dt = str(cur.dtype).replace("torch.", "")
-        dtypes[dt] = dtypes.get(dt, 0) + cur.numel()
+        self.dtypes[dt] = self.dtypes.get(dt, 0) + cur.numel()
         in_fisher = plan is not None and n in plan.support
-        refs = [base.get(n), prev.get(n)]
-        res = tensor_counts(cur, refs, config.atol, work,
+        res = tensor_counts(cur, [base, prev], config.atol, work,
                             support=plan.support[n] if plan is not None and in_fisher else None,
                             sample=plan.sample[n] if plan is not None and in_fisher else None,
                             want_labels=in_fisher)
         for pair, (counts, lab) in zip(PAIRS, res, strict=True):
             if plan is not None and not in_fisher:  # outside the Fisher: not in the support
                 counts.update(support_size=0.0, support_changed=0.0, support_sq=0.0, support_bytes=0.0)
-            per[pair][n] = counts
+            self.per[pair][n] = counts
             if lab is not None and plan is not None:
                 sums = torch.mv(plan.rank_cols[n].t(), lab.to(torch.float64)).tolist()
-                ranked[pair][n] = (sums, int(np.count_nonzero(_as_numpy(lab))), lab.numel())
-        del cur, refs, res
-    point: dict[str, Any] = {"step": ck.step, "checkpoint": ck.name,
-                             "dtype": max(dtypes, key=lambda k: dtypes[k]) if dtypes else None}
-    for pair in PAIRS:
-        groups = _group(per[pair], config.atol)
-        if plan is not None:
-            for j, (grouping, gs) in enumerate(plan.members.items()):
-                for g, ms in gs.items():
-                    rs = [ranked[pair][m] for m in ms]
-                    auc = _auc_from_sums(sum(r[0][j] for r in rs), sum(r[1] for r in rs), sum(r[2] for r in rs))
-                    groups[grouping].setdefault(g, {})["auc"] = auc
-        point[pair] = groups
-    if ck.trainer:
-        point["trainer"] = ck.trainer
-    return point
+                self.ranked[pair][n] = (sums, int(np.count_nonzero(_as_numpy(lab))), lab.numel())
+
+    def finish(self, ck: RunCheckpoint, plan: _FisherPlan | None, config: SeriesConfig) -> dict[str, Any]:
+        dtypes = self.dtypes
+        point: dict[str, Any] = {"step": ck.step, "checkpoint": ck.name,
+                                 "dtype": max(dtypes, key=lambda k: dtypes[k]) if dtypes else None}
+        for pair in PAIRS:
+            groups = _group(self.per[pair], config.atol)
+            if plan is not None:
+                ranked = self.ranked[pair]
+                for j, (grouping, gs) in enumerate(plan.members.items()):
+                    for g, ms in gs.items():
+                        rs = [ranked[m] for m in ms]
+                        auc = _auc_from_sums(sum(r[0][j] for r in rs), sum(r[1] for r in rs),
+                                             sum(r[2] for r in rs))
+                        groups[grouping].setdefault(g, {})["auc"] = auc
+            point[pair] = groups
+        if ck.trainer:
+            point["trainer"] = ck.trainer
+        return point
 
 
 def _settings(config: SeriesConfig, plan: _FisherPlan | None) -> dict[str, Any]:
