@@ -46,6 +46,7 @@ tensor pair in preallocated buffers (benchmarks/bench_series.py measures it agai
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -371,6 +372,7 @@ class _Reader:
 # ---------------------------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=64)
 def bf16_round_threshold(atol: float) -> tuple[float, bool]:
     """(t, inclusive) such that for x >= 0 in float32: bf16(x) <= bf16(atol)  <=>  x <= t
     (inclusive) or x < t.
@@ -404,6 +406,7 @@ class _Work:
         return b[:n]
 
 
+@functools.lru_cache(maxsize=64)
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
@@ -598,18 +601,30 @@ def _metrics(c: Mapping[str, float], atol: float) -> dict[str, float]:
     return out
 
 
+@functools.lru_cache(maxsize=65536)
+def _group_key(name: str, grouping: str) -> str:
+    return group_key(name, grouping)
+
+
 def _group(per_tensor: Mapping[str, Mapping[str, float]], atol: float) -> dict[str, dict[str, dict[str, float]]]:
+    """Per-tensor counts summed per group (in name order, left to right), max_abs the maximum."""
     out: dict[str, dict[str, dict[str, float]]] = {}
+    if not per_tensor:
+        return {grouping: {} for grouping in GROUPINGS}
+    keys = [k for k in next(iter(per_tensor.values())) if k in _SUMMED]  # every tensor has the same keys
     for grouping in GROUPINGS:
-        acc: dict[str, dict[str, float]] = {}
+        members: dict[str, list[Mapping[str, float]]] = {}
         for n, st in per_tensor.items():
-            a = acc.setdefault(group_key(n, grouping), {})
-            for k, v in st.items():
-                if k in _SUMMED:
-                    a[k] = a.get(k, 0.0) + v
-                elif k == "max_abs":
-                    a[k] = max(a.get(k, 0.0), v)
-        out[grouping] = {g: _metrics(c, atol) for g, c in acc.items()}
+            members.setdefault(_group_key(n, grouping), []).append(st)
+        groups = {}
+        for g, sts in members.items():
+            a = {k: sum((st[k] for st in sts), 0.0) for k in keys}
+            m = 0.0
+            for st in sts:
+                m = max(m, st["max_abs"])
+            a["max_abs"] = m
+            groups[g] = _metrics(a, atol)
+        out[grouping] = groups
     return out
 
 
