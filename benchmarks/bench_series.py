@@ -273,6 +273,7 @@ def main() -> None:
     from compute import series_kernel
 
     torch.set_num_threads(args.threads)
+    series_kernel.kernel()  # built once per machine (cached): not inside the first timed point
     tmp = Path(tempfile.mkdtemp(prefix="bench-series-"))
     try:
         results = [bench_dtype(d, args, tmp) for d in args.dtypes]

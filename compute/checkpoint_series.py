@@ -244,15 +244,16 @@ class _FisherPlan:
 
     The sample's indices are sorted (gathers walk memory forward; the ranks are permuted with
     them, so every rank sum, hence every AUC, is the same), and each tensor keeps its slice of
-    its groups' mid-ranks as one (m, len(GROUPINGS)) float64 matrix: a point's rank sums over
-    the changed coordinates are then one matrix-vector product per tensor and pair."""
+    its groups' mid-ranks, doubled (integers), as one (m, len(GROUPINGS)) int32 matrix: a point's
+    rank sums over the changed coordinates are then exact integer sums (compute.series_kernel's
+    fisher_pair, or one float64 matrix-vector product per tensor and pair, exact below 2^53)."""
 
     names: list[str]
     k: int
     total: int
     support: dict[str, torch.Tensor]  # name -> int64 flat indices of S in that tensor (sorted)
     sample: dict[str, torch.Tensor | None]  # name -> sorted int64 indices (None: every coordinate)
-    rank_cols: dict[str, torch.Tensor]  # name -> (m, len(GROUPINGS)) float64 mid-ranks in its groups
+    rank_cols: dict[str, torch.Tensor]  # name -> (m, len(GROUPINGS)) int32: 2 x mid-ranks in its groups
     members: dict[str, dict[str, list[str]]]  # grouping -> group -> names (in self.names order)
     sampled: bool
     auc_n: int  # coordinates the AUC ranks
@@ -288,7 +289,7 @@ def plan_fisher(fisher: Mapping[str, torch.Tensor], base: Any, config: SeriesCon
             sample[n], scores[n] = None, f.clone()
         del f
     members: dict[str, dict[str, list[str]]] = {}
-    rank_cols = {n: torch.empty((scores[n].numel(), len(GROUPINGS)), dtype=torch.float64) for n in names}
+    rank_cols = {n: torch.empty((scores[n].numel(), len(GROUPINGS)), dtype=torch.int32) for n in names}
     for j, grouping in enumerate(GROUPINGS):
         groups: dict[str, list[str]] = {}
         for n in names:
@@ -298,7 +299,7 @@ def plan_fisher(fisher: Mapping[str, torch.Tensor], base: Any, config: SeriesCon
             r, at = midranks(torch.cat([scores[n] for n in ms])), 0
             for n in ms:
                 m = scores[n].numel()
-                rank_cols[n][:, j] = r[at:at + m]
+                rank_cols[n][:, j] = (r[at:at + m] * 2).to(torch.int32)  # half-integers: exact
                 at += m
             del r
     auc_n = sum(int(v.numel()) for v in scores.values())
@@ -730,6 +731,22 @@ class _PointAcc:
         dt = str(cur.dtype).replace("torch.", "")
         self.dtypes[dt] = self.dtypes.get(dt, 0) + cur.numel()
         in_fisher = plan is not None and n in plan.support
+        lib = series_kernel.kernel() if in_fisher else None
+        arrays = [_as_numpy(t) for t in (cur, base, prev)] if lib is not None else []
+        if plan is not None and lib is not None and all(a.dtype in (np.uint16, np.float32) for a in arrays):
+            # the dense counts, then the Fisher's share in one C loop (gathers, labels, rank sums)
+            res = tensor_counts(cur, [base, prev], config.atol, work)
+            sample = plan.sample[n]
+            m = cur.numel() if sample is None else sample.numel()
+            fp = series_kernel.fisher_pair(lib, arrays[0], arrays[1:], None if sample is None else sample.numpy(),
+                                           m, plan.rank_cols[n].numpy(), plan.support[n].numpy())
+            item = _itemsize(cur.dtype)
+            for pair, (counts, _), (sums2, npos, sup_changed, sup_sq) in zip(PAIRS, res, fp, strict=True):
+                counts.update(support_size=float(plan.support[n].numel()), support_changed=float(sup_changed),
+                              support_sq=sup_sq, support_bytes=float(plan.support[n].numel() * item))
+                self.per[pair][n] = counts
+                self.ranked[pair][n] = ([x / 2 for x in sums2], npos, m)
+            return
         res = tensor_counts(cur, [base, prev], config.atol, work,
                             support=plan.support[n] if plan is not None and in_fisher else None,
                             sample=plan.sample[n] if plan is not None and in_fisher else None,
@@ -739,8 +756,8 @@ class _PointAcc:
                 counts.update(support_size=0.0, support_changed=0.0, support_sq=0.0, support_bytes=0.0)
             self.per[pair][n] = counts
             if lab is not None and plan is not None:
-                sums = torch.mv(plan.rank_cols[n].t(), lab.to(torch.float64)).tolist()
-                self.ranked[pair][n] = (sums, int(np.count_nonzero(_as_numpy(lab))), lab.numel())
+                sums = torch.mv(plan.rank_cols[n].t().double(), lab.to(torch.float64)).tolist()
+                self.ranked[pair][n] = ([x / 2 for x in sums], int(np.count_nonzero(_as_numpy(lab))), lab.numel())
 
     def finish(self, ck: RunCheckpoint, plan: _FisherPlan | None, config: SeriesConfig) -> dict[str, Any]:
         dtypes = self.dtypes

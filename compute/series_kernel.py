@@ -87,6 +87,39 @@ void NAME(const CT* restrict c, const RT* restrict r, int64_t n, float A, float 
   *sq = ss; *mx = mm;                                                                           \
 }
 
+/* The Fisher's share of a point, for one current tensor against two references (bf16 or f32
+   each, kind 1 / 0): over the AUC sample (sorted flat indices, or every coordinate when sample is
+   NULL) the sum of 2 x mid-rank per grouping (r2: m x 4 int32) over the coordinates where cur !=
+   ref (compared as float32: NaN unequal, -0 == +0) and their number; over the support (sorted
+   flat indices) the coordinates whose float32 delta is nonzero and the delta's squared sum.
+   out: per reference 5 int64 [4 rank sums, changed]; sup: per reference changed; sq: per reference. */
+static inline float ld(const void* p, int kind, int64_t i) {
+  return kind ? f_bf16(((const uint16_t*)p)[i]) : ((const float*)p)[i];
+}
+void fisher_pair(const void* c, int ck, const void* a, int ak, const void* b, int bk,
+                 const int64_t* sample, int64_t m, const int32_t* r2,
+                 const int64_t* support, int64_t s, int64_t* out, int64_t* sup, double* sq) {
+  int64_t o[10] = {0};
+  for (int64_t i = 0; i < m; i++) {
+    int64_t x = sample ? sample[i] : i;
+    float cv = ld(c, ck, x), av = ld(a, ak, x), bv = ld(b, bk, x);
+    const int32_t* r = r2 + 4 * i;
+    int64_t la = cv != av, lb = cv != bv;
+    o[0] += la * r[0]; o[1] += la * r[1]; o[2] += la * r[2]; o[3] += la * r[3]; o[4] += la;
+    o[5] += lb * r[0]; o[6] += lb * r[1]; o[7] += lb * r[2]; o[8] += lb * r[3]; o[9] += lb;
+  }
+  for (int j = 0; j < 10; j++) out[j] = o[j];
+  int64_t na = 0, nb = 0; double qa = 0, qb = 0;
+  for (int64_t i = 0; i < s; i++) {
+    int64_t x = support[i];
+    float cv = ld(c, ck, x);
+    float da = cv - ld(a, ak, x), db = cv - ld(b, bk, x);
+    na += da != 0.0f; nb += db != 0.0f;
+    qa += (double)da * (double)da; qb += (double)db * (double)db;
+  }
+  sup[0] = na; sup[1] = nb; sq[0] = qa; sq[1] = qb;
+}
+
 KERNEL(counts_bb, uint16_t, f_bf16, uint16_t, f_bf16, 1)
 KERNEL(counts_ff, float, f_f32, float, f_f32, 0)
 KERNEL(counts_bf, uint16_t, f_bf16, float, f_f32, 0)
@@ -137,6 +170,9 @@ def _build() -> Any:
             fn = getattr(lib, f"counts_{a}{b}")
             fn.argtypes = [p, p, ctypes.c_int64, ctypes.c_float, ctypes.c_float, p, p, p]
             fn.restype = None
+    i = ctypes.c_int
+    lib.fisher_pair.argtypes = [p, i, p, i, p, i, p, ctypes.c_int64, p, p, ctypes.c_int64, p, p, p]
+    lib.fisher_pair.restype = None
     return lib
 
 
@@ -173,3 +209,25 @@ def pair_counts(lib: Any, c: np.ndarray, r: np.ndarray, atol32: np.float32, t16:
     fn(c.ctypes.data, r.ctypes.data, c.size, float(atol32), float(t), out.ctypes.data, sq.ctypes.data,
        mx.ctypes.data)
     return [int(x) for x in out], float(sq[0]), float(mx[0])
+
+
+def fisher_pair(lib: Any, c: np.ndarray, refs: list[np.ndarray], sample: np.ndarray | None, m: int,
+                r2: np.ndarray, support: np.ndarray) -> list[tuple[list[int], int, int, float]]:
+    """Per reference: ([rank sums x 2 per grouping], changed in the sample, changed on the
+    support, squared delta on the support) (see SOURCE's fisher_pair). c and refs: flat,
+    contiguous, bfloat16 bits (uint16) or float32; sample / support: sorted int64 indices
+    (sample None: every coordinate); r2: (m, 4) int32, 2 x the mid-ranks."""
+    c = np.ascontiguousarray(c)
+    a, b = (np.ascontiguousarray(r) for r in refs)
+    sample = None if sample is None else np.ascontiguousarray(sample, dtype=np.int64)
+    support = np.ascontiguousarray(support, dtype=np.int64)
+    r2 = np.ascontiguousarray(r2, dtype=np.int32)
+    out = np.zeros(10, np.int64)
+    sup = np.zeros(2, np.int64)
+    sq = np.zeros(2, np.float64)
+    kind = {np.dtype(np.uint16): 1, np.dtype(np.float32): 0}
+    lib.fisher_pair(c.ctypes.data, kind[c.dtype], a.ctypes.data, kind[a.dtype], b.ctypes.data, kind[b.dtype],
+                    None if sample is None else sample.ctypes.data, m, r2.ctypes.data,
+                    support.ctypes.data, support.size, out.ctypes.data, sup.ctypes.data, sq.ctypes.data)
+    return [([int(x) for x in out[5 * j:5 * j + 4]], int(out[5 * j + 4]), int(sup[j]), float(sq[j]))
+            for j in range(2)]

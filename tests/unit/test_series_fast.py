@@ -19,7 +19,7 @@ from compute.checkpoint_series import (
     checkpoint_series,
     tensor_counts,
 )
-from compute.masks import group_key
+from compute.masks import group_key, topk_mask
 
 ATOL = 1e-5
 PAIRS = [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
@@ -103,7 +103,13 @@ def _pairwise_auc(score: torch.Tensor, labels: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_fisher_auc_with_ties_equals_pairwise_mann_whitney(tmp_path: Path, dtype: torch.dtype) -> None:
+@pytest.mark.parametrize("kernel", ["1", "0"])
+def test_fisher_auc_with_ties_equals_pairwise_mann_whitney(tmp_path: Path, dtype: torch.dtype, kernel: str,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both paths: the C kernel's integer rank sums and the numpy / PyTorch float64 ones."""
+    if kernel == "1" and series_kernel.kernel() is None:
+        pytest.skip("no C compiler here")
+    monkeypatch.setenv("FISHERLENS_SERIES_KERNEL", kernel)
     g = torch.Generator().manual_seed(7)
     shapes = {"model.layers.0.self_attn.q_proj.weight": (24, 16), "model.layers.0.mlp.up_proj.weight": (32, 16),
               "model.layers.1.self_attn.q_proj.weight": (24, 16), "model.norm.weight": (16,)}
@@ -134,3 +140,8 @@ def test_fisher_auc_with_ties_equals_pairwise_mann_whitney(tmp_path: Path, dtype
                     want = _pairwise_auc(score, labels)
                     got = point[pair][grouping][gname]["auc"]
                     assert got == pytest.approx(want, rel=1e-12, nan_ok=True), (i, pair, grouping, gname)
+            # the fixed support (the Fisher's top-k, ties by position): its changed coordinates
+            support = topk_mask(fisher, res.settings["fisher"]["k"])
+            sup = point[pair]["global"]["all"]
+            assert sup["support_size"] == res.settings["fisher"]["k"]
+            assert sup["support_changed"] == sum(int((changed[n] & support[n].flatten()).sum()) for n in shapes)
