@@ -161,6 +161,7 @@ def bench_dtype(dtype: str, args: argparse.Namespace, tmp: Path) -> dict[str, An
     fisher_path = root / "fisher.safetensors"
     g = torch.Generator().manual_seed(99)
     save_file({n: torch.rand(s, generator=g) ** 4 for n, s in sh.items()}, str(fisher_path))
+    os.sync()  # the run folder on disk, as a finished training run's (no write-back during the timings)
     folders = [base] + sorted((run.glob("checkpoint-*")), key=lambda p: int(p.name.split("-")[1]))
     rows: list[dict[str, Any]] = []
     wholes: list[dict[str, Any]] = []
