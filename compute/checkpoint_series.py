@@ -38,10 +38,14 @@ support S both sides know, chosen once:
   sample of `auc_cap` coordinates when the Fisher is larger, exactly as compute.overlap.score_vs_target
   samples them.
 
-Memory: one tensor name at a time (the base's, the previous checkpoint's and the current one's,
-streamed from safetensors) plus float32 work buffers of the largest tensor's size, the support's
-flat indices (|S| int64) and the AUC sample (<= auc_cap coordinates). Time: a few passes over each
-tensor pair in preallocated buffers (benchmarks/bench_series.py measures it against reading).
+Order, memory, time: name by name, every checkpoint in step order, so each tensor is read once
+(one pread from its safetensors file into one of three reusable buffers: the base's, the previous
+checkpoint's, the current one's; no mapping kept). In memory: those three tensors of one name, the
+support's flat indices (|S| int64), the AUC sample's indices and its 2 x mid-ranks per grouping
+(<= auc_cap x (8 + 16) bytes) and a few numbers per tensor and checkpoint. The counts of a pair,
+and the Fisher's share of a point, are one C loop each (compute.series_kernel, built with the system
+compiler on first use; without one, numpy sweeps in cache-sized chunks with the same counts):
+benchmarks/bench_series.py measures a point against reading its tensors and the previous ones.
 """
 
 from __future__ import annotations
