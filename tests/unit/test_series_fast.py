@@ -145,3 +145,22 @@ def test_fisher_auc_with_ties_equals_pairwise_mann_whitney(tmp_path: Path, dtype
             sup = point[pair]["global"]["all"]
             assert sup["support_size"] == res.settings["fisher"]["k"]
             assert sup["support_changed"] == sum(int((changed[n] & support[n].flatten()).sum()) for n in shapes)
+
+
+def test_no_compiler_falls_back_to_numpy_with_the_same_counts(monkeypatch: pytest.MonkeyPatch,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    """A compiler that fails (here /bin/false as CC): kernel() is None, a warning says why, and
+    tensor_counts gives the brute-force counts through numpy; kernel=True refuses clearly."""
+    monkeypatch.setattr(series_kernel, "_tried", False)
+    monkeypatch.setattr(series_kernel, "_lib", None)
+    monkeypatch.setenv("CC", "/bin/false")
+    with caplog.at_level("WARNING", logger="compute.series_kernel"):
+        assert series_kernel.kernel() is None
+    assert "series kernel unavailable" in caplog.text and "/bin/false failed" in caplog.text
+    cur, ref = _tied_pair(3001, torch.bfloat16, torch.float32, 5)
+    st = tensor_counts(cur, [ref], ATOL)[0][0]
+    want = _brute(cur, ref)
+    for k in ("unchanged_exact", "unchanged_bf16", "unchanged_atol", "unchanged_bf16delta_atol", "max_abs"):
+        assert st[k] == want[k], k
+    with pytest.raises(RuntimeError, match="series kernel is not available"):
+        tensor_counts(cur, [ref], ATOL, kernel=True)
