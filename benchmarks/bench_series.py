@@ -10,10 +10,16 @@ What is measured, in one process, on one synthetic run folder per stored dtype:
 - `read`: for checkpoint k, every tensor of checkpoint k and of checkpoint k-1 (the base for the
   first) read with safetensors `safe_open(...).get_tensor(name).clone()`: the bytes brought into
   process memory (get_tensor alone maps the file lazily and touches nothing);
-- `point`: compute.checkpoint_series's time for checkpoint k (the `seconds` of its point: reading
-  the base's, the previous and the current tensor of every name, both pairs, both conventions,
-  the sync bytes), without a Fisher, and with a Fisher (top-1% support, AUC) as a second number;
-- `ratio` = point / read of the same checkpoint in the same round. Rounds alternate read and
+- `point`: compute.checkpoint_series's time for checkpoint k (the `seconds` of its point). The
+  series goes name by name through every checkpoint, so each tensor is read once: a point's
+  seconds are reading checkpoint k's tensors, both pairs (vs the base, vs the previous one, held
+  from the step before), both conventions, the sync bytes, its groups, plus 1/K of reading the
+  base. Without a Fisher, and with a Fisher (top-1% support, AUC) as a second number (the
+  Fisher's one-time plan, its top-k and ranks, is not in any point; see `series`);
+- `ratio` = point / read of the same checkpoint in the same round;
+- `series`: the whole checkpoint_series call (opening, plan, every point) / the sum of the
+  round's reads: the end-to-end ratio, with and without the Fisher;
+- `kernel`: whether compute.series_kernel's C loop ran (`--no-kernel`: the numpy sweep). Rounds alternate read and
   series so load spikes on a shared machine hit both; the table gives the median and the worst
   ratio over rounds and checkpoints. The goal (issue 19): point <= 3x read, with SVD off.
 - `--cold`: before each read and each series run, the files are dropped from the page cache
@@ -155,8 +161,10 @@ def bench_dtype(dtype: str, args: argparse.Namespace, tmp: Path) -> dict[str, An
     fisher_path = root / "fisher.safetensors"
     g = torch.Generator().manual_seed(99)
     save_file({n: torch.rand(s, generator=g) ** 4 for n, s in sh.items()}, str(fisher_path))
+    os.sync()  # the run folder on disk, as a finished training run's (no write-back during the timings)
     folders = [base] + sorted((run.glob("checkpoint-*")), key=lambda p: int(p.name.split("-")[1]))
     rows: list[dict[str, Any]] = []
+    wholes: list[dict[str, Any]] = []
     for r in range(args.rounds):
         reads = []
         for k in range(1, len(folders)):
@@ -165,10 +173,16 @@ def bench_dtype(dtype: str, args: argparse.Namespace, tmp: Path) -> dict[str, An
             reads.append(read_time(folders[k], folders[k - 1]))
         if args.cold:
             drop_cache(folders + [root])
+        t0 = time.perf_counter()
         res = checkpoint_series(base, run)
+        whole = time.perf_counter() - t0
         if args.cold:
             drop_cache(folders + [root])
+        t0 = time.perf_counter()
         res_f = checkpoint_series(base, run, fisher=LazyTensors(fisher_path))
+        whole_f = time.perf_counter() - t0
+        wholes.append({"round": r, "reads_s": sum(reads), "series_s": whole, "series_fisher_s": whole_f,
+                       "ratio_series": whole / sum(reads), "ratio_series_fisher": whole_f / sum(reads)})
         for k in range(1, len(folders)):
             point, point_f = res.points[k - 1]["seconds"], res_f.points[k - 1]["seconds"]
             rows.append({"round": r, "step": k, "read_s": reads[k - 1], "point_s": point,
@@ -185,7 +199,9 @@ def bench_dtype(dtype: str, args: argparse.Namespace, tmp: Path) -> dict[str, An
     out = {
         "dtype": dtype, "n_params": n_params, "checkpoint_mb": round(size_mb, 1),
         "largest_tensor_numel": largest, "checkpoints": args.checkpoints, "rounds": args.rounds,
-        "rows": rows,
+        "rows": rows, "series_rounds": wholes,
+        "ratio_series_median": statistics.median(x["ratio_series"] for x in wholes),
+        "ratio_series_fisher_median": statistics.median(x["ratio_series_fisher"] for x in wholes),
         "ratio_median": statistics.median(x["ratio"] for x in rows),
         "ratio_max": max(x["ratio"] for x in rows),
         "ratio_fisher_median": statistics.median(x["ratio_fisher"] for x in rows),
@@ -215,20 +231,23 @@ def table(data: dict[str, Any]) -> str:
     lines = [
         f"Source: `benchmarks/results/bench_series.json` (`{data['command']}`, commit {data['commit']}, "
         f"{data['date']}, torch {data['torch']}, threads {data['threads']}, page cache: "
-        f"{'cold (dropped before each read and series)' if data['cold'] else 'warm'}, load average at the "
+        f"{'cold (dropped before each read and series)' if data['cold'] else 'warm'}, "
+        f"{'C kernel' if data['kernel'] else 'numpy sweep'}, load average at the "
         f"end {data['loadavg']}). Ratio: a checkpoint's series time / the time to read its tensors and "
         f"the previous checkpoint's, same round; median and worst over {data['results'][0]['rounds']} rounds x "
         f"{data['results'][0]['checkpoints']} checkpoints.",
         "",
         "| stored dtype | params | checkpoint MB | read s (median) | point s (median) | ratio median | ratio worst "
-        "| with Fisher: ratio median | worst | series peak RSS +MB (with Fisher) |",
-        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| with Fisher: ratio median | worst | whole series / reads (with Fisher, plan included) "
+        "| series peak RSS +MB (with Fisher) |",
+        "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in data["results"]:
         lines.append(
             f"| {r['dtype']} | {r['n_params'] / 1e6:.1f}M | {r['checkpoint_mb']} | {r['read_s_median']:.3f} | "
             f"{r['point_s_median']:.3f} | {r['ratio_median']:.2f} | {r['ratio_max']:.2f} | "
-            f"{r['ratio_fisher_median']:.2f} | {r['ratio_fisher_max']:.2f} | {r['rss_mb_extra_series']} "
+            f"{r['ratio_fisher_median']:.2f} | {r['ratio_fisher_max']:.2f} | {r['ratio_series_median']:.2f} "
+            f"({r['ratio_series_fisher_median']:.2f}) | {r['rss_mb_extra_series']} "
             f"({r['rss_mb_extra_series_fisher']}) |")
     return "\n".join(lines) + "\n"
 
@@ -246,10 +265,16 @@ def main() -> None:
     ap.add_argument("--cold", action="store_true", help="drop the files from the page cache before each timing")
     ap.add_argument("--out", default=str(RESULTS / "bench_series.json"))
     ap.add_argument("--no-save", action="store_true")
+    ap.add_argument("--no-kernel", action="store_true", help="the numpy sweep instead of the C kernel")
     args = ap.parse_args()
+    if args.no_kernel:
+        os.environ["FISHERLENS_SERIES_KERNEL"] = "0"  # children (peak RSS) inherit it
     import torch
 
+    from compute import series_kernel
+
     torch.set_num_threads(args.threads)
+    series_kernel.kernel()  # built once per machine (cached): not inside the first timed point
     tmp = Path(tempfile.mkdtemp(prefix="bench-series-"))
     try:
         results = [bench_dtype(d, args, tmp) for d in args.dtypes]
@@ -262,6 +287,7 @@ def main() -> None:
         "machine": platform.machine(), "cpus": os.cpu_count(),
         "loadavg": round(os.getloadavg()[0], 1),
         "goal": "point <= 3x read (issue 19), SVD off",
+        "kernel": series_kernel.kernel() is not None,
         "results": results,
     }
     md = table(data)

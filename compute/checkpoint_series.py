@@ -38,16 +38,22 @@ support S both sides know, chosen once:
   sample of `auc_cap` coordinates when the Fisher is larger, exactly as compute.overlap.score_vs_target
   samples them.
 
-Memory: one tensor name at a time (the base's, the previous checkpoint's and the current one's,
-streamed from safetensors) plus float32 work buffers of the largest tensor's size, the support's
-flat indices (|S| int64) and the AUC sample (<= auc_cap coordinates). Time: a few passes over each
-tensor pair in preallocated buffers (benchmarks/bench_series.py measures it against reading).
+Order, memory, time: name by name, every checkpoint in step order, so each tensor is read once
+(one pread from its safetensors file into one of three reusable buffers: the base's, the previous
+checkpoint's, the current one's; no mapping kept). In memory: those three tensors of one name, the
+support's flat indices (|S| int64), the AUC sample's indices and its 2 x mid-ranks per grouping
+(<= auc_cap x (8 + 16) bytes) and a few numbers per tensor and checkpoint. The counts of a pair,
+and the Fisher's share of a point, are one C loop each (compute.series_kernel, built with the system
+compiler on first use; without one, numpy sweeps in cache-sized chunks with the same counts):
+benchmarks/bench_series.py measures a point against reading its tensors and the previous ones.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
+import os
 import re
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -58,6 +64,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from compute import series_kernel
 from compute.contract.jobresult import null_progress
 from compute.masks import group_key, n_keep, topk_mask
 from compute.overlap import DEFAULT_CAP, _sample_index, midranks, round_half_up_ratio
@@ -237,16 +244,23 @@ def _fisher_shape(fisher: Mapping[str, torch.Tensor], name: str) -> tuple[int, .
 class _FisherPlan:
     """What the series needs of the Fisher, computed once: the support's flat indices per tensor,
     the AUC sample's indices per tensor (None = every coordinate) and the Fisher's mid-ranks per
-    group of the sample (the score is fixed, only the labels change from point to point)."""
+    group of the sample (the score is fixed, only the labels change from point to point).
+
+    The sample's indices are sorted (gathers walk memory forward; the ranks are permuted with
+    them, so every rank sum, hence every AUC, is the same), and each tensor keeps its slice of
+    its groups' mid-ranks, doubled (integers), as one (m, len(GROUPINGS)) int32 matrix: a point's
+    rank sums over the changed coordinates are then exact integer sums (compute.series_kernel's
+    fisher_pair, or one float64 matrix-vector product per tensor and pair, exact below 2^53)."""
 
     names: list[str]
     k: int
     total: int
-    support: dict[str, torch.Tensor]  # name -> int64 flat indices of S in that tensor
-    sample: dict[str, torch.Tensor | None]
-    ranks: dict[str, dict[str, torch.Tensor]]  # grouping -> group -> float64 mid-ranks
+    support: dict[str, torch.Tensor]  # name -> int64 flat indices of S in that tensor (sorted)
+    sample: dict[str, torch.Tensor | None]  # name -> sorted int64 indices (None: every coordinate)
+    rank_cols: dict[str, torch.Tensor]  # name -> (m, len(GROUPINGS)) int32: 2 x mid-ranks in its groups
     members: dict[str, dict[str, list[str]]]  # grouping -> group -> names (in self.names order)
     sampled: bool
+    auc_n: int  # coordinates the AUC ranks
 
 
 def plan_fisher(fisher: Mapping[str, torch.Tensor], base: Any, config: SeriesConfig) -> _FisherPlan:
@@ -273,20 +287,89 @@ def plan_fisher(fisher: Mapping[str, torch.Tensor], base: Any, config: SeriesCon
         f = fisher[n].flatten().float()
         if sampled:
             idx = _sample_index(n, f.numel(), round_half_up_ratio(config.auc_cap, f.numel(), total),
-                                config.seed, f.device)
+                                config.seed, f.device).sort().values
             sample[n], scores[n] = idx, f[idx].clone()
         else:
             sample[n], scores[n] = None, f.clone()
         del f
     members: dict[str, dict[str, list[str]]] = {}
-    ranks: dict[str, dict[str, torch.Tensor]] = {}
-    for grouping in GROUPINGS:
+    rank_cols = {n: torch.empty((scores[n].numel(), len(GROUPINGS)), dtype=torch.int32) for n in names}
+    for j, grouping in enumerate(GROUPINGS):
         groups: dict[str, list[str]] = {}
         for n in names:
             groups.setdefault(group_key(n, grouping), []).append(n)
         members[grouping] = groups
-        ranks[grouping] = {g: midranks(torch.cat([scores[n] for n in ms])) for g, ms in groups.items()}
-    return _FisherPlan(names, k, total, support, sample, ranks, members, sampled)
+        for ms in groups.values():
+            r, at = midranks(torch.cat([scores[n] for n in ms])), 0
+            for n in ms:
+                m = scores[n].numel()
+                rank_cols[n][:, j] = (r[at:at + m] * 2).to(torch.int32)  # half-integers: exact
+                at += m
+            del r
+    auc_n = sum(int(v.numel()) for v in scores.values())
+    return _FisherPlan(names, k, total, support, sample, rank_cols, members, sampled, auc_n)
+
+
+_ST_DTYPES = {"BF16": (torch.bfloat16, np.uint16), "F16": (torch.float16, np.float16),
+              "F32": (torch.float32, np.float32), "F64": (torch.float64, np.float64)}
+
+
+class _Slot:
+    """A reusable byte buffer that holds one tensor at a time (grown to the largest)."""
+
+    def __init__(self) -> None:
+        self.buf = np.empty(0, np.uint8)
+
+    def take(self, nbytes: int) -> np.ndarray:
+        if self.buf.size < nbytes:
+            self.buf = np.empty(nbytes, np.uint8)
+        return self.buf[:nbytes]
+
+
+class _Reader:
+    """A source's tensors read into a caller's reusable buffer (a _Slot): a safetensors file's
+    header parsed once, each tensor brought in with one pread (a copy from the page cache, no
+    mapping kept, no file left open), so the series holds the base's, the previous and the
+    current tensor of one name and nothing else. Sources that are not safetensors folders
+    (state dicts, modules) use their `get`."""
+
+    def __init__(self, source: Any) -> None:
+        self.source = source
+        self._where: dict[str, tuple[Path, str, int, int]] = {}  # name -> (file, dtype, start, end)
+        where = getattr(source, "_where", None)
+        if isinstance(where, dict):
+            for f in sorted(set(where.values())):
+                with open(f, "rb") as h:
+                    size = int.from_bytes(h.read(8), "little")
+                    header = json.loads(h.read(size))
+                for n, meta in header.items():
+                    if n != "__metadata__" and where.get(n) == f and meta.get("dtype") in _ST_DTYPES:
+                        b, e = meta["data_offsets"]
+                        self._where[n] = (f, meta["dtype"], 8 + size + b, 8 + size + e)
+
+    def get(self, name: str, slot: _Slot) -> torch.Tensor:
+        """The flat tensor `name`; for safetensors sources a view of `slot` (valid until the
+        slot's next use)."""
+        w = self._where.get(name)
+        if w is None:
+            return self.source.get(name).flatten()
+        f, dt, start, end = w
+        nbytes = end - start
+        buf = slot.take(nbytes)
+        view = buf.data
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            got = 0
+            while got < nbytes:
+                k = os.preadv(fd, [view[got:]], start + got)
+                if k <= 0:
+                    raise ValueError(f"{f}: tensor {name!r} is cut short (file truncated while reading?)")
+                got += k
+        finally:
+            os.close(fd)
+        tdt, ndt = _ST_DTYPES[dt]
+        t = torch.from_numpy(buf.view(ndt))
+        return t.view(torch.bfloat16) if tdt == torch.bfloat16 else t
 
 
 # ---------------------------------------------------------------------------------------------
@@ -294,6 +377,7 @@ def plan_fisher(fisher: Mapping[str, torch.Tensor], base: Any, config: SeriesCon
 # ---------------------------------------------------------------------------------------------
 
 
+@functools.lru_cache(maxsize=64)
 def bf16_round_threshold(atol: float) -> tuple[float, bool]:
     """(t, inclusive) such that for x >= 0 in float32: bf16(x) <= bf16(atol)  <=>  x <= t
     (inclusive) or x < t.
@@ -327,6 +411,7 @@ class _Work:
         return b[:n]
 
 
+@functools.lru_cache(maxsize=64)
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
@@ -367,7 +452,7 @@ def _round_bf16(x: np.ndarray, work: _Work, key: str) -> np.ndarray:
 def tensor_counts(
     cur: torch.Tensor, refs: Sequence[torch.Tensor], atol: float, work: _Work | None = None,
     support: torch.Tensor | None = None, sample: torch.Tensor | None = None, want_labels: bool = False,
-    chunk: int | None = None,
+    chunk: int | None = None, kernel: bool | None = None,
 ) -> list[tuple[dict[str, float], torch.Tensor | None]]:
     """Counts of one tensor against each reference (flat tensors of one length), in one sweep.
 
@@ -375,7 +460,9 @@ def tensor_counts(
     unchanged_bf16delta_atol, sq_sum, max_abs, dense_bytes, sparse_bytes[, support_size,
     support_changed, support_sq, support_bytes]}, labels), labels = "changed" at the sample's
     coordinates (every coordinate when sample is None) when want_labels, else None.
-    chunk: elements per sweep step (default CHUNK).
+    chunk: elements per sweep step (default CHUNK). kernel: None (default) uses
+    compute.series_kernel's fused C loop for bfloat16 / float32 pairs when it could be built,
+    False always the numpy sweep, True requires the kernel (RuntimeError without it).
 
     The tensors are swept in chunks that stay in the CPU cache while every count of every
     reference is taken from them, with numpy's vectorised comparisons and counts (PyTorch's
@@ -396,15 +483,27 @@ def tensor_counts(
     f64 = [cur.dtype == torch.float64 or r.dtype == torch.float64 for r in refs]
     acc = [{"changed": 0, "unchanged_atol": 0, "unchanged_bf16": 0, "unchanged_bf16delta_atol": 0,
             "sq_sum": 0.0, "max_abs": 0.0} for _ in refs]
-    for s0 in range(0, n, chunk):
+    lib = series_kernel.kernel() if kernel is not False else None
+    if kernel and lib is None:
+        raise RuntimeError("the series kernel is not available (no C compiler, or FISHERLENS_SERIES_KERNEL=0)")
+    fused = [lib is not None and not f64[j] and series_kernel.supported(cn, rn) for j, rn in enumerate(rns)]
+    for j, rn in enumerate(rns):
+        if fused[j]:
+            k, sq, mx = series_kernel.pair_counts(lib, cn, rn, atol32, t16_32, inclusive16)
+            acc[j].update(changed=n - k[0], unchanged_atol=k[1], sq_sum=sq, max_abs=mx,
+                          unchanged_bf16=k[3], unchanged_bf16delta_atol=k[2] if both16[j] else k[4])
+    swept: list[np.ndarray | None] = [None if fused[j] else rn for j, rn in enumerate(rns)]
+    for s0 in range(0, 0 if all(fused) else n, chunk):
         m = min(chunk, n - s0)
         c = cn[s0:s0 + m]
         c32 = _f32(c, work, "c32")
         c16: np.ndarray | None = None
         d, b = work.get("d", np.float32, m), work.get("b", np.bool_, m)
-        for j, rn in enumerate(rns):
+        for j, rj in enumerate(swept):
+            if rj is None:
+                continue
             a = acc[j]
-            r = rn[s0:s0 + m]
+            r = rj[s0:s0 + m]
             r32 = _f32(r, work, "r32")
             np.subtract(c32, r32, out=d)  # float32 arithmetic: exact zero iff equal (finite weights)
             np.abs(d, out=d)
@@ -429,6 +528,9 @@ def tensor_counts(
                 a["unchanged_bf16"] += int(np.count_nonzero(np.less_equal(dd, zero, out=b)))
                 a["unchanged_bf16delta_atol"] += int(np.count_nonzero(le16(dd, t16_32, out=b)))
     out: list[tuple[dict[str, float], torch.Tensor | None]] = []
+    cf = cur.flatten()
+    c_support = cf.index_select(0, support).float() if support is not None else None
+    c_sample = (cf.index_select(0, sample) if sample is not None else cf) if want_labels else None
     for j, (a, ref) in enumerate(zip(acc, refs, strict=True)):
         changed = int(a.pop("changed"))
         st: dict[str, float] = {"numel": float(n), **{k: float(v) for k, v in a.items()}}
@@ -437,18 +539,28 @@ def tensor_counts(
             st["unchanged_bf16"] = float(n - changed)  # bf16 equality is equality
         st["dense_bytes"] = float(n * item)
         st["sparse_bytes"] = float(changed * (idx_bytes + item))
-        if support is not None:
-            g = cur.flatten()[support].float() - ref.flatten()[support].float()  # the float32 delta on S
+        rf = ref.flatten()
+        if c_support is not None and support is not None:
+            g = c_support - rf.index_select(0, support).float()  # the float32 delta on S
             st["support_size"] = float(support.numel())
             st["support_changed"] = float(torch.count_nonzero(g))
             st["support_sq"] = float(torch.sum(g.double().square()))
             st["support_bytes"] = float(support.numel() * item)
         labels = None
-        if want_labels:
-            cf, rf = cur.flatten(), ref.flatten()
-            labels = cf[sample] != rf[sample] if sample is not None else cf != rf
+        if c_sample is not None:
+            labels = _not_equal(c_sample, rf.index_select(0, sample) if sample is not None else rf)
         out.append((st, labels))
     return out
+
+
+def _not_equal(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`a != b` as PyTorch evaluates it (both promoted to a common dtype), with numpy's vectorised
+    compare: bfloat16 / float16 / float32 values are exact in float32, so comparing there is the
+    same (NaN unequal, -0 == +0); float64 goes through PyTorch."""
+    if torch.float64 in (a.dtype, b.dtype):
+        return a != b
+    an, bn = _as_numpy(a.float()), _as_numpy(b.float())
+    return torch.from_numpy(np.not_equal(an, bn))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -494,28 +606,40 @@ def _metrics(c: Mapping[str, float], atol: float) -> dict[str, float]:
     return out
 
 
+@functools.lru_cache(maxsize=65536)
+def _group_key(name: str, grouping: str) -> str:
+    return group_key(name, grouping)
+
+
 def _group(per_tensor: Mapping[str, Mapping[str, float]], atol: float) -> dict[str, dict[str, dict[str, float]]]:
+    """Per-tensor counts summed per group (in name order, left to right), max_abs the maximum."""
     out: dict[str, dict[str, dict[str, float]]] = {}
+    if not per_tensor:
+        return {grouping: {} for grouping in GROUPINGS}
+    keys = [k for k in next(iter(per_tensor.values())) if k in _SUMMED]  # every tensor has the same keys
     for grouping in GROUPINGS:
-        acc: dict[str, dict[str, float]] = {}
+        members: dict[str, list[Mapping[str, float]]] = {}
         for n, st in per_tensor.items():
-            a = acc.setdefault(group_key(n, grouping), {})
-            for k, v in st.items():
-                if k in _SUMMED:
-                    a[k] = a.get(k, 0.0) + v
-                elif k == "max_abs":
-                    a[k] = max(a.get(k, 0.0), v)
-        out[grouping] = {g: _metrics(c, atol) for g, c in acc.items()}
+            members.setdefault(_group_key(n, grouping), []).append(st)
+        groups = {}
+        for g, sts in members.items():
+            a = {k: sum((st[k] for st in sts), 0.0) for k in keys}
+            m = 0.0
+            for st in sts:
+                m = max(m, st["max_abs"])
+            a["max_abs"] = m
+            groups[g] = _metrics(a, atol)
+        out[grouping] = groups
     return out
 
 
-def _auc_from_ranks(ranks: torch.Tensor, labels: torch.Tensor) -> float:
-    """Mann-Whitney AUC from the score's mid-ranks (compute.overlap.roc_auc, ranks precomputed)."""
-    n_pos = int(labels.sum())
-    n_neg = labels.numel() - n_pos
+def _auc_from_sums(rank_sum: float, n_pos: int, n: int) -> float:
+    """Mann-Whitney AUC (compute.overlap.roc_auc: ties one half) from the sum of the score's
+    mid-ranks over the positives, their number and the sample's size."""
+    n_neg = n - n_pos
     if n_pos == 0 or n_neg == 0:
         return float("nan")
-    return (float(ranks[labels].sum()) - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)
+    return (rank_sum - n_pos * (n_pos + 1) / 2) / (n_pos * n_neg)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -560,15 +684,31 @@ def checkpoint_series(
                if not _is_float(src_b.dtype(n)) or any(not _is_float(c.source.dtype(n)) for c in ckpts)}
     names = [n for n in names if n not in skipped]
     work = _Work(CHUNK)
-    points = []
     t_start = time.perf_counter()
-    for i, ck in enumerate(ckpts):
-        progress(i / len(ckpts), f"{ck.name} ({i + 1}/{len(ckpts)})")
-        prev = ckpts[i - 1].source if i else src_b
+    # name by name, every checkpoint in step order: each tensor is read once (the base's, then
+    # checkpoint k's, which is the previous one of checkpoint k+1), into three reusable slots
+    readers = [_Reader(src_b)] + [_Reader(ck.source) for ck in ckpts]
+    slots = (_Slot(), _Slot(), _Slot())
+    accs = [_PointAcc() for _ in ckpts]
+    for j, n in enumerate(names):
+        progress(j / len(names), f"{n} ({j + 1}/{len(names)} tensors x {len(ckpts)} checkpoints)")
         t0 = time.perf_counter()
-        point = _point(ck, src_b, prev, names, plan, config, work)
+        base_t = readers[0].get(n, slots[0])
+        base_s = (time.perf_counter() - t0) / len(ckpts)  # the base's read, shared by every point
+        prev_t = base_t
+        for i, acc in enumerate(accs):
+            t0 = time.perf_counter()
+            cur_t = readers[i + 1].get(n, slots[1 + i % 2])
+            acc.add(n, cur_t, base_t, prev_t, plan, config, work)
+            acc.seconds += time.perf_counter() - t0 + base_s
+            prev_t = cur_t
+        del base_t, prev_t
+    points = []
+    for i, (ck, acc) in enumerate(zip(ckpts, accs, strict=True)):
+        t0 = time.perf_counter()
+        point = acc.finish(ck, plan, config)
         point["prev_step"] = ckpts[i - 1].step if i else 0
-        point["seconds"] = round(time.perf_counter() - t0, 4)
+        point["seconds"] = round(acc.seconds + time.perf_counter() - t0, 4)
         points.append(point)
     progress(1.0, f"{len(ckpts)} checkpoints in {time.perf_counter() - t_start:.1f} s")
     return SeriesResult(points, _settings(config, plan), skipped)
@@ -578,41 +718,69 @@ def _is_float(dtype: str) -> bool:
     return dtype.upper().replace("TORCH.", "").startswith(("F", "BF"))
 
 
-def _point(ck: RunCheckpoint, base: Any, prev: Any, names: list[str], plan: _FisherPlan | None,
-           config: SeriesConfig, work: _Work) -> dict[str, Any]:
-    per: dict[str, dict[str, dict[str, float]]] = {p: {} for p in PAIRS}
-    labels: dict[str, dict[str, torch.Tensor]] = {p: {} for p in PAIRS}
-    dtypes: dict[str, int] = {}
-    for n in names:
-        cur = ck.source.get(n).flatten()
+class _PointAcc:
+    """One checkpoint's per-tensor counts as the names stream by, and its seconds."""
+
+    def __init__(self) -> None:
+        self.per: dict[str, dict[str, dict[str, float]]] = {p: {} for p in PAIRS}
+        # per pair and tensor: (rank sum over the changed sample coordinates per grouping, changed,
+        # m); mid-ranks are half-integers, so these float64 sums are exact (below 2^52) and add up
+        # exactly
+        self.ranked: dict[str, dict[str, tuple[list[float], int, int]]] = {p: {} for p in PAIRS}
+        self.dtypes: dict[str, int] = {}
+        self.seconds = 0.0
+
+    def add(self, n: str, cur: torch.Tensor, base: torch.Tensor, prev: torch.Tensor, plan: _FisherPlan | None,
+            config: SeriesConfig, work: _Work) -> None:
         dt = str(cur.dtype).replace("torch.", "")
-        dtypes[dt] = dtypes.get(dt, 0) + cur.numel()
+        self.dtypes[dt] = self.dtypes.get(dt, 0) + cur.numel()
         in_fisher = plan is not None and n in plan.support
-        refs = [base.get(n).flatten(), prev.get(n).flatten()]
-        res = tensor_counts(cur, refs, config.atol, work,
+        lib = series_kernel.kernel() if in_fisher else None
+        arrays = [_as_numpy(t) for t in (cur, base, prev)] if lib is not None else []
+        if plan is not None and lib is not None and all(a.dtype in (np.uint16, np.float32) for a in arrays):
+            # the dense counts, then the Fisher's share in one C loop (gathers, labels, rank sums)
+            res = tensor_counts(cur, [base, prev], config.atol, work)
+            sample = plan.sample[n]
+            m = cur.numel() if sample is None else sample.numel()
+            fp = series_kernel.fisher_pair(lib, arrays[0], arrays[1:], None if sample is None else sample.numpy(),
+                                           m, plan.rank_cols[n].numpy(), plan.support[n].numpy())
+            item = _itemsize(cur.dtype)
+            for pair, (counts, _), (sums2, npos, sup_changed, sup_sq) in zip(PAIRS, res, fp, strict=True):
+                counts.update(support_size=float(plan.support[n].numel()), support_changed=float(sup_changed),
+                              support_sq=sup_sq, support_bytes=float(plan.support[n].numel() * item))
+                self.per[pair][n] = counts
+                self.ranked[pair][n] = ([x / 2 for x in sums2], npos, m)
+            return
+        res = tensor_counts(cur, [base, prev], config.atol, work,
                             support=plan.support[n] if plan is not None and in_fisher else None,
                             sample=plan.sample[n] if plan is not None and in_fisher else None,
                             want_labels=in_fisher)
         for pair, (counts, lab) in zip(PAIRS, res, strict=True):
             if plan is not None and not in_fisher:  # outside the Fisher: not in the support
                 counts.update(support_size=0.0, support_changed=0.0, support_sq=0.0, support_bytes=0.0)
-            per[pair][n] = counts
-            if lab is not None:
-                labels[pair][n] = lab
-        del cur, refs, res
-    point: dict[str, Any] = {"step": ck.step, "checkpoint": ck.name,
-                             "dtype": max(dtypes, key=lambda k: dtypes[k]) if dtypes else None}
-    for pair in PAIRS:
-        groups = _group(per[pair], config.atol)
-        if plan is not None:
-            for grouping, gs in plan.members.items():
-                for g, ms in gs.items():
-                    lab = torch.cat([labels[pair][m] for m in ms])
-                    groups[grouping].setdefault(g, {})["auc"] = _auc_from_ranks(plan.ranks[grouping][g], lab)
-        point[pair] = groups
-    if ck.trainer:
-        point["trainer"] = ck.trainer
-    return point
+            self.per[pair][n] = counts
+            if lab is not None and plan is not None:
+                sums = torch.mv(plan.rank_cols[n].t().double(), lab.to(torch.float64)).tolist()
+                self.ranked[pair][n] = ([x / 2 for x in sums], int(np.count_nonzero(_as_numpy(lab))), lab.numel())
+
+    def finish(self, ck: RunCheckpoint, plan: _FisherPlan | None, config: SeriesConfig) -> dict[str, Any]:
+        dtypes = self.dtypes
+        point: dict[str, Any] = {"step": ck.step, "checkpoint": ck.name,
+                                 "dtype": max(dtypes, key=lambda k: dtypes[k]) if dtypes else None}
+        for pair in PAIRS:
+            groups = _group(self.per[pair], config.atol)
+            if plan is not None:
+                ranked = self.ranked[pair]
+                for j, (grouping, gs) in enumerate(plan.members.items()):
+                    for g, ms in gs.items():
+                        rs = [ranked[m] for m in ms]
+                        auc = _auc_from_sums(sum(r[0][j] for r in rs), sum(r[1] for r in rs),
+                                             sum(r[2] for r in rs))
+                        groups[grouping].setdefault(g, {})["auc"] = auc
+            point[pair] = groups
+        if ck.trainer:
+            point["trainer"] = ck.trainer
+        return point
 
 
 def _settings(config: SeriesConfig, plan: _FisherPlan | None) -> dict[str, Any]:
@@ -643,7 +811,7 @@ def _settings(config: SeriesConfig, plan: _FisherPlan | None) -> dict[str, Any]:
         out["fisher"] = {"k": plan.k, "n": plan.total, "tensors": len(plan.names),
                          "support": f"global top-{config.support_percent:g}% (compute.masks.topk_mask)",
                          "auc_sampled": plan.sampled, "auc_cap": config.auc_cap,
-                         "auc_n": sum(int(r.numel()) for r in plan.ranks["global"].values()),
+                         "auc_n": plan.auc_n,
                          "auc": "ROC-AUC of the Fisher for 'changed' (exact), ties one half"}
     return out
 
