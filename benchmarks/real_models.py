@@ -67,9 +67,23 @@ def _cpu(who: int) -> float:
     return r.ru_utime + r.ru_stime
 
 
+def gguf_already_joined(name: str) -> bool | None:
+    """For a package that ships its GGUF in chunks (Gemma 3): whether the joined file was already
+    in its cache (then the conversion did not join it); None for a package with one GGUF file."""
+    import importlib
+
+    from compute.zoo.real import REAL_MODELS
+
+    if not REAL_MODELS[name].assemble:
+        return None
+    module = importlib.import_module(REAL_MODELS[name].assemble.partition(":")[0])
+    return Path(module.default_output_path()).is_file()
+
+
 def convert(name: str, home: Path, fisherlens: str) -> dict[str, Any]:
     """`fisherlens zoo add NAME` with FISHERLENS_HOME=home, timed."""
     env = {**os.environ, "FISHERLENS_HOME": str(home)}
+    joined = gguf_already_joined(name)
     load_before = list(os.getloadavg())
     cpu0, t0 = _cpu(resource.RUSAGE_CHILDREN), time.perf_counter()
     proc = subprocess.run([fisherlens, "zoo", "add", name], cwd=ROOT, env=env,
@@ -78,6 +92,7 @@ def convert(name: str, home: Path, fisherlens: str) -> dict[str, Any]:
     cpu = _cpu(resource.RUSAGE_CHILDREN) - cpu0
     run = {"command": f"fisherlens zoo add {name}", "exit_code": proc.returncode,
            "wall_seconds": round(wall, 1), "cpu_seconds": round(cpu, 1),
+           "gguf_already_joined": joined,
            "loadavg_before": [round(x, 2) for x in load_before],
            "loadavg_after": [round(x, 2) for x in os.getloadavg()],
            "output": proc.stdout.strip().splitlines()[-1:] or proc.stderr.strip().splitlines()[-3:]}
@@ -164,6 +179,7 @@ def main() -> None:
     names = args.only or list(MODELS)
     data: dict[str, Any] = json.loads(out.read_text()) if args.only and out.is_file() else {}
     models: dict[str, Any] = data.get("models", {})
+    code = git()  # the commit that runs (its compute/, app/ and this script unmodified: dirty False)
     load_before = list(os.getloadavg())
     cpu0 = _cpu(resource.RUSAGE_SELF) + _cpu(resource.RUSAGE_CHILDREN)
     t0 = time.perf_counter()
@@ -176,7 +192,7 @@ def main() -> None:
         "texts": TEXTS, "prompt_tokens": 2,
         "models": {n: models[n] for n in MODELS if n in models},
         "provenance": {
-            "command": command, "git": git(),
+            "command": command, "git": code,
             "models": {n: {"sha256": {"model.safetensors": m["model_safetensors_sha256"],
                                       m["source"]["gguf_file"]: m["source"]["gguf_sha256"]}}
                        for n, m in models.items() if "model_safetensors_sha256" in m},
