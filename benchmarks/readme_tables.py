@@ -264,6 +264,55 @@ def render_zoo(data: dict[str, Any]) -> str:
 
 register("zoo", "compute/zoo_weights/manifest.json", render_zoo)
 
+
+def render_real_models(data: dict[str, Any]) -> str:
+    """benchmarks/real_models.py: each real model converted from scratch (`fisherlens zoo add`),
+    its recorded greedy check, and the sequence Fisher engine against the float32 brute force."""
+    lines = ["| model | architecture | layers | params | from | greedy (float32) | `fisherlens zoo add`: "
+             "wall / CPU (load avg before) | engine vs brute force: relative L1 total / worst tensor "
+             "| passes |",
+             "|---|---|---:|---:|---|---|---:|---|---|"]
+    notes = []
+    for name, m in data["models"].items():
+        conv = m["conversion"]
+        timing = (f"{conv['wall_seconds']:.0f} s / {conv['cpu_seconds']:.0f} s "
+                  f"({conv['loadavg_before'][0]:.1f})")
+        if conv.get("gguf_already_joined"):
+            notes.append(f"{name}: the package's GGUF chunks were already joined in its cache, "
+                         "so the conversion time leaves out joining them.")
+        if m.get("error"):
+            lines.append(f"| {name} | - | - | - | - | - | {timing} | could not be converted: "
+                         f"{m['error'].replace('|', '/')} | no |")
+            continue
+        src = m["source"]
+        facts = "; ".join(f"\"{f['prompt']}\" -> `{f['completion']!r}`" for f in m["greedy_facts"])
+        e = m["engine_check"]
+        worst = (f"{e['worst_tensor_relative_l1']:.1e} (`{e['worst_tensor']}`)"
+                 if e["worst_tensor"] else "n/a")
+        lines.append(
+            f"| {name} | {m['architecture']} | {m['n_layers']} | {m['params']:,} | {src['package']} "
+            f"{src['package_version']} ({src['quantisation']} -> {m['dtype']}) | {facts} | {timing} "
+            f"| {e['total_relative_l1']:.1e} / {worst} | {'yes' if e['passes'] else 'NO'} |")
+        if e["unreached_tensors"]:
+            zero = all(v == 0 for v in e["unreached_tensors"].values())
+            notes.append(f"{name}: {len(e['unreached_tensors'])} tensor(s) no row reaches "
+                         f"({', '.join(f'`{k}`' for k in sorted(e['unreached_tensors']))}), "
+                         f"{'zero in the engine too' if zero else 'NON-ZERO in the engine'}.")
+    first = next((m["engine_check"] for m in data["models"].values() if "engine_check" in m), None)
+    if first:
+        t = first["thresholds"]
+        texts = ", ".join(f"\"{x}\"" for x in data["texts"])
+        lines += ["", f"Engine check: the sequence Fisher (`batch_size` {first['batch_size']}, "
+                  f"{first['dtype']}, CPU) of {first['rows']} rows ({texts}; the first "
+                  f"{data['prompt_tokens']} tokens of each are the prompt) against one backward per "
+                  f"row (`compute/fisher/reference.py`); passes: relative L1 <= {t['total']:g} over all "
+                  f"tensors and <= {t['per_tensor']:g} for each. Greedy: the converted folder loaded as "
+                  "fisherlens loads it, 3 new tokens.", *([" ".join(notes)] if notes else [])]
+    return "\n".join(lines) + "\n"
+
+
+register("real_models", "benchmarks/results/real_models.json", render_real_models)
+
 register("bench_fisher", "benchmarks/results/bench_fisher.json", render_bench_fisher)
 register("bench_masked", "benchmarks/results/bench_masked.json", render_bench_masked)
 register("sweep_bf16_mixed", "benchmarks/results/sweep_arith_base_bf16_mixed/sweep.json", render_sweep)

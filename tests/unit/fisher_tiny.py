@@ -171,49 +171,17 @@ def check_sequence_fisher_per_row(model, tok, texts: list[str], prompt_tokens: i
                                   allow_unreached: bool = False) -> dict[str, torch.Tensor]:
     """Pack `texts` right-padded (the first `prompt_tokens` tokens of each row are the prompt),
     run the engine's sequence Fisher with batch_size 1 < N rows, and hold it against one backward
-    per row in float32: the mean over rows of the squared gradient of the row's summed completion
-    log-probability. Asserts the same tensor names, a total relative error <= 1e-4 and each
-    tensor's relative error <= 1e-3. A tensor that no row reaches (zero reference) fails unless
-    `allow_unreached`, in which case the engine must give it zero too. Returns the engine's
-    Fisher."""
-    from compute.fisher import fisher_from_samples
+    per row in float32 (compute.fisher.reference): the mean over rows of the squared gradient of
+    the row's summed completion log-probability. Asserts the same tensor names, a total relative
+    error <= 1e-4 and each tensor's relative error <= 1e-3. A tensor that no row reaches (zero
+    reference) fails unless `allow_unreached`, in which case the engine must give it zero too.
+    Returns the engine's Fisher."""
+    from compute.fisher.reference import TENSOR_RTOL, TOTAL_RTOL, compare_sequence_fisher
 
-    enc = [tok(t)["input_ids"] for t in texts]
-    width = max(len(e) for e in enc)
-    ids = torch.full((len(enc), width), tok.pad_token_id, dtype=torch.long)
-    am = torch.zeros_like(ids)
-    for i, e in enumerate(enc):
-        ids[i, : len(e)] = torch.tensor(e)
-        am[i, : len(e)] = 1
-    cm = am.clone()
-    cm[:, :prompt_tokens] = 0
-
-    got = fisher_from_samples(model, ids, am, cm, estimator="sequence", batch_size=1)
-
-    ref: dict[str, torch.Tensor] = {}
-    for i, e in enumerate(enc):
-        n = len(e)
-        model.zero_grad(set_to_none=True)
-        logits = model(input_ids=ids[i : i + 1, :n]).logits[0, :-1].float()  # (n-1, V)
-        lp = logits.log_softmax(-1).gather(-1, ids[i, 1:n, None]).squeeze(-1)  # (n-1,)
-        (lp * cm[i, 1:n].float()).sum().backward()
-        for name, p in model.named_parameters():
-            if p.grad is None:
-                continue
-            g2 = p.grad.float().square()
-            ref[name] = ref[name] + g2 if name in ref else g2
-    model.zero_grad(set_to_none=True)
-    ref = {k: v / len(enc) for k, v in ref.items()}
-
-    assert set(got) == set(ref)
-    total_err = sum(float((got[k] - ref[k]).abs().sum()) for k in ref)
-    total = sum(float(ref[k].abs().sum()) for k in ref)
-    assert total > 0 and total_err / total <= 1e-4, total_err / total
-    for k in ref:  # every tensor, not just the sum (a zero-filled one would fail here)
-        denom = float(ref[k].abs().sum())
-        if denom == 0 and allow_unreached:  # e.g. a norm weight the rows never reach
-            assert float(got[k].abs().sum()) == 0, k
-            continue
-        assert denom > 0, k
-        assert float((got[k] - ref[k]).abs().sum()) / denom <= 1e-3, k
-    return got
+    assert (TOTAL_RTOL, TENSOR_RTOL) == (1e-4, 1e-3)  # the thresholds the docstring promises
+    check = compare_sequence_fisher(model, tok, texts, prompt_tokens, batch_size=1)
+    assert check.names_match, (set(check.got) ^ set(check.ref))
+    assert sum(float(v.abs().sum()) for v in check.ref.values()) > 0
+    # every tensor, not just the sum (a zero-filled one would fail here)
+    assert check.passes(allow_unreached), check.failures(allow_unreached)
+    return check.got

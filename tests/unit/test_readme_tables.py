@@ -40,7 +40,8 @@ def test_every_source_records_its_command_and_model_hashes() -> None:
         prov = data.get("provenance") or (data.get("meta") or {}).get("provenance")
         if prov is None:
             continue  # benchmark files record their own meta; their renderer states it
-        assert prov.get("command", "").startswith("fisherlens "), name
+        # a fisherlens command, or the benchmark script that ran fisherlens commands
+        assert prov.get("command", "").startswith(("fisherlens ", "python benchmarks/")), name
         assert any(m.get("sha256") for m in prov.get("models", {}).values()), name
         assert "sha256" in table.generate(), name
 
