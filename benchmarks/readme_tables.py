@@ -109,6 +109,16 @@ def provenance_line(data: dict[str, Any], rel: str) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
+def _eval_origin(s: dict[str, Any]) -> str:
+    """Whether the held-out prompt count came from the SE target (ceil(0.25 / se^2)) or was given."""
+    import math
+
+    target = (s.get("eval") or {}).get("eval_se_target")
+    if target and s.get("eval_prompts") == math.ceil(0.25 / target**2):
+        return f"target SE {target}"
+    return "set by --eval-prompts, not by the SE target"
+
+
 def render_retention(data: dict[str, Any]) -> str:
     """A `fisherlens retention` result (OUT/retention.json): the table of compute.retention."""
     from compute.retention import markdown_table
@@ -122,7 +132,7 @@ def render_retention(data: dict[str, Any]) -> str:
         f"precision {st.get('precision', 'fp32')}; initial Fisher {s.get('fisher', {}).get('estimator')} "
         f"({f.get('prompts')} prompts x {f.get('samples')} samples); seeds {s.get('seeds_used')} "
         f"(full and masked runs share each seed); {s.get('eval_prompts')} held-out prompts "
-        f"(target SE {(s.get('eval') or {}).get('eval_se_target')}), greedy; "
+        f"({_eval_origin(s)}), greedy; "
         f"{s.get('bootstrap')} bootstrap replicates."
     )
     return markdown_table(s) + "\n" + settings + "\n"
@@ -320,6 +330,7 @@ register("sweep_precision", "benchmarks/results/sweep_arith_base_precision/sweep
 register("sweep_deep_adamw", "benchmarks/results/sweep_arith_deep_base_adamw/sweep.json", render_sweep)
 register("sweep_deep_sgd", "benchmarks/results/sweep_arith_deep_base_sgd/sweep.json", render_sweep)
 register("bench_share", "benchmarks/results/bench_share-*.json", render_share)
+register("real_smollm2_retention", "benchmarks/results/real_smollm2/retention.json", render_retention)
 
 
 # ---------------------------------------------------------------------------------------------
