@@ -51,6 +51,7 @@ benchmarks/bench_series.py measures a point against reading its tensors and the 
 from __future__ import annotations
 
 import functools
+import gc
 import json
 import math
 import os
@@ -690,19 +691,27 @@ def checkpoint_series(
     readers = [_Reader(src_b)] + [_Reader(ck.source) for ck in ckpts]
     slots = (_Slot(), _Slot(), _Slot())
     accs = [_PointAcc() for _ in ckpts]
-    for j, n in enumerate(names):
-        progress(j / len(names), f"{n} ({j + 1}/{len(names)} tensors x {len(ckpts)} checkpoints)")
-        t0 = time.perf_counter()
-        base_t = readers[0].get(n, slots[0])
-        base_s = (time.perf_counter() - t0) / len(ckpts)  # the base's read, shared by every point
-        prev_t = base_t
-        for i, acc in enumerate(accs):
+    # the loop makes no cyclic garbage, but a full collection of the whole process (~0.1 s in a
+    # worker) could land in one point's timed work: pause the collector meanwhile, as timeit does
+    gc_was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        for j, n in enumerate(names):
+            progress(j / len(names), f"{n} ({j + 1}/{len(names)} tensors x {len(ckpts)} checkpoints)")
             t0 = time.perf_counter()
-            cur_t = readers[i + 1].get(n, slots[1 + i % 2])
-            acc.add(n, cur_t, base_t, prev_t, plan, config, work)
-            acc.seconds += time.perf_counter() - t0 + base_s
-            prev_t = cur_t
-        del base_t, prev_t
+            base_t = readers[0].get(n, slots[0])
+            base_s = (time.perf_counter() - t0) / len(ckpts)  # the base's read, shared by every point
+            prev_t = base_t
+            for i, acc in enumerate(accs):
+                t0 = time.perf_counter()
+                cur_t = readers[i + 1].get(n, slots[1 + i % 2])
+                acc.add(n, cur_t, base_t, prev_t, plan, config, work)
+                acc.seconds += time.perf_counter() - t0 + base_s
+                prev_t = cur_t
+            del base_t, prev_t
+    finally:
+        if gc_was_enabled:
+            gc.enable()
     points = []
     for i, (ck, acc) in enumerate(zip(ckpts, accs, strict=True)):
         t0 = time.perf_counter()
