@@ -103,7 +103,7 @@ def fisher_provenance(ref: Ref | str | Path, kind: str = "fisher") -> dict[str, 
     if not isinstance(info, dict):
         out: dict[str, Any] = {"source": shown, "reliability": "none",
                                "note": "the Fisher's split-half reliability is unknown (a file stored without it)"}
-        if sha and kind == "fisher":
+        if sha:
             out["source_sha256"] = sha
         return out
     for key, target in (("model", "model"), ("source", "fisher")):

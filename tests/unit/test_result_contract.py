@@ -79,15 +79,13 @@ def runs(zoo_home, tmp_path_factory):
 
     from safetensors.torch import save_file
 
-    from compute import (
-        run_diff,
-        run_fisher,
-        run_mask,
-        run_retention,
-        run_sweep,
-        run_tokens,
-        run_train,
-    )
+    from compute.jobs import diff_run as run_diff
+    from compute.jobs import fisher_run as run_fisher
+    from compute.jobs import mask_run as run_mask
+    from compute.jobs import retention_run as run_retention
+    from compute.jobs import sweep_run as run_sweep
+    from compute.jobs import tokens_run as run_tokens
+    from compute.jobs import train_run as run_train
     from compute.jobs.diff import DiffSpec
     from compute.jobs.fisher import FisherSpec
     from compute.jobs.mask import MaskSpec

@@ -295,8 +295,8 @@ def test_retention_cli_on_the_zoo_records_provenance(zoo_home, tmp_path, monkeyp
     assert s["eval_prompts"] == 100 and data["spec"]["eval_se"] == 0.05
     assert s["runs"] == 2 and len(s["rows"]) == 1
     prov = data["provenance"]
-    assert prov["command"] == ("fisherlens retention --densities 0.05 --selectors fisher --seeds 1 --steps 2 "
-                               f"--fisher-prompts 4 --eval-se 0.05 --bootstrap 200 --device cpu --out {out}")
+    assert prov["command"] == ("fisherlens retention --fisher-prompts 4 --device cpu --densities 0.05 "
+                               f"--selectors fisher --seeds 1 --steps 2 --eval-se 0.05 --bootstrap 200 --out {out}")
     weights = zoo_home / "zoo" / "arith-base" / "model.safetensors"
     assert prov["models"]["arith-base"]["sha256"]["model.safetensors"] == hashlib.sha256(weights.read_bytes()).hexdigest()
     rewards = load_file(str(out / "rewards.safetensors"))

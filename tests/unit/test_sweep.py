@@ -121,7 +121,7 @@ def test_sweep_cli_on_zoo_shows_precision_sparsity(zoo_home, tmp_path, monkeypat
     assert pts[1e-2]["unchanged_bf16"] < 0.5 * pts[1e-6]["unchanged_bf16"]
     assert 0 <= pts[1e-2]["fisher_auc_changed"] <= 1
     assert data["summary"]["initial_fisher"]["source"] == "other-prompts"
-    assert data["command"].startswith("fisherlens sweep --model arith-base --lrs 1e-06,0.01")
+    assert data["command"].startswith("fisherlens sweep --model arith-base ") and " --lrs 1e-06,0.01 " in data["command"]
     assert len(data["model_weights_sha256"]) == 64
     assert (out / "sweep.md").read_text() == data["summary"]["markdown"]
     assert (out / "sweep.html").is_file()
