@@ -331,6 +331,7 @@ register("sweep_deep_adamw", "benchmarks/results/sweep_arith_deep_base_adamw/swe
 register("sweep_deep_sgd", "benchmarks/results/sweep_arith_deep_base_sgd/sweep.json", render_sweep)
 register("bench_share", "benchmarks/results/bench_share-*.json", render_share)
 register("real_smollm2_retention", "benchmarks/results/real_smollm2/retention.json", render_retention)
+register("real_smollm2_sweep", "benchmarks/results/real_smollm2/sweep.json", render_sweep)
 
 
 # ---------------------------------------------------------------------------------------------
