@@ -12,12 +12,11 @@ Screenshots: test-artifacts/e2e/series-form.png, result-series.png, share-series
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 
 import pytest
 
-from tests.browser import JOB_TIMEOUT_MS
+from tests.browser import wait_for_job
 from tests.e2e.test_web_e2e import (  # noqa: F401 - fixtures
     _get_json,
     _open,
@@ -101,13 +100,7 @@ def test_series_of_a_trl_run_folder_from_the_form_with_its_share_link(browser, s
     page.wait_for_selector("#fl-progress .fl-progress[data-job], #series-msg .fl-errors")
     assert not page.locator("#series-msg .fl-errors").count(), page.inner_text("#series-msg")
     job_id = int(page.get_attribute("#fl-progress .fl-progress[data-job]", "data-job"))
-    deadline = time.monotonic() + JOB_TIMEOUT_MS / 1000
-    status = None
-    while time.monotonic() < deadline:
-        status = page.get_attribute("#fl-progress .fl-progress", "data-status")
-        if status in ("succeeded", "failed", "cancelled"):
-            break
-        page.wait_for_timeout(500)
+    status = wait_for_job(page)
     assert status == "succeeded", page.inner_text("#fl-progress")
 
     job = _get_json(f"{server}/api/jobs/{job_id}")

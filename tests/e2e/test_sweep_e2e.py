@@ -10,11 +10,9 @@ Screenshot: test-artifacts/e2e/result-sweep.png.
 
 from __future__ import annotations
 
-import time
-
 import pytest
 
-from tests.browser import JOB_TIMEOUT_MS
+from tests.browser import wait_for_job
 from tests.e2e.test_web_e2e import _get_json, _open, browser, server, shot  # noqa: F401 - fixtures
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -45,13 +43,7 @@ def test_sweep_form_runs_a_grid_and_shows_the_sweep_figure_and_table(browser, se
     assert not page.locator("#sweep-msg .fl-errors").count(), page.inner_text("#sweep-msg")
     bar = page.wait_for_selector("#fl-progress .fl-progress[data-job]")
     job_id = int(bar.get_attribute("data-job"))
-    deadline = time.monotonic() + JOB_TIMEOUT_MS / 1000
-    status = None
-    while time.monotonic() < deadline:
-        status = page.get_attribute("#fl-progress .fl-progress", "data-status")
-        if status in ("succeeded", "failed", "cancelled"):
-            break
-        page.wait_for_timeout(500)
+    status = wait_for_job(page)
     assert status == "succeeded", page.inner_text("#fl-progress")
 
     job = _get_json(f"{server}/api/jobs/{job_id}")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -20,40 +19,9 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
-from tests.browser import free_port
+from tests.live_app import LiveApp as App
 
 pytestmark = pytest.mark.slow
-
-
-class App:
-    def __init__(self, zoo_home: Path, home: Path):
-        import uvicorn
-
-        from app import services
-        from app.web import create_app
-        from compute.contract.settings import Settings
-        from storage import users
-
-        (home / "zoo").symlink_to(zoo_home / "zoo", target_is_directory=True)
-        port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        self.settings = Settings(fisherlens_home=home, database_url=None, redis_url=None,
-                                 auth_required=True, public_url=self.url)
-        app = create_app(self.settings)
-        with services.sessions(self.settings)() as s:
-            u = users.create_user(session=s, name="alice", password="pw-alice-123")
-            self.token, _ = users.issue_token(session=s, user=u)
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
 
 
 class Recorder:
@@ -93,7 +61,7 @@ class Recorder:
 
 @pytest.fixture(scope="module")
 def servers(zoo_home: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[App, Recorder]]:
-    a = App(zoo_home, tmp_path_factory.mktemp("cli_remote_home"))
+    a = App(zoo_home, tmp_path_factory.mktemp("cli_remote_home"), users_=("alice",))
     rec = Recorder()
     try:
         yield a, rec
@@ -118,7 +86,7 @@ def test_the_saved_token_goes_only_to_the_saved_server(servers, tmp_path: Path,
     monkeypatch.setenv("FISHERLENS_HOME", str(tmp_path / "cli_home"))
     for k in ("FISHERLENS_URL", "FISHERLENS_TOKEN", "DATABASE_URL", "REDIS_URL"):
         monkeypatch.delenv(k, raising=False)
-    res = _cli("login", "--url", app.url, "--token", app.token)
+    res = _cli("login", "--url", app.url, "--token", app.tokens["alice"])
     assert res.exit_code == 0, res.output
 
     # the saved server (also written with a trailing slash or the default port): the saved token
@@ -143,12 +111,12 @@ def test_the_saved_token_goes_only_to_the_saved_server(servers, tmp_path: Path,
     assert f"the server at {alias} refused" in msg and "no token was sent" in msg, msg
     assert f"is for {app.url}, not {alias}" in msg, msg
     assert f"fisherlens login --url {alias}" in msg and "FISHERLENS_TOKEN" in msg, msg
-    assert app.token not in msg
+    assert app.tokens["alice"] not in msg
 
     # FISHERLENS_TOKEN goes wherever FISHERLENS_URL says
-    monkeypatch.setenv("FISHERLENS_TOKEN", app.token)
+    monkeypatch.setenv("FISHERLENS_TOKEN", app.tokens["alice"])
     res = _cli("jobs")
     assert res.exit_code == 0 and "fisher" in res.output, res.output
     monkeypatch.setenv("FISHERLENS_URL", other.url)
     _cli("jobs")
-    assert other.seen[-1].get("authorization") == f"Bearer {app.token}"
+    assert other.seen[-1].get("authorization") == f"Bearer {app.tokens['alice']}"

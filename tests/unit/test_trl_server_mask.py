@@ -14,8 +14,6 @@ server and token `fisherlens login` saved (the token only for that server).
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -28,57 +26,9 @@ pytest.importorskip("trl")
 from safetensors.torch import load_file  # noqa: E402
 
 from tests.browser import free_port  # noqa: E402
+from tests.live_app import LiveApp as App  # noqa: E402
 
 pytestmark = pytest.mark.slow
-
-
-class App:
-    def __init__(self, zoo_home: Path, home: Path):
-        import uvicorn
-
-        from app import services
-        from app.web import create_app
-        from compute.contract.settings import Settings
-        from storage import users
-
-        (home / "zoo").symlink_to(zoo_home / "zoo", target_is_directory=True)
-        port = free_port()
-        self.url = f"http://127.0.0.1:{port}"
-        self.settings = Settings(fisherlens_home=home, database_url=None, redis_url=None,
-                                 auth_required=True, public_url=self.url)
-        app = create_app(self.settings)
-        self.tokens: dict[str, str] = {}
-        with services.sessions(self.settings)() as s:
-            for name in ("alice", "bob"):
-                u = users.create_user(session=s, name=name, password=f"pw-{name}-123")
-                self.tokens[name], _ = users.issue_token(session=s, user=u)
-        self.server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-        self.thread = threading.Thread(target=self.server.run, daemon=True)
-        self.thread.start()
-        deadline = time.monotonic() + 60
-        while not self.server.started:
-            assert self.thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
-            time.sleep(0.05)
-
-    def submit(self, who: str, kind: str, spec: dict[str, Any], run: bool = True) -> dict[str, Any]:
-        import json
-        import urllib.request
-
-        from compute.worker.execute import execute_job
-
-        req = urllib.request.Request(f"{self.url}/api/jobs", method="POST",
-                                     data=json.dumps({"kind": kind, "spec": spec}).encode(),
-                                     headers={"Content-Type": "application/json",
-                                              "Authorization": f"Bearer {self.tokens[who]}"})
-        with urllib.request.urlopen(req, timeout=30) as r:
-            job = json.loads(r.read())
-        if run:
-            assert execute_job(self.settings, job["id"]) == "succeeded", job
-        return dict(job)
-
-    def stop(self) -> None:
-        self.server.should_exit = True
-        self.thread.join(timeout=30)
 
 
 @pytest.fixture(scope="module")
