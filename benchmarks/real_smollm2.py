@@ -82,8 +82,6 @@ def run(name: str, fisherlens: str) -> dict[str, Any]:
                     "loadavg_after": list(os.getloadavg())},
         "script": "python benchmarks/real_smollm2.py --only " + name,
     })
-    if not prov.get("models") and data.get("model_weights_sha256"):  # a sweep records the hash at top level
-        prov["models"] = {MODEL: {"sha256": {"model.safetensors": data["model_weights_sha256"]}}}
     data["provenance"] = prov
     RESULTS.mkdir(parents=True, exist_ok=True)
     (RESULTS / OUTPUT[name]).write_text(json.dumps(data, indent=1) + "\n")

@@ -115,13 +115,22 @@ def _weights_sha256(ref: Any) -> str | None:
 def sweep_cmd(out: str, **options: Any) -> None:
     """Update sparsity and the initial Fisher's AUCs across lr x optimizer x precision: one train +
     diff per grid point."""
+    import resource
+    import time
+
+    from app.commands.experiments import provenance
+
     spec, refs = spec_from_options("sweep", options)
+    t0 = time.perf_counter()
     result = run_job("sweep", spec, refs)
+    cpu = sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(w) for w in
+                                                 (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN)))
     s = result.summary
     out_dir = Path(out)
+    command = spec_command("sweep", spec)
     data = json_safe({**result.to_dict(), "points": s["points"], "spec": spec.model_dump(mode="json"),
-                      "command": spec_command("sweep", spec),
-                      "model_weights_sha256": _weights_sha256(refs.get("model"))})
+                      "command": command, "model_weights_sha256": _weights_sha256(refs.get("model")),
+                      "provenance": provenance(spec, refs, time.perf_counter() - t0, cpu, command)})
     write_json(out_dir / "sweep.json", data)
     (out_dir / "sweep.md").write_text(s["markdown"])
     write_html(data, out_dir / "sweep.html")

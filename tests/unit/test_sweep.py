@@ -122,6 +122,8 @@ def test_sweep_cli_on_zoo_shows_precision_sparsity(zoo_home, tmp_path, monkeypat
     assert 0 <= pts[1e-2]["fisher_auc_changed"] <= 1
     assert data["summary"]["initial_fisher"]["source"] == "other-prompts"
     assert data["command"].startswith("fisherlens sweep --model arith-base ") and " --lrs 1e-06,0.01 " in data["command"]
+    weights = data["provenance"]["models"]["arith-base"]["sha256"]["model.safetensors"]
+    assert weights == data["model_weights_sha256"] and data["provenance"]["command"] == data["command"]
     assert len(data["model_weights_sha256"]) == 64
     assert (out / "sweep.md").read_text() == data["summary"]["markdown"]
     assert (out / "sweep.html").is_file()
