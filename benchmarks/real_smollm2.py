@@ -10,7 +10,8 @@ Two `fisherlens` commands, run one after the other as subprocesses (exactly what
    each point diffed against the base (the paper's "bf16 update sparsity").
 
 The task is benchmarks/data/smollm2_add.jsonl ("Q: 37 + 5 = ?\\nA: 37 + 5 =" -> " 42"): one the
-model solves sometimes (about 40% before training), so GRPO groups carry signal.
+model solves sometimes (0.30 of 100 held-out prompts before training, retention.json), so GRPO
+groups carry signal.
 
 Each command's CPU time (user + system of the child, `resource.getrusage(RUSAGE_CHILDREN)`) and
 wall time are recorded with the result, so the "within 30 CPU-minutes" budget is a measured number,

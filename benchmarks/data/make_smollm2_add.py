@@ -4,8 +4,10 @@ prompt format SmolLM2-135M-Instruct completes best among the ones tried (benchma
     Q: 37 + 5 = ?
     A: 37 + 5 =            -> " 42" (reward: the completion's first number, match=numeric)
 
-Measured before training (12 prompts x 4 samples, temperature 1): 73% correct with a < 10, 21% with
-10 <= a, b < 100; "37+5=" alone gives 10%. A mix of both keeps GRPO groups mixed (some right, some
+Measured before training (benchmarks/data/probe_smollm2_prompts.py ->
+benchmarks/results/real_smollm2/prompt_probe.json: 12 prompts x 4 samples, temperature 1): this
+format 65% correct with one-digit operands, 21% with two-digit ones; "37+5=" alone 10% and 0%. A mix
+(a < 100, b < 10) keeps GRPO groups mixed (some right, some
 wrong), so the advantages are not all zero. Splits: by hash of the prompt (compute's task loader).
 
     python benchmarks/data/make_smollm2_add.py
