@@ -1,5 +1,5 @@
 """Writes benchmarks/data/smollm2_add.jsonl: 1,000 additions a + b (a < 100, b < 10) in the
-prompt format SmolLM2-135M-Instruct completes best among the ones tried (benchmarks/real_smollm2.py):
+prompt format SmolLM2-135M-Instruct completes best among the ones tried (benchmarks/data/probe_smollm2_prompts.py):
 
     Q: 37 + 5 = ?
     A: 37 + 5 =            -> " 42" (reward: the completion's first number, match=numeric)
