@@ -8,7 +8,8 @@ Layout under the cache root:
                                mtime the entry's last use (LRU order)
     entries/<sha256>/<name>    the file or folder (the artifact's own base name, so that
                                downloads and from_pretrained see the names they expect)
-    tmp/<random>/              a download (or an eviction) in progress
+    tmp/<random>/              a download (or an eviction) in progress (new-<random>/ until its
+                               writer lock is held)
     scratch/                   per-job scratch folders of workers (same file system: a trained
                                model folder moves into the cache by a rename)
 
@@ -43,6 +44,8 @@ log = logging.getLogger("fisherlens.artifacts")
 MAX_PINS = 64
 LOCK = ".lock"
 WRITER = ".writer"
+NEW = "new-"  # a staging folder before its writer lock is held (stage)
+STALE_NEW_SECONDS = 3600  # such a folder older than this was left by a crash
 
 _pins: OrderedDict[str, list[int]] = OrderedDict()  # entry folder -> [fd (shared lock), count]
 _pins_guard = threading.Lock()
@@ -155,12 +158,17 @@ class ArtifactCache:
     # -- writing ----------------------------------------------------------------------------
     def stage(self) -> Path:
         """A new staging folder in tmp/ (held by this process until install() or discard())."""
-        path = self.tmp / secrets.token_hex(8)
-        path.mkdir()
-        writer = os.open(path / WRITER, os.O_CREAT | os.O_RDWR, 0o644)
+        # Made under a "new-" name and renamed once its writer lock is held: a folder _clean_tmp can
+        # see is always locked while its writer lives (between creating the lock file and locking
+        # it, another process's _clean_tmp would otherwise take it for a dead writer's and remove it).
+        token = secrets.token_hex(8)
+        fresh, path = self.tmp / f"{NEW}{token}", self.tmp / token
+        fresh.mkdir()
+        writer = os.open(fresh / WRITER, os.O_CREAT | os.O_RDWR, 0o644)
         fcntl.flock(writer, fcntl.LOCK_EX)  # alive: _clean_tmp leaves it alone
-        lock = os.open(path / LOCK, os.O_CREAT | os.O_RDWR, 0o644)
+        lock = os.open(fresh / LOCK, os.O_CREAT | os.O_RDWR, 0o644)
         fcntl.flock(lock, fcntl.LOCK_SH)  # the entry's pin, held across the install rename
+        os.rename(fresh, path)
         _staging[str(path)] = (writer, lock)
         return path
 
@@ -273,6 +281,11 @@ class ArtifactCache:
                 continue
             if path.name.startswith("evict-"):
                 shutil.rmtree(path, ignore_errors=True)
+                continue
+            if path.name.startswith(NEW):  # being staged; left behind only by a crash right there
+                with contextlib.suppress(OSError):
+                    if time.time() - path.stat().st_mtime > STALE_NEW_SECONDS:
+                        shutil.rmtree(path, ignore_errors=True)
                 continue
             try:
                 fd = os.open(path / WRITER, os.O_RDONLY)
