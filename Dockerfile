@@ -12,7 +12,7 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
 
 WORKDIR /app
 
-# A C compiler for the series kernel (compute/series_kernel.py: built once per machine on first use,
+# A C compiler for the series kernel (compute/sparsity/series_kernel.py: built once per machine on first use,
 # -march=native; without it the numpy path runs, same numbers, about 3x slower per checkpoint).
 RUN apt-get update && apt-get install -y --no-install-recommends gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*

@@ -26,7 +26,7 @@ from typing import Any
 from compute.contract.specs import SpecError
 
 # `fisherlens login` / `logout` (app/commands/users.py) save and remove them through this module
-from compute.credentials import (  # noqa: F401
+from compute.integrations.credentials import (  # noqa: F401
     credentials_path,
     load_credentials,
     login_hint,
@@ -38,7 +38,7 @@ from compute.credentials import (  # noqa: F401
 def remote() -> tuple[str, str | None] | None:
     """(server URL, token) when the CLI should talk HTTP, else None. FISHERLENS_TOKEN goes to
     whatever FISHERLENS_URL names; the token `fisherlens login` saved goes only to the server it
-    was saved for (compute.credentials.server_and_token, the TRL callback's rule too)."""
+    was saved for (compute.integrations.credentials.server_and_token, the TRL callback's rule too)."""
     url, token = server_and_token()
     if not url:
         return None

@@ -48,7 +48,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from compute.fisher import expand_tokens, fisher_from_samples, trainable_parameters  # noqa: E402
-from compute.sampling import position_ids_from_mask, sample_completions  # noqa: E402
+from compute.lm.sampling import position_ids_from_mask, sample_completions  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peakmem import rss_peak_of  # noqa: E402
@@ -100,12 +100,12 @@ def load(name: str, device: torch.device, dtype: torch.dtype) -> tuple[Any, Any,
         prompts = [" ".join(f"t{int(t)}" for t in torch.randint(3, 8192, (4 + i % 5,), generator=g))
                    for i in range(8)]
         return qwen3_20m().to(device=device, dtype=dtype), synthetic_tokenizer(), prompts
-    from compute.causal_lm import load_model
+    from compute.lm.causal_lm import load_model
 
     model, tok = load_model(name, device=device, dtype=dtype)
     if name == "smollm2-135m":
         return model, tok, SMOLLM2_PROMPTS
-    from compute.verifiable_tasks import get_task
+    from compute.lm.verifiable_tasks import get_task
 
     return model, tok, [e.prompt for e in get_task("arithmetic").examples(8, seed=0)]
 
@@ -294,7 +294,7 @@ def child_main(model_name: str, method: str, data_path: str, args) -> None:
 
 
 def _dtype(name: str, device: torch.device) -> torch.dtype:
-    from compute.causal_lm import resolve_dtype
+    from compute.lm.causal_lm import resolve_dtype
 
     return resolve_dtype(name, device)
 

@@ -62,8 +62,9 @@ def main() -> None:
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
-    from compute.masks import random_mask
-    from compute.sampling import build_rollout, token_logprobs
+    from compute.lm.sampling import build_rollout, token_logprobs
+    from compute.lm.verifiable_tasks import get_task
+    from compute.sparsity.masks import random_mask
     from compute.train import (
         MaskedOptimizer,
         clip_grad_norm,
@@ -71,7 +72,6 @@ def main() -> None:
         prepare_masked_params,
     )
     from compute.train.objectives.sft import sft_loss
-    from compute.verifiable_tasks import get_task
     from compute.zoo import ZooRecipe, build_model, build_tokenizer
 
     tok = build_tokenizer()

@@ -1,5 +1,5 @@
 """A run folder as a series: the time of one checkpoint's point against the time to read its
-tensors and the previous checkpoint's (compute.checkpoint_series, SVD off: it has none).
+tensors and the previous checkpoint's (compute.sparsity.series, SVD off: it has none).
 
 What is measured, in one process, on one synthetic run folder per stored dtype:
 - a Qwen3-shaped model (embed, per layer q/k/v/o/gate/up/down + 2 norms, final norm, untied
@@ -10,7 +10,7 @@ What is measured, in one process, on one synthetic run folder per stored dtype:
 - `read`: for checkpoint k, every tensor of checkpoint k and of checkpoint k-1 (the base for the
   first) read with safetensors `safe_open(...).get_tensor(name).clone()`: the bytes brought into
   process memory (get_tensor alone maps the file lazily and touches nothing);
-- `point`: compute.checkpoint_series's time for checkpoint k (the `seconds` of its point). The
+- `point`: compute.sparsity.series's time for checkpoint k (the `seconds` of its point). The
   series goes name by name through every checkpoint, so each tensor is read once: a point's
   seconds are reading checkpoint k's tensors, both pairs (vs the base, vs the previous one, held
   from the step before), both conventions, the sync bytes, its groups, plus 1/K of reading the
@@ -19,7 +19,7 @@ What is measured, in one process, on one synthetic run folder per stored dtype:
 - `ratio` = point / read of the same checkpoint in the same round;
 - `series`: the whole checkpoint_series call (opening, plan, every point) / the sum of the
   round's reads: the end-to-end ratio, with and without the Fisher;
-- `kernel`: whether compute.series_kernel's C loop ran (`--no-kernel`: the numpy sweep). Rounds alternate read and
+- `kernel`: whether compute.sparsity.series_kernel's C loop ran (`--no-kernel`: the numpy sweep). Rounds alternate read and
   series so load spikes on a shared machine hit both; the table gives the median and the worst
   ratio over rounds and checkpoints. The goal (issue 19): point <= 3x read, with SVD off.
 - `--cold`: before each read and each series run, the files are dropped from the page cache
@@ -126,8 +126,8 @@ def read_time(a: Path, b: Path) -> float:
 def _child_series(base: str, run: str, fisher: str | None, q: Any) -> None:
     import resource
 
-    from compute.checkpoint_series import LazyTensors, checkpoint_series, open_run
-    from compute.diff import Checkpoint
+    from compute.sparsity.diff import Checkpoint
+    from compute.sparsity.series import LazyTensors, checkpoint_series, open_run
 
     Checkpoint(base)
     open_run(run)
@@ -152,7 +152,7 @@ def bench_dtype(dtype: str, args: argparse.Namespace, tmp: Path) -> dict[str, An
     import torch
     from safetensors.torch import save_file
 
-    from compute.checkpoint_series import LazyTensors, checkpoint_series
+    from compute.sparsity.series import LazyTensors, checkpoint_series
 
     sh = shapes(args.layers, args.hidden, args.inter, args.vocab)
     n_params = sum(math.prod(s) for s in sh.values())
@@ -271,7 +271,7 @@ def main() -> None:
         os.environ["FISHERLENS_SERIES_KERNEL"] = "0"  # children (peak RSS) inherit it
     import torch
 
-    from compute import series_kernel
+    from compute.sparsity import series_kernel
 
     torch.set_num_threads(args.threads)
     series_kernel.kernel()  # built once per machine (cached): not inside the first timed point

@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     from app import limits
     from compute.contract.settings import Settings
     from compute.jobs.registry import parse_spec
-    from compute.runners import get_runner
+    from compute.jobs.runners import get_runner
     from compute.zoo import build_zoo
 
     if args.threads:

@@ -120,8 +120,8 @@ def _eval_origin(s: dict[str, Any]) -> str:
 
 
 def render_retention(data: dict[str, Any]) -> str:
-    """A `fisherlens retention` result (OUT/retention.json): the table of compute.retention."""
-    from compute.retention import markdown_table
+    """A `fisherlens retention` result (OUT/retention.json): the table of compute.studies.retention."""
+    from compute.studies.retention import markdown_table
 
     s = data["summary"]
     st = s.get("settings") or {}
@@ -155,7 +155,7 @@ def _covered(s: dict[str, Any]) -> str:
 
 def render_tokens(data: dict[str, Any]) -> str:
     """Per context: trace F against F_orth (sensitivities made mutually orthogonal), exact when
-    the vocabulary was enumerated, bounds otherwise (compute.tokens)."""
+    the vocabulary was enumerated, bounds otherwise (compute.studies.tokens)."""
     lines = [
         "| model | context | top-1 (p) | mean cos top-k | mean cos random | trace F | F_orth "
         "| F_orth - F (share of F_orth) | top-k pairs only | tokens enumerated (p covered) |",

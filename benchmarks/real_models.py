@@ -104,9 +104,9 @@ def check(name: str, home: Path) -> dict[str, Any]:
     """Load the converted folder (float32, CPU), greedy facts, engine vs brute force."""
     import torch
 
-    from compute.causal_lm import greedy_generate, load_model
     from compute.contract.settings import Settings
     from compute.fisher.reference import TENSOR_RTOL, TOTAL_RTOL, compare_sequence_fisher
+    from compute.lm.causal_lm import greedy_generate, load_model
 
     spec = MODELS[name]
     t0 = time.perf_counter()

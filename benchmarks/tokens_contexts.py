@@ -1,4 +1,4 @@
-"""The token mechanism (compute.tokens) on a list of contexts: per context the Fisher trace F of
+"""The token mechanism (compute.studies.tokens) on a list of contexts: per context the Fisher trace F of
 the next-token distribution against F_orth, the counterfactual where the sensitivities of the
 tokens were mutually orthogonal (issue #11). Writes benchmarks/results/tokens_counterfactual.json
 (`contexts`: [{command, model, summary}], `provenance`), which benchmarks/readme_tables.py renders.

@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from compute.contract.modelref import resolve_model
     from compute.integrations.trl import FisherMaskCallback, UpdateSparsityCallback
-    from compute.verifiable_tasks import get_task
+    from compute.lm.verifiable_tasks import get_task
 
     path = resolve_model(a.model)
     dtype = torch.bfloat16 if a.bf16 else torch.float32

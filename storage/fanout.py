@@ -1,4 +1,4 @@
-"""Parent jobs that fan out into child jobs (compute/runners.py's child protocol).
+"""Parent jobs that fan out into child jobs (compute/jobs/runners.py's child protocol).
 
 A parent is claimed like any job, then `create_children` writes its n child rows (queued, the
 parent's kind, spec and owner; shard_index = 0..n-1) and hands the parent from its claimer to

@@ -113,7 +113,7 @@ class Job(Base):
     worker: Mapped[str | None] = mapped_column(String(255), default=None)
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     cancel_requested: Mapped[bool] = mapped_column(Boolean, default=False)
-    # Child jobs (compute/runners.py's child protocol) point at their parent; shard_index orders them.
+    # Child jobs (compute/jobs/runners.py's child protocol) point at their parent; shard_index orders them.
     parent_id: Mapped[int | None] = mapped_column(
         ForeignKey("jobs.id", ondelete="CASCADE"), default=None, index=True
     )

@@ -18,7 +18,7 @@ def grpo_run_folder(model_dir: Path, out_dir: Path, steps: int = 3, dtype: str =
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig, GRPOTrainer
 
-    from compute.verifiable_tasks import get_task
+    from compute.lm.verifiable_tasks import get_task
 
     task = get_task("arithmetic")
     examples = task.examples(8 * steps, seed=0)

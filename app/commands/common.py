@@ -80,7 +80,7 @@ def run_job(kind: str, spec: Any, refs: dict[str, Any], desc: str | None = None)
     """Run the job in this process (the entry point the worker calls) with a progress bar and
     the refs spec_from_options resolved; a ValueError from the job is the user's error: one
     line, exit 2."""
-    from compute.runners import get_runner
+    from compute.jobs.runners import get_runner
 
     try:
         with cli_progress(desc or kind) as progress:

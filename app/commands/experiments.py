@@ -55,7 +55,7 @@ def _table(headers: list[str], rows: list[list[Any]]) -> str:
 def mask_cmd(out: str, **options: Any) -> None:
     """Build a boolean mask keeping exactly round(density x N) coordinates, and save it."""
     spec, refs = spec_from_options("mask", options)
-    from compute.masks import save_mask
+    from compute.sparsity.masks import save_mask
 
     res = run_job("mask", spec, refs, f"mask {spec.select}")
     s = res.summary
@@ -97,7 +97,7 @@ def diff_cmd(base: str, tuned: str, out: str, **options: Any) -> None:
         save_file({n: t.contiguous() for n, t in res.tensors["delta"].items()}, str(out_dir / "delta.safetensors"))
     write_html(result, out_dir / "diff.html")
     from app.figures.labels import layer_name
-    from compute.analysis import aggregate
+    from compute.fisher.statistics import aggregate
 
     by_layer = aggregate([r for r in res.layer_stats if r.group == "layer_module"], by=("layer",))
     click.echo(_table(["layer", "params", f"unchanged ({s['comparison_dtype']})", "exact", "bf16-equal",

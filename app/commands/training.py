@@ -46,7 +46,7 @@ def train_cmd(out: str, **options: Any) -> None:
     shutil.move(str(src), str(out_dir))
     shutil.rmtree(src.parent, ignore_errors=True)
     if "mask" in result.tensors:
-        from compute.masks import save_mask
+        from compute.sparsity.masks import save_mask
 
         save_mask(result.tensors["mask"], out_dir / "mask.safetensors", metadata=result.summary.get("mask"))
     from safetensors.torch import save_file

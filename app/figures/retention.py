@@ -139,7 +139,7 @@ stored_heatmap("retention", "retention", title="Retention by selector and densit
 def _retention_warning(r: RetentionResult, out: dict[str, Any]) -> None:
     s = r.summary
     base, full, spread = finite(s.base_reward), finite(s.full_reward_mean), finite(s.full_reward_std)
-    if s.retention_valid is False and s.warning:  # compute.retention's own test
+    if s.retention_valid is False and s.warning:  # compute.studies.retention's own test
         out["warnings"].append(f"No retention reported: {s.warning}")
     elif base is not None and full is not None:
         if full <= base:

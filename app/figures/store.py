@@ -27,9 +27,9 @@ import plotly
 from app.figures.keynumbers import key_numbers
 from app.figures.labels import name_layer_cells, name_layers
 from app.figures.registry import entries, figures_for, tables_for
-from compute import analysis
 from compute.contract import provenance
 from compute.contract import results as contract
+from compute.fisher import statistics as analysis
 from compute.jobs import registry
 
 log = logging.getLogger("fisherlens.figures")

@@ -9,7 +9,7 @@ from sqlalchemy.orm import Session
 
 from app.services.common import public, sessions
 from app.services.validation import validate
-from compute.celery_app import send_job
+from compute.runtime.celery_app import send_job
 from storage import repo
 from storage.models import FINAL_STATUSES, revision_digest
 
@@ -99,7 +99,7 @@ def health(settings: Any) -> dict[str, Any]:
             finally:
                 client.close()
         else:  # the embedded filesystem queue: its folders exist (made if need be)
-            from compute.celery_app import filesystem_options
+            from compute.runtime.celery_app import filesystem_options
 
             filesystem_options(settings.queue_dir)
     except Exception:  # noqa: BLE001

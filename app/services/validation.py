@@ -83,7 +83,7 @@ def _check_layer(model: Ref, layer: int) -> None:
 
 
 def _check_jsonl(settings: Any, task: str, local: bool) -> None:
-    from compute.verifiable_tasks import get_task
+    from compute.lm.verifiable_tasks import get_task
 
     raw = task[len("jsonl:"):].partition("?")[0]
     path = Path(raw).expanduser()

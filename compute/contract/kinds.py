@@ -89,7 +89,7 @@ class JobKind:
     contract    its typed result contract (compute.contract.results.Contract)
     runner      "module:function" of `run(spec, progress) -> JobResult`, imported lazily
                 (the web process never imports torch); the module may define the child protocol
-                (compute/runners.py)
+                (compute/jobs/runners.py)
     cost        spec -> token-passes (app/limits.py multiplies by parameters); required: a kind
                 without one is a registry error at import
     order       position in listings (UI tabs, CLI help, API enum): ascending

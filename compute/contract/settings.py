@@ -81,7 +81,7 @@ class Settings(BaseSettings):
         default=False,
         description="Operator opt-in for transformers' trust_remote_code: off, a model whose "
         "config.json names its own code (auto_map) is refused at submit, and the one loader "
-        "(compute.causal_lm.load_model) never runs model code.",
+        "(compute.lm.causal_lm.load_model) never runs model code.",
     )
     hf_hub_offline: bool = Field(
         default=False,
@@ -116,7 +116,7 @@ class Settings(BaseSettings):
         "consumer for less than this) is re-sent by the reconciler.",
     )
 
-    # -- worker processes (compute/worker/, compute/celery_app.py, compute/device.py) ----------
+    # -- worker processes (compute/worker/, compute/runtime/celery_app.py, compute/lm/device.py) ----------
     fisherlens_queue: str = Field(
         default="fisherlens",
         description="FISHERLENS_QUEUE: the broker queue of every job kind; separates stacks "

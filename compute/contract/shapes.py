@@ -1,7 +1,7 @@
 """The one rule for "do these tensors belong together": parameter names and shapes, compared
 the same way wherever they are checked. Submit checks references from their safetensors headers
 (app.services.compat: a Fisher or mask for another model, base and tuned of two architectures)
-and the engine re-checks what it was handed (compute.masks, compute.diff, compute.jobs.mask_run: a
+and the engine re-checks what it was handed (compute.sparsity.masks, compute.sparsity.diff, compute.jobs.mask_run: a
 library caller has no validation in front of it), both with `mismatch`, so the same pair gets
 the same answer and the same message. Pure (standard library only)."""
 

@@ -1,8 +1,8 @@
-"""Task names: what `compute.verifiable_tasks.get_task` accepts, parsed and checked without
+"""Task names: what `compute.lm.verifiable_tasks.get_task` accepts, parsed and checked without
 building the task (no file is read, nothing is generated). The spec validators (specs.py) and
 get_task both call `parse_task_name`, so a name the web process accepts is one a worker can build.
 
-Accepted names (the meaning of each is in compute.verifiable_tasks):
+Accepted names (the meaning of each is in compute.lm.verifiable_tasks):
 - ``arithmetic``, ``arithmetic-add``, ``arithmetic-mul``, with options after ``?``: ``digits``
   and ``mul_digits`` (1..6), and for ``arithmetic`` ``mul_share`` (0..1);
 - ``jsonl:PATH``, option ``match`` (``exact`` or ``numeric``).

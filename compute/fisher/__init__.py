@@ -8,7 +8,7 @@ row's parameter gradient is rebuilt exactly from (input, output-grad) of that ro
 (`persample`: Linear, Conv1D, rank-1 rows, embeddings incl. scaled ones, affine norms, and a
 generic vmap(vjp) path for anything else). Parameters used by several modules (tied embeddings)
 have their per-row gradients summed over all uses before squaring. Per-row maths runs in float32
-even for a bf16 model (compute.device holds every dtype decision).
+even for a bf16 model (compute.lm.device holds every dtype decision).
 
 Never silently wrong: a model is verified once (per-row gradients add up to autograd's), every
 call checks that each parameter autograd reaches was covered by a hook, and whatever the engine
@@ -45,7 +45,7 @@ from compute.fisher.estimators import (
 )
 from compute.fisher.exact_output import ExactOutputUnsupported, exact_output_fisher
 from compute.fisher.hooks import UnsupportedModel
-from compute.sampling import Rollout, build_rollout, sample_completions
+from compute.lm.sampling import Rollout, build_rollout, sample_completions
 
 ESTIMATORS = ("sequence", "token", "empirical", "batch")
 
@@ -171,7 +171,7 @@ def estimate_fisher(
 ) -> FisherEstimate:
     """Sample on-policy (sequence/token) or take gold answers (empirical/batch), then estimate.
 
-    task_or_prompts: a compute.verifiable_tasks.Task, a list of prompt strings, or a list of Examples.
+    task_or_prompts: a compute.lm.verifiable_tasks.Task, a list of prompt strings, or a list of Examples.
     Rows are processed in chunks of prompts with progress(fraction, message) after each chunk.
     """
     prog = progress or null_progress

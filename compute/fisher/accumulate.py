@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from compute.device import wide
 from compute.fisher import persample as ps
+from compute.lm.device import wide
 
 # module -> whether the elementwise-affine shortcut matched the generic path on its first call
 AFFINE_OK: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()

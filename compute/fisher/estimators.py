@@ -17,7 +17,6 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from compute.device import accumulator_dtype, check_tolerance, default_budget_mb
 from compute.fisher.accumulate import Accumulator, Store
 from compute.fisher.hooks import (
     PerSampleHooks,
@@ -25,7 +24,8 @@ from compute.fisher.hooks import (
     check_coverage,
     graph_parameters,
 )
-from compute.sampling import position_ids_from_mask
+from compute.lm.device import accumulator_dtype, check_tolerance, default_budget_mb
+from compute.lm.sampling import position_ids_from_mask
 
 # models whose per-row gradients were verified against autograd (see module doc)
 _VERIFIED: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from compute.fisher.estimators import _model_device
-from compute.sampling import position_ids_from_mask
+from compute.lm.sampling import position_ids_from_mask
 
 _TRANSFORM_HINTS = ("logits_scaling", "logit_scale", "final_logit_softcapping", "output_multiplier")
 

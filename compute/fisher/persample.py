@@ -26,7 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from compute.device import wide
+from compute.lm.device import wide
 
 # per-row gradients of at most this many elements in total are formed in one batched op; larger
 # ones one row at a time into a reused buffer (no (B, out, in) temporary)

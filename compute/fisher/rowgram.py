@@ -26,9 +26,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from compute.device import wide
 from compute.fisher import persample as ps
 from compute.fisher.hooks import _position_wise, embedding_lookup
+from compute.lm.device import wide
 
 
 class NotFactorable(RuntimeError):

@@ -5,7 +5,7 @@
     path = fetch_mask("job:12")  # after `fisherlens login`: its saved server and token
 
 Server and token: the arguments, else FISHERLENS_URL / FISHERLENS_TOKEN, else what `fisherlens
-login` saved (compute/credentials.py; the saved token only goes to the saved server).
+login` saved (compute/integrations/credentials.py; the saved token only goes to the saved server).
 
 What it asks the server (every request carries `Authorization: Bearer <token>`, the API token
 `fisherlens user token` / `fisherlens login` gives):
@@ -99,7 +99,7 @@ def fetch_mask(
     n = job_id(ref)
     if n is None:
         raise ValueError(f"mask: {ref[:40]!r} is not a job reference; write job:<number>, e.g. job:12")
-    from compute.credentials import server_and_token
+    from compute.integrations.credentials import server_and_token
 
     url, token = server_and_token(server, token)
     if not url:
@@ -115,7 +115,7 @@ def fetch_mask(
             raise ValueError(f"{what}: the server at {srv.url} has no job {n} you may use (HTTP 404: "
                              "it does not exist or belongs to another user)") from None
         if exc.status in (401, 403):
-            from compute.credentials import login_hint
+            from compute.integrations.credentials import login_hint
 
             hint = (login_hint(srv.url, False) if not token else
                     "set FISHERLENS_TOKEN or run `fisherlens login` with a valid token")

@@ -43,7 +43,7 @@ the plain Trainer), single process. What it guarantees, and how:
 `UpdateSparsityCallback(base=None, every=N)` logs, every N optimizer steps (and at the last), the
 update sparsity of the model being trained against `base` (default: the weights at train begin)
 into the trainer's own logs (`state.log_history`, and the `logs` dict the callbacks after it see),
-in both published conventions, computed by `compute.diff.diff_checkpoints` (SCIENCE.md section 6):
+in both published conventions, computed by `compute.sparsity.diff.diff_checkpoints` (SCIENCE.md section 6):
 - `update_sparsity/unchanged_bf16`: share of coordinates whose bf16 value did not change;
 - `update_sparsity/unchanged_bf16delta_atol_<a>`: share with |tuned_bf16 - base_bf16| <= a, the
   difference taken in bf16 (sparsity_in_rl, arXiv 2505.11711), for each a in `atols`.
@@ -63,7 +63,7 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from compute.diff import ATOLS, Checkpoint, diff_checkpoints, open_checkpoint
+from compute.sparsity.diff import ATOLS, Checkpoint, diff_checkpoints, open_checkpoint
 
 log = logging.getLogger(__name__)
 
@@ -145,7 +145,7 @@ def as_bool_mask(mask: str | Path | Mapping[str, torch.Tensor]) -> dict[str, tor
     """A fisherlens mask file (`fisherlens mask --out`) or a dict of bool / 0-1 tensors -> name ->
     bool tensor (CPU). ValueError for a missing file or a tensor that is not 0/1."""
     if isinstance(mask, (str, Path)):
-        from compute.masks import load_mask
+        from compute.sparsity.masks import load_mask
 
         return load_mask(mask)
     if not isinstance(mask, Mapping):
@@ -373,7 +373,7 @@ class _CPUView(Mapping[str, torch.Tensor]):
 def sparsity_logs(base: Any, params: Mapping[str, torch.Tensor], atols: Iterable[float] = (1e-5,)
                   ) -> dict[str, float]:
     """Update sparsity of `params` (name -> tensor, the names of `base`) against `base` (anything
-    `compute.diff.diff_checkpoints` reads), over all coordinates: the logged keys
+    `compute.sparsity.diff.diff_checkpoints` reads), over all coordinates: the logged keys
     `update_sparsity/unchanged_bf16` and `update_sparsity/unchanged_bf16delta_atol_<a>`."""
     res = diff_checkpoints(base, params, svd_max_numel=0)
     g = res.groups["global"]["all"]
@@ -397,9 +397,9 @@ class UpdateSparsityCallback(TrainerCallback):
     """Log update sparsity against `base` every `every` optimizer steps and at the last step.
 
     base: None (the trained model's weights at train begin, copied to the CPU), a zoo name or HF
-    folder (its safetensors, as `fisherlens diff` reads them), a `compute.diff.Checkpoint` or a state
+    folder (its safetensors, as `fisherlens diff` reads them), a `compute.sparsity.diff.Checkpoint` or a state
     dict. Its names are matched to the model's parameters like mask names. atols: the absolute
-    tolerances of the bf16-delta convention, each one of compute.diff.ATOLS.
+    tolerances of the bf16-delta convention, each one of compute.sparsity.diff.ATOLS.
     """
 
     def __init__(self, base: str | Path | Checkpoint | Mapping[str, torch.Tensor] | None = None,
@@ -409,7 +409,7 @@ class UpdateSparsityCallback(TrainerCallback):
         atols = tuple(float(a) for a in atols)
         bad = [a for a in atols if a not in ATOLS]
         if bad:
-            raise ValueError(f"atols: {bad[0]:g} is not computed by compute.diff; accepted: "
+            raise ValueError(f"atols: {bad[0]:g} is not computed by compute.sparsity.diff; accepted: "
                              + ", ".join(f"{a:g}" for a in ATOLS))
         self.base_ref = base
         self.every, self.atols = every, atols

@@ -19,7 +19,7 @@ How to add a kind `foo`
      runner="compute.some_module:run", cost=cost, order=..., refs={field: target},
      outputs={target: artifact kind}, form=KindForm(...) or None, cli_args=(...))`.
    The runner (`run(spec, progress) -> JobResult`, optionally children / run_child / combine in
-   the same module: compute/runners.py) is imported lazily, by the worker and the CLI only: it
+   the same module: compute/jobs/runners.py) is imported lazily, by the worker and the CLI only: it
    may be a compute module of its own, or a function in compute/jobs/foo.py itself as long as it
    imports torch and the engine inside the function (this module is imported by the web process).
 2. app/figures/foo.py: its figures (`@figure("foo", ...)`, `stored_heatmap`), tables (`@table`)

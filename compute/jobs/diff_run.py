@@ -6,14 +6,20 @@ import math
 from collections.abc import Callable
 from typing import Any
 
-from compute.analysis import cells_heatmap, ratio_heatmap
-from compute.artifact_files import load_scores, ref_of
 from compute.contract.jobresult import Heatmap, JobResult, LayerStat, SeriesPoint, null_progress
 from compute.contract.kinds import Refs
-from compute.diff import ATOLS, REL_TOLS, diff_checkpoints, open_checkpoint, threshold_labels
+from compute.fisher.statistics import cells_heatmap, ratio_heatmap
+from compute.jobs.artifact_files import load_scores, ref_of
 from compute.jobs.diff import DiffSpec
-from compute.naming import layer_index, module_type
-from compute.naming import layer_sort_key as _layer_sort
+from compute.lm.naming import layer_index, module_type
+from compute.lm.naming import layer_sort_key as _layer_sort
+from compute.sparsity.diff import (
+    ATOLS,
+    REL_TOLS,
+    diff_checkpoints,
+    open_checkpoint,
+    threshold_labels,
+)
 
 OVERLAP_KEYS = ("precision_at_k", "auc", "jaccard", "jaccard_baseline", "jaccard_lift", "spearman",
                 "overlap", "n_a", "n_b", "n")
@@ -77,7 +83,7 @@ def run(spec: DiffSpec, progress: Any = null_progress, refs: Refs | None = None)
         heatmaps += _fisher_heatmaps(res.fisher, spec.topk_percent)
     fisher_ref = ref_of(refs, "fisher", spec.fisher)
     if fisher_ref is not None:  # issue 18: the verdict of the Fisher this diff is scored against
-        from compute.artifact_files import fisher_provenance
+        from compute.jobs.artifact_files import fisher_provenance
 
         summary["fisher_reliability"] = fisher_provenance(fisher_ref)
     heatmaps += _sparsity_heatmaps(res)
@@ -150,7 +156,7 @@ def _metric_of(metric: str) -> Callable[[dict[str, Any]], float | None]:
 
 
 def _fisher_heatmaps(fr: dict[str, Any], topk_percent: float) -> list[Heatmap]:
-    """layer x module heatmaps of the Fisher-vs-|delta| metrics (compute.analysis.cells_heatmap
+    """layer x module heatmaps of the Fisher-vs-|delta| metrics (compute.fisher.statistics.cells_heatmap
     over the overlap's "layer/module" groups)."""
     cells = {_layer_module(k): v for k, v in fr["layer_module"].items()}
     cells = dict(sorted(cells.items(), key=lambda kv: (kv[0][0] is None, kv[0][0] or 0)))
@@ -162,7 +168,7 @@ def _fisher_heatmaps(fr: dict[str, Any], topk_percent: float) -> list[Heatmap]:
 
 
 def _layer_module(key: str) -> tuple[int | None, str]:
-    """'3/q' -> (3, 'q'); '-/embed' -> (None, 'embed') (compute.masks.group_key's labels)."""
+    """'3/q' -> (3, 'q'); '-/embed' -> (None, 'embed') (compute.sparsity.masks.group_key's labels)."""
     lay, mod = key.split("/")
     return (None if lay == "-" else int(lay)), mod
 

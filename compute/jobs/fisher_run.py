@@ -15,7 +15,6 @@ from typing import Any
 
 import torch
 
-from compute import analysis
 from compute.contract.jobresult import JobResult, Progress, null_progress
 from compute.contract.kinds import Refs
 from compute.fisher import (
@@ -25,6 +24,7 @@ from compute.fisher import (
     exact_output_fisher,
     relative_error,
 )
+from compute.fisher import statistics as analysis
 from compute.jobs.fisher import FisherSpec
 
 
@@ -38,8 +38,8 @@ def shard_range(spec: FisherSpec, shard_index: int) -> tuple[int, int]:
 
 
 def _load(spec: FisherSpec, refs: Refs | None) -> tuple[Any, Any]:
-    from compute.artifact_files import ref_of
-    from compute.causal_lm import load_model
+    from compute.jobs.artifact_files import ref_of
+    from compute.lm.causal_lm import load_model
 
     model = ref_of(refs, "model", spec.model)
     assert model is not None  # the spec requires a model
@@ -100,7 +100,7 @@ def precision_error(model: Any, roll: Any, estimator: str, memory_budget_mb: int
 
 def _shard(spec: FisherSpec, shard_index: int, progress: Progress, loaded: tuple | None,
            refs: Refs | None = None) -> dict:
-    from compute.verifiable_tasks import get_task
+    from compute.lm.verifiable_tasks import get_task
 
     t0 = time.perf_counter()
     lo, hi = shard_range(spec, shard_index)
@@ -155,7 +155,7 @@ def _shard(spec: FisherSpec, shard_index: int, progress: Progress, loaded: tuple
 
 def fisher_metadata(summary: dict[str, Any], model: Any = None) -> dict[str, str]:
     """safetensors metadata of a stored Fisher: its reliability and precision travel with the
-    file, so a mask, train or diff built on it can show them (compute.artifact_files.fisher_provenance).
+    file, so a mask, train or diff built on it can show them (compute.jobs.artifact_files.fisher_provenance).
 
     The model is named by label, never by server path (compute.contract.provenance): `model`
     is its resolved Ref (the worker's and the CLI's runs), recorded with the sha256 it was
@@ -267,7 +267,7 @@ def run(spec: FisherSpec, progress: Progress = null_progress, refs: Refs | None 
     """Every shard in this process (model loaded once), then `finish`."""
     progress(0.0, "loading model")
     loaded = _load(spec, refs)
-    from compute.causal_lm import model_info
+    from compute.lm.causal_lm import model_info
 
     info = model_info(loaded[0])
     outs = []
@@ -331,7 +331,7 @@ def extend_until_reliable(spec: FisherSpec, outs: list[dict], progress: Any = nu
                                             "prompts_used": total, "note": note}}
 
 
-# -- child units (the protocol of compute/runners.py): one child per prompt shard --------------
+# -- child units (the protocol of compute/jobs/runners.py): one child per prompt shard --------------
 def children(spec: FisherSpec) -> int:
     return spec.shards
 

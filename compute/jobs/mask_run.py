@@ -1,7 +1,7 @@
 """Job `mask`: build a parameter mask from a Fisher (or weights, gradient, random) at a density.
 
 Also home of the layer x module heatmap helper the diff job reuses. References arrive resolved
-(`refs`, see compute/runners.py) and are read through compute.artifact_files.
+(`refs`, see compute/jobs/runners.py) and are read through compute.jobs.artifact_files.
 """
 
 from __future__ import annotations
@@ -12,13 +12,13 @@ from typing import Any
 
 import torch
 
-from compute.analysis import ratio_heatmap
-from compute.artifact_files import load_scores, ref_of
 from compute.contract.jobresult import Heatmap, JobResult, LayerStat, null_progress
 from compute.contract.kinds import Ref, Refs
+from compute.fisher.statistics import ratio_heatmap
+from compute.jobs.artifact_files import load_scores, ref_of
 from compute.jobs.mask import MaskSpec
-from compute.masks import density_by, select_mask
-from compute.naming import layer_index, module_type
+from compute.lm.naming import layer_index, module_type
+from compute.sparsity.masks import density_by, select_mask
 
 # ---------------------------------------------------------------------------------------------
 # Heatmap helper (also used by run_diff)
@@ -40,9 +40,9 @@ def layer_module_heatmap(
 def sft_gradient(model_ref: Ref | str, task: str, prompts: int, seed: int, device: str = "auto"
                  ) -> dict[str, torch.Tensor]:
     """|d/dθ mean_n NLL(gold answer_n | prompt_n)| over `prompts` train prompts of `task`."""
-    from compute.causal_lm import load_model
-    from compute.sampling import build_rollout, token_logprobs
-    from compute.verifiable_tasks import get_task
+    from compute.lm.causal_lm import load_model
+    from compute.lm.sampling import build_rollout, token_logprobs
+    from compute.lm.verifiable_tasks import get_task
 
     model, tok = load_model(model_ref, device=device, dtype="float32")
     examples = get_task(task).examples(prompts, seed=seed, split="train")
@@ -65,7 +65,7 @@ def sft_gradient(model_ref: Ref | str, task: str, prompts: int, seed: int, devic
 
 
 def _weights(model_ref: Ref | str) -> dict[str, torch.Tensor]:
-    from compute.diff import open_checkpoint
+    from compute.sparsity.diff import open_checkpoint
 
     ck = open_checkpoint(model_ref, "model")
     out = {}
@@ -129,7 +129,7 @@ def build_mask(spec: MaskSpec, progress: Any = null_progress, refs: Refs | None 
 
 
 def _shapes_only(model_ref: Ref | str) -> dict[str, torch.Tensor]:
-    from compute.diff import open_checkpoint
+    from compute.sparsity.diff import open_checkpoint
 
     ck = open_checkpoint(model_ref, "model")
     return {n: torch.empty(ck.shape(n), device="meta") for n in ck.names()}
@@ -175,7 +175,7 @@ def run(spec: MaskSpec, progress: Any = null_progress, refs: Refs | None = None)
         fisher_mass = {n: float(fisher[n].double()[mask[n]].sum()) for n in mask}
         summary["fisher_mass_kept"] = sum(fisher_mass.values()) / tot if tot > 0 else float("nan")
         if spec.select != "fisher":
-            from compute.overlap import mask_overlap
+            from compute.sparsity.overlap import mask_overlap
 
             ref = select_mask("fisher", spec.density, scores={n: fisher[n] for n in mask})
             ov = mask_overlap(mask, ref)["all"]
@@ -200,7 +200,7 @@ def run(spec: MaskSpec, progress: Any = null_progress, refs: Refs | None = None)
     metadata: dict[str, str] = {}
     fisher_ref = ref_of(refs, "fisher", spec.fisher)
     if fisher_ref is not None:
-        from compute.artifact_files import fisher_provenance
+        from compute.jobs.artifact_files import fisher_provenance
 
         summary["fisher_reliability"] = fisher_provenance(fisher_ref)
         metadata["fisher_reliability"] = json.dumps(summary["fisher_reliability"], default=str)

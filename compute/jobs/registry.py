@@ -2,7 +2,7 @@
 
 Each module `compute/jobs/<kind>.py` (other than this one and private `_*.py`) declares
 `KIND = JobKind(...)` (compute/contract/kinds.py). The API's kind enum, the CLI commands, the UI's
-New job tabs, the share page titles, app/limits.py's costs, compute/runners.py and the worker all
+New job tabs, the share page titles, app/limits.py's costs, compute/jobs/runners.py and the worker all
 iterate `KINDS` or look a kind up with `get`. A kind that is incomplete (no cost, a form naming a
 field its spec lacks, ...) is a `RegistryError` when this module is imported, so the test suite
 (tests/unit/test_registry.py) fails rather than a user's submission.
@@ -62,12 +62,17 @@ def _check_kind(kind: JobKind, module: str) -> None:
         need(f in fields, f"form/cli_args name {f!r}, which {kind.spec.__name__} does not have")
 
 
+# compute/jobs/ modules that are not a kind: this registry, the dispatch from a kind to its runner
+# (runners.py) and the runners' shared reading of references (artifact_files.py, torch).
+NOT_KINDS = frozenset({"registry", "runners", "artifact_files"})
+
+
 def _discover() -> dict[str, JobKind]:
     import compute.jobs as package
 
     found: list[JobKind] = []
     for info in pkgutil.iter_modules(package.__path__):
-        if info.name == "registry" or info.name.startswith("_") or info.name.endswith("_run"):
+        if info.name in NOT_KINDS or info.name.startswith("_") or info.name.endswith("_run"):
             continue  # <kind>_run.py: the kind's runner (torch), imported only when a job runs
         module = importlib.import_module(f"compute.jobs.{info.name}")
         kind = getattr(module, "KIND", None)

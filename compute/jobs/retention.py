@@ -1,5 +1,5 @@
 """The `retention` job kind: masked training at several densities and selectors against full
-training and the base, with confidence intervals (compute/jobs/retention_run.py, compute/retention.py).
+training and the base, with confidence intervals (compute/jobs/retention_run.py, compute/studies/retention.py).
 
 Declares the spec, the typed result and its contract, the cost and `KIND`; figures and key numbers
 are in app/figures/retention.py.
@@ -37,7 +37,7 @@ DEFAULT_TEACHERS = {"arith-base": "arith-teacher"}
 
 class RetentionSpec(TrainingKnobs):
     """Defaults tuned on arith-base (GRPO, 100 steps: held-out greedy accuracy ~0.27 -> ~0.4) so the
-    default grid runs in minutes on 2 CPU cores; statistics in compute.retention."""
+    default grid runs in minutes on 2 CPU cores; statistics in compute.studies.retention."""
 
     # shared knobs (momentum, temperature, kl_coef, ...): compute.contract.specs.TrainingKnobs;
     # redeclared here where retention's default or description differs

@@ -1,19 +1,19 @@
-"""Job `retention`: the fixed-mask retention grid of compute.retention, run as independent units.
+"""Job `retention`: the fixed-mask retention grid of compute.studies.retention, run as independent units.
 
-Units (child jobs when queued, so N workers run N units at once; compute.runners' protocol):
+Units (child jobs when queued, so N workers run N units at once; compute.jobs.runners' protocol):
 
 - unit 0 evaluates the base model on the held-out prompts (only `combine` needs it);
 - unit 1 + i runs arm i of `RetentionConfig.plan()`: for seed s, the full run or one mask's run,
   with the same seed s for the full and every masked arm (paired seeds), evaluated on the same
   held-out prompts (paired prompts).
 
-`combine` builds the table (compute.retention.grid_table) from the units' outputs in index order;
+`combine` builds the table (compute.studies.retention.grid_table) from the units' outputs in index order;
 `run` (the CLI and a job that is not fanned out) is `combine` over every unit run in this process.
 
 Shared prerequisites. A unit may run on another machine, so each one is self-contained: it loads
 the model itself and, when it needs the initial Fisher (full arms, for the update-sparsity AUCs, and
 arms whose mask is chosen from the Fisher), estimates it itself with the fixed seed 0. The estimate
-is deterministic (per-row sampling seeds, compute.sampling), so every unit gets the same Fisher and
+is deterministic (per-row sampling seeds, compute.lm.sampling), so every unit gets the same Fisher and
 the same Fisher masks (bit for bit on one machine; tests check it). The Fisher is not a first unit
 of its own because every arm would then wait for it (or ship model-sized tensors to `combine`),
 and it is cheap next to an arm: `fisher_prompts x fisher_samples` sampled completions with one
@@ -49,10 +49,10 @@ def teacher_ref(spec: RetentionSpec) -> str | None:
 
 
 def retention_config(spec: RetentionSpec) -> Any:
-    """The compute.retention.RetentionConfig of a spec (training seed replaced per arm)."""
+    """The compute.studies.retention.RetentionConfig of a spec (training seed replaced per arm)."""
     from compute.fisher import FisherConfig
     from compute.jobs.train_run import config_from_spec
-    from compute.retention import BootstrapConfig, RetentionConfig
+    from compute.studies.retention import BootstrapConfig, RetentionConfig
 
     config = config_from_spec(spec, seed=0, steps=spec.steps, kl_coef=spec.kl_coef)
     fcfg = FisherConfig(prompts=spec.fisher_prompts, samples=spec.fisher_samples,
@@ -87,10 +87,10 @@ def _load(spec: RetentionSpec, shared: dict[Any, Any], progress: Any, refs: Refs
         return shared["loaded"]
     import torch
 
-    from compute.artifact_files import ref_of
-    from compute.causal_lm import load_model, resolve_device
+    from compute.jobs.artifact_files import ref_of
+    from compute.lm.causal_lm import load_model, resolve_device
+    from compute.lm.verifiable_tasks import get_task
     from compute.train.objectives.distill import check_same_tokenizer
-    from compute.verifiable_tasks import get_task
 
     ref = teacher_ref(spec)
     device = resolve_device(spec.device)
@@ -140,7 +140,7 @@ def _mask(lo: _Loaded, shared: dict[Any, Any], key: tuple[str, float], seed: int
           progress: Any) -> tuple[Any, float]:
     """The mask of one arm and its actual density; seed-independent masks built once per `shared`."""
     from compute.jobs.train_run import FISHER_SELECTORS, build_mask_in_memory
-    from compute.retention import SEED_DEPENDENT, with_seed
+    from compute.studies.retention import SEED_DEPENDENT, with_seed
 
     sel, dens = key
     cache_key = ("mask", sel, dens, seed if sel in SEED_DEPENDENT else -1)
@@ -160,7 +160,7 @@ def run_child(spec: RetentionSpec, index: int, progress: Any = null_progress,
     import torch
 
     from compute.jobs.train_run import update_sparsity
-    from compute.retention import arm_label, heldout_rewards, train_arm
+    from compute.studies.retention import arm_label, heldout_rewards, train_arm
 
     t0 = time.perf_counter()
     shared = {} if shared is None else shared
@@ -231,7 +231,7 @@ def combine(spec: RetentionSpec, outputs: list[Any], progress: Any = null_progre
     """The retention JobResult from every unit's output, in index order (see `run_child`)."""
     import torch
 
-    from compute.retention import grid_table, markdown_table
+    from compute.studies.retention import grid_table, markdown_table
 
     rcfg = retention_config(spec)
     if len(outputs) != 1 + len(rcfg.plan()):

@@ -1,7 +1,7 @@
 """The `series` job kind: a run folder of checkpoint-N (TRL, HF Trainer, `fisherlens train
 --save-steps`) read as a series: update sparsity against the base and step to step, in both delta
 conventions, per layer x module; with the initial Fisher, its AUC / precision@k for the changed
-coordinates and the bytes a sparse synchronisation of each step would send (compute/checkpoint_series.py).
+coordinates and the bytes a sparse synchronisation of each step would send (compute/sparsity/series.py).
 
 Declares the spec, the typed result and its contract, the cost, the runner and `KIND`; figures and
 key numbers are in app/figures/series.py. This module is imported by the web process: the runner
@@ -109,9 +109,9 @@ def run(spec: SeriesSpec, progress: Any = None, refs: Any = None) -> Any:
     import tempfile
     from pathlib import Path
 
-    from compute.artifact_files import local_file, ref_of
-    from compute.checkpoint_series import LazyTensors, SeriesConfig, checkpoint_series, write_series
     from compute.contract.jobresult import JobResult, null_progress
+    from compute.jobs.artifact_files import local_file, ref_of
+    from compute.sparsity.series import LazyTensors, SeriesConfig, checkpoint_series, write_series
 
     progress = progress or null_progress
     progress(0.0, "opening the run folder")
@@ -123,7 +123,7 @@ def run(spec: SeriesSpec, progress: Any = None, refs: Any = None) -> Any:
     summary_extra: dict[str, Any] = {}
     fisher_ref = ref_of(refs, "fisher", spec.fisher, "fisher")
     if fisher_ref is not None:
-        from compute.artifact_files import fisher_provenance
+        from compute.jobs.artifact_files import fisher_provenance
 
         fisher = LazyTensors(local_file(fisher_ref, "fisher"), "fisher")
         summary_extra = {"fisher_reliability": fisher_provenance(fisher_ref)}  # the Fisher's verdict
@@ -230,7 +230,7 @@ def _heatmaps(res: Any, atol: float) -> list[Any]:
     """layer x module (rows) over steps (columns): update sparsity step to step and against the
     base, and (with a Fisher) the share of each step's squared update on the support."""
     from compute.contract.jobresult import Heatmap
-    from compute.naming import layer_sort_key
+    from compute.lm.naming import layer_sort_key
 
     pts = res.points
     groups = sorted(pts[0]["vs_prev"]["layer_module"],

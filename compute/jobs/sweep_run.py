@@ -2,14 +2,14 @@
 x precision (SCIENCE.md section 6).
 
 Each grid point is one unit (a child job when queued, so N workers run N points at once;
-compute.runners' protocol): one `train` run (compute.jobs.train_run, same seed, so every point sees the
+compute.jobs.runners' protocol): one `train` run (compute.jobs.train_run, same seed, so every point sees the
 same prompts) followed by a diff of its stored checkpoint against the base's stored checkpoint (both
 in the precision's stored dtype). `combine` gathers the points in grid order; `run` (the CLI, or a
 job that is not fanned out) is `combine` over every unit run in this process.
 
 The initial Fisher, shared by all points, comes from samples independent of every run's training
 batches (or is given). A unit may run on another machine, so each unit estimates it itself from the
-spec's seed: the estimate is deterministic (per-row sampling seeds, compute.sampling), the same in
+spec's seed: the estimate is deterministic (per-row sampling seeds, compute.lm.sampling), the same in
 every unit (bit for bit on one machine; tests check it). It is not a first unit of its own, because
 every point would wait for it; it costs `fisher_prompts x fisher_samples` sampled completions with
 one backward each (128 at the defaults) against `steps x batch x group` completions (1,280) and two
@@ -147,11 +147,11 @@ def initial_fisher(spec: SweepSpec, progress: Any = null_progress, refs: Refs | 
     """The sweep's initial Fisher and its description: the given file, or estimated from samples
     independent of the training batches, at the bf16-rounded base when every point starts there
     (no fp32 point), else at the float32 base. Deterministic: every unit gets the same one."""
-    from compute.artifact_files import load_scores, ref_of
-    from compute.causal_lm import load_model, resolve_device
+    from compute.jobs.artifact_files import load_scores, ref_of
     from compute.jobs.train_run import independent_fisher
+    from compute.lm.causal_lm import load_model, resolve_device
+    from compute.lm.verifiable_tasks import get_task
     from compute.train import prepare_precision
-    from compute.verifiable_tasks import get_task
 
     fisher_ref = ref_of(refs, "fisher", spec.fisher)
     if fisher_ref is not None:
@@ -175,7 +175,7 @@ def run_child(spec: SweepSpec, index: int, progress: Any = null_progress,
     its description, "fisher": the Fisher tensors (unit 0, when estimated; else None), "seconds":
     the unit's wall time}.
     `shared`: the Fisher kept between units of one process (see the module docstring);
-    `refs`: the resolved model and fisher (compute/runners.py)."""
+    `refs`: the resolved model and fisher (compute/jobs/runners.py)."""
     from compute.jobs.train_run import train_job
 
     t0 = time.perf_counter()
@@ -250,7 +250,7 @@ def combine(spec: SweepSpec, outputs: list[Any], progress: Any = null_progress,
     # issue 18: precision per point is in the table; here the run-wide facts and the Fisher's verdict
     summary["compute_dtype"] = "per point (bfloat16 for precision bf16, else float32)"
     summary["stored_dtype"] = "per point (float32 for fp32, else bfloat16)"
-    from compute.artifact_files import fisher_provenance, ref_of
+    from compute.jobs.artifact_files import fisher_provenance, ref_of
 
     fisher_ref = ref_of(refs, "fisher", spec.fisher)
     if fisher_ref is not None:

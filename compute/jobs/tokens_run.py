@@ -1,4 +1,4 @@
-"""Job `tokens`: the token explorer's computation for one context (compute.tokens)."""
+"""Job `tokens`: the token explorer's computation for one context (compute.studies.tokens)."""
 
 from __future__ import annotations
 
@@ -8,8 +8,14 @@ from typing import Any
 from compute.contract.jobresult import Heatmap, JobResult, LayerStat, null_progress
 from compute.contract.kinds import Refs
 from compute.jobs.tokens import TokensSpec
-from compute.naming import layer_index, module_type
-from compute.tokens import TokensConfig, TokenSet, decode_token, encode_context, token_mechanism
+from compute.lm.naming import layer_index, module_type
+from compute.studies.tokens import (
+    TokensConfig,
+    TokenSet,
+    decode_token,
+    encode_context,
+    token_mechanism,
+)
 
 
 def _labels(tokenizer: Any, ids: list[int]) -> list[str]:
@@ -32,8 +38,8 @@ def _nan_none(x: float) -> float | None:
 
 
 def run(spec: TokensSpec, progress: Any = null_progress, refs: Refs | None = None) -> JobResult:
-    from compute.artifact_files import ref_of
-    from compute.causal_lm import load_model, model_info
+    from compute.jobs.artifact_files import ref_of
+    from compute.lm.causal_lm import load_model, model_info
 
     progress(0.0, "loading the model")
     ref = ref_of(refs, "model", spec.model)
@@ -72,7 +78,7 @@ def run(spec: TokensSpec, progress: Any = null_progress, refs: Refs | None = Non
         "mean_cosine_top": _nan_none(res.top.mean_offdiag_cosine()),
         "mean_cosine_random": _nan_none(res.random.mean_offdiag_cosine()),
         "mean_cosine_low": _nan_none(res.low.mean_offdiag_cosine()),
-        # trace F vs the counterfactual of mutually orthogonal sensitivities (compute.tokens)
+        # trace F vs the counterfactual of mutually orthogonal sensitivities (compute.studies.tokens)
         "similarity": {k: (_nan_none(v) if isinstance(v, float) else v) for k, v in res.similarity.items()},
         "settings": {**res.settings, "layer": spec.layer, "dtype": str(next(model.parameters()).dtype)},
         # issue 18: the precision of the forward/backward (nothing is stored but these rows)

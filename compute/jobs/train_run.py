@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from compute.artifact_files import ref_of
 from compute.contract.jobresult import JobResult, SeriesPoint, null_progress
 from compute.contract.kinds import Ref, Refs
+from compute.jobs.artifact_files import ref_of
 from compute.jobs.train import TrainSpec
 
 FISHER_SELECTORS = ("fisher", "fisher-tensor", "fisher-bottom")
@@ -45,7 +45,7 @@ def build_mask_in_memory(
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """A mask of `model` by selector at density; estimates the Fisher when one is needed and not
     given (sequence estimator, fisher_config), or the |gradient| of the training objective."""
-    from compute.masks import mask_density, select_mask
+    from compute.sparsity.masks import mask_density, select_mask
 
     info: dict[str, Any] = {"select": selector, "density": density, "seed": seed}
     if selector in FISHER_SELECTORS:
@@ -58,8 +58,8 @@ def build_mask_in_memory(
             info["fisher"] = {"prompts": fisher_config.prompts, "samples": fisher_config.samples,
                               "estimator": fisher_config.estimator}
             if est.halves is not None:  # issue 18: the verdict of the Fisher the mask is built on
-                from compute.analysis import topk_jaccard
                 from compute.contract.results import reliability_level
+                from compute.fisher.statistics import topk_jaccard
 
                 jac = topk_jaccard(est.half(0), est.half(1), 1.0)
                 info["fisher"].update(split_half_jaccard=jac, split_half_topk_percent=1.0,
@@ -84,10 +84,10 @@ def update_sparsity(
     base: Mapping[str, torch.Tensor], tuned: torch.nn.Module | Mapping[str, torch.Tensor],
     fisher: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, Any]:
-    """Global update-sparsity numbers of a run (compute.diff) and, with a Fisher, its precision@k
+    """Global update-sparsity numbers of a run (compute.sparsity.diff) and, with a Fisher, its precision@k
     against the changed / top-|delta| coordinates and its AUC for "changed" within |w| binades.
     tuned: the model or its stored state dict (compare like with like: both in the stored dtype)."""
-    from compute.diff import diff_checkpoints
+    from compute.sparsity.diff import diff_checkpoints
 
     if isinstance(tuned, torch.nn.Module):
         tuned_sd = {n: p.detach().cpu() for n, p in tuned.named_parameters()}
@@ -111,7 +111,7 @@ def update_sparsity(
 
 
 def _load(ref: Ref | str, spec: Any) -> tuple[Any, Any]:
-    from compute.causal_lm import load_model, resolve_device
+    from compute.lm.causal_lm import load_model, resolve_device
 
     return load_model(ref, device=resolve_device(spec.device), dtype=getattr(spec, "dtype", "auto"))
 
@@ -147,7 +147,7 @@ def independent_fisher(
 
 def _concentration_heatmaps(conc: dict[str, Any]) -> list[Any]:
     from compute.contract.jobresult import Heatmap
-    from compute.naming import layer_sort_key
+    from compute.lm.naming import layer_sort_key
 
     out = []
     for label in ("grad_sq_sum", "grad_abs_sum", "abs_delta"):
@@ -173,7 +173,7 @@ def _finite(x: Any) -> float | None:
 
 
 def concentration_summary(conc: dict[str, Any]) -> dict[str, Any]:
-    """Headline rows of compute.overlap.concentration: global, per layer, per module, per target."""
+    """Headline rows of compute.sparsity.overlap.concentration: global, per layer, per module, per target."""
     keys = ("precision_at_k", "auc", "spearman", "jaccard_lift")
     out: dict[str, Any] = {"fraction": conc["fraction"]}
     for label in ("grad_sq_sum", "grad_abs_sum", "abs_delta"):
@@ -199,7 +199,7 @@ def train_job(
 ) -> JobResult:
     """One training run (the `train` job). fisher/fisher_info: an initial Fisher already estimated
     (e.g. once for a whole sweep) instead of spec.fisher or a fresh independent estimate.
-    refs: the resolved model / teacher / mask / fisher (compute/runners.py).
+    refs: the resolved model / teacher / mask / fisher (compute/jobs/runners.py).
     The spec's cross-field rules (mask xor mask_select, opd teacher, dtype vs precision) hold by
     construction (compute.contract.specs.TrainSpec)."""
     import copy
@@ -277,9 +277,9 @@ class _Run:
 
 def _start(spec: TrainSpec, progress: Any, refs: Refs | None = None) -> _Run:
     """Load the task, the model at the training precision and (opd) the teacher."""
+    from compute.lm.verifiable_tasks import get_task
     from compute.train import prepare_precision
     from compute.train.objectives.distill import check_same_tokenizer
-    from compute.verifiable_tasks import get_task
 
     task = get_task(spec.task)
     torch.manual_seed(spec.seed)
@@ -302,9 +302,9 @@ def _start(spec: TrainSpec, progress: Any, refs: Refs | None = None) -> _Run:
 
 def _mask(run: _Run) -> dict[str, torch.Tensor] | None:
     """The given mask file, or one built in the job (spec.mask_select), or None (full training)."""
-    from compute.artifact_files import local_file
     from compute.fisher import FisherConfig
-    from compute.masks import load_mask
+    from compute.jobs.artifact_files import local_file
+    from compute.sparsity.masks import load_mask
 
     spec = run.spec
     mask_ref = ref_of(run.refs, "mask", spec.mask)
@@ -334,10 +334,10 @@ def _mask(run: _Run) -> dict[str, torch.Tensor] | None:
 
 def _mask_fisher_reliability(run: _Run, mask_ref: Ref) -> None:
     """The verdict of the Fisher a given mask file was built on (its metadata), if any."""
-    from compute.artifact_files import stored_metadata
+    from compute.jobs.artifact_files import stored_metadata
 
     if "fisher_reliability" in stored_metadata(mask_ref, "mask"):
-        from compute.artifact_files import fisher_provenance
+        from compute.jobs.artifact_files import fisher_provenance
 
         rel = fisher_provenance(mask_ref, "mask")
         from compute.contract.provenance import ref_label
@@ -351,7 +351,7 @@ def _initial_fisher(
 ) -> tuple[Mapping[str, torch.Tensor] | None, dict[str, Any] | None]:
     """The initial Fisher: the caller's, the spec's file, or estimated from independent samples
     when the concentration or the bound needs one."""
-    from compute.artifact_files import load_scores
+    from compute.jobs.artifact_files import load_scores
 
     spec = run.spec
     out_info: dict[str, Any] | None = None
@@ -361,7 +361,7 @@ def _initial_fisher(
         fisher = load_scores(ref_of(run.refs, "fisher", spec.fisher) or spec.fisher, "fisher")
         out_info = {"source": "given", "file": spec.fisher}
         if "fisher_reliability" not in run.summary:  # issue 18: the given Fisher's verdict
-            from compute.artifact_files import fisher_provenance
+            from compute.jobs.artifact_files import fisher_provenance
 
             run.summary["fisher_reliability"] = fisher_provenance(ref_of(run.refs, "fisher", spec.fisher)
                                                                   or spec.fisher)
@@ -376,8 +376,8 @@ def _initial_fisher(
 
 
 def _bound(run: _Run, probe: Any, fisher: Any, fisher_info: dict[str, Any] | None) -> None:
-    """The Cauchy-Schwarz bound on the first GRPO batch (compute.bound), into the result."""
-    from compute.bound import first_step_bound, summarize
+    """The Cauchy-Schwarz bound on the first GRPO batch (compute.studies.bound), into the result."""
+    from compute.studies.bound import first_step_bound, summarize
 
     spec = run.spec
     run.progress(0.13, "bound check on the first GRPO batch")
@@ -416,7 +416,7 @@ def _record_run(run: _Run, res: Any) -> None:
 
 def _concentration(run: _Run, res: Any, fisher: Any, master_base: dict[str, torch.Tensor]) -> None:
     """The gradient sums over the run, and (with an initial Fisher) how well it predicted them."""
-    from compute.overlap import concentration
+    from compute.sparsity.overlap import concentration
 
     run.result.tensors["grad_sq_sum"] = res.grad_sq_sum
     run.result.tensors["grad_abs_sum"] = res.grad_abs_sum

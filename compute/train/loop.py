@@ -140,7 +140,7 @@ def train(
 
 
 def _accuracy(model: torch.nn.Module, tokenizer: Any, task: Any, config: TrainConfig) -> float:
-    from compute.causal_lm import greedy_accuracy
+    from compute.lm.causal_lm import greedy_accuracy
 
     return greedy_accuracy(model, tokenizer, task, n=config.eval_prompts, split="test", seed=0,
                            max_new_tokens=config.eval_max_new_tokens)

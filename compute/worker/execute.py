@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from compute.control import fault_point
+from compute.runtime.control import fault_point
 from compute.worker import lifecycle
 from compute.worker.lifecycle import (
     JobProgress,
@@ -24,10 +24,10 @@ def execute_job(settings: Any, job_id: int, hostname: str | None = None) -> str:
     """Run one job to a final state, or fan it out when its kind's children(spec) > 1.
     Returns what happened (for logs and tests)."""
     from compute.jobs.registry import parse_spec
-    from compute.runners import child_count, get_runner
+    from compute.jobs.runners import child_count, get_runner
 
     worker = hostname or lifecycle.hostname(settings)
-    fault_point("after_receive", f"job={job_id}")  # tests only (compute.control)
+    fault_point("after_receive", f"job={job_id}")  # tests only (compute.runtime.control)
     taken = claim(settings, job_id, worker)
     if isinstance(taken, str):
         return taken

@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from compute.contract.jobresult import JobCancelled
-from compute.control import cancel_scope, fault_point
+from compute.runtime.control import cancel_scope, fault_point
 from storage import repo
 from storage.artifacts import on_uploaded, open_store, upload_retries
 from storage.db import is_outage, session_factory
@@ -118,7 +118,7 @@ class JobProgress:
     """progress(fraction, message): throttled writes to the job row; raises JobCancelled when
     the user asked to cancel (this job or, for a child, its parent). For a child it also
     refreshes the parent's progress. `check(force)` is the cancel check behind
-    compute.control.cancel_point()."""
+    compute.runtime.control.cancel_point()."""
 
     def __init__(self, settings: Any, job_id: int, parent_id: int | None = None):
         self.settings = settings
@@ -155,7 +155,7 @@ class JobProgress:
             raise JobCancelled(f"job {self.job_id} cancelled by the user")
         if fraction > 0 and not self._moved:
             self._moved = True
-            if fault_point("mid_job", f"job={self.job_id}"):  # tests only (compute.control)
+            if fault_point("mid_job", f"job={self.job_id}"):  # tests only (compute.runtime.control)
                 self.check(force=True)
 
     def check(self, force: bool = False) -> None:
@@ -378,7 +378,7 @@ def _publish(settings: Any, job_id: int, result: Any, artifacts: list[Any],
 def _store_waits(settings: Any, progress: JobProgress) -> Any:
     """The context in which a job's uploads run: transient store errors retried (each wait shown
     as the job's message, with a cancel check), and the test-only fault point `artifact_uploaded`
-    after the first object a job uploads (compute.control)."""
+    after the first object a job uploads (compute.runtime.control)."""
 
     def notify(message: str) -> None:
         with sessions(settings)() as s:

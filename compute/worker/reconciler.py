@@ -13,8 +13,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import compute.celery_app as ca
-from compute.celery_app import FINISH_SHARDS, RUN_JOB, RUN_SHARD, send_job
+import compute.runtime.celery_app as ca
+from compute.runtime.celery_app import FINISH_SHARDS, RUN_JOB, RUN_SHARD, send_job
 from compute.worker.lifecycle import holder_dead, sessions
 from storage import repo
 from storage.db import is_outage

@@ -3,7 +3,7 @@ made readable here. Nothing is resolved again: an artifact is fetched through th
 (`open_store(settings).fetch(key, sha256)`, which re-verifies its sha256; an object-store
 backend returns a verified local copy), a zoo or local model folder and a local file are
 re-hashed against the sha256 recorded at submit (cached per file by mtime and size), and a hub
-id is passed on as it is. Runners get {field: Ref} with `local` set (compute/runners.py)."""
+id is passed on as it is. Runners get {field: Ref} with `local` set (compute/jobs/runners.py)."""
 
 from __future__ import annotations
 

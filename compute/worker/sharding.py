@@ -1,5 +1,5 @@
 """Fan-out of a job into child jobs and the combine at the end, for every kind whose module
-implements compute/runners.py's child protocol (children / run_child / combine).
+implements compute/jobs/runners.py's child protocol (children / run_child / combine).
 
     run_job(parent)  -> fan_out: n child rows (storage.fanout.create_children), n run_shard msgs
     run_shard(child) -> run_child(spec, index) -> the output saved as the child's artifact
@@ -13,9 +13,9 @@ from __future__ import annotations
 import logging
 from typing import Any
 
-from compute.celery_app import FINISH_SHARDS, RUN_SHARD, send_job
-from compute.control import fault_point
-from compute.runners import child_protocol, dump_output, load_output
+from compute.jobs.runners import child_protocol, dump_output, load_output
+from compute.runtime.celery_app import FINISH_SHARDS, RUN_SHARD, send_job
+from compute.runtime.control import fault_point
 from compute.worker import lifecycle
 from compute.worker.lifecycle import (
     Claimed,
@@ -73,7 +73,7 @@ def execute_shard(settings: Any, job_id: int, hostname: str | None = None) -> st
     from compute.contract.jobresult import JobResult
     from compute.jobs.registry import parse_spec
 
-    fault_point("after_receive", f"job={job_id}")  # tests only (compute.control)
+    fault_point("after_receive", f"job={job_id}")  # tests only (compute.runtime.control)
     taken = claim(settings, job_id, hostname or lifecycle.hostname(settings))
     if isinstance(taken, str):
         return taken

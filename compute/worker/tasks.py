@@ -1,5 +1,5 @@
 """The Celery tasks: thin adapters (take a job id, call the worker code with fresh settings).
-Task names are fixed (compute/celery_app.py): messages already in a broker carry them."""
+Task names are fixed (compute/runtime/celery_app.py): messages already in a broker carry them."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ from typing import Any
 
 from celery import signals
 
-import compute.celery_app as ca
-from compute.celery_app import FINISH_SHARDS, RUN_JOB, RUN_SHARD, make_celery
+import compute.runtime.celery_app as ca
 from compute.contract.settings import get_settings
+from compute.runtime.celery_app import FINISH_SHARDS, RUN_JOB, RUN_SHARD, make_celery
 from compute.worker import reconciler as rec
 from compute.worker.execute import execute_job
 from compute.worker.lifecycle import hostname as default_hostname

@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
-from compute.causal_lm import greedy_generate
 from compute.contract.jobresult import Progress
 from compute.contract.modelref import ZOO_NAMES, file_sha256, folder_revision
-from compute.verifiable_tasks import get_task
+from compute.lm.causal_lm import greedy_generate
+from compute.lm.verifiable_tasks import get_task
 from compute.zoo.folders import INFO_FILE, is_built, save
 from compute.zoo.recipe import FAMILIES, ZooRecipe, build_model, family_of
 from compute.zoo.shipped import (

@@ -14,8 +14,8 @@ from typing import Any
 
 import torch
 
-from compute.causal_lm import greedy_generate
 from compute.contract.modelref import file_sha256
+from compute.lm.causal_lm import greedy_generate
 from compute.zoo.folders import INFO_FILE, is_built, save
 
 

@@ -12,8 +12,8 @@ import warnings
 import pytest
 import torch
 
-from compute.device import resolve_dtype
 from compute.fisher import fisher_from_samples, relative_error
+from compute.lm.device import resolve_dtype
 from tests.unit.fisher_tiny import VOCAB, family_model, tiny_model
 from tests.unit.test_arch_matrix import _rows, reference, worst_error
 
@@ -103,9 +103,9 @@ def test_auto_dtype_is_the_one_decision(device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_token_mechanism_factored_path_on_device(device):
-    """compute.tokens: the factored path equals the per-token loop in float32 on the device, and
+    """compute.studies.tokens: the factored path equals the per-token loop in float32 on the device, and
     in bf16 it is taken (not skipped) and stays within bf16 drift of the float32 numbers."""
-    from compute.tokens import TokensConfig, token_mechanism
+    from compute.studies.tokens import TokensConfig, token_mechanism
 
     cfg = TokensConfig(top_k=4, random_k=3, low_k=2)
     ids = torch.tensor([[3, 5, 7, 2, 9]], device=device)

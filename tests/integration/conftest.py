@@ -4,7 +4,7 @@ on a laptop, a failure under CI: tests.conftest.require_service; there is no SQL
 PostgreSQL). Each test gets its own home, queue name and DB schema.
 
 Fault injection is deterministic: a worker started with `faults=[...]` stops at those named points
-(compute.control.fault_point: test-only, FISHERLENS_TESTING=1) and the test waits for the point's
+(compute.runtime.control.fault_point: test-only, FISHERLENS_TESTING=1) and the test waits for the point's
 marker file (`stack.wait_reached`), then kills, cancels, restarts Redis or releases it
 (`stack.release`). No test depends on a job being slow enough to be interrupted."""
 
@@ -127,7 +127,7 @@ class Stack:
         faults: tuple[str, ...] | list[str] = (),
     ) -> Worker:
         """A `fisherlens worker` process (default name worker-PID@HOST when name is None) that
-        stops at the named fault points (compute.control)."""
+        stops at the named fault points (compute.runtime.control)."""
         label = (name or "default").replace("@", "_")
         log = self.home / f"{label}-{len(self.workers)}.log"
         env = {**os.environ, **self.env, **(extra_env or {})}
@@ -253,7 +253,7 @@ def _stack(
         if k in env:
             monkeypatch.setenv(k, env[k])
     monkeypatch.setenv("FISHERLENS_QUEUE", queue)
-    import compute.celery_app as ca
+    import compute.runtime.celery_app as ca
 
     ca._apps.clear()
     s = Stack(kind, home, env)

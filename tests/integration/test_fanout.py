@@ -1,4 +1,4 @@
-"""The worker's generic child-job fan-out (compute/runners.py's protocol), in-process on SQLite
+"""The worker's generic child-job fan-out (compute/jobs/runners.py's protocol), in-process on SQLite
 and the filesystem queue: any kind implementing children/run_child/combine fans out, each child's
 output is stored, the parent is combined exactly once, a failed child fails the parent naming
 it, cancelling the parent cancels its children. The toy kind is tests/integration/toy_children."""
@@ -32,8 +32,8 @@ def _messages(settings) -> list[tuple[str, int]]:
 
 @pytest.fixture(params=["sqlite", pytest.param("postgresql", marks=pytest.mark.postgres)])
 def settings(request: pytest.FixtureRequest, fl_home: Path, monkeypatch: pytest.MonkeyPatch):
-    import compute.celery_app as ca
-    import compute.runners as runners
+    import compute.jobs.runners as runners
+    import compute.runtime.celery_app as ca
     from storage.db import upgrade
     from tests.integration.conftest import _pg_schema
 
@@ -137,7 +137,7 @@ def test_a_job_queued_without_resolved_refs_fails_asking_for_a_rerun(settings) -
 def test_a_partial_protocol_is_an_error_naming_what_is_missing(monkeypatch) -> None:
     import types
 
-    from compute import runners
+    from compute.jobs import runners
 
     mod = types.ModuleType("half_protocol")
     mod.children = lambda spec: 2  # type: ignore[attr-defined]

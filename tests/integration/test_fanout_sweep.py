@@ -3,7 +3,7 @@ filesystem queue + SQLite and on Redis + PostgreSQL: one child job per grid poin
 workers at once, and the parent's combined result holds every point.
 
 That the two points really run on two workers is forced, not hoped for: both workers stop at the
-`mid_job` fault point (compute.control, one-shot), so the first child to report progress holds its
+`mid_job` fault point (compute.runtime.control, one-shot), so the first child to report progress holds its
 worker there; a solo-pool worker reserves one message at a time (acks_late, prefetch 1), so the
 other child can only be run, to the end, by the other worker. Then the held child is released."""
 

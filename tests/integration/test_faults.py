@@ -1,6 +1,6 @@
 """Fault injection on real worker processes: every stuck case of issue 8 point 4 ends with every
 job terminal and no job run twice. Each fault happens at a named point the worker stops at
-(compute.control.fault_point, test-only) and the test waits for it, so none depends on the
+(compute.runtime.control.fault_point, test-only) and the test waits for it, so none depends on the
 machine's speed. The reconciler runs every second here (RECONCILE_INTERVAL_S=1) and re-sends a
 queued job whose message went missing 3 s before (RECONCILE_QUEUED_AFTER_S=3).
 

@@ -114,7 +114,7 @@ def test_reconciler_drops_unacked_messages_of_ended_jobs(private_redis, private_
 
     import redis
 
-    import compute.celery_app as ca
+    import compute.runtime.celery_app as ca
     from compute.worker.reconciler import reconcile
     from storage import repo
 

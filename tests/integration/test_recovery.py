@@ -30,7 +30,7 @@ def _queued(settings) -> list[tuple[str, int]]:
 
 @pytest.fixture
 def settings(fl_home: Path, monkeypatch: pytest.MonkeyPatch):
-    import compute.celery_app as ca
+    import compute.runtime.celery_app as ca
 
     monkeypatch.setenv("FISHERLENS_QUEUE", "fisherlens")
     monkeypatch.setenv("RECONCILE_QUEUED_AFTER_S", "60")
@@ -46,7 +46,7 @@ def _dead_pid() -> int:
 
 
 def test_reconcile_requeues_fails_finishes_and_resends(settings) -> None:
-    from compute.celery_app import send_job
+    from compute.runtime.celery_app import send_job
     from compute.worker import MAX_ATTEMPTS, default_worker_name, reconcile
 
     assert MAX_ATTEMPTS == 2
@@ -165,7 +165,7 @@ def test_two_reconcilers_release_a_dead_job_once(settings) -> None:
 def test_fault_points_are_off_unless_testing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     """A fault point needs FISHERLENS_TESTING=1, its name in FISHERLENS_FAULT_POINTS and a
     FISHERLENS_FAULT_DIR: without any one of them it returns at once and writes nothing."""
-    from compute.control import fault_point
+    from compute.runtime.control import fault_point
 
     monkeypatch.setenv("FISHERLENS_FAULT_POINTS", "after_claim")
     monkeypatch.setenv("FISHERLENS_FAULT_DIR", str(tmp_path))

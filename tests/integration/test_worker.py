@@ -1,6 +1,6 @@
 """Real worker processes (Celery solo pool) running real fisher jobs on the zoo model, against the
 embedded filesystem queue + SQLite and against Redis + PostgreSQL. Interruptions happen at named
-fault points (compute.control), never at "a moment when the job is hopefully still running"."""
+fault points (compute.runtime.control), never at "a moment when the job is hopefully still running"."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""A toy job module implementing compute/runners.py's child protocol over SweepSpec (one child
+"""A toy job module implementing compute/jobs/runners.py's child protocol over SweepSpec (one child
 per learning rate), so the worker's generic fan-out is tested without training anything.
 test_fanout.py points RUNNERS["sweep"] here. Seed 13 makes child 1 fail."""
 

@@ -1,11 +1,11 @@
-"""compute.analysis against hand-computed values."""
+"""compute.fisher.statistics against hand-computed values."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from compute.analysis import (
+from compute.fisher.statistics import (
     concentration_curve,
     gini,
     layer_module_stats,

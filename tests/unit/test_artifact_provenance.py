@@ -69,9 +69,9 @@ def _download(client: Any, job: dict[str, Any], kind: str) -> bytes:
 
 @pytest.mark.slow
 def test_downloaded_artifacts_name_inputs_by_label_and_sha256(server, zoo_home: Path) -> None:
-    from compute.artifact_files import fisher_provenance
     from compute.contract.modelref import file_sha256, folder_revision
     from compute.contract.results import reliability_level
+    from compute.jobs.artifact_files import fisher_provenance
 
     settings, client, root = server
     secret = str(root.parent)  # every input lives under .../srv-secret/
@@ -141,8 +141,8 @@ def test_paths_in_older_files_are_read_back_as_labels(tmp_path: Path) -> None:
     import torch
     from safetensors.torch import save_file
 
-    from compute.artifact_files import fisher_provenance
     from compute.contract.modelref import name_ref
+    from compute.jobs.artifact_files import fisher_provenance
 
     old = {"estimator": "sequence", "model": "/srv/models/llama-7b", "split_half_jaccard": 0.8,
            "reliability": "good"}

@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from compute.bound import (
+from compute.studies.bound import (
     accumulate_sample_grads,
     bound_from_sample_grads,
     holds,
@@ -89,7 +89,7 @@ def test_rank_correlations() -> None:
 def test_independent_fisher_check_reports_a_constructed_violation() -> None:
     """With a Fisher from other samples the check can fail: coordinates whose independent Fisher is
     too small for their gradient are counted, with the ratio distribution."""
-    from compute.bound import BoundResult, ratio_stats
+    from compute.studies.bound import BoundResult, ratio_stats
 
     lhs = {"w": torch.tensor([0.5, 0.2, 0.0, 0.3], dtype=torch.float64)}
     same_f = {"w": torch.tensor([1.0, 1.0, 1.0, 1.0], dtype=torch.float64)}
@@ -120,7 +120,7 @@ def test_independent_fisher_check_reports_a_constructed_violation() -> None:
 def test_independent_fisher_from_many_samples_nearly_always_bounds() -> None:
     """The bound is about expectations: with the gradient's samples and the Fisher's drawn from the
     same distribution and many of each, violations are rare, and the ratio median is well below 1."""
-    from compute.bound import BoundResult
+    from compute.studies.bound import BoundResult
 
     g = torch.Generator().manual_seed(3)
     scale = torch.rand(400, generator=g) + 0.1
@@ -140,7 +140,7 @@ def test_independent_fisher_from_many_samples_nearly_always_bounds() -> None:
 
 
 def test_summarize_refuses_a_fisher_missing_a_parameter() -> None:
-    from compute.bound import BoundResult
+    from compute.studies.bound import BoundResult
 
     t = torch.ones(3, dtype=torch.float64)
     res = BoundResult({"a": t, "b": t}, {"a": t, "b": t}, {"a": t, "b": t}, 2, 1.0, n_tokens=4)

@@ -1,4 +1,4 @@
-"""compute.control.cancel_point: a cancel takes effect inside sampling (between generation steps
+"""compute.runtime.control.cancel_point: a cancel takes effect inside sampling (between generation steps
 and forward chunks), not only between a job's phases; outside a cancel scope it does nothing."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from compute.contract.jobresult import JobCancelled
-from compute.control import cancel_scope
-from compute.sampling import sample_completions, token_logprobs
+from compute.lm.sampling import sample_completions, token_logprobs
+from compute.runtime.control import cancel_scope
 from tests.unit.fisher_tiny import char_tokenizer, tiny_model
 
 

@@ -1,4 +1,4 @@
-"""compute.checkpoint_series against hand values and brute force (compute.diff, compute.overlap)
+"""compute.sparsity.series against hand values and brute force (compute.sparsity.diff, compute.sparsity.overlap)
 on synthetic run folders, and on a real TRL GRPOTrainer run folder."""
 
 from __future__ import annotations
@@ -11,16 +11,16 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from compute.checkpoint_series import (
+from compute.sparsity.diff import Checkpoint, diff_checkpoints
+from compute.sparsity.masks import n_keep, topk_mask
+from compute.sparsity.overlap import score_vs_target
+from compute.sparsity.series import (
     SeriesConfig,
     bf16_round_threshold,
     checkpoint_series,
     find_checkpoints,
     write_series,
 )
-from compute.diff import Checkpoint, diff_checkpoints
-from compute.masks import n_keep, topk_mask
-from compute.overlap import score_vs_target
 
 NAMES = ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.weight",
          "model.layers.0.mlp.up_proj.weight", "model.layers.1.self_attn.q_proj.weight",
@@ -116,7 +116,7 @@ def test_hand_values_fp32(tmp_path: Path) -> None:
 
 
 def test_published_convention_compares_in_bf16(tmp_path: Path) -> None:
-    """|delta_bf16| <= atol as PyTorch (and compute.diff) evaluates it on bf16 tensors: atol is
+    """|delta_bf16| <= atol as PyTorch (and compute.sparsity.diff) evaluates it on bf16 tensors: atol is
     rounded to bf16 too, so a delta of exactly bf16(1e-5) = 1.00136e-5 counts as unchanged there,
     and as changed in the float32 convention."""
     a16 = torch.tensor([1e-5]).to(torch.bfloat16)
@@ -150,7 +150,7 @@ def test_bf16_round_threshold_matches_torch_rounding() -> None:
 
 
 # ---------------------------------------------------------------------------------------------
-# Brute force: compute.diff on each pair, compute.overlap for the Fisher
+# Brute force: compute.sparsity.diff on each pair, compute.sparsity.overlap for the Fisher
 # ---------------------------------------------------------------------------------------------
 
 
@@ -164,7 +164,7 @@ DIFF_KEYS = ("unchanged_exact", "unchanged_bf16", "unchanged_atol_1e-05", "uncha
 def test_against_diff_and_overlap(tmp_path: Path, base_dtype: torch.dtype, ck_dtype: torch.dtype, cap: int,
                                   monkeypatch: pytest.MonkeyPatch) -> None:
     if cap == 1000:  # the numpy sweep (not the C kernel), in chunks of 37 elements (ragged last chunk)
-        monkeypatch.setattr("compute.checkpoint_series.CHUNK", 37)
+        monkeypatch.setattr("compute.sparsity.series.CHUNK", 37)
         monkeypatch.setenv("FISHERLENS_SERIES_KERNEL", "0")
     base, run, fisher = _random_run(tmp_path, base_dtype, ck_dtype)
     frac = 0.05
@@ -212,7 +212,7 @@ def test_against_diff_and_overlap(tmp_path: Path, base_dtype: torch.dtype, ck_dt
 
 
 def _in_group(name: str, grouping: str, group: str) -> bool:
-    from compute.masks import group_key
+    from compute.sparsity.masks import group_key
 
     return group_key(name, grouping) == group
 
@@ -315,10 +315,10 @@ def test_refuses_checkpoints_that_do_not_fit_the_base(tmp_path: Path) -> None:
 def test_real_trl_grpo_run_folder(zoo_home: Path, tmp_path: Path, dtype: str,
                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """GRPOTrainer (TRL) with save_steps=1 for 3 steps on arith-base; the series of its folder
-    against the base, with a real Fisher of the base, equals compute.diff on every pair."""
-    from compute.causal_lm import load_model
+    against the base, with a real Fisher of the base, equals compute.sparsity.diff on every pair."""
     from compute.fisher import FisherConfig, estimate_fisher
-    from compute.verifiable_tasks import get_task
+    from compute.lm.causal_lm import load_model
+    from compute.lm.verifiable_tasks import get_task
     from tests.trl_runs import grpo_run_folder
 
     monkeypatch.setenv("FISHERLENS_HOME", str(zoo_home))

@@ -1,5 +1,5 @@
 """The CLI's queue commands against a server (app/client.py): the token `fisherlens login` saved
-goes only to the server it was saved for (compute.credentials.server_and_token, the TRL
+goes only to the server it was saved for (compute.integrations.credentials.server_and_token, the TRL
 callback's rule); FISHERLENS_TOKEN goes wherever FISHERLENS_URL says.
 
 Real pieces: a running fisherlens app (uvicorn in a thread, AUTH_REQUIRED, SQLite), the real CLI

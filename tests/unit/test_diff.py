@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from compute.diff import Checkpoint, diff_checkpoints, open_checkpoint, tensor_diff_stats
+from compute.sparsity.diff import Checkpoint, diff_checkpoints, open_checkpoint, tensor_diff_stats
 
 A = "model.layers.0.mlp.up_proj.weight"
 B = "model.layers.1.self_attn.q_proj.weight"
@@ -232,7 +232,7 @@ def test_zoo_diff_and_mask_commands(zoo_home, monkeypatch, tmp_path) -> None:
     r = CliRunner().invoke(main, ["mask", "--select", "magnitude", "--density", "0.01", "--model",
                                   "arith-base", "--out", str(tmp_path / "m.safetensors")])
     assert r.exit_code == 0, r.output
-    from compute.masks import load_mask
+    from compute.sparsity.masks import load_mask
 
     mask = load_mask(tmp_path / "m.safetensors")
     assert sum(int(m.sum()) for m in mask.values()) == round(0.01 * n)
@@ -241,7 +241,7 @@ def test_zoo_diff_and_mask_commands(zoo_home, monkeypatch, tmp_path) -> None:
 def test_both_delta_conventions_and_half_ulp_counts_on_hand_made_tensors() -> None:
     """Float32-delta atol columns vs the published bf16-delta columns, and |w|-aware half-ULP counts,
     each element worked out by hand (see the comments)."""
-    from compute.diff import tensor_diff_stats
+    from compute.sparsity.diff import tensor_diff_stats
 
     base = torch.tensor([1.0, 1.0, 0.01, 0.0, 1.0])
     tuned = torch.tensor([1.001, 1.005, 0.010002, 1e-9, 1.0])
@@ -263,7 +263,7 @@ def test_both_delta_conventions_and_half_ulp_counts_on_hand_made_tensors() -> No
 def test_half_ulp_is_the_bf16_rounding_threshold() -> None:
     """Brute force: a bf16 weight moved away from zero by just under half an ULP rounds back to
     itself; by just over, it does not."""
-    from compute.diff import half_ulp_bf16
+    from compute.sparsity.diff import half_ulp_bf16
 
     g = torch.Generator().manual_seed(0)
     w = (torch.randn(20_000, generator=g) * torch.logspace(-6, 1, 20_000)).to(torch.bfloat16).float()
@@ -277,14 +277,14 @@ def test_half_ulp_is_the_bf16_rounding_threshold() -> None:
 
 
 def test_fisher_auc_within_weight_binades() -> None:
-    from compute.diff import fisher_auc_by_weight_binade
+    from compute.sparsity.diff import fisher_auc_by_weight_binade
 
     # bin [0.5, 1): never changes, high Fisher; bin [2^-7, 2^-6): Fisher ranks the changed ones first
     base = {"w": torch.tensor([0.75] * 4 + [0.01] * 4)}
     fisher = {"w": torch.tensor([10.0, 11.0, 12.0, 13.0, 1.0, 2.0, 3.0, 4.0])}
     changed = {"w": torch.tensor([False] * 4 + [False, False, True, True])}
     res = fisher_auc_by_weight_binade(fisher, changed, base, min_each=1)
-    from compute.overlap import roc_auc
+    from compute.sparsity.overlap import roc_auc
 
     assert roc_auc(fisher["w"], changed["w"]) == pytest.approx(4 / 12)  # globally worse than chance
     assert res["pooled_auc"] == pytest.approx(1.0)  # within equal-ULP bins, perfect

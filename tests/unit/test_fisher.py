@@ -16,7 +16,7 @@ from compute.fisher import (
     fisher_sums,
     trainable_parameters,
 )
-from compute.sampling import build_rollout, sample_completions
+from compute.lm.sampling import build_rollout, sample_completions
 from tests.unit.fisher_tiny import char_tokenizer, tiny_model
 
 ARCHS = [("qwen3", False), ("qwen3", True), ("llama", False), ("llama", True), ("gpt2", False),
@@ -460,7 +460,7 @@ def test_groups_without_rows_are_zero_and_row_order_does_not_matter(tok):
 
 
 def test_default_memory_budget_comes_from_free_memory():
-    from compute.device import BUDGET_MAX_MB, BUDGET_MIN_MB, default_budget_mb, free_memory_bytes
+    from compute.lm.device import BUDGET_MAX_MB, BUDGET_MIN_MB, default_budget_mb, free_memory_bytes
 
     mb = default_budget_mb(torch.device("cpu"))
     assert BUDGET_MIN_MB <= mb <= BUDGET_MAX_MB

@@ -56,7 +56,7 @@ def test_run_equals_finish_of_shards_and_is_worker_independent(home):
 
 
 def _params(home):
-    from compute.causal_lm import load_model
+    from compute.lm.causal_lm import load_model
 
     model, _ = load_model(str(home / "zoo" / "arith-base"), device="cpu")
     return list(model.named_parameters())

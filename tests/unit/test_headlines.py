@@ -387,10 +387,10 @@ def test_bf16_fisher_states_its_error_against_float32(built):
     one between the bf16 engine and a float32 run on the same sampled completions."""
     import torch
 
-    from compute.causal_lm import load_model
     from compute.fisher import fisher_from_samples
     from compute.jobs import fisher_run as run_fisher
     from compute.jobs.fisher import FisherSpec
+    from compute.lm.causal_lm import load_model
 
     spec = FisherSpec(model="arith-base", prompts=4, samples=2, max_new_tokens=4, device="cpu",
                       until_reliable=False, dtype="bfloat16")
@@ -404,8 +404,8 @@ def test_bf16_fisher_states_its_error_against_float32(built):
     err = s["precision_error"]
     assert err["rows"] == min(16, s["n_rows"]) and 0 < err["relative_l1"] < 0.5
     # the same first rows, re-sampled deterministically in bf16, scored by the float32 model
-    from compute.sampling import sample_completions
-    from compute.verifiable_tasks import get_task
+    from compute.lm.sampling import sample_completions
+    from compute.lm.verifiable_tasks import get_task
 
     ex = get_task("arithmetic").examples(4, seed=0, split="train", start=0)
     assert next(bf.parameters()).dtype == torch.bfloat16

@@ -70,7 +70,7 @@ def test_storage_imports_nothing_of_compute_or_app() -> None:
 def test_the_contract_imports_pydantic_and_itself_only() -> None:
     """compute/contract is what the web process, the CLI and the worker share: no database, no
     artifact store, no torch (references are resolved in app/services/refs.py; task names are
-    parsed in compute/contract/tasknames.py, which compute.verifiable_tasks builds on)."""
+    parsed in compute/contract/tasknames.py, which compute.lm.verifiable_tasks builds on)."""
     import sys
 
     bad = []
@@ -133,7 +133,7 @@ def test_the_checks_see_what_they_check() -> None:
     """The parser finds imports inside functions and resolves `from pkg import submodule`; the
     cycle finder finds cycles (so the empty answers above mean something)."""
     deps = imports_of(ROOT / "compute" / "worker" / "execute.py")
-    assert {"compute.worker.lifecycle", "compute.runners", "compute.jobs.registry"} <= deps
+    assert {"compute.worker.lifecycle", "compute.jobs.runners", "compute.jobs.registry"} <= deps
     assert "compute.worker.refs" in deps  # inside execute_job
     assert "compute.worker.reconciler" in imports_of(ROOT / "compute" / "worker" / "tasks.py")
     assert imports_of(ROOT / "storage" / "repo.py") >= {"storage.jobs", "storage.fanout"}

@@ -1,5 +1,5 @@
 """A job's status line says what it waits for while a model loads (issue 18: a SmolLM2 tokens job
-showed "0% · loading" for 90 s): compute.causal_lm.load_model reports its stages, and the worker's
+showed "0% · loading" for 90 s): compute.lm.causal_lm.load_model reports its stages, and the worker's
 progress callback writes each new stage at once, even inside its 0.5 s throttle (a dropped stage
 name would stay on screen through the next, long stage). Real SQLite job row, real zoo model."""
 
@@ -42,7 +42,7 @@ def test_each_loading_stage_reaches_the_job_row_at_once(tmp_path):
 
 
 def test_load_model_names_its_stages(zoo_home, monkeypatch):
-    from compute.causal_lm import load_model
+    from compute.lm.causal_lm import load_model
 
     monkeypatch.setenv("FISHERLENS_HOME", str(zoo_home))
     heard: list[tuple[float, str]] = []

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compute.masks import (
+from compute.sparsity.masks import (
     density_by,
     load_mask,
     mask_density,
@@ -229,7 +229,7 @@ def test_run_mask_fisher_and_magnitude(model_dir) -> None:
 
 
 def test_run_mask_gradient_and_errors(model_dir) -> None:
-    from compute.artifact_files import local_file
+    from compute.jobs.artifact_files import local_file
     from compute.jobs.mask import MaskSpec
     from compute.jobs.mask_run import run, sft_gradient
 

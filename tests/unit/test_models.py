@@ -1,4 +1,4 @@
-"""compute.contract.modelref and compute.causal_lm: allowed roots, revisions, loading, device/dtype, greedy."""
+"""compute.contract.modelref and compute.lm.causal_lm: allowed roots, revisions, loading, device/dtype, greedy."""
 
 from __future__ import annotations
 
@@ -8,15 +8,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from compute.causal_lm import (
+from compute.contract.modelref import model_revision, resolve_model
+from compute.contract.settings import Settings
+from compute.lm.causal_lm import (
     greedy_generate,
     load_model,
     model_info,
     resolve_device,
     resolve_dtype,
 )
-from compute.contract.modelref import model_revision, resolve_model
-from compute.contract.settings import Settings
 from compute.zoo import build_tokenizer
 
 

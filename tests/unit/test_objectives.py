@@ -7,9 +7,9 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from compute.lm.verifiable_tasks import get_task
 from compute.train import TrainConfig
 from compute.train.objectives import make_objective
-from compute.verifiable_tasks import get_task
 from tests.unit.fisher_tiny import char_tokenizer, tiny_model
 
 

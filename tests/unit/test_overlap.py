@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from compute.overlap import (
+from compute.sparsity.overlap import (
     jaccard_baseline,
     mask_overlap,
     midranks,
@@ -152,7 +152,7 @@ def test_score_vs_target_errors() -> None:
 
 
 def test_concentration_scores_the_fisher_against_each_target_per_group() -> None:
-    from compute.overlap import concentration, roc_auc
+    from compute.sparsity.overlap import concentration, roc_auc
 
     a, b = "model.layers.0.mlp.up_proj.weight", "model.layers.1.self_attn.q_proj.weight"
     fisher = {a: torch.arange(10.0).reshape(2, 5), b: torch.arange(10.0, 20.0).reshape(2, 5)}

@@ -42,8 +42,8 @@ def gemma_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def gemma(gemma_home: Path) -> tuple:
-    from compute.causal_lm import load_model
     from compute.contract.settings import Settings
+    from compute.lm.causal_lm import load_model
 
     return load_model(
         NAME, device="cpu", dtype="float32", settings=Settings(fisherlens_home=gemma_home)
@@ -66,7 +66,7 @@ def test_conversion_record(gemma_home: Path) -> None:
 
 
 def test_greedy_facts(gemma: tuple) -> None:
-    from compute.causal_lm import greedy_generate
+    from compute.lm.causal_lm import greedy_generate
 
     model, tok = gemma
     out = greedy_generate(

@@ -62,8 +62,8 @@ def home(real_home: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 @pytest.fixture(scope="module")
 def smol(real_home: Path) -> tuple:
     """(model, tokenizer) loaded once, float32 on the CPU, as every fisherlens command loads it."""
-    from compute.causal_lm import load_model
     from compute.contract.settings import Settings
+    from compute.lm.causal_lm import load_model
 
     return load_model(
         NAME, device="cpu", dtype="float32", settings=Settings(fisherlens_home=real_home)
@@ -99,7 +99,7 @@ def test_conversion_record_and_listing(home: Path) -> None:
 
 @pytest.mark.slow
 def test_greedy_paris(smol: tuple) -> None:
-    from compute.causal_lm import greedy_generate
+    from compute.lm.causal_lm import greedy_generate
 
     model, tok = smol
     assert type(model).__name__ == "LlamaForCausalLM"

@@ -31,7 +31,7 @@ ALLOWED = {
     # tensors), which the kinds' `refs` / `outputs` use; not a list of job kinds
     "compute/contract/kinds.py": "RefTarget: the targets a reference field names",
     # artifact file stems (fisher.safetensors, mask.safetensors) skipped when looking for weights
-    "compute/diff.py": "artifact file names next to a checkpoint",
+    "compute/sparsity/diff.py": "artifact file names next to a checkpoint",
 }
 
 
@@ -150,7 +150,7 @@ def test_every_layer_offers_every_kind() -> None:
     from app.cli import main
     from app.render import title as page_title  # the share page and the result tab
     from app.ui.formtab import form_defs
-    from compute.runners import RUNNERS
+    from compute.jobs.runners import RUNNERS
 
     names = list(registry.NAMES)
     assert JobRequest.model_json_schema()["properties"]["kind"]["enum"] == names

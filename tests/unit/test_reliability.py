@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from compute.artifact_files import fisher_provenance, stored_metadata
 from compute.contract.jobresult import JobResult
 from compute.contract.results import FAIR_JACCARD, reliability_level
+from compute.jobs.artifact_files import fisher_provenance, stored_metadata
 from compute.jobs.fisher import FisherSpec
 from tests.pg import pg_schema_url
 

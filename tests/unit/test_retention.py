@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from compute.retention import (
+from compute.studies.retention import (
     BootstrapConfig,
     build_table,
     eval_size_for_se,
@@ -153,7 +153,7 @@ def test_markdown_table_rows() -> None:
 
 def _as_shipped(output: object) -> object:
     """A unit's output as a worker ships it to the parent (the worker's own dump/load)."""
-    from compute.runners import dump_output, load_output
+    from compute.jobs.runners import dump_output, load_output
 
     return load_output(dump_output(output))
 
@@ -172,9 +172,9 @@ def test_grid_units_apart_equal_the_run_and_density_one_equals_full(zoo_home, mo
     estimating its own Fisher, outputs through torch.save / weights-only load, in reverse order)
     combines to the in-process run; a density-1 mask reproduces the full run prompt for prompt
     (paired seeds: same prompts, same sampling seeds, same optimizer, same held-out prompts)."""
-    from compute.causal_lm import load_model
     from compute.jobs.registry import parse_spec
     from compute.jobs.retention_run import children, combine, run, run_child
+    from compute.lm.causal_lm import load_model
 
     monkeypatch.setenv("FISHERLENS_HOME", str(zoo_home))
     spec = parse_spec("retention", {"model": "arith-base", "selectors": ["random", "fisher"],
@@ -314,7 +314,7 @@ def test_retention_cli_on_the_zoo_records_provenance(zoo_home, tmp_path, monkeyp
 def test_bootstrap_in_chunks_is_bounded_and_consistent(monkeypatch) -> None:
     # Replicates are drawn in chunks (bounded memory whatever replicates x prompts); the statistics
     # do not depend on the chunking beyond bootstrap noise.
-    import compute.retention as R
+    import compute.studies.retention as R
 
     base = bernoulli(1000, 0.3, 80)
     full = torch.stack([flip(base, 100, 81 + s) for s in range(2)])

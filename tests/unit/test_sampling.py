@@ -1,4 +1,4 @@
-"""compute.sampling: on-policy sampling is the model's own distribution, reproducible, and laid out
+"""compute.lm.sampling: on-policy sampling is the model's own distribution, reproducible, and laid out
 right-padded; token_logprobs matches a manual computation."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from compute.sampling import (
+from compute.lm.sampling import (
     _row_uniforms,
     build_rollout,
     filter_probs,

@@ -1,5 +1,5 @@
 """The series' fast paths against straightforward brute force: the fused C kernel
-(compute.series_kernel) and the numpy sweep on random tensors with ties and values on the
+(compute.sparsity.series_kernel) and the numpy sweep on random tensors with ties and values on the
 thresholds, and the Fisher AUC (per-tensor rank sums) against pairwise Mann-Whitney with ties
 counted one half."""
 
@@ -12,14 +12,14 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from compute import series_kernel
-from compute.checkpoint_series import (
+from compute.sparsity import series_kernel
+from compute.sparsity.masks import group_key, topk_mask
+from compute.sparsity.series import (
     SeriesConfig,
     bf16_round_threshold,
     checkpoint_series,
     tensor_counts,
 )
-from compute.masks import group_key, topk_mask
 
 ATOL = 1e-5
 PAIRS = [(torch.bfloat16, torch.bfloat16), (torch.float32, torch.float32),
@@ -52,7 +52,7 @@ def _tied_pair(n: int, cur_dtype: torch.dtype, ref_dtype: torch.dtype, seed: int
 
 
 def _brute(cur: torch.Tensor, ref: torch.Tensor) -> dict[str, float]:
-    """compute.diff's definitions, written out in PyTorch."""
+    """compute.sparsity.diff's definitions, written out in PyTorch."""
     delta = cur.float() - ref.float()
     return {
         "unchanged_exact": float((cur == ref).sum()),
@@ -154,7 +154,7 @@ def test_no_compiler_falls_back_to_numpy_with_the_same_counts(monkeypatch: pytes
     monkeypatch.setattr(series_kernel, "_tried", False)
     monkeypatch.setattr(series_kernel, "_lib", None)
     monkeypatch.setenv("CC", "/bin/false")
-    with caplog.at_level("WARNING", logger="compute.series_kernel"):
+    with caplog.at_level("WARNING", logger="compute.sparsity.series_kernel"):
         assert series_kernel.kernel() is None
     assert "series kernel unavailable" in caplog.text and "/bin/false failed" in caplog.text
     cur, ref = _tied_pair(3001, torch.bfloat16, torch.float32, 5)

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from app import services
-from compute.celery_app import RUN_JOB
 from compute.contract.settings import get_settings
 from compute.contract.specs import SpecError
+from compute.runtime.celery_app import RUN_JOB
 from storage import repo
 from tests.pg import pg_schema_url
 
@@ -312,7 +312,7 @@ def test_broker_down_marks_job_failed_not_queued(fl_home: Path, monkeypatch) -> 
     monkeypatch.setenv("REDIS_URL", "redis://127.0.0.1:1/0")  # nothing listens on port 1
     monkeypatch.setenv("FISHERLENS_QUEUE", "fisherlens")
     settings = get_settings()
-    from compute import celery_app
+    from compute.runtime import celery_app
 
     celery_app._apps.clear()
     app = celery_app.celery_for(settings)
@@ -365,7 +365,7 @@ def test_web_side_modules_do_not_import_torch() -> None:
     import sys
 
     code = (
-        "import sys, app.services, app.commands.jobs, compute.celery_app, storage.repo;"
+        "import sys, app.services, app.commands.jobs, compute.runtime.celery_app, storage.repo;"
         "print(sorted(m for m in ('torch', 'transformers', 'compute.worker') if m in sys.modules))"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -377,7 +377,7 @@ def test_a_model_that_needs_remote_code_is_refused_at_submit_unless_the_operator
 ) -> None:
     """TRUST_REMOTE_CODE (Settings.trust_remote_code): off, a model whose config.json names its
     own code (auto_map) is a 422-style field error at submit, nothing queued; on, it passes
-    validation (and compute.causal_lm.load_model passes trust_remote_code=True)."""
+    validation (and compute.lm.causal_lm.load_model passes trust_remote_code=True)."""
     folder = fl_home / "zoo" / "custom-code"
     folder.mkdir(parents=True)
     (folder / "config.json").write_text(json.dumps({

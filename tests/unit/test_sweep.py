@@ -169,7 +169,7 @@ def test_sweep_job_through_the_api_and_the_worker(zoo_home, tmp_path, monkeypatc
     r = client.post("/api/jobs", json={"kind": "sweep", "spec": spec})
     assert r.status_code == 201, r.text
     job = r.json()
-    # two points: two child jobs (compute/runners.py's protocol), one per point, then one combine
+    # two points: two child jobs (compute/jobs/runners.py's protocol), one per point, then one combine
     assert execute_job(settings, job["id"]) == "fanned out 2 children"
     with services.sessions(settings)() as s:
         kids = [c.id for c in repo.shard_jobs(session=s, parent_id=job["id"])]
@@ -188,7 +188,7 @@ def test_sweep_job_through_the_api_and_the_worker(zoo_home, tmp_path, monkeypatc
 
 def _as_shipped(output: object) -> object:
     """A unit's output as a worker ships it to the parent (the worker's own dump/load)."""
-    from compute.runners import dump_output, load_output
+    from compute.jobs.runners import dump_output, load_output
 
     return load_output(dump_output(output))
 

@@ -1,4 +1,4 @@
-"""compute.verifiable_tasks: deterministic, disjoint splits; rewards on hand cases; JSONL errors."""
+"""compute.lm.verifiable_tasks: deterministic, disjoint splits; rewards on hand cases; JSONL errors."""
 
 from __future__ import annotations
 
@@ -9,7 +9,13 @@ from pathlib import Path
 
 import pytest
 
-from compute.verifiable_tasks import ArithmeticTask, Example, cut_completion, first_number, get_task
+from compute.lm.verifiable_tasks import (
+    ArithmeticTask,
+    Example,
+    cut_completion,
+    first_number,
+    get_task,
+)
 
 
 @pytest.mark.parametrize("name", ["arithmetic", "arithmetic-add", "arithmetic-mul"])
@@ -169,7 +175,7 @@ def test_jsonl_missing_file_and_bad_option(tmp_path: Path) -> None:
 
 
 def test_tasks_and_modelref_do_not_import_torch() -> None:
-    code = "import sys, compute.verifiable_tasks, compute.contract.modelref; print('torch' in sys.modules)"
+    code = "import sys, compute.lm.verifiable_tasks, compute.contract.modelref; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compute.tokens import TokensConfig, scope_parameters, token_mechanism, token_sets
+from compute.studies.tokens import TokensConfig, scope_parameters, token_mechanism, token_sets
 
 VOCAB = 12
 
@@ -185,7 +185,7 @@ def test_orthogonal_counterfactual_against_brute_force(arch: str) -> None:
 
 
 def test_orthogonal_counterfactual_hand_computed() -> None:
-    from compute.tokens import counterfactual_orthogonal
+    from compute.studies.tokens import counterfactual_orthogonal
 
     # two tokens with identical sensitivities (g_1 = g_2 = (1, 0)), p = (0.5, 0.5): F = 0, F_orth =
     # 0.5 * 1 + 0.5 * 1 - 0.25 - 0.25 = 0.5, all of it removed by the similarity.

@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
+from compute.lm.verifiable_tasks import get_task
 from compute.train import (
     MaskedOptimizer,
     TrainConfig,
@@ -18,7 +19,6 @@ from compute.train import (
     prepare_masked_params,
     train,
 )
-from compute.verifiable_tasks import get_task
 from tests.unit.fisher_tiny import char_tokenizer, tiny_model
 
 
@@ -409,7 +409,7 @@ def test_gradient_sums_over_the_run_match_the_per_step_gradients() -> None:
 def test_training_gradient_is_n_over_t_times_the_bound_gradient() -> None:
     """The bound reports the sequence-form g = mean_n A_n s_n; the token-mean GRPO loss's gradient
     on the same first batch is -(N/T) g. Checked against the training loop's own gradient."""
-    from compute.bound import first_step_bound, summarize
+    from compute.studies.bound import first_step_bound, summarize
 
     class ParityTask:  # a reward a random model earns half the time: non-zero advantages
         def __init__(self, base):

@@ -5,7 +5,7 @@ learning rate, fp32 and bf16: every frozen coordinate is bit-identical after tra
 ones moved, the logged grad_norm equals the norm of the masked gradient computed independently
 (from the raw gradients autograd hands each parameter, captured by a tensor hook that runs before
 the callback's hook), clipping sees only trainable coordinates, and UpdateSparsityCallback logs
-the numbers `compute.diff` computes on the saved model.
+the numbers `compute.sparsity.diff` computes on the saved model.
 """
 
 from __future__ import annotations
@@ -26,13 +26,13 @@ from datasets import Dataset  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback  # noqa: E402
 from trl import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer  # noqa: E402
 
-from compute.diff import Checkpoint, diff_checkpoints  # noqa: E402
 from compute.integrations.trl import (  # noqa: E402
     FisherMaskCallback,
     UpdateSparsityCallback,
     match_parameters,
 )
-from compute.masks import random_mask, save_mask  # noqa: E402
+from compute.sparsity.diff import Checkpoint, diff_checkpoints  # noqa: E402
+from compute.sparsity.masks import random_mask, save_mask  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 FROZEN = "model.layers.0.self_attn.q_proj.weight"  # all False in the test mask
@@ -140,7 +140,7 @@ def test_grpo_trainer_trains_only_inside_the_mask(zoo_home: Path, tmp_path: Path
     assert cb.summary["frozen_tensors"] == 1 and cb.summary["dense_tensors"] == 1
 
     # sparsity logged at steps 2 and 3 (every=2, and the last step); step 3's numbers are those
-    # of compute.diff on the saved model
+    # of compute.sparsity.diff on the saved model
     rows = {h["step"]: h for h in trainer.state.log_history if "update_sparsity/unchanged_bf16" in h}
     assert sorted(rows) == [2, 3]
     trainer.save_model(str(tmp_path / "saved"))
@@ -230,7 +230,7 @@ def test_names_match_through_ties_and_prefixes() -> None:
 
 
 def test_importing_fisherlens_does_not_import_trl_or_transformers() -> None:
-    code = ("import sys, compute, compute.integrations, compute.masks, compute.diff; "
+    code = ("import sys, compute, compute.integrations, compute.sparsity.masks, compute.sparsity.diff; "
             "print(sorted(m for m in ('trl', 'transformers') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)})

@@ -12,9 +12,9 @@ import torch
 from click.testing import CliRunner
 
 from app.cli import main
-from compute.causal_lm import greedy_accuracy, load_model
 from compute.contract.modelref import REAL_MODEL_NAMES, ZOO_NAMES, model_revision, resolve_model
-from compute.verifiable_tasks import get_task
+from compute.lm.causal_lm import greedy_accuracy, load_model
+from compute.lm.verifiable_tasks import get_task
 from compute.zoo import (
     FAMILIES,
     INFO_FILE,

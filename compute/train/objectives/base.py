@@ -15,7 +15,7 @@ from typing import Any, Protocol
 
 import torch
 
-from compute.sampling import Rollout, build_rollout, sample_completions, token_logprobs
+from compute.lm.sampling import Rollout, build_rollout, sample_completions, token_logprobs
 
 AGGREGATIONS = ("token", "sequence")  # how a per-token loss is reduced (aggregate)
 

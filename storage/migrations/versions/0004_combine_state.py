@@ -1,6 +1,6 @@
 """jobs.n_children and jobs.combine_state: the fan-out of a parent job as real columns
 
-A job whose kind splits into child units (compute/runners.py) records how many children it
+A job whose kind splits into child units (compute/jobs/runners.py) records how many children it
 fanned out into (`n_children`) and where its combining step stands (`combine_state`):
 NULL (children still running, or not a parent), 'queued' (the finish message was sent: exactly
 one caller won repo.request_combine), 'running' (one worker holds the combine:

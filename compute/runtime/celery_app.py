@@ -56,7 +56,7 @@ class AtomicFilesystemTransport(_kombu_fs.Transport):
     Channel = _AtomicFilesystemChannel
 
 
-TRANSPORT_ALIASES.setdefault("fsatomic", "compute.celery_app:AtomicFilesystemTransport")
+TRANSPORT_ALIASES.setdefault("fsatomic", "compute.runtime.celery_app:AtomicFilesystemTransport")
 
 
 def filesystem_options(queue_dir: Path) -> dict[str, Any]:

@@ -21,7 +21,7 @@ Statistics (what a reader needs to trust a ratio of two small differences):
   not above 0, no retention is reported at all (None) and the result carries a warning; a ratio
   whose denominator is noise is not a finding.
 
-Also reported: update sparsity of each full run (compute.diff) and how well the initial Fisher
+Also reported: update sparsity of each full run (compute.sparsity.diff) and how well the initial Fisher
 predicts that update.
 
 This module is the maths and the parts of the grid: `train_arm` trains and evaluates one arm
@@ -333,7 +333,7 @@ class RetentionConfig:
 def heldout_rewards(model: torch.nn.Module, tokenizer: Any, task: Any, n: int, max_new_tokens: int) -> torch.Tensor:
     """(n,) float64 per-prompt task reward of greedy completions on held-out prompts 0..n-1 of the
     test split (seed 0): the same prompts for every model, so comparisons are paired."""
-    from compute.causal_lm import greedy_generate
+    from compute.lm.causal_lm import greedy_generate
 
     examples = task.examples(n, seed=0, split="test")
     completions = greedy_generate(model, tokenizer, [e.prompt for e in examples], max_new_tokens)

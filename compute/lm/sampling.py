@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from compute.control import cancel_point, fault_point
+from compute.runtime.control import cancel_point, fault_point
 
 _MASK63 = (1 << 63) - 1
 
@@ -171,7 +171,7 @@ def generate_tokens(
     cancel_point()  # a cancelled job stops between forward steps, not only between jobs' phases
     out = model(input_ids=ids, attention_mask=am, position_ids=pos, use_cache=True)
     if fault:
-        fault_point(fault)  # tests only (compute.control)
+        fault_point(fault)  # tests only (compute.runtime.control)
     past = _out_cache(out)
     next_logits = out.logits[:, -1]  # (B, V)
     last_pos = pos[:, -1]  # (B,)

@@ -9,8 +9,8 @@ checkpoint, in step order, and for two pairs of weights:
 - `vs_base`: the checkpoint against the base model (the cumulative update);
 - `vs_prev`: the checkpoint against the previous one (the base for the first): one step's update,
 
-per tensor, then summed per layer, module type, layer x module and globally (compute.masks.group_key),
-the counts of compute.diff with the same names and definitions (SCIENCE.md section 6):
+per tensor, then summed per layer, module type, layer x module and globally (compute.sparsity.masks.group_key),
+the counts of compute.sparsity.diff with the same names and definitions (SCIENCE.md section 6):
 
 - `unchanged_exact`: equal in the stored dtype (`update_sparsity` is its fraction);
 - `unchanged_bf16`: equal after casting both to bfloat16;
@@ -26,16 +26,16 @@ and what synchronising that update would send (bytes; the receiver holds the pre
   an int32 flat index per coordinate (int64 for tensors of 2^31 or more elements);
 
 With a Fisher (the initial one: of the base, or of the run's start), its global top-k
-(`support_percent` of its coordinates, compute.masks.topk_mask: exact k, ties by position) is a fixed
+(`support_percent` of its coordinates, compute.sparsity.masks.topk_mask: exact k, ties by position) is a fixed
 support S both sides know, chosen once:
 
 - `support_bytes` = |S| x itemsize: values only, on S, every step;
-- `support_changed` = |S & changed|; `precision_at_k` = |S & changed| / |S| (compute.overlap's
+- `support_changed` = |S & changed|; `precision_at_k` = |S & changed| / |S| (compute.sparsity.overlap's
   precision@k with the changed set as target); `captured_count_share` = |S & changed| / |changed|
   and `captured_sq_share` = sum_S delta^2 / sum delta^2: the share of the step's update, by count
   and by squared mass, that a values-only sync on S carries (the rest is lost);
-- `auc`: ROC-AUC of the Fisher for "changed" (compute.overlap.roc_auc, ties one half), on a seeded
-  sample of `auc_cap` coordinates when the Fisher is larger, exactly as compute.overlap.score_vs_target
+- `auc`: ROC-AUC of the Fisher for "changed" (compute.sparsity.overlap.roc_auc, ties one half), on a seeded
+  sample of `auc_cap` coordinates when the Fisher is larger, exactly as compute.sparsity.overlap.score_vs_target
   samples them.
 
 Order, memory, time: name by name, every checkpoint in step order, so each tensor is read once
@@ -43,7 +43,7 @@ Order, memory, time: name by name, every checkpoint in step order, so each tenso
 checkpoint's, the current one's; no mapping kept). In memory: those three tensors of one name, the
 support's flat indices (|S| int64), the AUC sample's indices and its 2 x mid-ranks per grouping
 (<= auc_cap x (8 + 16) bytes) and a few numbers per tensor and checkpoint. The counts of a pair,
-and the Fisher's share of a point, are one C loop each (compute.series_kernel, built with the system
+and the Fisher's share of a point, are one C loop each (compute.sparsity.series_kernel, built with the system
 compiler on first use; without one, numpy sweeps in cache-sized chunks with the same counts):
 benchmarks/bench_series.py measures a point against reading its tensors and the previous ones.
 """
@@ -65,10 +65,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from compute import series_kernel
 from compute.contract.jobresult import null_progress
-from compute.masks import group_key, n_keep, topk_mask
-from compute.overlap import DEFAULT_CAP, _sample_index, midranks, round_half_up_ratio
+from compute.sparsity import series_kernel
+from compute.sparsity.masks import group_key, n_keep, topk_mask
+from compute.sparsity.overlap import DEFAULT_CAP, _sample_index, midranks, round_half_up_ratio
 
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 GROUPINGS = ("global", "layer", "module", "layer_module")
@@ -83,7 +83,7 @@ class SeriesConfig:
     support_percent: float = field(default=1.0, metadata={
         "help": "Fisher top-k% that forms the fixed sync support (and precision@k)"})
     auc_cap: int = field(default=DEFAULT_CAP, metadata={
-        "help": "coordinates the Fisher AUC ranks; above it a seeded sample (compute.overlap)"})
+        "help": "coordinates the Fisher AUC ranks; above it a seeded sample (compute.sparsity.overlap)"})
     seed: int = field(default=0, metadata={"help": "seed of the AUC sample"})
 
     def __post_init__(self) -> None:
@@ -104,7 +104,7 @@ class SeriesConfig:
 class RunCheckpoint:
     step: int
     folder: Path
-    source: Any  # compute.diff.Checkpoint (or any object with names/shape/dtype/get)
+    source: Any  # compute.sparsity.diff.Checkpoint (or any object with names/shape/dtype/get)
     trainer: dict[str, Any] = field(default_factory=dict)  # global_step, the step's log entry
 
     @property
@@ -164,7 +164,7 @@ def _trainer_info(folder: Path, step: int) -> dict[str, Any]:
 
 def open_run(run_dir: str | Path) -> list[RunCheckpoint]:
     """Every checkpoint of a run folder, its weights' headers read (not the tensors)."""
-    from compute.diff import Checkpoint
+    from compute.sparsity.diff import Checkpoint
 
     out = []
     for step, folder in find_checkpoints(run_dir):
@@ -250,7 +250,7 @@ class _FisherPlan:
     The sample's indices are sorted (gathers walk memory forward; the ranks are permuted with
     them, so every rank sum, hence every AUC, is the same), and each tensor keeps its slice of
     its groups' mid-ranks, doubled (integers), as one (m, len(GROUPINGS)) int32 matrix: a point's
-    rank sums over the changed coordinates are then exact integer sums (compute.series_kernel's
+    rank sums over the changed coordinates are then exact integer sums (compute.sparsity.series_kernel's
     fisher_pair, or one float64 matrix-vector product per tensor and pair, exact below 2^53)."""
 
     names: list[str]
@@ -385,7 +385,7 @@ def bf16_round_threshold(atol: float) -> tuple[float, bool]:
 
     This is the published convention's test as PyTorch evaluates it: `delta_bf16.abs() <= atol`
     on a bfloat16 tensor compares in bfloat16, atol rounded to bfloat16 too (1e-5 -> 1.00136e-5),
-    and compute.diff computes it so. bf16 rounds to nearest, ties to even: with a = bf16(atol),
+    and compute.sparsity.diff computes it so. bf16 rounds to nearest, ties to even: with a = bf16(atol),
     t is the midpoint between a and the next bfloat16, inclusive when a's last mantissa bit is even."""
     bits = int(torch.tensor([atol], dtype=torch.float32).to(torch.bfloat16).view(torch.int16)[0])
     mid = (_bf16(bits) + _bf16(bits + 1)) / 2  # exact in float32 (9 significant bits)
@@ -462,13 +462,13 @@ def tensor_counts(
     support_changed, support_sq, support_bytes]}, labels), labels = "changed" at the sample's
     coordinates (every coordinate when sample is None) when want_labels, else None.
     chunk: elements per sweep step (default CHUNK). kernel: None (default) uses
-    compute.series_kernel's fused C loop for bfloat16 / float32 pairs when it could be built,
+    compute.sparsity.series_kernel's fused C loop for bfloat16 / float32 pairs when it could be built,
     False always the numpy sweep, True requires the kernel (RuntimeError without it).
 
     The tensors are swept in chunks that stay in the CPU cache while every count of every
     reference is taken from them, with numpy's vectorised comparisons and counts (PyTorch's
     compare-to-bool and count_nonzero are scalar loops on CPU): each input is read from memory
-    once, however many passes the counts need. Definitions are compute.diff's, as PyTorch
+    once, however many passes the counts need. Definitions are compute.sparsity.diff's, as PyTorch
     evaluates them (scalars compared in the tensor's dtype).
     """
     chunk = chunk or CHUNK
@@ -508,7 +508,7 @@ def tensor_counts(
             r32 = _f32(r, work, "r32")
             np.subtract(c32, r32, out=d)  # float32 arithmetic: exact zero iff equal (finite weights)
             np.abs(d, out=d)
-            if f64[j]:  # exact in double, as compute.diff
+            if f64[j]:  # exact in double, as compute.sparsity.diff
                 a["changed"] += int(np.count_nonzero(np.not_equal(c.astype(np.float64), r.astype(np.float64))))
             else:
                 a["changed"] += m - int(np.count_nonzero(np.less_equal(d, zero, out=b)))
@@ -575,7 +575,7 @@ _SUMMED = ("numel", "unchanged_exact", "unchanged_bf16", "unchanged_atol", "unch
 
 
 def _metrics(c: Mapping[str, float], atol: float) -> dict[str, float]:
-    """Fractions and shares from summed counts. Key names follow compute.diff."""
+    """Fractions and shares from summed counts. Key names follow compute.sparsity.diff."""
     n = c["numel"]
     nan = float("nan")
     changed = n - c["unchanged_exact"]
@@ -635,7 +635,7 @@ def _group(per_tensor: Mapping[str, Mapping[str, float]], atol: float) -> dict[s
 
 
 def _auc_from_sums(rank_sum: float, n_pos: int, n: int) -> float:
-    """Mann-Whitney AUC (compute.overlap.roc_auc: ties one half) from the sum of the score's
+    """Mann-Whitney AUC (compute.sparsity.overlap.roc_auc: ties one half) from the sum of the score's
     mid-ranks over the positives, their number and the sample's size."""
     n_neg = n - n_pos
     if n_pos == 0 or n_neg == 0:
@@ -666,11 +666,11 @@ def checkpoint_series(
     config: SeriesConfig | None = None,
     progress: Callable[..., None] | None = None,
 ) -> SeriesResult:
-    """The series of a run folder (or its opened checkpoints) against `base` (a compute.diff
+    """The series of a run folder (or its opened checkpoints) against `base` (a compute.sparsity.diff
     Checkpoint, a folder, a state dict or a module). ValueError before any computation for a run
     folder without checkpoints, an odd checkpoint-* entry, or a checkpoint or Fisher that does not
     fit the base."""
-    from compute.diff import Checkpoint, _source
+    from compute.sparsity.diff import Checkpoint, _source
 
     config = config or SeriesConfig()
     progress = progress or null_progress
@@ -818,7 +818,7 @@ def _settings(config: SeriesConfig, plan: _FisherPlan | None) -> dict[str, Any]:
     }
     if plan is not None:
         out["fisher"] = {"k": plan.k, "n": plan.total, "tensors": len(plan.names),
-                         "support": f"global top-{config.support_percent:g}% (compute.masks.topk_mask)",
+                         "support": f"global top-{config.support_percent:g}% (compute.sparsity.masks.topk_mask)",
                          "auc_sampled": plan.sampled, "auc_cap": config.auc_cap,
                          "auc_n": plan.auc_n,
                          "auc": "ROC-AUC of the Fisher for 'changed' (exact), ties one half"}

@@ -8,7 +8,7 @@ Definitions (N coordinates, A and B boolean sets with densities p_a = |A|/N, p_b
   expectations p_a * p_b / (p_a + p_b - p_a * p_b) (what `jaccard_baseline` returns);
   `jaccard_lift` = J / baseline.
 - precision@k of a score against a target set T: the fraction of the score's top-k (k = |T| by
-  default, ties by position as in compute.masks) that lies in T.
+  default, ties by position as in compute.sparsity.masks) that lies in T.
 - ROC-AUC of a score for membership in T: the Mann-Whitney statistic with mid-ranks, so ties count
   one half (exact); 0.5 = chance.
 - Spearman: Pearson correlation of mid-ranks.
@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from compute.masks import group_key, n_keep, topk_mask
+from compute.sparsity.masks import group_key, n_keep, topk_mask
 
 DEFAULT_CAP = 2_000_000
 

@@ -41,10 +41,10 @@ from typing import Any
 
 import torch
 
-from compute import tokens_measure as tm
 from compute.contract.jobresult import Progress
-from compute.device import default_budget_mb
-from compute.naming import layer_index
+from compute.lm.device import default_budget_mb
+from compute.lm.naming import layer_index
+from compute.studies import tokens_measure as tm
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""How `compute.tokens` measures the gradients g_v = dz_v/dθ of the next-token logits.
+"""How `compute.studies.tokens` measures the gradients g_v = dz_v/dθ of the next-token logits.
 
 Two paths give the same numbers (tests/unit/test_tokens.py compares them):
 - factored (default): `compute.fisher.rowgram`, one vmapped backward over activations for all
@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import torch
 
 from compute.contract.jobresult import Progress
-from compute.device import check_tolerance
 from compute.fisher import rowgram as rg
+from compute.lm.device import check_tolerance
 
 
 def next_token_logits(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:

@@ -19,8 +19,8 @@ import torch
 from compute.contract.kinds import Ref
 from compute.contract.modelref import is_hub_id, resolve_model
 
-# every device/dtype decision lives in compute.device (resolve_dtype is re-exported for callers)
-from compute.device import resolve_device, resolve_dtype
+# every device/dtype decision lives in compute.lm.device (resolve_dtype is re-exported for callers)
+from compute.lm.device import resolve_device, resolve_dtype
 
 
 def load_model(
@@ -57,10 +57,10 @@ def load_model(
     kwargs: dict[str, Any] = {"trust_remote_code": bool(trust)}
     if not hub or settings.offline:
         kwargs["local_files_only"] = True
-    from compute.control import cancel_point, fault_point
+    from compute.runtime.control import cancel_point, fault_point
 
     cancel_point()
-    fault_point("loading", str(name_or_path))  # tests only (compute.control)
+    fault_point("loading", str(name_or_path))  # tests only (compute.runtime.control)
     try:
         report(0.0, f"loading the tokenizer of {name_or_path}")
         tokenizer = AutoTokenizer.from_pretrained(resolved, **kwargs)
@@ -110,10 +110,10 @@ def greedy_generate(
 ) -> list[str]:
     """Greedy completions (decoded, special tokens dropped), stopping each row at eos.
 
-    Batched with left padding and a KV cache (compute.sampling's one generation loop); position
+    Batched with left padding and a KV cache (compute.lm.sampling's one generation loop); position
     ids are passed explicitly, so left padding is safe for Qwen3, Llama and GPT-2.
     """
-    from compute.sampling import greedy_completions
+    from compute.lm.sampling import greedy_completions
 
     return greedy_completions(model, tokenizer, prompts, max_new_tokens, batch_size)
 
@@ -130,7 +130,7 @@ def greedy_accuracy(
     start: int = 0,
 ) -> float:
     """Mean task reward of greedy completions on `n` prompts of `split` (task: Task or name)."""
-    from compute.verifiable_tasks import get_task
+    from compute.lm.verifiable_tasks import get_task
 
     if isinstance(task, str):
         task = get_task(task)

@@ -1,4 +1,4 @@
-"""A fused one-pass kernel for compute.checkpoint_series's per-tensor counts (C, built with the
+"""A fused one-pass kernel for compute.sparsity.series's per-tensor counts (C, built with the
 system C compiler on first use, loaded with ctypes; numpy is the fallback).
 
 Why: the counts of one tensor pair (update sparsity in both conventions, the float32 delta's
@@ -7,7 +7,7 @@ passes over each cache-sized chunk; with the page cache warm that is ~10x the ti
 tensors (benchmarks/bench_series.py). One C loop reads each pair once and does every count in
 registers: the series then costs about what reading costs.
 
-Definitions are the numpy path's (compute.checkpoint_series.tensor_counts), element by element:
+Definitions are the numpy path's (compute.sparsity.series.tensor_counts), element by element:
 d = |float32(cur) - float32(ref)| in float32 (bfloat16 widened exactly), `unchanged_exact`: d <= 0,
 `unchanged_atol`: d <= float32(atol), bf16 rounding by c10::BFloat16's bit trick (round to nearest,
 ties to even), thresholds compared in float32. Counts are exact integers, so they equal the numpy

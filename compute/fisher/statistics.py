@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from compute.contract.jobresult import Heatmap, LayerStat, SeriesPoint
-from compute.naming import MODULE_TYPES, layer_index, layer_label, module_type
+from compute.lm.naming import MODULE_TYPES, layer_index, layer_label, module_type
 
 if TYPE_CHECKING:
     import torch

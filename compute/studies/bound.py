@@ -77,7 +77,7 @@ def accumulate_sample_grads(
     input_ids, attention_mask, completion_mask: (N, L) right-padded rows; advantages: (N,).
     Memory: two float64 buffers per parameter.
     """
-    from compute.sampling import token_logprobs
+    from compute.lm.sampling import token_logprobs
 
     params = {n: p for n, p in model.named_parameters() if p.requires_grad}
     sum_ag = {n: torch.zeros(p.shape, dtype=torch.float64, device=p.device) for n, p in params.items()}
@@ -300,7 +300,7 @@ def first_step_bound(
 ) -> BoundResult:
     """Sample the first GRPO batch (train prompts 0..prompts-1, seed as in compute.train), compute
     group advantages from the task reward, and accumulate the per-sample bound terms."""
-    from compute.sampling import sample_completions
+    from compute.lm.sampling import sample_completions
     from compute.train.objectives.grpo import group_advantages
 
     examples = task.examples(prompts, seed=seed, split="train", start=0)

@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from compute.naming import layer_index, layer_label, module_type
+from compute.lm.naming import layer_index, layer_label, module_type
 
 SELECTORS = (
     "fisher",

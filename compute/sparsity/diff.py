@@ -23,7 +23,7 @@ layer x module and globally:
 - for 2-D tensors: numerical rank of the delta (singular values > RANK_RTOL_DOC) and the energy
   share of the top-k singular values (k in SVD_TOPK); skipped above `svd_max_numel` elements.
 With a Fisher dict: precision@k / AUC / Jaccard (vs random) / Spearman between the top-k% Fisher
-coordinates and the top-k% |delta| (compute.overlap), and AUC of the Fisher for "changed at all".
+coordinates and the top-k% |delta| (compute.sparsity.overlap), and AUC of the Fisher for "changed at all".
 
 Checkpoints are read tensor by tensor straight from safetensors (single file or sharded index),
 so at most one tensor of each model is in memory unless |delta| is kept for the Fisher comparison.
@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from compute.contract.jobresult import Progress
-from compute.masks import group_key
+from compute.sparsity.masks import group_key
 
 ATOLS = (1e-8, 1e-7, 1e-6, 1e-5, 1e-4)
 REL_TOLS = (1e-4, 1e-3, 1e-2)
@@ -331,7 +331,7 @@ class CheckpointDiff:
     per_tensor: dict[str, dict[str, float]]  # name -> fractions + tensor stats
     groups: dict[str, dict[str, dict[str, float]]]  # grouping -> group -> fractions
     skipped: dict[str, str] = field(default_factory=dict)  # name -> why (non-float tensors)
-    fisher: dict[str, Any] | None = None  # compute.overlap.score_vs_target output (+ "changed")
+    fisher: dict[str, Any] | None = None  # compute.sparsity.overlap.score_vs_target output (+ "changed")
     delta: dict[str, torch.Tensor] | None = None  # fp32 deltas when keep_delta
     settings: dict[str, Any] = field(default_factory=dict)
     # stored dtypes of both sides and the convention of "unchanged_common" (comparison_convention)
@@ -447,7 +447,7 @@ def _diff_settings(svd_max_numel: int, topk_percent: float) -> dict[str, Any]:
 def fisher_vs_delta(fisher: Mapping[str, torch.Tensor], abs_delta: Mapping[str, torch.Tensor],
                     topk_percent: float) -> dict[str, Any]:
     """score_vs_target(Fisher, |delta|) at top-k%, plus AUC/precision for "changed at all"."""
-    from compute.overlap import score_vs_target
+    from compute.sparsity.overlap import score_vs_target
 
     fisher = {n: fisher[n].float().to(abs_delta[n].device) for n in abs_delta}
     res = score_vs_target(fisher, abs_delta, topk_percent / 100.0)
@@ -457,7 +457,7 @@ def fisher_vs_delta(fisher: Mapping[str, torch.Tensor], abs_delta: Mapping[str, 
     if 0 < n_changed < total:
         ch = score_vs_target(fisher, abs_delta, topk_percent / 100.0, by=("global",), target_set=changed)
         # precision of the top-|changed| Fisher coordinates against the changed set
-        from compute.overlap import precision_at_k
+        from compute.sparsity.overlap import precision_at_k
 
         res["changed"] = {
             "n_changed": n_changed,
@@ -484,7 +484,7 @@ def fisher_auc_by_weight_binade(
     `pooled_auc` weights each bin's AUC by its n_changed * n_unchanged pairs (the AUC over pairs
     that share a binade). fisher/changed/base: name -> tensors of equal shapes.
     """
-    from compute.overlap import roc_auc
+    from compute.sparsity.overlap import roc_auc
 
     scores: dict[int, list[torch.Tensor]] = {}
     labels: dict[int, list[torch.Tensor]] = {}

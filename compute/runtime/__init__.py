@@ -1,0 +1,1 @@
+"""What every long compute call runs inside: cancel / fault points and the Celery app."""
