@@ -41,7 +41,17 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 # Files whose marked tables are generated (the README, and result notes that quote the same tables).
-FILES = ["README.md", "benchmarks/results/retention_default.md"]
+FILES = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in (ROOT / "docs").glob("*.md")),
+         "benchmarks/results/retention_default.md"]
+# A local scratch folder in a recorded command says nothing to a reader (and names the recording
+# machine's layout): `--out /tmp/x` -> `--out OUT`, `FISHERLENS_HOME=/tmp/x ` dropped.
+_SCRATCH_ENV = re.compile(r"\b[A-Z_]+=/tmp/\S*\s+")
+_SCRATCH_PATH = re.compile(r"(?<![\w/])/tmp/[^\s`'\"]+")
+
+
+def public_command(command: str) -> str:
+    """A recorded command as a reader can rerun it: scratch folders replaced by OUT."""
+    return _SCRATCH_PATH.sub("OUT", _SCRATCH_ENV.sub("", command.strip()))
 MARKER = re.compile(r"<!-- table:([A-Za-z0-9_.-]+) -->\n(.*?)<!-- /table -->", re.S)
 
 
@@ -82,7 +92,7 @@ def provenance_line(data: dict[str, Any], rel: str) -> str:
     parts = [f"Source: `{rel}`"]
     command = prov.get("command") or data.get("command") or (data.get("meta") or {}).get("command")
     if command:
-        parts.append(f"made by `{command.strip()}`")
+        parts.append(f"made by `{public_command(command)}`")
     git = prov.get("git") or {}
     if git.get("commit"):
         parts.append(f"at commit {git['commit'][:10]}" + (" (with local changes)" if git.get("dirty") else ""))

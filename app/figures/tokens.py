@@ -83,7 +83,7 @@ def _counterfactual_bars(sim: dict[str, Any]) -> tuple[list[str], list[Any], str
 def token_counterfactual_figure(r: TypedResult[Any]) -> go.Figure:
     """Measured trace F at this position against F_orth, the counterfactual where the tokens'
     sensitivities were mutually orthogonal (all tokens; only the top-k): the gap is what their
-    similarity removes (SCIENCE.md section 5). Lower bounds, marked as such, when the vocabulary
+    similarity removes (docs/science.md section 5). Lower bounds, marked as such, when the vocabulary
     was not enumerated."""
     sim = (r.summary.similarity if isinstance(r, TokensResult) else None) or {}
     if not sim:

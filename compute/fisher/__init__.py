@@ -1,4 +1,4 @@
-"""Exact, fast diagonal Fisher of causal LMs from per-sample gradients (../shared/SCIENCE.md s.2).
+"""Exact, fast diagonal Fisher of causal LMs from per-sample gradients (docs/science.md section 2).
 
 How: one batched forward + one backward that computes only activation gradients (never the
 parameter .grad). Forward hooks on every module that owns parameters save its inputs; a tensor

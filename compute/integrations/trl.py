@@ -43,7 +43,7 @@ the plain Trainer), single process. What it guarantees, and how:
 `UpdateSparsityCallback(base=None, every=N)` logs, every N optimizer steps (and at the last), the
 update sparsity of the model being trained against `base` (default: the weights at train begin)
 into the trainer's own logs (`state.log_history`, and the `logs` dict the callbacks after it see),
-in both published conventions, computed by `compute.sparsity.diff.diff_checkpoints` (SCIENCE.md section 6):
+in both published conventions, computed by `compute.sparsity.diff.diff_checkpoints` (docs/science.md section 6):
 - `update_sparsity/unchanged_bf16`: share of coordinates whose bf16 value did not change;
 - `update_sparsity/unchanged_bf16delta_atol_<a>`: share with |tuned_bf16 - base_bf16| <= a, the
   difference taken in bf16 (sparsity_in_rl, arXiv 2505.11711), for each a in `atols`.

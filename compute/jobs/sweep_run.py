@@ -1,5 +1,5 @@
 """Job `sweep`: update sparsity and the Fisher's predictive power across learning rate x optimizer
-x precision (SCIENCE.md section 6).
+x precision (docs/science.md section 6).
 
 Each grid point is one unit (a child job when queued, so N workers run N points at once;
 compute.jobs.runners' protocol): one `train` run (compute.jobs.train_run, same seed, so every point sees the

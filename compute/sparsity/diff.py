@@ -12,7 +12,7 @@ layer x module and globally:
 - the same atol columns in the PUBLISHED convention (sparsity_in_rl, arXiv 2505.11711): both
   checkpoints loaded in bfloat16 and delta_bf16 = tuned_bf16 - base_bf16 computed in bfloat16
   (`unchanged_bf16delta_atol_<a>`). The two conventions give different numbers on the same pair
-  (SCIENCE.md section 6): a reader comparing with published sparsity wants the bf16 columns;
+  (docs/science.md section 6): a reader comparing with published sparsity wants the bf16 columns;
 - |w|-aware precision counts: `unchanged_below_half_ulp` = coordinates whose float32 |delta| is
   below half a bf16 ULP of |w_base| (an update that bf16 storage would round away, up to where w
   sits in its rounding interval), and `changed_below_half_ulp` = those among them with delta != 0.

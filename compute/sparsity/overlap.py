@@ -4,7 +4,7 @@ Definitions (N coordinates, A and B boolean sets with densities p_a = |A|/N, p_b
 - overlap = |A & B|, overlap_frac_a = |A & B| / |A| (= precision of A against B)
 - Jaccard J = |A & B| / |A | B|
 - random baselines for independent uniform sets of the same sizes:
-  intersection fraction E|A & B|/N = p_a * p_b (SCIENCE.md), and for Jaccard the ratio of the
+  intersection fraction E|A & B|/N = p_a * p_b (docs/science.md), and for Jaccard the ratio of the
   expectations p_a * p_b / (p_a + p_b - p_a * p_b) (what `jaccard_baseline` returns);
   `jaccard_lift` = J / baseline.
 - precision@k of a score against a target set T: the fraction of the score's top-k (k = |T| by

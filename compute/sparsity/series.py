@@ -10,7 +10,7 @@ checkpoint, in step order, and for two pairs of weights:
 - `vs_prev`: the checkpoint against the previous one (the base for the first): one step's update,
 
 per tensor, then summed per layer, module type, layer x module and globally (compute.sparsity.masks.group_key),
-the counts of compute.sparsity.diff with the same names and definitions (SCIENCE.md section 6):
+the counts of compute.sparsity.diff with the same names and definitions (docs/science.md section 6):
 
 - `unchanged_exact`: equal in the stored dtype (`update_sparsity` is its fraction);
 - `unchanged_bf16`: equal after casting both to bfloat16;

@@ -1,4 +1,4 @@
-"""The Cauchy-Schwarz bound of SCIENCE.md section 3, checked per coordinate on real samples.
+"""The Cauchy-Schwarz bound of docs/science.md section 3, checked per coordinate on real samples.
 
 For N completions y_n with advantages A_n and per-sample score vectors s_n = grad log p(y_n | x_n)
 (gradient of the summed completion log-prob, the `sequence` Fisher estimator's sample):

@@ -1,4 +1,4 @@
-"""The token mechanism behind low on-policy Fisher (SCIENCE.md section 5), for one context.
+"""The token mechanism behind low on-policy Fisher (docs/science.md section 5), for one context.
 
 At the next position, with logits z (V,) and probabilities p = softmax(z), let g_v = dz_v/dθ
 (over the whole model or one layer's parameters) and gbar = sum_v p_v g_v. Then
@@ -19,7 +19,7 @@ covered or `max_tokens` tokens are used, and the covered mass is reported.
 Contrast sets: `random_k` tokens drawn uniformly (seeded) from the tokens outside the top-k, and
 `low_k` least likely tokens.
 
-Similarity as a number (SCIENCE.md section 5). With the Gram matrix G_uv = <g_u, g_v>,
+Similarity as a number (docs/science.md section 5). With the Gram matrix G_uv = <g_u, g_v>,
 
     trace F      = sum_v p_v G_vv - sum_{u,v} p_u p_v G_uv      (= sum_v p_v G_vv - ||gbar||^2)
     trace F_orth = sum_v p_v G_vv - sum_v p_v^2 G_vv            (were all g_v mutually orthogonal)

@@ -25,7 +25,7 @@ import torch
 
 from compute.train.config import OPTIMIZERS, PRECISIONS
 
-# Precision of training (TrainSpec.precision; SCIENCE.md section 6):
+# Precision of training (TrainSpec.precision; docs/science.md section 6):
 # - fp32: float32 weights, float32 checkpoint;
 # - bf16-mixed: float32 master weights that start from the base rounded to bf16 (a published bf16
 #   checkpoint), float32 forward/backward, and a checkpoint saved in bf16 (as HF models are

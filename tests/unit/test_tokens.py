@@ -153,7 +153,7 @@ def test_large_vocabulary_covers_mass_and_states_it() -> None:
 
 def _brute_counterfactual(G: torch.Tensor, p: torch.Tensor, top: list[int]) -> dict[str, float]:
     """trace F, F_orth and the removed part from the full (V, V) Gram matrix of g_v = dz_v/dtheta,
-    written as in SCIENCE.md section 5 (double sums over the enumerated vocabulary)."""
+    written as in docs/science.md section 5 (double sums over the enumerated vocabulary)."""
     gram = G @ G.T  # (V, V) float64
     V = p.numel()
     t1 = sum(float(p[v] * gram[v, v]) for v in range(V))

@@ -8,7 +8,7 @@ Two estimators (the result records which):
   differentiated through the student's probabilities directly.
 - ``sampled``: the sampled-token estimate used with policy-gradient form (Thinking Machines'
   on-policy distillation): a_t = log p_s(y_t) - log p_t(y_t) (detached) is a per-token cost, loss
-  = mean_t a_t * log p_s(y_t). Its gradient a_t * grad log p_s(y_t) has the form of SCIENCE.md
+  = mean_t a_t * log p_s(y_t). Its gradient a_t * grad log p_s(y_t) has the form of docs/science.md
   section 3 with A = log p/q. Per-token, no credit from future tokens (discount 0).
 Teacher and student must share the tokenizer: the same token ids mean the same strings.
 """

@@ -11,7 +11,7 @@ For prompt x with G sampled completions y_1..y_G and rewards r_j:
     KL_t    = exp(ref_t - logp_t) - (ref_t - logp_t) - 1   (k3 estimator, >= 0, unbiased)
 
 With one optimizer update per batch (the default) p_old = p, the ratio is 1 and the gradient is
-the plain policy gradient A * grad log p(y_t), the form of SCIENCE.md section 3.
+the plain policy gradient A * grad log p(y_t), the form of docs/science.md section 3.
 The std is the unbiased sample std within each group (as TRL does); recorded in the settings.
 """
 

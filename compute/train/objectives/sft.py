@@ -1,6 +1,6 @@
 """SFT: negative log-likelihood of completions, on gold answers or on the model's own samples
 filtered to reward 1 (near-policy SFT: its gradient is E_y[1{r(y)=1} grad log p(y)], the form of
-SCIENCE.md section 3 with A = reward). The maths and the objective."""
+docs/science.md section 3 with A = reward). The maths and the objective."""
 
 from __future__ import annotations
 
