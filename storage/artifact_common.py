@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-_KIND = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
+ARTIFACT_KIND_PATTERN = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}$")
 
 
 class ArtifactError(ValueError):
@@ -73,7 +73,7 @@ def uploaded_hook() -> Callable[[str], object] | None:
 
 
 def check_kind(kind: str) -> None:
-    if not _KIND.match(kind):
+    if not ARTIFACT_KIND_PATTERN.match(kind):
         raise ArtifactError(f"artifact kind {kind!r}: use letters, digits, '_', '-', '.'")
 
 

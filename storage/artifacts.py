@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from storage.artifact_common import (  # noqa: F401 - re-exported: the store's public names
-    _KIND,
+    ARTIFACT_KIND_PATTERN,
     ArtifactError,
     ArtifactInfo,
     ArtifactMissing,

@@ -261,7 +261,7 @@ def _refuse_store_path(settings: Any, field: str, value: str, target: RefTarget)
     folder of a job, or the store itself; symlinks followed)."""
     try:
         raw = Path(value).expanduser()
-        if not (mr._looks_like_path(value) or raw.is_absolute() or raw.exists()):
+        if not (mr.looks_like_path(value) or raw.is_absolute() or raw.exists()):
             return
         resolved = raw.resolve()
     except (OSError, RuntimeError):

@@ -58,7 +58,7 @@ def _settings(settings: Any | None) -> Any:
     return settings
 
 
-def _looks_like_path(ref: str) -> bool:
+def looks_like_path(ref: str) -> bool:
     return ref.startswith(("/", "./", "../", "~", "\\")) or ref in (".", "..") or "\\" in ref
 
 
@@ -125,7 +125,7 @@ def _resolve_name_or_path(ref: str, settings: Any) -> str:
             raise ValueError(f"model: {ref!r} is not added yet; run `fisherlens zoo add {ref}`")
         return str(path)
     roots = list(settings.model_roots)
-    if _looks_like_path(ref) or Path(ref).expanduser().exists():
+    if looks_like_path(ref) or Path(ref).expanduser().exists():
         return _local_dir(ref, roots)
     if _HUB_ID.match(ref) and ".." not in ref:
         return ref

@@ -149,6 +149,22 @@ class RunKnobs(TrainingKnobs):
         description="SFT targets: gold answers or the model's own correct samples")
 
 
+class LoopKnobs(RunKnobs):
+    """The knobs of one training run that only take one value per job (train; retention reads
+    them too). The training loop's configuration (compute.train.config.TrainConfig) takes its
+    defaults and ranges from here, so the loop never reads a job declaration."""
+
+    optimizer: Optimizer = Field("adamw", description="optimizer of the trained coordinates")
+    lr: Lr = Field(
+        2e-4, description="AdamW 1e-3 collapses GRPO on arith-base; 2e-4 is stable"
+    )
+    steps: Steps = Field(30, description="optimizer steps")
+    seed: Seed = Field(0, description="seed of prompts, sampling and selectors")
+    precision: Precision = Field(
+        "fp32", description="fp32 | bf16-mixed (fp32 master weights, bf16 checkpoint) | bf16 (bf16 weights: "
+        "updates below half a bf16 ULP are lost)")
+
+
 # dtypes a model may be loaded in for each training precision (precision sets the training dtype)
 PRECISION_DTYPES = {"fp32": ("auto", "float32"), "bf16-mixed": ("auto", "float32", "bfloat16"),
                     "bf16": ("auto", "bfloat16")}

@@ -34,7 +34,6 @@ from torch import nn
 
 from compute.contract.jobresult import Progress, null_progress
 from compute.fisher.estimators import (
-    _model_device,
     batch_fisher,
     expand_tokens,
     fisher_from_samples,
@@ -45,6 +44,7 @@ from compute.fisher.estimators import (
 )
 from compute.fisher.exact_output import ExactOutputUnsupported, exact_output_fisher
 from compute.fisher.hooks import UnsupportedModel
+from compute.lm.device import model_device
 from compute.lm.sampling import Rollout, build_rollout, sample_completions
 
 ESTIMATORS = ("sequence", "token", "empirical", "batch")
@@ -189,7 +189,7 @@ def estimate_fisher(
             config.top_k, config.top_p, config.seed, config.sample_batch_size,
             prompt_offset=config.prompt_start)
     else:
-        roll = build_rollout(tokenizer, prompts, answers or [], device=_model_device(model))
+        roll = build_rollout(tokenizer, prompts, answers or [], device=model_device(model))
     prog(0.3, f"sampled {len(roll)} sequences")
     t_sample = time.perf_counter() - t0
     est = "sequence" if config.estimator == "empirical" else config.estimator

@@ -24,7 +24,7 @@ from compute.fisher.hooks import (
     check_coverage,
     graph_parameters,
 )
-from compute.lm.device import accumulator_dtype, check_tolerance, default_budget_mb
+from compute.lm.device import accumulator_dtype, check_tolerance, default_budget_mb, model_device
 from compute.lm.sampling import position_ids_from_mask
 
 # models whose per-row gradients were verified against autograd (see module doc)
@@ -35,11 +35,6 @@ _VERIFY_ROWS = 2
 def trainable_parameters(model: nn.Module) -> dict[str, nn.Parameter]:
     """name -> parameter for every named parameter that requires grad (tied weights once)."""
     return {n: p for n, p in model.named_parameters() if p.requires_grad}
-
-
-def _model_device(model: nn.Module) -> torch.device:
-    p = next(model.parameters(), None)
-    return p.device if p is not None else torch.device("cpu")
 
 
 @contextlib.contextmanager
@@ -209,7 +204,7 @@ def per_sample_square_sums(
     forward batch drops its padding. Returns name -> (n_groups, *param.shape) float32 (float64
     for a float64 model) on the model's device, for every parameter that requires grad.
     Raises UnsupportedModel when the model's per-sample gradients cannot be made exact."""
-    device = _model_device(model)
+    device = model_device(model)
     params = trainable_parameters(model)
     N = input_ids.shape[0]
     w = torch.ones(N) if row_weights is None else row_weights.detach().double().cpu()
@@ -338,7 +333,7 @@ def batch_fisher(
     """Child-Tuning style: sum over minibatches of (d/dθ mean_n NLL_n)^2, NLL_n = -sum_t log p.
 
     Cheap and biased (cross-sample terms survive); a baseline, not the model Fisher."""
-    device = _model_device(model)
+    device = model_device(model)
     params = trainable_parameters(model)
     out = {n: torch.zeros(p.shape, dtype=torch.float32, device=device) for n, p in params.items()}
     N = input_ids.shape[0]

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from compute.fisher.estimators import _model_device
+from compute.lm.device import model_device
 from compute.lm.sampling import position_ids_from_mask
 
 _TRANSFORM_HINTS = ("logits_scaling", "logit_scale", "final_logit_softcapping", "output_multiplier")
@@ -71,7 +71,7 @@ def exact_output_fisher(
     if normalize not in ("sequence", "token"):
         raise ValueError(f"normalize: got {normalize!r}; accepted: sequence, token")
     head, weight, w_name, b_name = _output_layer(model)
-    device = _model_device(model)
+    device = model_device(model)
     V = weight.shape[0]
     fw = torch.zeros(weight.shape, dtype=torch.float64, device=device)
     fb = torch.zeros((V,), dtype=torch.float64, device=device) if b_name else None

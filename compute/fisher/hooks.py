@@ -35,7 +35,7 @@ def _arch(model: nn.Module) -> str:
     return archs[0] if archs else type(model).__name__
 
 
-def _position_wise(mod: nn.Module) -> bool:
+def position_wise(mod: nn.Module) -> bool:
     """Modules that act on each position alone, so a (B*T, ...) call is still per-row exact."""
     return (isinstance(mod, (nn.Linear, nn.LayerNorm, nn.Embedding)) or ps.is_conv1d(mod)
             or type(mod).__name__.endswith(_NORM_SUFFIXES))
@@ -105,7 +105,7 @@ class PerSampleHooks:
         n = output.shape[0] if output.dim() else 0
         if n == self.batch:
             return "rows"
-        if n == self.batch * self.width and _position_wise(mod):
+        if n == self.batch * self.width and position_wise(mod):
             return "flat"
         if names:
             raise self.refuse(mod, f"returns {n} rows, not one per sequence ({self.batch}) "

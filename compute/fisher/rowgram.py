@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from compute.fisher import persample as ps
-from compute.fisher.hooks import _position_wise, embedding_lookup
+from compute.fisher.hooks import embedding_lookup, position_wise
 from compute.lm.device import wide
 
 
@@ -102,7 +102,7 @@ def call_factors(call: Capture, C: torch.Tensor) -> dict[str, tuple[torch.Tensor
     Factors are (R or 1, L, m) and (R or 1, L, n); batch 1 = shared by all rows."""
     mod, R = call.module, C.shape[0]
     out = call.output
-    if out.shape[0] != 1 and not _position_wise(mod):
+    if out.shape[0] != 1 and not position_wise(mod):
         raise NotFactorable(f"{type(mod).__name__} output is not one sequence")
     g = wide(C.reshape(R, *_batch1(out).shape[1:]))  # (R, L, ...)
     res: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}

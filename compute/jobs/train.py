@@ -21,14 +21,9 @@ from compute.contract.specs import (
     FisherSamples,
     Group,
     IndependentFisher,
-    Lr,
-    Optimizer,
-    Precision,
-    RunKnobs,
-    Seed,
+    LoopKnobs,
     Selector,
     SftSource,
-    Steps,
     TopkPercent,
     WeightDecay,
 )
@@ -36,8 +31,9 @@ from compute.contract.specs import (
 # ---------------------------------------------------------------- spec
 
 
-class TrainSpec(RunKnobs):
-    # shared knobs (batch, max_new_tokens, kl_coef, ...): compute.contract.specs.TrainingKnobs;
+class TrainSpec(LoopKnobs):
+    # shared knobs (batch, max_new_tokens, kl_coef, ...; optimizer, lr, steps, seed, precision):
+    # compute.contract.specs.TrainingKnobs, RunKnobs, LoopKnobs;
     # redeclared here where train's default or description differs
     group: Group = Field(8, description="GRPO completions per prompt")
     weight_decay: WeightDecay = Field(0.0,
@@ -49,18 +45,9 @@ class TrainSpec(RunKnobs):
     mask: str | None = Field(None, max_length=1000, description="mask.safetensors path or 'job:<id>'")
     mask_select: Selector | None = Field(None, description="build a mask in the job with this selector")
     mask_density: float | None = Field(None, gt=0.0, le=1.0, description="density of mask_select")
-    optimizer: Optimizer = Field("adamw", description="optimizer of the trained coordinates")
-    lr: Lr = Field(
-        2e-4, description="AdamW 1e-3 collapses GRPO on arith-base; 2e-4 is stable"
-    )
-    steps: Steps = Field(30, description="optimizer steps")
-    seed: Seed = Field(0, description="seed of prompts, sampling and selectors")
     dtype: Dtype = Field("auto", description="dtype the model is loaded in")
     bound: bool = Field(True, description="GRPO: check the Cauchy-Schwarz bound on the first batch "
                         "against a Fisher from independent samples")
-    precision: Precision = Field(
-        "fp32", description="fp32 | bf16-mixed (fp32 master weights, bf16 checkpoint) | bf16 (bf16 weights: "
-        "updates below half a bf16 ULP are lost)")
     fisher: str | None = Field(
         None, max_length=1000, description="initial Fisher (fisher.safetensors path or 'job:<id>') for the "
         "gradient-concentration and bound checks; default: estimated from independent samples")

@@ -119,3 +119,9 @@ def default_budget_mb(device: torch.device) -> int:
     """The engine's automatic memory budget: a quarter of free memory, 256 MiB .. 32 GiB."""
     mb = int(free_memory_bytes(device) * BUDGET_SHARE) // 2**20
     return max(BUDGET_MIN_MB, min(BUDGET_MAX_MB, mb))
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    """The device a model's parameters are on (CPU for a model without parameters)."""
+    p = next(model.parameters(), None)
+    return p.device if p is not None else torch.device("cpu")

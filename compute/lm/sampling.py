@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from compute.lm.device import model_device
 from compute.runtime.control import cancel_point, fault_point
 
 _MASK63 = (1 << 63) - 1
@@ -81,11 +82,6 @@ def _pad_id(tokenizer) -> int:
 
 def _encode(tokenizer, text: str, special: bool) -> list[int]:
     return list(tokenizer(text, add_special_tokens=special)["input_ids"])
-
-
-def _model_device(model: torch.nn.Module) -> torch.device:
-    p = next(model.parameters(), None)
-    return p.device if p is not None else torch.device("cpu")
 
 
 def row_seed(seed: int, prompt_index: int, sample_index: int) -> int:
@@ -156,7 +152,7 @@ def generate_tokens(
     """The KV-cache generation loop (sampling and greedy decoding): left-padded prompts, next
     token = pick(logits (B, V), step) -> (B,) ids; each row stops after eos or max_new_tokens.
     Returns the generated ids per row (ending with eos if the row stopped)."""
-    device = _model_device(model)
+    device = model_device(model)
     B = len(prompt_ids)
     P = max(len(p) for p in prompt_ids)
     ids = torch.full((B, P), pad_id, dtype=torch.long)
@@ -212,7 +208,7 @@ def _generate_batch(
     pad_id: int,
 ) -> list[list[int]]:
     """Sampled token ids per row: inverse-CDF draws from each row's own uniforms."""
-    u = _row_uniforms(keys, seed, max_new_tokens).to(_model_device(model))  # (B, steps)
+    u = _row_uniforms(keys, seed, max_new_tokens).to(model_device(model))  # (B, steps)
 
     def pick(logits: torch.Tensor, step: int) -> torch.Tensor:
         return sample_from_probs(filter_probs(logits, temperature, top_k, top_p), u[:, step])
@@ -305,7 +301,7 @@ def sample_completions(
     finally:
         model.train(was_training)
     return _pack(tokenizer, prompts, prompt_ids, completion_ids, [p for p, _ in keys],
-                 _model_device(model))
+                 model_device(model))
 
 
 def build_rollout(

@@ -163,7 +163,7 @@ class _DictSource:
         return self.sd[name]
 
 
-def _source(x: Any, label: str) -> Any:
+def as_source(x: Any, label: str) -> Any:
     if isinstance(x, (Checkpoint, _DictSource)):
         return x
     if isinstance(x, Mapping):
@@ -349,7 +349,7 @@ def diff_checkpoints(
 ) -> CheckpointDiff:
     """Update sparsity of `tuned` relative to `base` (each a Checkpoint, a model reference string,
     a folder, an nn.Module or a state dict). ValueError for different architectures."""
-    src_b, src_t = _source(base, "base"), _source(tuned, "tuned")
+    src_b, src_t = as_source(base, "base"), as_source(tuned, "tuned")
     check_same_architecture(src_b, src_t)
     names = src_b.names()
     if fisher is not None:

@@ -134,7 +134,7 @@ def precision_at_k(
 # ---------------------------------------------------------------------------------------------
 
 
-def _sample_index(name: str, numel: int, m: int, seed: int, device: torch.device) -> torch.Tensor:
+def sample_index(name: str, numel: int, m: int, seed: int, device: torch.device) -> torch.Tensor:
     g = torch.Generator().manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63 - 1))
     return torch.randint(0, numel, (m,), generator=g).to(device)
 
@@ -206,7 +206,7 @@ def _rank_samples(
     for n in score:
         s, t, lab = score[n].flatten(), target[n].flatten(), b[n].flatten()
         if cap is not None:
-            idx = _sample_index(n, s.numel(), round_half_up_ratio(cap, s.numel(), total), seed, s.device)
+            idx = sample_index(n, s.numel(), round_half_up_ratio(cap, s.numel(), total), seed, s.device)
             s, t, lab = s[idx], t.to(s.device)[idx], lab.to(s.device)[idx]
         samples[n] = (s.float(), t.float(), lab.bool())
     return samples

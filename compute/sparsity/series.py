@@ -68,7 +68,7 @@ import torch
 from compute.contract.jobresult import null_progress
 from compute.sparsity import series_kernel
 from compute.sparsity.masks import group_key, n_keep, topk_mask
-from compute.sparsity.overlap import DEFAULT_CAP, _sample_index, midranks, round_half_up_ratio
+from compute.sparsity.overlap import DEFAULT_CAP, midranks, round_half_up_ratio, sample_index
 
 CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 GROUPINGS = ("global", "layer", "module", "layer_module")
@@ -287,7 +287,7 @@ def plan_fisher(fisher: Mapping[str, torch.Tensor], base: Any, config: SeriesCon
     for n in names:
         f = fisher[n].flatten().float()
         if sampled:
-            idx = _sample_index(n, f.numel(), round_half_up_ratio(config.auc_cap, f.numel(), total),
+            idx = sample_index(n, f.numel(), round_half_up_ratio(config.auc_cap, f.numel(), total),
                                 config.seed, f.device).sort().values
             sample[n], scores[n] = idx, f[idx].clone()
         else:
@@ -670,12 +670,12 @@ def checkpoint_series(
     Checkpoint, a folder, a state dict or a module). ValueError before any computation for a run
     folder without checkpoints, an odd checkpoint-* entry, or a checkpoint or Fisher that does not
     fit the base."""
-    from compute.sparsity.diff import Checkpoint, _source
+    from compute.sparsity.diff import Checkpoint, as_source
 
     config = config or SeriesConfig()
     progress = progress or null_progress
     # a folder here is already resolved (the job's reference resolver checked it)
-    src_b = Checkpoint(base, "base") if isinstance(base, (str, Path)) else _source(base, "base")
+    src_b = Checkpoint(base, "base") if isinstance(base, (str, Path)) else as_source(base, "base")
     ckpts = open_run(run) if isinstance(run, (str, Path)) else list(run)
     if not ckpts:
         raise ValueError("run_dir: no checkpoint to read")

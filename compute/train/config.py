@@ -1,7 +1,9 @@
-"""The training loop's configuration, derived from the user-facing spec (compute.contract.specs.TrainSpec).
+"""The training loop's configuration, derived from the user-facing spec by one function
+(`TrainConfig.from_spec`).
 
-Every knob a user can set is a TrainSpec field: its default, range and help live there only, and
-`TrainConfig` takes them from it (`TrainConfig.from_spec`, or the spec's defaults). The few knobs
+Every knob a user can set is a spec field (compute.contract.specs.LoopKnobs and the knobs it
+inherits; compute/jobs/train.py's TrainSpec is one of them): its default, range and help live
+there only, and `TrainConfig` takes them from it (`TrainConfig.from_spec`, or the spec's defaults). The few knobs
 no spec exposes (Adam betas, GRPO inner steps, loss aggregation, evaluation cadence) are declared
 here, once. Each algorithm's objective (compute.train.objectives) reads the fields it needs.
 """
@@ -12,10 +14,10 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from compute.contract.spec_fields import describe_fields
-from compute.jobs.train import TrainSpec
+from compute.contract.specs import LoopKnobs
 from compute.train.objectives.base import AGGREGATIONS
 
-_SPEC = {f.name: f for f in describe_fields(TrainSpec)}
+_SPEC = {f.name: f for f in describe_fields(LoopKnobs)}
 ALGOS: tuple[str, ...] = _SPEC["algo"].choices or ()
 OPTIMIZERS: tuple[str, ...] = _SPEC["optimizer"].choices or ()
 PRECISIONS: tuple[str, ...] = _SPEC["precision"].choices or ()

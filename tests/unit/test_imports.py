@@ -140,3 +140,44 @@ def test_the_checks_see_what_they_check() -> None:
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
     assert find_cycles(graph) == [["a", "b", "c"]]
     assert find_cycles({"x": {"y"}, "y": set()}) == []
+
+
+def private_uses(path: Path) -> list[str]:
+    """`_name`s of another module of ours that `path` reaches: `from m import _x`, or `m._x` where
+    `m` is a module of ours bound by an import. A name shared across modules is public."""
+    ours = ("app", "compute", "storage")
+    tree = ast.parse(path.read_text(), filename=str(path))
+    bound: dict[str, str] = {}  # local name -> our module it names
+    bad = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in ours:
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                if _is_module(sub):
+                    bound[alias.asname or alias.name] = sub
+                elif alias.name.startswith("_") and not alias.name.startswith("__"):
+                    bad.append(f"from {node.module} import {alias.name}")
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] in ours and alias.asname:
+                    bound[alias.asname] = alias.name
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                and node.value.id in bound and node.attr.startswith("_")
+                and not node.attr.startswith("__")):
+            bad.append(f"{node.value.id}.{node.attr} ({bound[node.value.id]})")
+    return bad
+
+
+def test_no_private_name_is_used_across_modules() -> None:
+    bad = [f"{p.relative_to(ROOT)}: {u}" for p in _sources("app", "compute", "storage")
+           for u in private_uses(p)]
+    assert not bad, "make these public where they are shared:\n" + "\n".join(bad)
+
+
+def test_private_use_check_sees_both_forms(tmp_path: Path) -> None:
+    src = tmp_path / "probe.py"
+    src.write_text("from compute.sparsity.overlap import _hidden\n"
+                   "from compute.sparsity import diff as d\nd._inner()\n")
+    assert private_uses(src) == ["from compute.sparsity.overlap import _hidden",
+                                 "d._inner (compute.sparsity.diff)"]
