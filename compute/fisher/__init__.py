@@ -26,13 +26,15 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, get_args
 
 import torch
+from pydantic import Field, ValidationError
 from torch import nn
 
 from compute.contract.jobresult import Progress, null_progress
+from compute.contract.specs import Estimator, FisherKnobs, SpecError, friendly_error
 from compute.fisher.estimators import (
     batch_fisher,
     expand_tokens,
@@ -47,54 +49,31 @@ from compute.fisher.hooks import UnsupportedModel
 from compute.lm.device import model_device
 from compute.lm.sampling import Rollout, build_rollout, sample_completions
 
-ESTIMATORS = ("sequence", "token", "empirical", "batch")
+ESTIMATORS: tuple[str, ...] = get_args(Estimator)
 
 
-def _f(default: Any, help: str, **kw: Any) -> Any:
-    return field(default=default, metadata={"help": help}, **kw)
+class FisherConfig(FisherKnobs):
+    """The engine's configuration: the estimator's knobs with the fisher job's defaults and ranges
+    (compute.contract.specs.FisherKnobs, the one schema), plus the batching the engine chooses
+    itself. Build it from a spec with `FisherConfig.of(spec, **over)`; bad values raise
+    compute.contract.specs.SpecError naming the field and its accepted range."""
 
+    batch_size: int | None = Field(None, ge=1, le=1_000_000,
+        description="rows per forward/backward (None = from the memory budget); minibatch size of "
+                    "the batch estimator (None = 8)")
+    sample_batch_size: int | None = Field(64, ge=1, le=1_000_000, description="rows per generation batch")
 
-@dataclass
-class FisherConfig:
-    estimator: str = _f("sequence", "sequence | token | empirical (gold answers) | batch")
-    prompts: int = _f(16, "number of task prompts (ignored when prompts are given as a list)")
-    samples: int = _f(4, "sampled completions per prompt (sequence/token)")
-    max_new_tokens: int = _f(16, "maximum completion length in tokens")
-    temperature: float = _f(1.0, "sampling temperature; 1.0 = the model's own distribution")
-    top_k: int | None = _f(None, "None = full distribution (the Fisher's expectation)")
-    top_p: float | None = _f(None, "None = full distribution")
-    seed: int = _f(0, "seed of prompts and samples")
-    prompt_start: int = _f(0, "index of the first task prompt (sharding)")
-    batch_size: int | None = _f(None, "rows per forward/backward (None = from memory budget); "
-                                      "minibatch size of the batch estimator (None = 8)")
-    sample_batch_size: int | None = _f(64, "rows per generation batch")
-    memory_budget_mb: int | None = _f(None, "bound on per-sample-gradient temporaries, in MiB "
-                                            "(None = a quarter of free device memory)")
-    device: str = _f("auto", "auto | cpu | cuda | cuda:N")
-    dtype: str = _f("float32", "float32 (default on every device) | bfloat16 | float16 | auto")
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise SpecError([friendly_error(e, type(self)) for e in exc.errors()]) from None
 
-    def __post_init__(self) -> None:
-        if self.estimator not in ESTIMATORS:
-            raise ValueError(f"estimator: got {self.estimator!r}; accepted: {', '.join(ESTIMATORS)}")
-        for name, lo in (("prompts", 1), ("samples", 1), ("max_new_tokens", 1),
-                         ("memory_budget_mb", 16)):
-            v = getattr(self, name)
-            if name == "memory_budget_mb" and v is None:
-                continue
-            if not isinstance(v, int) or v < lo:
-                raise ValueError(f"{name}: got {v!r}; must be an integer >= {lo}")
-        if not self.temperature > 0:
-            raise ValueError(f"temperature: got {self.temperature!r}; must be > 0 (1.0 = on-policy)")
-        if self.top_k is not None and self.top_k < 1:
-            raise ValueError(f"top_k: got {self.top_k!r}; must be >= 1 or None")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise ValueError(f"top_p: got {self.top_p!r}; accepted range: (0, 1] or None")
-        if self.seed < 0 or self.prompt_start < 0:
-            raise ValueError("seed: seed and prompt_start must be >= 0")
-        for name in ("batch_size", "sample_batch_size"):
-            v = getattr(self, name)
-            if v is not None and v < 1:
-                raise ValueError(f"{name}: got {v!r}; must be >= 1 or None")
+    @classmethod
+    def of(cls, spec: Any, **over: Any) -> FisherConfig:
+        """The config of a spec: every FisherKnobs field the spec has, then `over`."""
+        names = set(cls.model_fields)
+        return cls(**{**{n: getattr(spec, n) for n in type(spec).model_fields if n in names}, **over})
 
 
 @dataclass
@@ -206,7 +185,7 @@ def estimate_fisher(
         halves = {n: s.float().cpu() for n, s in total.items()}
         fisher = {n: s.sum(0).div_(dsum) for n, s in halves.items()}  # one sum, divided in place
         half_denoms = (float(denom[0]), float(denom[1]))
-    settings = {k: v for k, v in asdict(config).items()}
+    settings = config.model_dump()
     settings.update(n_prompts=len(prompts), estimator_used=est,
                     sample_seconds=round(t_sample, 3),
                     total_seconds=round(time.perf_counter() - t0, 3))

@@ -14,41 +14,21 @@ from compute.contract.cost import fisher_passes
 from compute.contract.kinds import JobKind, KindForm
 from compute.contract.results import Contract, Row, Summary, TypedResult
 from compute.contract.specs import (
-    Device,
-    Dtype,
-    Estimator,
+    FisherKnobs,
     FisherPrompts,
-    FisherSamples,
-    MaxNewTokens,
     ModelRef,
-    Seed,
-    Spec,
     TaskRef,
-    Temperature,
     TopkPercent,
 )
 
 # ---------------------------------------------------------------- spec
 
 
-class FisherSpec(Spec):
+class FisherSpec(FisherKnobs):
+    # the estimator's knobs (prompts, samples, estimator, seed, sampling, dtype, device, memory
+    # budget): compute.contract.specs.FisherKnobs
     model: ModelRef
     task: TaskRef = "arithmetic"
-    # issue 18: the default gives a 'fair' split-half verdict on arith-base (measured, seed 0: 16 x 4
-    # samples -> top-1% Jaccard 0.347 'poor', 32 -> 0.479, 64 -> 0.548 'fair'; seeds 1-2 and the
-    # command: benchmarks/results/fisher_reliability.json, made by benchmarks/fisher_reliability.py)
-    prompts: FisherPrompts = Field(64, description="number of task prompts (64 x 4 samples: split-half "
-                                   "verdict 'fair' on arith-base; 16 gave 'unreliable')")
-    samples: FisherSamples = Field(4, description="sampled completions per prompt")
-    estimator: Estimator = Field("sequence",
-        description="sequence | token | empirical | batch (which Fisher is estimated)")
-    seed: Seed = Field(0, description="seed of prompts and samples")
-    max_new_tokens: MaxNewTokens = Field(16, description="completion length limit")
-    temperature: Temperature = Field(1.0,
-        description="sampling temperature; 1.0 = the model's distribution")
-    top_k: int | None = Field(None, ge=1, le=100_000, description="None = full distribution")
-    top_p: float | None = Field(None, gt=0.0, le=1.0, description="None = full distribution")
-    prompt_start: int = Field(0, ge=0, le=1_000_000, description="first prompt index (sharding)")
     shards: int = Field(1, ge=1, le=64, description="split the prompts over this many workers")
     topk_percent: TopkPercent = Field(1.0, description="top-k% used for split-half stability")
     exact_output: bool = Field(True, description="also compute the exact output-layer Fisher")
@@ -56,15 +36,6 @@ class FisherSpec(Spec):
         False, description="when the split-half verdict is below 'fair' (top-k Jaccard < 0.5), add as many "
         "prompts again (doubling) until it is fair, up to max_prompts; the result records every round")
     max_prompts: FisherPrompts = Field(512, description="cap on the prompts until_reliable may reach")
-    dtype: Dtype = Field(
-        "float32", description="dtype of the forward/backward: float32 on every device by default (sums "
-        "are float32 whatever this is); bfloat16/float16 are faster on GPUs and the result states their "
-        "error against float32 on the same samples; auto = bfloat16 on CUDA")
-    device: Device = "auto"
-    memory_budget_mb: int | None = Field(
-        None, ge=64, le=1_048_576,
-        description="bound on per-sample-gradient temporaries (MiB); None = a quarter of free device memory",
-    )
 
     def more_samples(self) -> FisherSpec:
         """This spec, rerun with more samples: until_reliable on, and four times the prompts

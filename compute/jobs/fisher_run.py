@@ -47,12 +47,7 @@ def _load(spec: FisherSpec, refs: Refs | None) -> tuple[Any, Any]:
 
 
 def _config(spec: FisherSpec, n_prompts: int, start: int) -> FisherConfig:
-    return FisherConfig(
-        estimator=spec.estimator, prompts=n_prompts, samples=spec.samples,
-        max_new_tokens=spec.max_new_tokens, temperature=spec.temperature, top_k=spec.top_k,
-        top_p=spec.top_p, seed=spec.seed, prompt_start=start,
-        memory_budget_mb=spec.memory_budget_mb, device=spec.device, dtype=spec.dtype,
-    )
+    return FisherConfig.of(spec, prompts=n_prompts, prompt_start=start)
 
 
 PRECISION_CHECK_ROWS = 16  # rows of the first shard scored again in float32 (half-precision runs)

@@ -292,7 +292,7 @@ def test_estimate_fisher_empirical_needs_answers(tok):
 def test_config_errors_name_the_field(kw, field):
     with pytest.raises(ValueError, match=f"^{field}:"):
         FisherConfig(**kw)
-    assert FisherConfig.__dataclass_fields__["samples"].metadata["help"]
+    assert FisherConfig.model_fields["samples"].description
 
 
 class SquaredScaleNorm(torch.nn.Module):
