@@ -40,6 +40,7 @@ from compute.fisher.estimators import (
     expand_tokens,
     fisher_from_samples,
     fisher_sums,
+    new_store,
     per_sample_square_sums,
     right_padded,
     trainable_parameters,
@@ -82,9 +83,11 @@ class FisherEstimate:
 
     halves: per-parameter sums over two independent halves of the samples (even / odd prompt
     index), (2, *shape) float32, with half_denoms: their denominators (for split-half stability).
+    With halves, `fisher` is made from them on first use (their sum over the total denominator),
+    so a caller that needs only the halves (the fisher job) never holds both (issue 30).
     """
 
-    fisher: dict[str, torch.Tensor]
+    fisher_: dict[str, torch.Tensor] | None
     n_rows: int
     n_tokens: int
     estimator: str
@@ -92,6 +95,15 @@ class FisherEstimate:
     halves: dict[str, torch.Tensor] | None = None
     half_denoms: tuple[float, float] | None = None
     rollout: Rollout | None = None
+
+    @property
+    def fisher(self) -> dict[str, torch.Tensor]:
+        if self.fisher_ is None:
+            if self.halves is None or self.half_denoms is None:
+                raise ValueError("fisher: this estimate has neither a Fisher nor half sums")
+            total = sum(self.half_denoms)
+            self.fisher_ = {n: s.sum(0).div_(total) for n, s in self.halves.items()}
+        return self.fisher_
 
     @property
     def n_samples(self) -> int:
@@ -121,7 +133,7 @@ def _half_sums(model: nn.Module, roll: Rollout, n_prompts: int, est: str, config
     """(name -> (2, *shape) sums over the even / odd prompt halves, (2,) denominators), in
     chunks of prompts so progress is reported and the expanded token rows stay bounded."""
     groups = ((roll.prompt_index + config.prompt_start) % 2).cpu()
-    total: dict[str, torch.Tensor] = {}
+    store = new_store(model, 2)  # one set of accumulators for every chunk (issue 30)
     denom = torch.zeros(2, dtype=torch.float64)
     n_chunks = max(1, min(n_prompts, 10))
     bounds = [round(i * n_prompts / n_chunks) for i in range(n_chunks + 1)]
@@ -131,17 +143,12 @@ def _half_sums(model: nn.Module, roll: Rollout, n_prompts: int, est: str, config
         if idx.numel() == 0:
             continue
         sub = roll.select(idx)
-        sums, d = fisher_sums(model, sub.input_ids, sub.attention_mask, sub.completion_mask,
-                              est, None, groups[idx], 2, config.memory_budget_mb,
-                              config.batch_size)
-        for n, t in sums.items():
-            if n in total:
-                total[n].add_(t)
-            else:
-                total[n] = t
+        _, d = fisher_sums(model, sub.input_ids, sub.attention_mask, sub.completion_mask,
+                           est, None, groups[idx], 2, config.memory_budget_mb,
+                           config.batch_size, into=store)
         denom += d
         prog(0.3 + 0.7 * (c + 1) / n_chunks, f"fisher {c + 1}/{n_chunks}")
-    return total, denom
+    return store.finish(), denom
 
 
 def estimate_fisher(
@@ -183,7 +190,7 @@ def estimate_fisher(
         if dsum <= 0:
             raise ValueError("completion_mask: no counted tokens")
         halves = {n: s.float().cpu() for n, s in total.items()}
-        fisher = {n: s.sum(0).div_(dsum) for n, s in halves.items()}  # one sum, divided in place
+        fisher = None  # FisherEstimate.fisher: made from the halves on first use
         half_denoms = (float(denom[0]), float(denom[1]))
     settings = config.model_dump()
     settings.update(n_prompts=len(prompts), estimator_used=est,

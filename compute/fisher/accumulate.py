@@ -43,8 +43,12 @@ class Store:
     """name -> (n_groups, *shape) sums of squared per-row gradients, kept across passes."""
 
     def __init__(self, shapes: dict[str, torch.Size], n_groups: int, dtype: torch.dtype,
-                 device: torch.device, check: bool = False):
+                 device: torch.device, check: bool = False, squares: bool = True):
+        """check: also keep the plain sum of per-row gradients (the engine's self-check);
+        squares=False keeps only that (the check pass needs no squares: 4 bytes per parameter
+        less while it runs)."""
         self.shapes, self.n_groups, self.dtype, self.device = shapes, n_groups, dtype, device
+        self.squares = squares
         self.sums: dict[str, list[torch.Tensor | None]] = {}
         self.check: dict[str, torch.Tensor] | None = {} if check else None
 
@@ -53,6 +57,8 @@ class Store:
 
     def add(self, name: str, k: int, sq: torch.Tensor) -> None:
         """Add sq (*shape) to group k; a fresh tensor the store may keep (first square)."""
+        if not self.squares:
+            return
         slots = self._slots(name)
         cur = slots[k]
         if cur is None:
@@ -62,6 +68,8 @@ class Store:
 
     def index_add(self, name: str, k: int, index: torch.Tensor, rows: torch.Tensor) -> None:
         """Add rows (U, d) at positions index (U,) of group k's (V, d) sums."""
+        if not self.squares:
+            return
         slots = self._slots(name)
         if slots[k] is None:
             slots[k] = torch.zeros(self.shapes[name], dtype=self.dtype, device=self.device)

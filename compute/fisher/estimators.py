@@ -163,22 +163,22 @@ def _verify(model: nn.Module, params: dict[str, nn.Parameter], chunk: tuple, bud
     dtypes = [p.dtype for p in params.values()]
     _check_positions(model, ids, am, check_tolerance(dtypes))
     store = Store({n: p.shape for n, p in params.items()}, 1, accumulator_dtype(dtypes),
-                  ids.device, check=True)
+                  ids.device, check=True, squares=False)
     _one_pass(model, store, params, (ids, am, cm, scale, torch.zeros_like(grp)), budget, True)
     loss = _row_loss(model, ids, am, cm, scale)
     if not loss.requires_grad:
         return
     grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
     errs: dict[str, float] = {}
-    total = sum(float(g.double().abs().sum()) for g in grads if g is not None)
+    total = sum(_l1_diff(None, g, g.numel())[1] for g in grads if g is not None)
     floor = 1e-6 * total / max(1, len(params))
-    for (n, p), ref in zip(params.items(), grads, strict=True):
-        got = store.check.get(n) if store.check is not None else None
-        r = torch.zeros(p.shape, dtype=torch.float64) if ref is None else ref.double().cpu()
-        o = torch.zeros(p.shape, dtype=torch.float64) if got is None else got.double().cpu()
-        diff = float((o - r).abs().sum())
+    grads_left = list(grads)
+    for i, (n, p) in enumerate(params.items()):
+        ref, grads_left[i] = grads_left[i], None  # released as it is compared
+        got = store.check.pop(n, None) if store.check is not None else None
+        diff, norm = _l1_diff(got, ref, p.numel())
         if diff > floor:
-            errs[n] = diff / max(float(r.abs().sum()), 1e-300)
+            errs[n] = diff / max(norm, 1e-300)
     bad = {n: e for n, e in errs.items() if e > check_tolerance(dtypes)}
     if bad:
         shown = ", ".join(f"{n} ({e:.3g})" for n, e in list(bad.items())[:6])
@@ -191,13 +191,35 @@ def _verify(model: nn.Module, params: dict[str, nn.Parameter], chunk: tuple, bud
     _VERIFIED[model] = True
 
 
+def _l1_diff(got: torch.Tensor | None, ref: torch.Tensor | None, numel: int,
+             chunk: int = 1 << 20) -> tuple[float, float]:
+    """(||got - ref||_1, ||ref||_1) in float64 over chunks of `chunk` values (a missing side is
+    zero): no float64 copy of a whole tensor (a 262k x 640 embedding would be 1.3 GB)."""
+    g = None if got is None else got.detach().reshape(-1)
+    r = None if ref is None else ref.detach().reshape(-1)
+    diff = norm = 0.0
+    for o in range(0, numel, chunk):
+        gc = torch.zeros(0) if g is None else g[o:o + chunk].double().cpu()
+        rc = torch.zeros(0) if r is None else r[o:o + chunk].double().cpu()
+        if g is None:
+            gc = torch.zeros_like(rc)
+        if r is None:
+            rc = torch.zeros_like(gc)
+        diff += float((gc - rc).abs().sum())
+        norm += float(rc.abs().sum())
+    return diff, norm
+
+
 def per_sample_square_sums(
     model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     completion_mask: torch.Tensor, row_weights: torch.Tensor | None = None,
     groups: torch.Tensor | None = None, n_groups: int = 1, memory_budget_mb: int | None = None,
-    batch_size: int | None = None,
+    batch_size: int | None = None, into: Store | None = None,
 ) -> dict[str, torch.Tensor]:
     """sum over rows n in group k of w_n * (d/dθ sum_t cm[n,t] log p(y_{n,t}))^2, per group.
+
+    into: a Store (n_groups groups) that keeps accumulating across calls; the sums are then added
+    to it and {} is returned (the caller finishes it once: one set of accumulators, issue 30).
 
     input_ids, attention_mask, completion_mask: (N, L), left or right padded; row_weights (N,)
     >= 0 (default 1); groups (N,) long in [0, n_groups). Rows are sorted by real length so each
@@ -216,14 +238,22 @@ def per_sample_square_sums(
     ids, am, cm, w, grp = ids[order], am[order], cm[order], w[order], grp[order]
     budget = budget_bytes(memory_budget_mb, device)
     bs = batch_size or _auto_batch(model, ids.shape[1], budget, _shared_numel(model, params))
-    store = Store({n: p.shape for n, p in params.items()}, n_groups,
-                  accumulator_dtype([p.dtype for p in params.values()]), device)
+    store = into if into is not None else new_store(model, n_groups)
     with _eval(model), _refusing(model):
         for i, chunk in enumerate(_chunks(ids, am, cm, w, grp, bs, device)):
             if i == 0 and model not in _VERIFIED:
+                # before the first squares reach the store (its sums are allocated lazily), so
+                # the check's gradients and the accumulators are never alive together (issue 30)
                 _verify(model, params, chunk, budget)
             _one_pass(model, store, params, chunk, budget, coverage=i == 0)
-    return store.finish()
+    return store.finish() if into is None else {}
+
+
+def new_store(model: nn.Module, n_groups: int) -> Store:
+    """Empty accumulators (allocated as the first squares arrive) for every trainable parameter."""
+    params = trainable_parameters(model)
+    return Store({n: p.shape for n, p in params.items()}, n_groups,
+                 accumulator_dtype([p.dtype for p in params.values()]), model_device(model))
 
 
 @contextlib.contextmanager
@@ -269,9 +299,10 @@ def fisher_sums(
     model: nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor,
     completion_mask: torch.Tensor, estimator: str = "sequence", weights: torch.Tensor | None = None,
     groups: torch.Tensor | None = None, n_groups: int = 1, memory_budget_mb: int | None = None,
-    batch_size: int | None = None,
+    batch_size: int | None = None, into: Store | None = None,
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Per-group sums of squared per-sample gradients and per-group denominators (n_groups,).
+    into: accumulate into this Store instead (sums returned as {}; see per_sample_square_sums).
 
     sequence: sample = row, denominator = sum of row weights; token: sample = counted token,
     denominator = sum over tokens of their row's weight."""
@@ -282,14 +313,14 @@ def fisher_sums(
     grp = torch.zeros(N, dtype=torch.long) if groups is None else groups.long().cpu()
     if estimator == "sequence":
         sums = per_sample_square_sums(model, input_ids, attention_mask, completion_mask, w, grp,
-                                      n_groups, memory_budget_mb, batch_size)
+                                      n_groups, memory_budget_mb, batch_size, into)
         denom = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, grp, w)
         return sums, denom
     if estimator == "token":
         ids, am, cm, src = expand_tokens(input_ids.cpu(), attention_mask.cpu(),
                                          completion_mask.cpu())
         sums = per_sample_square_sums(model, ids, am, cm, w[src], grp[src], n_groups,
-                                      memory_budget_mb, batch_size)
+                                      memory_budget_mb, batch_size, into)
         denom = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, grp[src], w[src])
         return sums, denom
     raise ValueError(f"estimator: got {estimator!r}; accepted: sequence, token")

@@ -146,44 +146,88 @@ def _module_order(m: str) -> int:
     return MODULE_TYPES.index(m) if m in MODULE_TYPES else len(MODULE_TYPES)
 
 
+# Memory (issue 30): a Fisher is as large as the model, so every statistic over all coordinates
+# holds at most ONE float32 copy of the values (4 bytes per parameter: a numpy array sorted or
+# partitioned in place, no int64 indices) plus chunk- or tensor-sized temporaries; sums are float64
+# over chunks of CHUNK values. Measured before: a full torch sort (values + int64 indices) and
+# float64 copies of the sorted values, cumsum and ranks, about 40 bytes per parameter at the peak.
+CHUNK = 1 << 20
+
+
 def _flat(fisher: dict[str, torch.Tensor]) -> torch.Tensor:
     import torch
 
     return torch.cat([f.detach().reshape(-1).float().cpu() for f in fisher.values()])
 
 
-def concentration_curve(
-    fisher: dict[str, torch.Tensor], grid: tuple[float, ...] = CONCENTRATION_GRID,
-) -> list[tuple[float, float]]:
-    """[(x, share of total mass in the top x fraction of all coordinates)] for x in grid.
+def flat_values(fisher: Mapping[str, Any]) -> Any:
+    """All values as one float32 numpy array (dict order): the single full-size copy."""
+    import numpy as np
 
-    The top ceil(x * n) coordinates count (at least one). share is 0 when the total mass is 0."""
-    flat = _flat(fisher)
-    n = flat.numel()
-    vals = flat.sort(descending=True).values.double()
-    cum = vals.cumsum(0)  # (n,)
-    total = float(cum[-1]) if n else 0.0
-    out = []
-    for x in grid:
-        k = min(n, max(1, math.ceil(x * n - 1e-9)))
-        out.append((float(x), float(cum[k - 1]) / total if total > 0 else 0.0))
+    n = sum(int(f.numel()) for f in fisher.values())
+    out = np.empty(n, dtype=np.float32)
+    o = 0
+    for f in fisher.values():
+        k = int(f.numel())
+        out[o:o + k] = f.detach().reshape(-1).float().cpu().numpy()
+        o += k
     return out
 
 
-def gini(values: torch.Tensor | dict[str, torch.Tensor]) -> float:
+def sorted_values(fisher: Mapping[str, Any] | Any) -> Any:
+    """The values in ascending order (float32 numpy, sorted in place: 4 bytes per parameter).
+    Pass it to concentration_curve / gini / summary to sort once."""
+    if isinstance(fisher, Mapping):
+        x = flat_values(fisher)
+    else:
+        x = fisher.detach().reshape(-1).float().cpu().numpy().copy()
+    x.sort()
+    return x
+
+
+def _sum64(x: Any) -> float:
+    import numpy as np
+
+    return float(sum(np.sum(x[o:o + CHUNK], dtype=np.float64) for o in range(0, len(x), CHUNK)))
+
+
+def concentration_curve(
+    fisher: dict[str, torch.Tensor] | None = None, grid: tuple[float, ...] = CONCENTRATION_GRID,
+    sorted_: Any = None,
+) -> list[tuple[float, float]]:
+    """[(x, share of total mass in the top x fraction of all coordinates)] for x in grid.
+
+    The top ceil(x * n) coordinates count (at least one). share is 0 when the total mass is 0.
+    `sorted_`: sorted_values(fisher), when the caller already has it."""
+    s = sorted_values(fisher) if sorted_ is None else sorted_
+    n = len(s)
+    total = _sum64(s)
+    ks = {x: min(n, max(1, math.ceil(x * n - 1e-9))) for x in grid}
+    top: dict[int, float] = {}
+    acc, done = 0.0, 0  # sum of the largest `done` values
+    for k in sorted(set(ks.values())):
+        acc += _sum64(s[n - k:n - done])
+        done = k
+        top[k] = acc
+    return [(float(x), top[ks[x]] / total if total > 0 else 0.0) for x in grid]
+
+
+def gini(values: torch.Tensor | dict[str, torch.Tensor] | None = None, sorted_: Any = None) -> float:
     """Gini coefficient of non-negative values: 0 = all equal, -> 1 = all mass on one coordinate.
 
     G = 2 sum_i i x_(i) / (n sum x) - (n + 1) / n, with x sorted ascending, i = 1..n."""
-    import torch
+    import numpy as np
 
-    flat = _flat(values) if isinstance(values, dict) else values.detach().reshape(-1).float().cpu()
-    n = flat.numel()
-    x = flat.sort().values.double()
-    s = float(x.sum())
+    x = sorted_values(values) if sorted_ is None else sorted_
+    n = len(x)
+    s = _sum64(x)
     if n == 0 or s <= 0:
         return 0.0
-    i = torch.arange(1, n + 1, dtype=torch.float64)
-    return float(2 * (i * x).sum() / (n * s) - (n + 1) / n)
+    ix = 0.0
+    for o in range(0, n, CHUNK):
+        c = x[o:o + CHUNK]
+        ix += float(np.dot(np.arange(o + 1, o + 1 + len(c), dtype=np.float64), c.astype(np.float64)))
+    return float(2 * ix / (n * s) - (n + 1) / n)
 
 
 def topk_indices(fisher: dict[str, torch.Tensor], percent: float) -> torch.Tensor:
@@ -195,34 +239,75 @@ def topk_indices(fisher: dict[str, torch.Tensor], percent: float) -> torch.Tenso
     return flat.topk(k, sorted=False).indices
 
 
-def topk_jaccard(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], percent: float) -> float:
+def topk_threshold(fisher: Mapping[str, Any], k: int) -> tuple[float, int]:
+    """(t, g): the k-th largest value t over all coordinates and the number g of values > t, by
+    an in-place partition of one float32 copy (no sort, no indices)."""
+    import numpy as np
+
+    flat = flat_values(fisher)
+    n = len(flat)
+    k = min(max(k, 1), n)
+    flat.partition(n - k)
+    t = float(flat[n - k])
+    g = int(np.count_nonzero(flat[n - k + 1:] > t))
+    return t, g
+
+
+def topk_masks(fisher: Mapping[str, Any], percent: float) -> Iterable[tuple[str, torch.Tensor]]:
+    """(name, bool mask) of the top `percent`% coordinates, one tensor at a time: the values
+    above the k-th largest, and of the values equal to it the first ones in dict order, so
+    exactly k coordinates are selected."""
+    import torch
+
+    if not 0 < percent <= 100:
+        raise ValueError(f"topk_percent: got {percent!r}; accepted range: (0, 100]")
+    n = sum(int(f.numel()) for f in fisher.values())
+    k = max(1, math.ceil(n * percent / 100 - 1e-9))
+    t, g = topk_threshold(fisher, k)
+    ties = k - g  # values equal to t still to take, in order
+    for name, f in fisher.items():
+        v = f.detach().reshape(-1).float()
+        m = v > t
+        if ties > 0:
+            eq = v == t
+            ne = int(eq.sum())
+            if ne <= ties:
+                m |= eq
+                ties -= ne
+            elif ne:
+                take = eq & (torch.cumsum(eq, 0, dtype=torch.int32) <= ties)
+                m |= take
+                ties = 0
+        yield name, m.reshape(f.shape)
+
+
+def topk_jaccard(a: Mapping[str, Any], b: Mapping[str, Any], percent: float) -> float:
     """Jaccard overlap |A ∩ B| / |A ∪ B| of the top-`percent`% coordinates of two Fishers.
 
     With a and b estimated from two independent halves of the samples, values near 1 mean the
-    selected coordinates are stable (enough samples); near percent/100 means chance level."""
+    selected coordinates are stable (enough samples); near percent/100 means chance level.
+    A positive scale of either side does not change its top-k set, so un-normalised sums serve.
+    Memory: one float32 copy at a time plus tensor-sized masks."""
     if list(a) != list(b) or any(a[n].shape != b[n].shape for n in a):
         raise ValueError("fisher: the two Fishers must have the same parameter names and shapes")
-    import torch
-
-    ia, ib = topk_indices(a, percent), topk_indices(b, percent)
-    n = sum(t.numel() for t in a.values())
-    ma = torch.zeros(n, dtype=torch.bool)
-    mb = torch.zeros(n, dtype=torch.bool)
-    ma[ia] = True
-    mb[ib] = True
-    union = int((ma | mb).sum())
-    return int((ma & mb).sum()) / union if union else 1.0
+    inter = union = 0
+    for (_, ma), (_, mb) in zip(topk_masks(a, percent), topk_masks(b, percent), strict=True):
+        inter += int((ma & mb).sum())
+        union += int((ma | mb).sum())
+    return inter / union if union else 1.0
 
 
-def summary(fisher: dict[str, torch.Tensor]) -> dict:
-    """Headline numbers: n_params, total mass, mean, max, gini, share of mass in top 1% / 10%."""
+def summary(fisher: dict[str, torch.Tensor], sorted_: Any = None) -> dict:
+    """Headline numbers: n_params, total mass, mean, max, gini, share of mass in top 1% / 10%.
+    `sorted_`: sorted_values(fisher), when the caller already has it."""
+    s = sorted_values(fisher) if sorted_ is None else sorted_
     rows = tensor_stats(fisher)
     n = sum(r["numel"] for r in rows)
     mass = sum(r["mass"] for r in rows)
-    curve = dict(concentration_curve(fisher, (0.001, 0.01, 0.1)))
+    curve = dict(concentration_curve(grid=(0.001, 0.01, 0.1), sorted_=s))
     return {
         "n_params": n, "total_mass": mass, "mean": mass / n if n else 0.0,
-        "max": max((r["max"] for r in rows), default=0.0), "gini": gini(fisher),
+        "max": max((r["max"] for r in rows), default=0.0), "gini": gini(sorted_=s),
         "top0.1%_share": curve[0.001], "top1%_share": curve[0.01], "top10%_share": curve[0.1],
     }
 
@@ -255,6 +340,7 @@ def to_heatmaps(fisher: dict[str, torch.Tensor], prefix: str = "fisher") -> list
             for key, units in (("mean", "mean Fisher per coordinate"), ("share", "share of total mass"))]
 
 
-def to_series(fisher: dict[str, torch.Tensor], name: str = "concentration") -> list[SeriesPoint]:
+def to_series(fisher: dict[str, torch.Tensor], name: str = "concentration",
+              sorted_: Any = None) -> list[SeriesPoint]:
     """The concentration curve as SeriesPoint(name, x = top fraction, value = share of mass)."""
-    return [SeriesPoint(name, x, s) for x, s in concentration_curve(fisher)]
+    return [SeriesPoint(name, x, s) for x, s in concentration_curve(fisher, sorted_=sorted_)]

@@ -189,9 +189,11 @@ def _add(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, to
 
 
 def finish(spec: FisherSpec, shard_outputs: list[dict], progress: Progress = null_progress,
-           extra: dict | None = None, refs: Refs | None = None) -> JobResult:
+           extra: dict | None = None, refs: Refs | None = None, consume: bool = False) -> JobResult:
     """Combine shard sums into the Fisher and its statistics (`refs`: the resolved model, named
-    by label and sha256 in the file's metadata)."""
+    by label and sha256 in the file's metadata). `consume=True` (run, combine: the outputs are
+    theirs) empties the outputs' sums tensor by tensor, so memory is released as the Fisher is
+    built."""
     progress(0.97, "statistics")
     outs = sorted(shard_outputs, key=lambda o: o["shard"])
     sums: dict[str, torch.Tensor] = {}
@@ -213,7 +215,21 @@ def finish(spec: FisherSpec, shard_outputs: list[dict], progress: Progress = nul
     total = 1.0 if batch else denoms[0] + denoms[1]
     if total <= 0:
         raise ValueError("max_new_tokens: no completion tokens were sampled")
-    fisher = {n: (sums[n].double().sum(0) / total).float() for n in order}
+    # issue 30: the split-half Jaccard from the raw half sums (a half's top-k set does not depend
+    # on its denominator), then the Fisher one tensor at a time, releasing each tensor's sums as
+    # it goes (here and in the shard outputs), so the halves and the Fisher are never all alive.
+    split_jaccard = None
+    if not batch and denoms[0] > 0 and denoms[1] > 0:
+        progress(0.97, "statistics: split-half overlap")
+        split_jaccard = topk_jaccard_of_halves(sums, order, spec.topk_percent)
+    fisher: dict[str, torch.Tensor] = {}
+    for n in order:
+        s = sums.pop(n)
+        fisher[n] = mean_of_groups(s, total)
+        del s
+        if consume:
+            for o in outs:
+                o["sums"].pop(n, None)
     summary: dict[str, Any] = {
         "estimator": spec.estimator, "model": spec.model, "task": spec.task,
         "n_prompts": spec.prompts, "n_rows": sum(o["n_rows"] for o in outs),
@@ -228,14 +244,14 @@ def finish(spec: FisherSpec, shard_outputs: list[dict], progress: Progress = nul
     perr = next((o["precision_error"] for o in outs if o.get("precision_error")), None)
     if perr:
         summary["precision_error"] = perr
-    summary.update(analysis.summary(fisher))
-    if not batch and denoms[0] > 0 and denoms[1] > 0:
-        halves = [{n: sums[n][k].double() / denoms[k] for n in order} for k in (0, 1)]
-        summary["split_half_jaccard"] = analysis.topk_jaccard(halves[0], halves[1],
-                                                              spec.topk_percent)
+    progress(0.98, "statistics: concentration and Gini")
+    ordered = analysis.sorted_values(fisher)  # one sort for the summary and the curve
+    summary.update(analysis.summary(fisher, sorted_=ordered))
+    series = analysis.to_series(fisher, sorted_=ordered)
+    del ordered
+    summary["split_half_jaccard"] = split_jaccard
+    if split_jaccard is not None:
         summary["split_half_topk_percent"] = spec.topk_percent
-    else:
-        summary["split_half_jaccard"] = None
     if exact and exact_count > 0:
         rows = {}
         for n, s in exact.items():
@@ -248,7 +264,7 @@ def finish(spec: FisherSpec, shard_outputs: list[dict], progress: Progress = nul
     if skipped:
         summary["exact_output_skipped"] = skipped
     summary.update(extra or {})
-    series = analysis.to_series(fisher)
+    progress(0.99, "statistics: layers and modules")
     result = JobResult(
         kind="fisher", summary=summary, layer_stats=analysis.to_layer_stats(fisher),
         heatmaps=analysis.to_heatmaps(fisher), series=series, tensors={"fisher": fisher},
@@ -272,7 +288,7 @@ def run(spec: FisherSpec, progress: Progress = null_progress, refs: Refs | None 
 
         outs.append(_shard(spec, i, sub, loaded, refs))
     spec, outs, rounds = extend_until_reliable(spec, outs, progress, loaded, refs)
-    return finish(spec, outs, progress, extra={"model_info": info, **rounds}, refs=refs)
+    return finish(spec, outs, progress, extra={"model_info": info, **rounds}, refs=refs, consume=True)
 
 
 # -- until_reliable (issue 18): more prompts until the split-half verdict is at least "fair" ----
@@ -288,8 +304,23 @@ def split_half(outs: list[dict], topk_percent: float) -> float | None:
     if not sums or denoms[0] <= 0 or denoms[1] <= 0:
         return None
     order = next(list(o["sums"]) for o in outs if o["sums"])
-    halves = [{n: sums[n][k].double() / denoms[k] for n in order} for k in (0, 1)]
-    return analysis.topk_jaccard(halves[0], halves[1], topk_percent)
+    return topk_jaccard_of_halves(sums, order, topk_percent)
+
+
+def mean_of_groups(s: torch.Tensor, total: float, chunk: int = 1 << 20) -> torch.Tensor:
+    """sum over groups of s (groups, *shape) / total as float32, summed in float64 over chunks of
+    `chunk` values (no float64 copy of the whole tensor)."""
+    flat = s.reshape(s.shape[0], -1)
+    out = torch.empty(flat.shape[1], dtype=torch.float32, device=s.device)
+    for o in range(0, flat.shape[1], chunk):
+        out[o:o + chunk] = (flat[:, o:o + chunk].double().sum(0) / total).float()
+    return out.reshape(s.shape[1:])
+
+
+def topk_jaccard_of_halves(sums: dict[str, torch.Tensor], order: list[str], topk_percent: float) -> float:
+    """Top-k% Jaccard of the two halves' Fishers from their (2, *shape) sums: views, no copies."""
+    return analysis.topk_jaccard({n: sums[n][0] for n in order}, {n: sums[n][1] for n in order},
+                                 topk_percent)
 
 
 def extend_until_reliable(spec: FisherSpec, outs: list[dict], progress: Any = null_progress,
@@ -339,4 +370,4 @@ def run_child(spec: FisherSpec, index: int, progress: Progress = null_progress,
 def combine(spec: FisherSpec, outputs: list[dict], progress: Progress = null_progress,
             refs: Refs | None = None) -> JobResult:
     spec, outputs, rounds = extend_until_reliable(spec, outputs, progress, refs=refs)  # loads the model if needed
-    return finish(spec, outputs, progress, extra=rounds, refs=refs)
+    return finish(spec, outputs, progress, extra=rounds, refs=refs, consume=True)
