@@ -13,7 +13,21 @@ from app.commands import doctor, experiments, fisher, jobs, training, users, zoo
 from app.commands.kinds import kind_commands
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+class _Main(click.Group):
+    """The CLI turns the HTTP client's typed errors (app.client.ClientError) into one line on
+    stderr and its exit status: the only place a client answer becomes an exit."""
+
+    def invoke(self, ctx: click.Context) -> object:
+        from app.client import ClientError
+
+        try:
+            return super().invoke(ctx)
+        except ClientError as exc:
+            click.echo(f"error: {exc}", err=True)
+            raise SystemExit(exc.code) from None
+
+
+@click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(package_name="fisherlens")
 def main() -> None:
     """fisherlens: explore LLM post-training update sparsity through the diagonal model Fisher."""

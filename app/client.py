@@ -35,6 +35,23 @@ from compute.integrations.credentials import (  # noqa: F401
 )
 
 
+class ClientError(Exception):
+    """An answer the caller should report as it is and stop on (the CLI prints the message and
+    exits with `code`; a script catches it). The client never exits the process itself."""
+
+    code = 1
+
+
+class Refused(ClientError):
+    """The server (401/403) or the local database refused the credential."""
+
+
+class NotRemote(ClientError):
+    """An option the server's API does not offer (a usage error: exit status 2)."""
+
+    code = 2
+
+
 def remote() -> tuple[str, str | None] | None:
     """(server URL, token) when the CLI should talk HTTP, else None. FISHERLENS_TOKEN goes to
     whatever FISHERLENS_URL names; the token `fisherlens login` saved goes only to the server it
@@ -69,7 +86,6 @@ def request(method: str, url: str, token: str | None, path: str, body: Any = Non
 def _raise_for(status: int, payload: Any, job_id: int | None = None,
                server: tuple[str, str | None] | None = None) -> None:
     """`server`: the (URL, token) the request went to, for the hint of a refused credential."""
-    from app.commands.common import fail
     from app.limits import QuotaExceeded
 
     detail = payload.get("detail") if isinstance(payload, dict) else payload
@@ -79,7 +95,7 @@ def _raise_for(status: int, payload: Any, job_id: int | None = None,
         where = f"the server at {server[0]}" if server else "the server"
         hint = f" ({login_hint(server[0] if server else None, bool(server and server[1]))})" \
             if status == 401 else ""
-        fail(f"{where} refused: {detail}{hint}", code=1)
+        raise Refused(f"{where} refused: {detail}{hint}")
     if status == 404:
         raise LookupError(detail if isinstance(detail, str) else f"job: no job with id {job_id}")
     if status == 429 and isinstance(detail, list):
@@ -94,7 +110,6 @@ def _raise_for(status: int, payload: Any, job_id: int | None = None,
 @contextlib.contextmanager
 def _local_user() -> Iterator[Any]:
     from app import auth
-    from app.commands.common import fail
     from compute.contract.settings import get_settings
 
     settings = get_settings()
@@ -102,8 +117,7 @@ def _local_user() -> Iterator[Any]:
     if token:
         p = auth.token_principal(settings, token)
         if p is None:
-            fail("FISHERLENS_TOKEN is not a valid token for this database (revoked or mistyped)",
-                 code=1)
+            raise Refused("FISHERLENS_TOKEN is not a valid token for this database (revoked or mistyped)")
     else:
         p = auth.local_principal(settings)
     with auth.acting_as(p):
@@ -118,10 +132,8 @@ def submit(settings: Any, kind: str, data: dict[str, Any], *, reuse: bool = True
         with _local_user() as s:
             return services.submit(s, kind, data, reuse=reuse)
     if not reuse:
-        from app.commands.common import fail
-
-        fail("--no-reuse: not available through the server's API; submit, then "
-             "`fisherlens rerun JOB_ID` to compute a stored result again")
+        raise NotRemote("--no-reuse: not available through the server's API; submit, then "
+                        "`fisherlens rerun JOB_ID` to compute a stored result again")
     status, payload = request("POST", r[0], r[1], "/api/jobs", {"kind": kind, "spec": data})
     _raise_for(status, payload, server=r)
     return dict(payload)
