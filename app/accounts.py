@@ -176,7 +176,7 @@ def _add_account_routes(r: APIRouter, settings: Any) -> None:
             spec = parse_spec(req.kind, req.spec)
         except SpecError as exc:
             return JSONResponse(status_code=422, content={"detail": exc.errors})
-        est = limits.estimate(settings, req.kind, spec)
+        est = limits.estimate(settings, req.kind, spec, limits.refs_for_estimate(settings, req.kind, spec))
         within = p.max_job_cost is None or (est["cost"] is not None and est["cost"] <= p.max_job_cost)
         return {**est, "ceiling": p.max_job_cost, "ceiling_seconds": p.max_job_seconds,
                 "within_ceiling": within,

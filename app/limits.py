@@ -95,21 +95,16 @@ def token_passes(kind: str, spec: Any) -> int:
     return int(registry.get(kind).cost(spec))
 
 
-def estimate(settings: Any, kind: str, spec: Any, refs: dict[str, Any] | None = None) -> dict[str, Any]:
+def estimate(settings: Any, kind: str, spec: Any, refs: dict[str, Any]) -> dict[str, Any]:
     """{"token_passes", "params", "cost", "prompt_tokens_assumed", "model"}. `params` is the
     largest model the spec names (None if it cannot be counted); `cost` = token_passes x params
     (at least one pass over the weights), None when params is None. `refs`: the spec's resolved
-    references (submit passes them); without, they are resolved here for the caller, and a
-    reference the caller may not use (another user's job:N) counts exactly like one that does
-    not exist: unknown."""
+    references, from the one resolver (submit's, or app.services.refs.model_refs for an estimate
+    alone); a model field missing from them (another user's job:N is never resolved) counts
+    exactly like one that does not exist: unknown."""
     from app.services import refs as resolver
 
     values = {f: v for f, v in resolver.spec_values(kind, spec).items() if v[1] == "model"}
-    if refs is None:
-        from app import auth
-
-        refs, _ = resolver.resolve_values(settings, values, auth.optional_user(settings),
-                                          hash_models=False)
     params: int | None = None
     unknown: list[str] = []
     for field in values:
@@ -133,6 +128,17 @@ def estimate(settings: Any, kind: str, spec: Any, refs: dict[str, Any] | None = 
         "throughput": tp[0] if tp else None,
         "seconds": cost / tp[0] if tp and cost is not None else None,
     }
+
+
+def refs_for_estimate(settings: Any, kind: str, spec: Any) -> dict[str, Any]:
+    """The model references of `spec` as the caller may use them (the one resolver, no hashing):
+    what an estimate outside submit (the API's /api/estimate, the form's hint) passes in."""
+    from app import auth
+    from app.services import refs as resolver
+
+    values = {f: v for f, v in resolver.spec_values(kind, spec).items() if v[1] == "model"}
+    refs, _ = resolver.resolve_values(settings, values, auth.optional_user(settings), hash_models=False)
+    return refs
 
 
 def _time_text(est: dict[str, Any]) -> str:
@@ -252,7 +258,7 @@ def form_estimate_html(settings: Any, kind: str, data: dict[str, Any]) -> str:
     try:
         user = auth.current_user(settings)
         ceiling, seconds = user.max_job_cost, user.max_job_seconds
-        est = estimate(settings, kind, spec)
+        est = estimate(settings, kind, spec, refs_for_estimate(settings, kind, spec))
     except Exception as exc:  # noqa: BLE001 - a hint line must never break the form
         return f"<div class='fl-cost' data-within='unknown'>estimated cost: unavailable ({html.escape(type(exc).__name__)})</div>"
     within = ceiling is None or (est["cost"] is not None and est["cost"] <= ceiling)

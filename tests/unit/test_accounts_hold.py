@@ -298,7 +298,7 @@ def test_time_ceiling_from_the_measured_throughput(tmp_path: Path) -> None:
     assert p.max_job_seconds == 7200 and p.max_job_cost == pytest.approx(7200 * committed)
     _model_folder(tmp_path / "zoo" / "arith-base")
     spec = parse_spec("train", {"model": "arith-base", "steps": 100_000, "batch": 8})
-    est = limits.estimate(settings, "train", spec)
+    est = limits.estimate(settings, "train", spec, limits.refs_for_estimate(settings, "train", spec))
     assert est["seconds"] == pytest.approx(est["cost"] / committed)
     with pytest.raises(SpecError) as exc:
         limits.check_cost(est, p.max_job_cost, p.max_job_seconds)
