@@ -333,6 +333,28 @@ def render_real_models(data: dict[str, Any]) -> str:
 
 register("real_models", "benchmarks/results/real_models.json", render_real_models)
 
+def render_bench_scale(data: dict[str, Any]) -> str:
+    """The Fisher job at growing size (benchmarks/bench_scale.py)."""
+    budget = data["budget_mb"]
+    lines = ["| model | params | peak above the weights | bytes/param above the weights | "
+             f"bytes/param beyond the {budget} MiB budget | job / floor | Fisher / one forward+backward |",
+             "|---|---:|---:|---:|---:|---:|---:|"]
+    for r in data["rows"]:
+        h, layers = r["shape"][0], r["shape"][1]
+        lines.append(f"| random Llama {r['size']} (hidden {h}, {layers} layers) | {r['n_params']:,} | "
+                     f"{r['peak_above_weights_mb']:.0f} MiB | {r['bytes_per_param_above_weights']:.1f} | "
+                     f"{r['bytes_per_param_beyond_budget']:.1f} | {r['job_over_floor']:.2f}x "
+                     f"({r['job_s']:.0f} s / {r['floor_s']:.0f} s) | {r['fisher_over_forward_backward']:.2f}x |")
+    m = data["meta"]
+    load = ", ".join(f"{x:.1f}" for x in m.get("load_avg_after", []))
+    lines += ["", f"Settings: {data['settings']}, {budget} MiB temporaries budget, {m['threads']} torch "
+              f"threads; floor = sampling the job's completions + one batched forward+backward over them, "
+              f"timed in the same process. Load average after the run: {load} (a shared machine: ratios, "
+              "not absolute times)."]
+    return "\n".join(lines) + "\n\n" + provenance_line(data, "benchmarks/results/bench_scale.json") + "\n"
+
+
+register("bench_scale", "benchmarks/results/bench_scale.json", render_bench_scale)
 register("bench_fisher", "benchmarks/results/bench_fisher.json", render_bench_fisher)
 register("bench_masked", "benchmarks/results/bench_masked.json", render_bench_masked)
 register("sweep_bf16_mixed", "benchmarks/results/sweep_arith_base_bf16_mixed/sweep.json", render_sweep)
