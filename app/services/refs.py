@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -190,9 +191,10 @@ def _run_dir_ref(settings: Any, field: str, value: str, local: bool, hash_models
     if not ckpts:
         raise ValueError(f"{field}: {value!r} holds no checkpoint-<step> folder (save with "
                          "save_steps, or fisherlens train --save-steps)")
+    files = _checked_reads(settings, field, value, mr.read_files(folder, "run_dir"), local)
     sha = mr.run_dir_revision(folder) if hash_models else None
     return Ref(field=field, given=value, target="run_dir", form="local", path=str(folder),
-               sha256=sha, local=str(folder))
+               sha256=sha, files=mr.manifest(files) if hash_models else None, local=str(folder))
 
 
 def _may_use(settings: Any, user: Any, owner_id: int | None, local: bool) -> bool:
@@ -266,16 +268,68 @@ def _refuse_store_path(settings: Any, field: str, value: str, target: RefTarget)
         resolved = raw.resolve()
     except (OSError, RuntimeError):
         return  # not a usable path: the form's own check says why
-    from storage.artifacts import open_store
-
-    # the store's folder, or an object store's local cache: both hold other users' bytes
-    root = next((r for r in open_store(settings).local_roots() if resolved.is_relative_to(r)), None)
-    if root is None:
+    hit = mr.protected_hit(resolved, protected_roots(settings))
+    if hit is None:
         return
-    m = _JOB_DIR.match(resolved.relative_to(root).as_posix())
-    ref = f"job:{m.group(1)}" if m else "job:<id>"
-    raise ValueError(f"{field}: {value[:120]!r} is inside the artifact store; write {ref} "
+    raise ValueError(f"{field}: {value[:120]!r} is inside the artifact store; write {_job_of(hit)} "
                      f"(artifacts are named by job, which checks who may use them)")
+
+
+def protected_roots(settings: Any) -> list[Path]:
+    """The artifact store's folders and cache (storage.artifacts.protected_roots)."""
+    from storage.artifacts import protected_roots as roots
+
+    return roots(settings)
+
+
+def _job_of(relative: str) -> str:
+    """'job:3' for a path relative to the store ('3/model/model.safetensors'), else 'job:<id>'."""
+    m = _JOB_DIR.match(relative)
+    return f"job:{m.group(1)}" if m else "job:<id>"
+
+
+def _checked_reads(
+    settings: Any, field: str, value: str, files: dict[str, Path], local: bool,
+) -> dict[str, Path]:  # fmt: skip
+    """`files` (name -> path, what the job will read) when every one, links followed, is inside
+    the allowed model roots (any place for the CLI's direct commands), none is in the artifact
+    store or its cache, none is a hard link to a store file (same device and inode), and no
+    weight index names a shard outside the folder; else ValueError naming the field and the
+    file, never where a link points."""
+    protected = protected_roots(settings)
+    roots = None if local else list(settings.model_roots)
+    shared: list[tuple[str, os.stat_result]] = []
+    for name, p in files.items():
+        hit = mr.protected_hit(p, protected)
+        if hit is not None:
+            raise ValueError(f"{field}: {value[:120]!r}: {name!r} links into the artifact store; write "
+                             f"{_job_of(hit)} (artifacts are named by job, which checks who may use them)")
+        if roots is not None and not mr.inside_roots(Path(os.path.realpath(p)), roots):
+            raise ValueError(f"{field}: {value[:120]!r}: {name!r} links outside the allowed model roots; "
+                             "copy the file into the folder instead of linking it")
+        try:
+            st = os.stat(p)
+        except OSError as exc:
+            raise ValueError(f"{field}: {value[:120]!r}: {name!r} cannot be read ({exc.strerror})") from None
+        if st.st_nlink > 1:
+            shared.append((name, st))
+    devices = set()
+    for r in protected:
+        with contextlib.suppress(OSError):
+            devices.add(os.stat(r).st_dev)
+    if any(st.st_dev in devices for _, st in shared):  # a hard link needs the same device
+        index = mr.hard_links(protected)
+        for name, st in shared:
+            rel = index.get((st.st_dev, st.st_ino))
+            if rel is not None:
+                raise ValueError(f"{field}: {value[:120]!r}: {name!r} is a hard link to a file of the "
+                                 f"artifact store; write {_job_of(rel)} (artifacts are named by job, "
+                                 "which checks who may use them)")
+    bad = mr.shard_names(files)
+    if bad:
+        raise ValueError(f"{field}: {value[:120]!r}: its weight index names the shard {bad[0][:80]!r}, "
+                         "which is not a file of the folder; shards must sit beside the index")
+    return files
 
 
 def _model_ref(settings: Any, field: str, value: str, local: bool, hash_models: bool) -> Ref:
@@ -290,9 +344,14 @@ def _model_ref(settings: Any, field: str, value: str, local: bool, hash_models: 
     folder = Path(path)
     _check_remote_code(settings, field, value, folder / "config.json")
     zoo = Path(settings.zoo_dir).expanduser().resolve()
+    try:
+        files = _checked_reads(settings, field, value, mr.read_files(folder, "model"), local)
+    except OSError as exc:
+        raise ValueError(f"{field}: {value[:80]!r}: not a usable folder ({exc.strerror})") from None
     sha = mr.folder_revision(folder) if hash_models else None
     return Ref(field=field, given=value, target="model", form="zoo" if folder.parent == zoo else "local",
-               path=str(folder), sha256=sha, label=folder.name, local=str(folder))
+               path=str(folder), sha256=sha, files=mr.manifest(files) if hash_models else None,
+               label=folder.name, local=str(folder))
 
 
 def _model_path(settings: Any, value: str, local: bool) -> str:
@@ -359,9 +418,12 @@ def _file_ref(settings: Any, field: str, value: str, target: RefTarget, local: b
             raise ValueError(f"{field}: {value!r} is outside the allowed model roots; "
                              f"use job:<id> of a {field} job")
         if resolved.is_dir() and (resolved / f"{target}.safetensors").is_file():
-            resolved = resolved / f"{target}.safetensors"
+            inner = resolved / f"{target}.safetensors"  # the file inside: checked as it is read
+            _checked_reads(settings, field, value, {inner.name: inner}, local)
+            resolved = Path(os.path.realpath(inner))
         if not resolved.is_file():
             raise ValueError(f"{field}: {value!r}: file does not exist")
+        _checked_reads(settings, field, value, {resolved.name: resolved}, local)
         check_safetensors(resolved)
         sha = mr.file_sha256(resolved)
     except OSError as exc:
