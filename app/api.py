@@ -167,6 +167,35 @@ def all_models(settings: Any) -> list[dict[str, Any]]:
     return rows
 
 
+def model_name_problem(settings: Any, label: str) -> str | None:
+    """Why `label` cannot name a registered model (it is shown to every user beside the
+    references a spec accepts, so it must not read as one), else None: no control or format
+    character (NUL, newline, a right-to-left override: Unicode categories C*), no '/', '\\' or
+    ':' (a path, a hub id, job:N), not starting with '.' or '~', at most 100 characters, and
+    not a zoo model's name (whatever its case)."""
+    import unicodedata
+
+    from compute.contract.modelref import REAL_MODEL_NAMES, ZOO_NAMES
+
+    accepted = ("accepted: 1-100 printable characters without '/', '\\' or ':', not starting "
+                "with '.' or '~', and not a zoo model's name")
+    if not label or len(label) > 100:
+        return f"{len(label)} characters; {accepted}"
+    odd = next((c for c in label if unicodedata.category(c).startswith("C")), None)
+    if odd is not None:
+        return f"holds the character U+{ord(odd):04X}; {accepted}"
+    if any(c in label for c in "/\\:") or label.startswith((".", "~")):
+        return f"reads as a path, a hub id or job:N; {accepted}"
+    zoo = {n.lower() for n in (*ZOO_NAMES, *REAL_MODEL_NAMES)}
+    try:
+        zoo |= {p.name.lower() for p in Path(settings.zoo_dir).iterdir()}
+    except OSError:
+        pass
+    if label.lower() in zoo:
+        return f"is the name of a zoo model; {accepted}"
+    return None
+
+
 def register_local_model(settings: Any, path: str, name: str | None = None) -> dict[str, Any]:
     """Register a local HF folder (must be inside the allowed model roots) or a trained model
     (`job:N` of a succeeded train job) under a name. SpecError naming `path` otherwise. The
@@ -187,6 +216,9 @@ def register_local_model(settings: Any, path: str, name: str | None = None) -> d
     revision = ref.sha256 or ""
     info = _folder_info(folder)
     label = (name or "").strip() or (ref.label if ref.form == "artifact" else folder.name)
+    problem = model_name_problem(settings, label)
+    if problem:
+        raise SpecError([{"field": "name", "message": f"{label[:80]!r}: {problem}"}])
     user = auth.current_user(settings)
     if settings.auth_required and not user.is_admin:
         raise auth.Forbidden("only admins register model names (they are shared by every user); "

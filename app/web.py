@@ -59,6 +59,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     from app import accounts, auth
 
     _add_error_handlers(app)
+    from app.hygiene import InputHygiene
+
+    app.add_middleware(InputHygiene)  # control characters: 4xx before any route (innermost)
     app.add_middleware(_RequestBase)  # share links under the address the request reached us by
     app.add_middleware(auth.AccessGuard, settings=settings)  # body limit, cross-site, sign-in
     app.include_router(accounts.make_auth_router(settings))
