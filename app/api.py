@@ -94,11 +94,16 @@ def responses(*codes: int) -> dict[int | str, dict[str, Any]]:
     return {c: {"model": ERRORS[c][0], "description": ERRORS[c][1]} for c in codes}
 
 
+RETRY_503 = {"Retry-After": "30"}  # a service away: the outages measured were 20-30 s
+RETRY_429 = {"Retry-After": "30"}  # the job limit: a slot frees when one of the caller's jobs ends
+
+
 def spec_error_response(exc: SpecError) -> JSONResponse:
     from app.limits import QuotaExceeded  # a per-user queue limit: 429, like any rate limit
 
-    status = 429 if isinstance(exc, QuotaExceeded) else 422
-    return JSONResponse(status_code=status, content={"detail": exc.errors})
+    if isinstance(exc, QuotaExceeded):
+        return JSONResponse(status_code=429, content={"detail": exc.errors}, headers=RETRY_429)
+    return JSONResponse(status_code=422, content={"detail": exc.errors})
 
 
 def _not_found(what: str) -> HTTPException:
@@ -291,8 +296,8 @@ def _add_job_routes(r: APIRouter, settings: Any) -> None:
             job = services.submit(settings, req.kind, req.spec)
         except SpecError as exc:
             return spec_error_response(exc)
-        except RuntimeError as exc:
-            raise HTTPException(status_code=503, detail=str(exc)) from None
+        except RuntimeError as exc:  # the broker or the artifact store away: a short message
+            raise HTTPException(status_code=503, detail=str(exc), headers=RETRY_503) from None
         return services.without_error(job)
 
     @r.get("/jobs", tags=["jobs"], summary="List jobs, newest first")
@@ -339,8 +344,8 @@ def _add_job_routes(r: APIRouter, settings: Any) -> None:
             return spec_error_response(exc)
         except ValueError as exc:
             raise HTTPException(status_code=409, detail=str(exc)) from None
-        except RuntimeError as exc:
-            raise HTTPException(status_code=503, detail=str(exc)) from None
+        except RuntimeError as exc:  # the broker or the artifact store away: a short message
+            raise HTTPException(status_code=503, detail=str(exc), headers=RETRY_503) from None
 
 
 def _add_result_routes(r: APIRouter, settings: Any) -> None:
@@ -387,7 +392,7 @@ def _add_result_routes(r: APIRouter, settings: Any) -> None:
             path = services.artifact_path(settings, token, kind)
         except ArtifactStoreUnavailable:
             raise HTTPException(status_code=503, detail=f"artifact {kind}: the artifact store cannot "
-                                "be reached right now; try again later") from None
+                                "be reached right now; try again later", headers=RETRY_503) from None
         except FileNotFoundError:
             raise HTTPException(status_code=410, detail=f"artifact {kind}: no longer in the artifact "
                                 "store (deleted); re-run the job to make it again") from None

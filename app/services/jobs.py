@@ -77,11 +77,12 @@ def _queue(settings: Any, job_id: int) -> None:
 
 
 def health(settings: Any) -> dict[str, Any]:
-    """{"ok", "database", "broker"}: each service "ok" or "unreachable" (no address, no error
-    text: /api/health is public)."""
+    """{"ok", "database", "broker", "store"}: each service "ok" or "unreachable" (no address,
+    no error text: /api/health is public). The store is asked for one object's metadata (an
+    object store's HEAD; the local folder's stat), not written."""
     from sqlalchemy import text
 
-    out: dict[str, Any] = {"database": "ok", "broker": "ok"}
+    out: dict[str, Any] = {"database": "ok", "broker": "ok", "store": "ok"}
     try:
         with sessions(settings)() as s:
             s.execute(text("SELECT 1"))
@@ -105,7 +106,18 @@ def health(settings: Any) -> dict[str, Any]:
     except Exception:  # noqa: BLE001
         log.warning("health: broker unreachable", exc_info=True)
         out["broker"] = "unreachable"
-    out["ok"] = out["database"] == "ok" and out["broker"] == "ok"
+    try:
+        from storage.artifacts import open_store
+
+        store = open_store(settings)
+        store.exists(".fisherlens-health")
+        for root in store.local_roots():  # the local folder: there (made on first write) or makeable
+            if not (root.is_dir() or root.parent.is_dir()):
+                raise OSError(f"{root} is missing")
+    except Exception:  # noqa: BLE001
+        log.warning("health: artifact store unreachable", exc_info=True)
+        out["store"] = "unreachable"
+    out["ok"] = all(out[k] == "ok" for k in ("database", "broker", "store"))
     return out
 
 

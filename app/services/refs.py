@@ -37,6 +37,8 @@ from typing import Any
 from compute.contract import modelref as mr
 from compute.contract.kinds import Ref, RefTarget
 
+STORE_DOWN = "the artifact store cannot be reached right now; try again in a minute"
+
 
 def ref_fields(kind: str) -> dict[str, RefTarget]:
     """Spec field -> what it names, for every reference field of job kind `kind`: the kind's
@@ -243,8 +245,11 @@ def _job_ref(
         path = open_store(settings).fetch(art.path, art.sha256)
     except ArtifactMissing:
         raise ValueError(f"{what} is missing from the artifact store (deleted?); re-run job {n}") from None
-    except ArtifactStoreUnavailable as exc:
-        raise ValueError(f"{what} cannot be read: {exc}") from None
+    except ArtifactStoreUnavailable as exc:  # 503 + Retry-After; the address goes to the log only
+        import logging
+
+        logging.getLogger("fisherlens.web").warning("artifact store unavailable for %s: %s", what, exc)
+        raise ArtifactStoreUnavailable(STORE_DOWN) from None
     except ArtifactError:
         raise ValueError(f"{what} does not match its recorded sha256 (corrupt or changed); "
                          f"re-run job {n}") from None
