@@ -49,10 +49,20 @@ def submit(settings: Any, kind: str, data: dict[str, Any], *, reuse: bool = True
             model_revision=revision,
             revisions=parts,
             refs={f: r.stored() for f, r in refs.items()},
+            shared=share_default(settings),
         )
         out = repo.job_dict(job)
     _queue(settings, out["id"])
     return public(settings, out, reused=False)
+
+
+def share_default(settings: Any) -> bool:
+    """Whether a new job's share link works from the start: SHARE_BY_DEFAULT when set, else on
+    in the embedded mode (one local user) and off on a shared server (AUTH_REQUIRED: a link
+    opens the result, its figures and its downloads, a trained model included, to anyone
+    holding it, so the owner turns it on: POST /api/jobs/{id}/share {"action": "on"})."""
+    explicit = getattr(settings, "share_by_default", None)
+    return bool(explicit) if explicit is not None else not settings.auth_required
 
 
 BROKER_DOWN = "could not queue the job: the job queue (broker) cannot be reached right now; try again in a minute"

@@ -223,6 +223,12 @@ def test_share_link_opens_for_others_until_the_owner_rotates_it(env: Env) -> Non
     job = _submit(a, seed=21)
     _finish(env, job["id"])
     old = job["share_token"]
+    # a shared server (AUTH_REQUIRED): the link is off until the owner turns it on
+    assert job["shared"] is False
+    for c in (b, env.anon):
+        assert c.get(f"/api/results/{old}").status_code == 404 and c.get(f"/r/{old}").status_code == 404
+    assert a.get(f"/api/results/{old}").status_code == 200  # the owner reads it all the same
+    assert a.post(f"/api/jobs/{job['id']}/share", json={"action": "on"}).json()["shared"] is True
     for c in (b, env.anon):
         assert c.get(f"/api/results/{old}").status_code == 200
         assert c.get(f"/api/results/{old}/stats.csv").status_code == 200
