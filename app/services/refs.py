@@ -353,10 +353,75 @@ def _model_ref(settings: Any, field: str, value: str, local: bool, hash_models: 
         files = _checked_reads(settings, field, value, mr.read_files(folder, "model"), local)
     except OSError as exc:
         raise ValueError(f"{field}: {value[:80]!r}: not a usable folder ({exc.strerror})") from None
+    form = "zoo" if folder.parent == zoo else "local"
+    if form == "local":  # the operator's zoo is trusted; a user's folder is checked
+        _check_config(field, value, folder, files)
     sha = mr.folder_revision(folder) if hash_models else None
-    return Ref(field=field, given=value, target="model", form="zoo" if folder.parent == zoo else "local",
+    return Ref(field=field, given=value, target="model", form=form,
                path=str(folder), sha256=sha, files=mr.manifest(files) if hash_models else None,
                label=folder.name, local=str(folder))
+
+
+# Sane bounds on what a user's config.json asks the loader to build (the largest released models
+# are well inside them); a config past one, or one that builds another model than its weights
+# hold, is refused at submit: the loader would allocate what the config says (the attack
+# measured: num_hidden_layers 1,000,000 grew a worker ~10 MB/s until it was killed).
+CONFIG_BOUNDS = {
+    "num_hidden_layers": 512, "hidden_size": 65_536, "intermediate_size": 1_048_576,
+    "vocab_size": 4_194_304, "num_attention_heads": 1024, "num_key_value_heads": 1024,
+    "max_position_embeddings": 16_777_216, "head_dim": 4096, "num_experts": 4096,
+}
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def _check_config(field: str, value: str, folder: Path, files: dict[str, Path]) -> None:
+    """ValueError naming the field unless config.json's sizes are within CONFIG_BOUNDS and agree
+    with the weights' safetensors headers (layers: the highest `layers.<i>.` index + 1; hidden
+    size and vocabulary: the input embedding's shape), every header fully valid (app.services.
+    compat.safetensors_header: size, tensor count, offsets against the file size)."""
+    from app.services.compat import safetensors_header, shapes
+
+    try:
+        cfg = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # unreadable: the loader says why
+    if not isinstance(cfg, dict):
+        return
+    for part in (cfg, cfg.get("text_config")):
+        if not isinstance(part, dict):
+            continue
+        for key, bound in CONFIG_BOUNDS.items():
+            v = part.get(key)
+            if v is None:
+                continue
+            if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= bound:
+                raise ValueError(f"{field}: {value[:120]!r}: config.json {key} is {str(v)[:20]}; "
+                                 f"accepted: 0 .. {bound:,}")
+    weights = [n for n in files if n.endswith(".safetensors")]
+    if not weights:
+        return  # .bin weights: no header to compare with
+    for name in weights:  # every header fully valid before anything counts on it
+        try:
+            safetensors_header(files[name])
+        except ValueError as exc:
+            raise ValueError(f"{field}: {value[:120]!r}: {name[:80]!r} {exc}") from None
+    got = shapes(folder)
+    if not got or any(isinstance(cfg.get(k), dict) for k in ("text_config", "vision_config")):
+        return  # a multimodal config: its towers' layers are not the text model's
+    text = cfg
+    layers = {int(m.group(1)) for name in got if (m := _LAYER.search(name))}
+    want = text.get("num_hidden_layers")
+    if layers and isinstance(want, int) and want != max(layers) + 1:
+        raise ValueError(f"{field}: {value[:120]!r}: config.json asks for {want:,} layers and the "
+                         f"weights hold {max(layers) + 1}; the config must describe the weights")
+    emb = next((s for n, s in got.items() if n.endswith("embed_tokens.weight") and len(s) == 2), None)
+    if emb is not None:
+        for key, dim in (("vocab_size", 0), ("hidden_size", 1)):
+            v = text.get(key)
+            if isinstance(v, int) and v != emb[dim]:
+                raise ValueError(f"{field}: {value[:120]!r}: config.json {key} is {v:,} and the "
+                                 f"weights' embedding has {emb[dim]:,}; the config must describe "
+                                 "the weights")
 
 
 def _model_path(settings: Any, value: str, local: bool) -> str:
