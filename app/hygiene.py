@@ -5,10 +5,10 @@ whose path, query parameters, form fields or JSON strings hold a control charact
 PostgreSQL cannot store NUL in text (psycopg raises, which was a 500 with a traceback), and no
 name, token, reference or spec value means anything with one. Refused:
 - the path and every query parameter (name and value): any C0 control character (U+0000-U+001F)
-  or DEL (U+007F): 400;
+  or DEL (U+007F);
 - form fields (application/x-www-form-urlencoded) and every string (and key) of a JSON body:
-  the same, except tab, newline and carriage return (a prompt or a context may hold them): 422.
-The answer names where: {"detail": [{"field": "query.owner", "message": "control character
+  the same, except tab, newline and carriage return (a prompt or a context may hold them).
+The answer is 422 in the API's bad-input shape (documented for every operation), naming where: {"detail": [{"field": "query.owner", "message": "control character
 U+0000 is not accepted"}]}. Multipart bodies (uploads) pass as they are. It runs inside
 auth.AccessGuard, so the body it reads is already bounded by MAX_BODY_BYTES.
 """
@@ -75,14 +75,14 @@ class InputHygiene:
         ch = bad_char(scope.get("path") or "")
         if ch:
             if scope["type"] == "http":
-                await _answer(send, 400, "path", ch)
+                await _answer(send, 422, "path", ch)
             return  # a websocket not accepted is closed by the server
         query = (scope.get("query_string") or b"").decode("latin-1")
         for k, v in parse_qsl(query, keep_blank_values=True, errors="replace"):
             ch = bad_char(k) or bad_char(v)
             if ch:
                 if scope["type"] == "http":
-                    await _answer(send, 400, f"query.{STRICT.sub('?', k)[:40]}", ch)
+                    await _answer(send, 422, f"query.{STRICT.sub('?', k)[:40]}", ch)
                 return
         ctype = next((v for k, v in scope.get("headers") or [] if k == b"content-type"), b"")
         kind = ctype.split(b";", 1)[0].strip().lower()
