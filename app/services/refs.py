@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from compute.contract import modelref as mr
-from compute.contract.kinds import Ref, RefTarget
+from compute.contract.kinds import Ref, RefForm, RefTarget
 
 STORE_DOWN = "the artifact store cannot be reached right now; try again in a minute"
 
@@ -353,7 +353,7 @@ def _model_ref(settings: Any, field: str, value: str, local: bool, hash_models: 
         files = _checked_reads(settings, field, value, mr.read_files(folder, "model"), local)
     except OSError as exc:
         raise ValueError(f"{field}: {value[:80]!r}: not a usable folder ({exc.strerror})") from None
-    form = "zoo" if folder.parent == zoo else "local"
+    form: RefForm = "zoo" if folder.parent == zoo else "local"
     if form == "local":  # the operator's zoo is trusted; a user's folder is checked
         _check_config(field, value, folder, files)
     sha = mr.folder_revision(folder) if hash_models else None

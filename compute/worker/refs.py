@@ -91,3 +91,46 @@ def _verify_files(field: str, ref: Ref, protected: list[Path]) -> None:
     for name, sha in (ref.files or {}).items():
         if actual[name] != sha:
             raise ValueError(f"{changed} ({name!r} holds other bytes: its sha256 differs); submit it again")
+
+
+Snapshot = dict[str, tuple[int, int, int]]  # "field:name" -> (device, inode, ctime_ns), lstat
+
+
+def _entries(ref: Ref) -> dict[str, Path]:
+    root = Path(ref.path)
+    entries = {".": root, **read_files(root, ref.target)}
+    return entries | {p.parent.name: p.parent for p in list(entries.values())[1:] if p.parent != root}
+
+
+def snapshot(refs: dict[str, Ref]) -> Snapshot:
+    """What every checked folder entry *is* right after fetch_refs verified it (lstat: a link
+    as a link): the folder, each checkpoint folder and each file the job reads. `unchanged`
+    compares it after the job, so a link swapped to another file for the job's run and swapped
+    back (a new link: a new inode and ctime) fails the job instead of storing its result."""
+    out: Snapshot = {}
+    for field, ref in refs.items():
+        if ref.form in ("zoo", "local") and ref.files is not None:
+            for name, p in _entries(ref).items():
+                st = p.lstat()
+                out[f"{field}:{name}"] = (st.st_dev, st.st_ino, st.st_ctime_ns)
+    return out
+
+
+def unchanged(refs: dict[str, Ref], before: Snapshot) -> None:
+    """ValueError naming the field when an entry of `before` is not what it was (see snapshot)."""
+    for key, was in before.items():
+        field, _, name = key.partition(":")
+        p = _entries_path(refs[field], name)
+        try:
+            st = p.lstat()
+            now = (st.st_dev, st.st_ino, st.st_ctime_ns)
+        except OSError:
+            now = None
+        if now != was:
+            raise ValueError(f"{field}: {refs[field].given} changed while the job ran ({name!r} was "
+                             "replaced or changed); its result is not stored; submit it again")
+
+
+def _entries_path(ref: Ref, name: str) -> Path:
+    root = Path(ref.path)
+    return root if name == "." else root / name

@@ -275,7 +275,9 @@ def test_link_swapped_after_submit_is_caught_by_the_worker(redis_stack: Any, tmp
     """PostgreSQL + Redis + a separate worker process. bob submits a diff of his own folder (its
     weights a link to his own file inside the roots: accepted), then points the link at alice's
     trained weights in the store before a worker runs it: the worker fails the job naming the
-    field, and nothing of alice's reaches bob's result. The same folder left alone succeeds."""
+    field, and nothing of alice's reaches bob's result. The same folder left alone succeeds. A
+    link swapped while a job runs (after the worker verified it, while it loads the model)
+    fails that job after the run, its result not stored."""
     from fastapi.testclient import TestClient
 
     from app import services
@@ -325,10 +327,16 @@ def test_link_swapped_after_submit_is_caught_by_the_worker(redis_stack: Any, tmp
         (folder / "model.safetensors").symlink_to(models / f"{name}.safetensors")
         return folder
 
-    folders = {name: bobs_folder(name, shift) for name, shift in (("swapped", 0.1), ("kept", 0.2),
-                                                                  ("retargeted", 0.3))}
+    folders = {name: bobs_folder(name, shift) for name, shift in (("during", 0.4), ("swapped", 0.1),
+                                                                  ("kept", 0.2), ("retargeted", 0.3))}
     jobs = {}
+    r = bob.post("/api/jobs", json={"kind": "fisher", "spec": {  # first in the queue: it stops loading
+        "model": str(folders["during"]), "prompts": 2, "samples": 1, "max_new_tokens": 4}})
+    assert r.status_code == 201, r.text
+    jobs["during"] = r.json()["id"]
     for name, folder in folders.items():
+        if name == "during":
+            continue
         r = bob.post("/api/jobs", json={"kind": "diff", "spec": {"base": "arith-base", "tuned": str(folder)}})
         assert r.status_code == 201, r.text
         jobs[name] = r.json()["id"]
@@ -336,7 +344,11 @@ def test_link_swapped_after_submit_is_caught_by_the_worker(redis_stack: Any, tmp
         (folders[name] / "model.safetensors").unlink()  # after submit, before any worker runs it
         (folders[name] / "model.safetensors").symlink_to(to)
 
-    redis_stack.start_worker()
+    redis_stack.start_worker(faults=["loading"])  # the fisher job stops as it loads its model
+    redis_stack.wait_reached("loading")  # verified by now (fetch_refs ran): swap it mid-run
+    (folders["during"] / "model.safetensors").unlink()
+    (folders["during"] / "model.safetensors").symlink_to(theirs)
+    redis_stack.release("loading")
     done: dict[str, dict[str, Any]] = {}
     deadline = time.monotonic() + 300  # only guards against a hang
     for name, j in jobs.items():
@@ -351,6 +363,11 @@ def test_link_swapped_after_submit_is_caught_by_the_worker(redis_stack: Any, tmp
     assert "links into the artifact store" in bad["message"] and str(settings.artifacts_dir) not in bad["message"]
     other = done["retargeted"]  # the link moved to another of bob's files: other bytes
     assert other["status"] == "failed" and "holds other bytes" in other["message"], other
+    during = done["during"]  # swapped while it ran: the result is not stored
+    assert during["status"] == "failed" and "changed while the job ran" in during["message"], during
+    assert "model:" in during["message"]
+    with services.sessions(settings)() as s:
+        assert repo.get_artifact(session=s, job_id=jobs["during"], kind="fisher") is None
     with services.sessions(settings)() as s:
         for name in ("swapped", "retargeted"):
             assert repo.get_artifact(session=s, job_id=jobs[name], kind="delta") is None
