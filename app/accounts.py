@@ -26,8 +26,9 @@ class Throttled:
 class _HashGate:
     """Password checks (argon2: ~50 ms of a core and 64 MB each) run in at most
     SIGNIN_THREADS threads of their own, so a flood of sign-ins cannot take the threads every
-    other request needs; at most SIGNIN_BACKLOG wait, the rest get 429 at once. A caller whose
-    account or address is throttled (app/auth/throttle.py) is refused before any hashing."""
+    other request needs; at most SIGNIN_BACKLOG wait, the rest get 429 at once. Each attempt is
+    reserved against its account's and address's windows before any hashing
+    (app/auth/throttle.py `reserve`): a failure keeps it, a success gives it back."""
 
     def __init__(self, settings: Any):
         self.settings = settings
@@ -41,22 +42,25 @@ class _HashGate:
         import anyio.to_thread
 
         limits = throttle.signin_throttle(self.settings)
-        wait = await anyio.to_thread.run_sync(limits.retry_after, keys)
-        if wait is not None:
-            return Throttled(wait)
+        reserved = await anyio.to_thread.run_sync(limits.reserve, keys)  # counted before hashing
+        if isinstance(reserved, int):
+            return Throttled(reserved)
         if self.waiting >= self.settings.signin_backlog:
+            await anyio.to_thread.run_sync(limits.release, reserved)  # never made: given back
             return Throttled(1)
         if self._limiter is None:
             self._limiter = anyio.CapacityLimiter(self.settings.signin_threads)
         self.waiting += 1
         try:
             out = await anyio.to_thread.run_sync(fn, *args, limiter=self._limiter)
+        except Exception:  # the check itself broke: no attempt was judged
+            await anyio.to_thread.run_sync(limits.release, reserved)
+            raise
         finally:
             self.waiting -= 1
-        if out is None:
-            await anyio.to_thread.run_sync(limits.fail, keys)
-        else:
-            await anyio.to_thread.run_sync(limits.clear, keys[:1])  # the account, not the address
+        if out is not None:  # a success: the account starts afresh, the address's attempt back
+            await anyio.to_thread.run_sync(limits.clear, keys[:1])
+            await anyio.to_thread.run_sync(limits.release, reserved)
         return out
 
 

@@ -94,11 +94,16 @@ def responses(*codes: int) -> dict[int | str, dict[str, Any]]:
     return {c: {"model": ERRORS[c][0], "description": ERRORS[c][1]} for c in codes}
 
 
+RETRY_503 = {"Retry-After": "30"}  # a service away: the outages measured were 20-30 s
+RETRY_429 = {"Retry-After": "30"}  # the job limit: a slot frees when one of the caller's jobs ends
+
+
 def spec_error_response(exc: SpecError) -> JSONResponse:
     from app.limits import QuotaExceeded  # a per-user queue limit: 429, like any rate limit
 
-    status = 429 if isinstance(exc, QuotaExceeded) else 422
-    return JSONResponse(status_code=status, content={"detail": exc.errors})
+    if isinstance(exc, QuotaExceeded):
+        return JSONResponse(status_code=429, content={"detail": exc.errors}, headers=RETRY_429)
+    return JSONResponse(status_code=422, content={"detail": exc.errors})
 
 
 def _not_found(what: str) -> HTTPException:
@@ -167,6 +172,35 @@ def all_models(settings: Any) -> list[dict[str, Any]]:
     return rows
 
 
+def model_name_problem(settings: Any, label: str) -> str | None:
+    """Why `label` cannot name a registered model (it is shown to every user beside the
+    references a spec accepts, so it must not read as one), else None: no control or format
+    character (NUL, newline, a right-to-left override: Unicode categories C*), no '/', '\\' or
+    ':' (a path, a hub id, job:N), not starting with '.' or '~', at most 100 characters, and
+    not a zoo model's name (whatever its case)."""
+    import unicodedata
+
+    from compute.contract.modelref import REAL_MODEL_NAMES, ZOO_NAMES
+
+    accepted = ("accepted: 1-100 printable characters without '/', '\\' or ':', not starting "
+                "with '.' or '~', and not a zoo model's name")
+    if not label or len(label) > 100:
+        return f"{len(label)} characters; {accepted}"
+    odd = next((c for c in label if unicodedata.category(c).startswith("C")), None)
+    if odd is not None:
+        return f"holds the character U+{ord(odd):04X}; {accepted}"
+    if any(c in label for c in "/\\:") or label.startswith((".", "~")):
+        return f"reads as a path, a hub id or job:N; {accepted}"
+    zoo = {n.lower() for n in (*ZOO_NAMES, *REAL_MODEL_NAMES)}
+    try:
+        zoo |= {p.name.lower() for p in Path(settings.zoo_dir).iterdir()}
+    except OSError:
+        pass
+    if label.lower() in zoo:
+        return f"is the name of a zoo model; {accepted}"
+    return None
+
+
 def register_local_model(settings: Any, path: str, name: str | None = None) -> dict[str, Any]:
     """Register a local HF folder (must be inside the allowed model roots) or a trained model
     (`job:N` of a succeeded train job) under a name. SpecError naming `path` otherwise. The
@@ -187,6 +221,9 @@ def register_local_model(settings: Any, path: str, name: str | None = None) -> d
     revision = ref.sha256 or ""
     info = _folder_info(folder)
     label = (name or "").strip() or (ref.label if ref.form == "artifact" else folder.name)
+    problem = model_name_problem(settings, label)
+    if problem:
+        raise SpecError([{"field": "name", "message": f"{label[:80]!r}: {problem}"}])
     user = auth.current_user(settings)
     if settings.auth_required and not user.is_admin:
         raise auth.Forbidden("only admins register model names (they are shared by every user); "
@@ -259,8 +296,8 @@ def _add_job_routes(r: APIRouter, settings: Any) -> None:
             job = services.submit(settings, req.kind, req.spec)
         except SpecError as exc:
             return spec_error_response(exc)
-        except RuntimeError as exc:
-            raise HTTPException(status_code=503, detail=str(exc)) from None
+        except RuntimeError as exc:  # the broker or the artifact store away: a short message
+            raise HTTPException(status_code=503, detail=str(exc), headers=RETRY_503) from None
         return services.without_error(job)
 
     @r.get("/jobs", tags=["jobs"], summary="List jobs, newest first")
@@ -307,8 +344,8 @@ def _add_job_routes(r: APIRouter, settings: Any) -> None:
             return spec_error_response(exc)
         except ValueError as exc:
             raise HTTPException(status_code=409, detail=str(exc)) from None
-        except RuntimeError as exc:
-            raise HTTPException(status_code=503, detail=str(exc)) from None
+        except RuntimeError as exc:  # the broker or the artifact store away: a short message
+            raise HTTPException(status_code=503, detail=str(exc), headers=RETRY_503) from None
 
 
 def _add_result_routes(r: APIRouter, settings: Any) -> None:
@@ -355,7 +392,7 @@ def _add_result_routes(r: APIRouter, settings: Any) -> None:
             path = services.artifact_path(settings, token, kind)
         except ArtifactStoreUnavailable:
             raise HTTPException(status_code=503, detail=f"artifact {kind}: the artifact store cannot "
-                                "be reached right now; try again later") from None
+                                "be reached right now; try again later", headers=RETRY_503) from None
         except FileNotFoundError:
             raise HTTPException(status_code=410, detail=f"artifact {kind}: no longer in the artifact "
                                 "store (deleted); re-run the job to make it again") from None

@@ -57,11 +57,13 @@ def safetensors_numel(path: Path) -> int:
     )
 
 
-def count_params(folder: Path) -> int | None:
-    """Parameters of a local HF model folder: fisherlens.json's count for zoo models, else the
-    sum over its safetensors headers; None when the folder has no safetensors weights."""
+def count_params(folder: Path, trust_info: bool = True) -> int | None:
+    """Parameters of a local HF model folder: fisherlens.json's count for zoo models (and
+    trained models in the artifact store: `trust_info`; a user's own folder could write any
+    number there, so its headers are counted), else the sum over its safetensors headers; None
+    when the folder has no safetensors weights."""
     info = folder / "fisherlens.json"
-    if info.is_file():
+    if trust_info and info.is_file():
         try:
             extra = json.loads(info.read_text())
             n = extra.get("n_params") or extra.get("params")
@@ -82,7 +84,33 @@ def model_params(ref: Any) -> int | None:
     """Parameter count of a resolved model reference (app.services.refs: zoo, local folder,
     job:N), or None when it cannot be counted here (hub ids, folders without safetensors)."""
     path = Path(ref.local) if ref.local else None
-    return count_params(path) if path is not None and path.is_dir() else None
+    trusted = getattr(ref, "form", "zoo") in ("zoo", "artifact")
+    return count_params(path, trust_info=trusted) if path is not None and path.is_dir() else None
+
+
+def data_elements(settings: Any, kind: str, spec: Any, refs: dict[str, Any] | None) -> int:
+    """Elements of the Fisher / mask / gradient files a spec reads (their safetensors headers,
+    bounded and validated by app.services.compat); 0 when none or not readable here. `refs`
+    None: resolved here for the caller (as estimate does for models)."""
+    from app.services import refs as resolver
+
+    values = {f: v for f, v in resolver.spec_values(kind, spec).items() if v[1] != "model" and v[1] != "run_dir"}
+    if not values:
+        return 0
+    if refs is None or not all(f in refs for f in values):
+        from app import auth
+
+        refs, _ = resolver.resolve_values(settings, values, auth.optional_user(settings))
+    total = 0
+    for field in values:
+        ref = refs.get(field)
+        if ref is None or not ref.local or not Path(ref.local).is_file():
+            continue
+        try:
+            total += safetensors_numel(Path(ref.local))
+        except ValueError:
+            continue
+    return total
 
 
 # ---------------------------------------------------------------- token-passes per kind
@@ -116,7 +144,10 @@ def estimate(settings: Any, kind: str, spec: Any, refs: dict[str, Any]) -> dict[
     passes = token_passes(kind, spec)
     if not values:
         params = 0  # no model named (a mask from a stored Fisher): no model runs
-    cost = None if unknown or params is None else float(max(passes, 1) * params)
+    data = data_elements(settings, kind, spec, refs)
+    # at least one pass over the weights, and over every Fisher / mask / gradient file it reads
+    # (a mask's selection is a pass over its Fisher: its cost is that file's size, not 0)
+    cost = None if unknown or params is None else float(max(passes, 1) * max(params, data))
     tp = throughput(settings)
     return {
         "kind": kind,

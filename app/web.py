@@ -59,8 +59,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     from app import accounts, auth
 
     _add_error_handlers(app)
+    from app.hygiene import InputHygiene
+
+    app.add_middleware(InputHygiene)  # control characters: 4xx before any route (innermost)
     app.add_middleware(_RequestBase)  # share links under the address the request reached us by
     app.add_middleware(auth.AccessGuard, settings=settings)  # body limit, cross-site, sign-in
+    app.add_middleware(_RetryAfter)  # outermost: every 429 / 503, whoever answered it
     app.include_router(accounts.make_auth_router(settings))
     app.include_router(make_router(settings))
 
@@ -73,6 +77,28 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     _method_not_allowed(app)  # after every /api route, before the UI mounted at "/"
     _mount_ui(app, settings)
     return app
+
+
+class _RetryAfter:
+    """ASGI middleware: every 429 and 503 carries Retry-After (30 s where the answer set none:
+    the job limit, a download, a service away), so a client knows when to come back."""
+
+    def __init__(self, app: Any):
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope.get("type") != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def sending(msg: Any) -> None:
+            if msg["type"] == "http.response.start" and msg.get("status") in (429, 503):
+                headers = list(msg.get("headers") or [])
+                if not any(k.lower() == b"retry-after" for k, _ in headers):
+                    msg = {**msg, "headers": [*headers, (b"retry-after", b"30")]}
+            await send(msg)
+
+        await self.app(scope, receive, sending)
 
 
 class _RequestBase:
@@ -118,6 +144,16 @@ def _add_error_handlers(app: FastAPI) -> None:
             return JSONResponse(status_code=503, content={"detail": DB_DOWN},
                                 headers={"Retry-After": "30"})
         return await _server_error(request, exc)
+
+    from storage.artifact_common import ArtifactStoreUnavailable
+
+    @app.exception_handler(ArtifactStoreUnavailable)
+    async def _store_down(request: Request, exc: ArtifactStoreUnavailable) -> JSONResponse:
+        from app.services.refs import STORE_DOWN
+
+        # a short answer, never the store's address; the server log has it
+        log.warning("artifact store unreachable on %s %s: %s", request.method, request.url.path, exc)
+        return JSONResponse(status_code=503, content={"detail": STORE_DOWN}, headers={"Retry-After": "30"})
 
     @app.exception_handler(Exception)
     async def _server_error(request: Request, exc: Exception) -> JSONResponse:

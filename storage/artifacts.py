@@ -269,3 +269,13 @@ def open_store(settings: Any) -> Store:
             cache = ArtifactCache(settings.artifact_cache, settings.artifact_cache_max_bytes)
             store = _remote[key] = S3ArtifactStore(url, cache, make_client(settings))
         return store
+
+
+def protected_roots(settings: Any) -> list[Path]:
+    """The folders whose files are artifacts (other users' bytes): the store's local folder(s),
+    ARTIFACT_ROOT, and this machine's artifact cache (an object store's downloaded copies),
+    resolved. A reference whose file really is in one (by a link, or a hard link) is refused at
+    submit (app.services.refs) and by the worker (compute.worker.refs)."""
+    roots = [Path(r).resolve() for r in open_store(settings).local_roots()]
+    roots += [Path(settings.artifacts_dir).resolve(), Path(settings.artifact_cache).resolve()]
+    return list(dict.fromkeys(roots))

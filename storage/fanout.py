@@ -44,7 +44,7 @@ def create_children(*, session: Session, parent_id: int, n: int) -> list[Job]:
             session.add(queued_job(
                 kind=parent.kind, spec=dict(parent.spec or {}), spec_hash=parent.spec_hash,
                 model_revision=parent.model_revision, owner_id=parent.owner_id,
-                refs=parent.refs, parent_id=parent_id, shard_index=i,
+                refs=parent.refs, parent_id=parent_id, shard_index=i, shared=bool(parent.shared),
             ))
     session.execute(
         update(Job)

@@ -30,8 +30,9 @@ def new_share_token() -> str:
 def queued_job(**fields: Any) -> Job:
     """A new `queued` Job row (not yet added): the one place a job's initial state is written."""
     spec = fields.pop("spec")
+    shared = bool(fields.pop("shared", True))  # submit passes the server's default (share_default)
     return Job(
-        shared=True, spec=json_safe(spec), status="queued", progress=0.0, message="queued",
+        shared=shared, spec=json_safe(spec), status="queued", progress=0.0, message="queued",
         share_token=new_share_token(), attempts=0, cancel_requested=False, created_at=utcnow(),
         **fields,
     )
@@ -49,8 +50,9 @@ def create_job(
     revisions: list[str] | None = None,
     owner_id: int | None = None,
     refs: dict[str, Any] | None = None,
+    shared: bool = True,
 ) -> Job:
-    """A queued job. `revisions` (the parts, e.g. ['model=<sha256>', 'mask=job:3:<sha256>'])
+    """A queued job (`shared`: whether its share link works from the start). `revisions` (the parts, e.g. ['model=<sha256>', 'mask=job:3:<sha256>'])
     are stored as they are and their digest becomes model_revision (unless one is given).
     `refs`: {field: Ref JSON} resolved at submit (app.services.refs), what the worker reads."""
     if model_revision is None and revisions:
@@ -60,7 +62,7 @@ def create_job(
     job = queued_job(
         kind=kind, spec=spec, spec_hash=spec_hash, model_revision=model_revision,
         revisions=list(revisions) if revisions else None, owner_id=owner_id, refs=refs,
-        parent_id=parent_id, shard_index=shard_index,
+        parent_id=parent_id, shard_index=shard_index, shared=shared,
     )
     session.add(job)
     session.commit()

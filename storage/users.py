@@ -69,6 +69,10 @@ def create_user(
     name = check_name(name)
     if get_user(session=session, name=name) is not None:
         raise ValueError(f"NAME: a user called {name!r} already exists")
+    taken = session.scalar(select(User).where(func.lower(User.name) == name.lower()))
+    if taken is not None:  # 'ADMIN' beside 'admin' reads as the same person
+        raise ValueError(f"NAME: {name!r} differs from the existing user {taken.name!r} only in "
+                         "case; user names are unique whatever their case")
     user = User(
         name=name,
         password_hash=hash_password(password) if password else None,

@@ -193,9 +193,11 @@ class AccessGuard:
             await self.app(scope, body.receive, body.send)
 
     async def _throttled(self, scope: Scope, send: Send) -> bool:
-        """A bad bearer token / session cookie (on a path that needs a credential): 429 +
-        Retry-After when the client's address used up TOKEN_THROTTLE, else count it (the caller
-        answers 401). True when answered. Valid credentials cost no throttle look-up."""
+        """A bad bearer token / session cookie (on a path that needs a credential): counted
+        against the client's address (one atomic increment per window, so concurrent bad tokens
+        cannot all pass a look taken before they counted); 429 + Retry-After when that used up
+        TOKEN_THROTTLE, else the caller answers 401. True when answered. Valid credentials cost
+        no throttle look-up (a token is one indexed look-up of its sha256: nothing to reserve)."""
         import anyio.to_thread
 
         from app.auth import throttle
@@ -204,9 +206,8 @@ class AccessGuard:
             return False
         limits = throttle.token_throttle(self.settings)
         keys = [throttle.address_key("token-ip", throttle.client_address(scope))]
-        wait = await anyio.to_thread.run_sync(limits.retry_after, keys)
+        wait = await anyio.to_thread.run_sync(limits.fail, keys)  # counted atomically
         if wait is None:
-            await anyio.to_thread.run_sync(limits.fail, keys)
             return False
         if scope["type"] == "websocket":
             await send({"type": "websocket.close", "code": 4429})

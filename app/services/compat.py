@@ -5,6 +5,8 @@ architectures, a teacher with another tokenizer."""
 from __future__ import annotations
 
 import json
+import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -13,20 +15,78 @@ from compute.contract.shapes import mismatch
 Shapes = dict[str, tuple[int, ...]]
 
 
+# Bounds on what submit reads of a safetensors file the user names (a weight file, a Fisher, a
+# mask): its JSON header at most MAX_HEADER_BYTES and MAX_TENSORS tensors (real models: a few
+# hundred KB and a few thousand tensors; the attack measured: 94 MB, 1.2 million tensors, which
+# held a web process at 1.25 GB and a worker for 24 min).
+MAX_HEADER_BYTES = 16 * 1024 * 1024
+MAX_TENSORS = 200_000
+DTYPE_BYTES = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E5M2": 1, "F8_E4M3": 1, "I16": 2, "U16": 2,
+               "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8}
+
+
 def safetensors_header(path: Path) -> Any:
-    """The JSON header of a safetensors file (its first 8 bytes give the header's length);
-    ValueError saying why it cannot be read as one."""
+    """The JSON header of a safetensors file (its first 8 bytes give the header's length), fully
+    checked against the file: at most MAX_HEADER_BYTES and MAX_TENSORS, every tensor a known
+    dtype with a shape of non-negative integers whose bytes are exactly its data_offsets, the
+    tensors tiling the data section without gaps or overlaps and ending at the file's end (what
+    the safetensors library itself checks when the worker opens it: a file refused there is
+    refused here, at submit). ValueError saying why it cannot be read as one."""
     try:
         with path.open("rb") as fh:
             head = fh.read(8)
             n = int.from_bytes(head, "little") if len(head) == 8 else -1
-            if not 2 <= n <= 100_000_000:
+            if not 2 <= n <= MAX_HEADER_BYTES:
+                if n > MAX_HEADER_BYTES:
+                    raise ValueError(f"has a {n:,}-byte header; at most {MAX_HEADER_BYTES:,} bytes are "
+                                     "accepted")
                 raise ValueError("is not a safetensors file")
-            return json.loads(fh.read(n))
+            header = json.loads(fh.read(n))
+            size = os.fstat(fh.fileno()).st_size
     except OSError as exc:
         raise ValueError(f"cannot be read ({exc.strerror or type(exc).__name__})") from None
     except (json.JSONDecodeError, UnicodeDecodeError):
         raise ValueError("is not a safetensors file (unreadable header)") from None
+    if isinstance(header, dict):
+        _check_layout(header, size - 8 - n)
+    return header
+
+
+def _check_layout(header: dict[str, Any], data_bytes: int) -> None:
+    """ValueError unless the header's tensors tile the `data_bytes` after it (see above)."""
+    tensors = [(k, v) for k, v in header.items() if k != "__metadata__"]
+    if len(tensors) > MAX_TENSORS:
+        raise ValueError(f"holds {len(tensors):,} tensors; at most {MAX_TENSORS:,} are accepted")
+    spans = []
+    for name, entry in tensors:
+        shown = name[:60]
+        if not isinstance(entry, dict):
+            raise ValueError(f"is not a valid safetensors file (tensor {shown!r} has no entry)")
+        dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+        if dtype not in DTYPE_BYTES:
+            raise ValueError(f"is not a valid safetensors file (tensor {shown!r}: dtype {str(dtype)[:20]!r})")
+        if not (isinstance(shape, list) and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                                                for d in shape)):
+            raise ValueError(f"is not a valid safetensors file (tensor {shown!r}: shape {str(shape)[:40]})")
+        if not (isinstance(offsets, list) and len(offsets) == 2
+                and all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+                and 0 <= offsets[0] <= offsets[1]):
+            raise ValueError(f"is not a valid safetensors file (tensor {shown!r}: data_offsets "
+                             f"{str(offsets)[:40]})")
+        need = math.prod(shape) * DTYPE_BYTES[dtype]
+        if offsets[1] - offsets[0] != need:
+            raise ValueError(f"is not a valid safetensors file (tensor {shown!r}: shape {shape} of "
+                             f"{dtype} is {need:,} bytes, its offsets span {offsets[1] - offsets[0]:,})")
+        spans.append((offsets[0], offsets[1], shown))
+    end = 0
+    for start, stop, shown in sorted(spans):
+        if start != end:
+            raise ValueError(f"is not a valid safetensors file (tensor {shown!r} starts at byte "
+                             f"{start:,}, not {end:,}: a gap or an overlap)")
+        end = stop
+    if end != data_bytes:
+        raise ValueError(f"is not a valid safetensors file (its tensors end at byte {end:,} of a "
+                         f"{data_bytes:,}-byte data section)")
 
 
 def check_safetensors(path: Path) -> None:

@@ -49,10 +49,20 @@ def submit(settings: Any, kind: str, data: dict[str, Any], *, reuse: bool = True
             model_revision=revision,
             revisions=parts,
             refs={f: r.stored() for f, r in refs.items()},
+            shared=share_default(settings),
         )
         out = repo.job_dict(job)
     _queue(settings, out["id"])
     return public(settings, out, reused=False)
+
+
+def share_default(settings: Any) -> bool:
+    """Whether a new job's share link works from the start: SHARE_BY_DEFAULT when set, else on
+    in the embedded mode (one local user) and off on a shared server (AUTH_REQUIRED: a link
+    opens the result, its figures and its downloads, a trained model included, to anyone
+    holding it, so the owner turns it on: POST /api/jobs/{id}/share {"action": "on"})."""
+    explicit = getattr(settings, "share_by_default", None)
+    return bool(explicit) if explicit is not None else not settings.auth_required
 
 
 BROKER_DOWN = "could not queue the job: the job queue (broker) cannot be reached right now; try again in a minute"
@@ -77,11 +87,12 @@ def _queue(settings: Any, job_id: int) -> None:
 
 
 def health(settings: Any) -> dict[str, Any]:
-    """{"ok", "database", "broker"}: each service "ok" or "unreachable" (no address, no error
-    text: /api/health is public)."""
+    """{"ok", "database", "broker", "store"}: each service "ok" or "unreachable" (no address,
+    no error text: /api/health is public). The store is asked for one object's metadata (an
+    object store's HEAD; the local folder's stat), not written."""
     from sqlalchemy import text
 
-    out: dict[str, Any] = {"database": "ok", "broker": "ok"}
+    out: dict[str, Any] = {"database": "ok", "broker": "ok", "store": "ok"}
     try:
         with sessions(settings)() as s:
             s.execute(text("SELECT 1"))
@@ -105,7 +116,18 @@ def health(settings: Any) -> dict[str, Any]:
     except Exception:  # noqa: BLE001
         log.warning("health: broker unreachable", exc_info=True)
         out["broker"] = "unreachable"
-    out["ok"] = out["database"] == "ok" and out["broker"] == "ok"
+    try:
+        from storage.artifacts import open_store
+
+        store = open_store(settings)
+        store.exists(".fisherlens-health")
+        for root in store.local_roots():  # the local folder: there (made on first write) or makeable
+            if not (root.is_dir() or root.parent.is_dir()):
+                raise OSError(f"{root} is missing")
+    except Exception:  # noqa: BLE001
+        log.warning("health: artifact store unreachable", exc_info=True)
+        out["store"] = "unreachable"
+    out["ok"] = all(out[k] == "ok" for k in ("database", "broker", "store"))
     return out
 
 

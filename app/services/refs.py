@@ -29,12 +29,15 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 from pathlib import Path
 from typing import Any
 
 from compute.contract import modelref as mr
-from compute.contract.kinds import Ref, RefTarget
+from compute.contract.kinds import Ref, RefForm, RefTarget
+
+STORE_DOWN = "the artifact store cannot be reached right now; try again in a minute"
 
 
 def ref_fields(kind: str) -> dict[str, RefTarget]:
@@ -190,9 +193,10 @@ def _run_dir_ref(settings: Any, field: str, value: str, local: bool, hash_models
     if not ckpts:
         raise ValueError(f"{field}: {value!r} holds no checkpoint-<step> folder (save with "
                          "save_steps, or fisherlens train --save-steps)")
+    files = _checked_reads(settings, field, value, mr.read_files(folder, "run_dir"), local)
     sha = mr.run_dir_revision(folder) if hash_models else None
     return Ref(field=field, given=value, target="run_dir", form="local", path=str(folder),
-               sha256=sha, local=str(folder))
+               sha256=sha, files=mr.manifest(files) if hash_models else None, local=str(folder))
 
 
 def _may_use(settings: Any, user: Any, owner_id: int | None, local: bool) -> bool:
@@ -241,8 +245,11 @@ def _job_ref(
         path = open_store(settings).fetch(art.path, art.sha256)
     except ArtifactMissing:
         raise ValueError(f"{what} is missing from the artifact store (deleted?); re-run job {n}") from None
-    except ArtifactStoreUnavailable as exc:
-        raise ValueError(f"{what} cannot be read: {exc}") from None
+    except ArtifactStoreUnavailable as exc:  # 503 + Retry-After; the address goes to the log only
+        import logging
+
+        logging.getLogger("fisherlens.web").warning("artifact store unavailable for %s: %s", what, exc)
+        raise ArtifactStoreUnavailable(STORE_DOWN) from None
     except ArtifactError:
         raise ValueError(f"{what} does not match its recorded sha256 (corrupt or changed); "
                          f"re-run job {n}") from None
@@ -266,16 +273,68 @@ def _refuse_store_path(settings: Any, field: str, value: str, target: RefTarget)
         resolved = raw.resolve()
     except (OSError, RuntimeError):
         return  # not a usable path: the form's own check says why
-    from storage.artifacts import open_store
-
-    # the store's folder, or an object store's local cache: both hold other users' bytes
-    root = next((r for r in open_store(settings).local_roots() if resolved.is_relative_to(r)), None)
-    if root is None:
+    hit = mr.protected_hit(resolved, protected_roots(settings))
+    if hit is None:
         return
-    m = _JOB_DIR.match(resolved.relative_to(root).as_posix())
-    ref = f"job:{m.group(1)}" if m else "job:<id>"
-    raise ValueError(f"{field}: {value[:120]!r} is inside the artifact store; write {ref} "
+    raise ValueError(f"{field}: {value[:120]!r} is inside the artifact store; write {_job_of(hit)} "
                      f"(artifacts are named by job, which checks who may use them)")
+
+
+def protected_roots(settings: Any) -> list[Path]:
+    """The artifact store's folders and cache (storage.artifacts.protected_roots)."""
+    from storage.artifacts import protected_roots as roots
+
+    return roots(settings)
+
+
+def _job_of(relative: str) -> str:
+    """'job:3' for a path relative to the store ('3/model/model.safetensors'), else 'job:<id>'."""
+    m = _JOB_DIR.match(relative)
+    return f"job:{m.group(1)}" if m else "job:<id>"
+
+
+def _checked_reads(
+    settings: Any, field: str, value: str, files: dict[str, Path], local: bool,
+) -> dict[str, Path]:  # fmt: skip
+    """`files` (name -> path, what the job will read) when every one, links followed, is inside
+    the allowed model roots (any place for the CLI's direct commands), none is in the artifact
+    store or its cache, none is a hard link to a store file (same device and inode), and no
+    weight index names a shard outside the folder; else ValueError naming the field and the
+    file, never where a link points."""
+    protected = protected_roots(settings)
+    roots = None if local else list(settings.model_roots)
+    shared: list[tuple[str, os.stat_result]] = []
+    for name, p in files.items():
+        hit = mr.protected_hit(p, protected)
+        if hit is not None:
+            raise ValueError(f"{field}: {value[:120]!r}: {name!r} links into the artifact store; write "
+                             f"{_job_of(hit)} (artifacts are named by job, which checks who may use them)")
+        if roots is not None and not mr.inside_roots(Path(os.path.realpath(p)), roots):
+            raise ValueError(f"{field}: {value[:120]!r}: {name!r} links outside the allowed model roots; "
+                             "copy the file into the folder instead of linking it")
+        try:
+            st = os.stat(p)
+        except OSError as exc:
+            raise ValueError(f"{field}: {value[:120]!r}: {name!r} cannot be read ({exc.strerror})") from None
+        if st.st_nlink > 1:
+            shared.append((name, st))
+    devices = set()
+    for r in protected:
+        with contextlib.suppress(OSError):
+            devices.add(os.stat(r).st_dev)
+    if any(st.st_dev in devices for _, st in shared):  # a hard link needs the same device
+        index = mr.hard_links(protected)
+        for name, st in shared:
+            rel = index.get((st.st_dev, st.st_ino))
+            if rel is not None:
+                raise ValueError(f"{field}: {value[:120]!r}: {name!r} is a hard link to a file of the "
+                                 f"artifact store; write {_job_of(rel)} (artifacts are named by job, "
+                                 "which checks who may use them)")
+    bad = mr.shard_names(files)
+    if bad:
+        raise ValueError(f"{field}: {value[:120]!r}: its weight index names the shard {bad[0][:80]!r}, "
+                         "which is not a file of the folder; shards must sit beside the index")
+    return files
 
 
 def _model_ref(settings: Any, field: str, value: str, local: bool, hash_models: bool) -> Ref:
@@ -290,9 +349,79 @@ def _model_ref(settings: Any, field: str, value: str, local: bool, hash_models: 
     folder = Path(path)
     _check_remote_code(settings, field, value, folder / "config.json")
     zoo = Path(settings.zoo_dir).expanduser().resolve()
+    try:
+        files = _checked_reads(settings, field, value, mr.read_files(folder, "model"), local)
+    except OSError as exc:
+        raise ValueError(f"{field}: {value[:80]!r}: not a usable folder ({exc.strerror})") from None
+    form: RefForm = "zoo" if folder.parent == zoo else "local"
+    if form == "local":  # the operator's zoo is trusted; a user's folder is checked
+        _check_config(field, value, folder, files)
     sha = mr.folder_revision(folder) if hash_models else None
-    return Ref(field=field, given=value, target="model", form="zoo" if folder.parent == zoo else "local",
-               path=str(folder), sha256=sha, label=folder.name, local=str(folder))
+    return Ref(field=field, given=value, target="model", form=form,
+               path=str(folder), sha256=sha, files=mr.manifest(files) if hash_models else None,
+               label=folder.name, local=str(folder))
+
+
+# Sane bounds on what a user's config.json asks the loader to build (the largest released models
+# are well inside them); a config past one, or one that builds another model than its weights
+# hold, is refused at submit: the loader would allocate what the config says (the attack
+# measured: num_hidden_layers 1,000,000 grew a worker ~10 MB/s until it was killed).
+CONFIG_BOUNDS = {
+    "num_hidden_layers": 512, "hidden_size": 65_536, "intermediate_size": 1_048_576,
+    "vocab_size": 4_194_304, "num_attention_heads": 1024, "num_key_value_heads": 1024,
+    "max_position_embeddings": 16_777_216, "head_dim": 4096, "num_experts": 4096,
+}
+_LAYER = re.compile(r"(?:^|\.)layers\.(\d+)\.")
+
+
+def _check_config(field: str, value: str, folder: Path, files: dict[str, Path]) -> None:
+    """ValueError naming the field unless config.json's sizes are within CONFIG_BOUNDS and agree
+    with the weights' safetensors headers (layers: the highest `layers.<i>.` index + 1; hidden
+    size and vocabulary: the input embedding's shape), every header fully valid (app.services.
+    compat.safetensors_header: size, tensor count, offsets against the file size)."""
+    from app.services.compat import safetensors_header, shapes
+
+    try:
+        cfg = json.loads((folder / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # unreadable: the loader says why
+    if not isinstance(cfg, dict):
+        return
+    for part in (cfg, cfg.get("text_config")):
+        if not isinstance(part, dict):
+            continue
+        for key, bound in CONFIG_BOUNDS.items():
+            v = part.get(key)
+            if v is None:
+                continue
+            if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= bound:
+                raise ValueError(f"{field}: {value[:120]!r}: config.json {key} is {str(v)[:20]}; "
+                                 f"accepted: 0 .. {bound:,}")
+    weights = [n for n in files if n.endswith(".safetensors")]
+    if not weights:
+        return  # .bin weights: no header to compare with
+    for name in weights:  # every header fully valid before anything counts on it
+        try:
+            safetensors_header(files[name])
+        except ValueError as exc:
+            raise ValueError(f"{field}: {value[:120]!r}: {name[:80]!r} {exc}") from None
+    got = shapes(folder)
+    if not got or any(isinstance(cfg.get(k), dict) for k in ("text_config", "vision_config")):
+        return  # a multimodal config: its towers' layers are not the text model's
+    text = cfg
+    layers = {int(m.group(1)) for name in got if (m := _LAYER.search(name))}
+    want = text.get("num_hidden_layers")
+    if layers and isinstance(want, int) and want != max(layers) + 1:
+        raise ValueError(f"{field}: {value[:120]!r}: config.json asks for {want:,} layers and the "
+                         f"weights hold {max(layers) + 1}; the config must describe the weights")
+    emb = next((s for n, s in got.items() if n.endswith("embed_tokens.weight") and len(s) == 2), None)
+    if emb is not None:
+        for key, dim in (("vocab_size", 0), ("hidden_size", 1)):
+            v = text.get(key)
+            if isinstance(v, int) and v != emb[dim]:
+                raise ValueError(f"{field}: {value[:120]!r}: config.json {key} is {v:,} and the "
+                                 f"weights' embedding has {emb[dim]:,}; the config must describe "
+                                 "the weights")
 
 
 def _model_path(settings: Any, value: str, local: bool) -> str:
@@ -359,9 +488,12 @@ def _file_ref(settings: Any, field: str, value: str, target: RefTarget, local: b
             raise ValueError(f"{field}: {value!r} is outside the allowed model roots; "
                              f"use job:<id> of a {field} job")
         if resolved.is_dir() and (resolved / f"{target}.safetensors").is_file():
-            resolved = resolved / f"{target}.safetensors"
+            inner = resolved / f"{target}.safetensors"  # the file inside: checked as it is read
+            _checked_reads(settings, field, value, {inner.name: inner}, local)
+            resolved = Path(os.path.realpath(inner))
         if not resolved.is_file():
             raise ValueError(f"{field}: {value!r}: file does not exist")
+        _checked_reads(settings, field, value, {resolved.name: resolved}, local)
         check_safetensors(resolved)
         sha = mr.file_sha256(resolved)
     except OSError as exc:

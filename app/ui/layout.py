@@ -169,9 +169,12 @@ def _wire_tabs(settings: Any, p: Page, rt: result.ResultTab, jt: jobs.JobsTab, k
                   outputs=[p.view_token, *result.outputs(rt, p.url_box, p.view_sig)], **FAST)
     rt.refresh.click(bind(result.result_choices, settings), inputs=p.view_token, outputs=rt.pick, **FAST)
     rt.copy.click(None, inputs=rt.share, js=COPY_JS)
-    rt.cancel.click(bind(result.cancel_current, settings), inputs=p.view_token, outputs=rt.note)
-    rt.rerun.click(bind(result.rerun_current, settings), inputs=p.view_token, outputs=[rt.note, p.view_token])
-    rt.reshare.click(bind(result.reshare_current, settings), inputs=p.view_token, outputs=[rt.note, p.view_token])
+    # the read-only view of a share link (p.readonly, server-side state) acts on nothing
+    rt.cancel.click(bind(result.cancel_current, settings), inputs=[p.view_token, p.readonly], outputs=rt.note)
+    rt.rerun.click(bind(result.rerun_current, settings), inputs=[p.view_token, p.readonly],
+                   outputs=[rt.note, p.view_token])
+    rt.reshare.click(bind(result.reshare_current, settings), inputs=[p.view_token, p.readonly],
+                     outputs=[rt.note, p.view_token])
 
     for comp in (jt.kind, jt.status, jt.owner):
         comp.change(bind(jobs.jobs_filtered, settings), inputs=[jt.kind, jt.status, jt.owner],

@@ -123,7 +123,8 @@ def result_view(settings: Any, token: str, sig: str, readonly: bool, force: bool
     new_sig = f"{token}:{status}:{meta.get('progress')}:{meta.get('message')}"
     if new_sig == sig and not force:
         return [gr.skip()] * N_OUT
-    head = [progress_html(meta), services.share_url(settings, token, base_url),
+    link = services.share_url(settings, token, base_url) if meta.get("shared", True) else SHARE_OFF
+    head = [progress_html(meta), link,
             gr.Button(visible=not readonly and not final), gr.Button(visible=not readonly and final)]
     path = f"/r/{token}" if readonly else "/?" + urlencode({"tab": "result", "r": token})
     status_changed = not sig.startswith(f"{token}:{status}:")
@@ -182,7 +183,13 @@ def pick_view(settings: Any, token: str | None, readonly: bool, request: gr.Requ
                                       base_url=base_of(request))]
 
 
-def cancel_current(settings: Any, token: str) -> Any:
+SHARE_OFF = "share link off (a shared server's default): press New link to turn one on"
+READONLY = "this is the read-only view of a share link: only the result's owner can change it"
+
+
+def cancel_current(settings: Any, token: str, readonly: bool = False) -> Any:
+    if readonly:
+        return _note(note_html(READONLY, "error"))
     meta = job_by_token(settings, token) if token else None
     if meta is None:
         return _note(note_html("no job selected", "error"))
@@ -193,8 +200,11 @@ def cancel_current(settings: Any, token: str) -> Any:
     return _note(note_html(f"Cancel requested for job #{meta['id']}."))
 
 
-def reshare_current(settings: Any, token: str) -> tuple[Any, Any]:
-    """The owner's "new share link": a new token; the old link answers 404 from now on."""
+def reshare_current(settings: Any, token: str, readonly: bool = False) -> tuple[Any, Any]:
+    """The owner's "new share link": a new token; the old link answers 404 from now on. Never
+    from the read-only view of a share link (`readonly`): a link's reader cannot rotate it."""
+    if readonly:
+        return _note(note_html(READONLY, "error")), gr.skip()
     meta = job_by_token(settings, token) if token else None
     if meta is None:
         return _note(note_html("no job selected", "error")), gr.skip()
@@ -205,7 +215,9 @@ def reshare_current(settings: Any, token: str) -> tuple[Any, Any]:
     return _note(note_html("New share link: the old one no longer opens this result.")), job["share_token"]
 
 
-def rerun_current(settings: Any, token: str) -> tuple[Any, Any]:
+def rerun_current(settings: Any, token: str, readonly: bool = False) -> tuple[Any, Any]:
+    if readonly:
+        return _note(note_html(READONLY, "error")), gr.skip()
     meta = job_by_token(settings, token) if token else None
     if meta is None:
         return _note(note_html("no job selected", "error")), gr.skip()

@@ -41,6 +41,11 @@ class Ref(BaseModel):
     form: RefForm
     path: str
     sha256: str | None = None  # artifact sha256, or the local folder's content revision
+    # A local model or run folder: relative name -> sha256 of every file the job reads from it
+    # (links followed), checked at submit; the worker reads the folder only if it still holds
+    # exactly these files with these bytes (compute.worker.refs). None: not hashed (estimates,
+    # the CLI's direct commands), or a ref stored before manifests.
+    files: dict[str, str] | None = None
     job_id: int | None = None
     job_kind: str | None = None
     owner_id: int | None = None

@@ -12,6 +12,8 @@ run the engine without refs (tests, notebooks); it refuses `job:N`.
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 import re
 from pathlib import Path
 from typing import Any
@@ -27,7 +29,10 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 _EXTRA_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json")
 
-_file_digests: dict[tuple[str, int, int], str] = {}  # (path, mtime_ns, size) -> sha256
+# (real path, device, inode, size, mtime_ns, ctime_ns) -> sha256. The real path and inode, not
+# the name: a link swapped to another file of the same size and (settable) mtime must miss;
+# ctime cannot be set by a user, so a hit is the same bytes.
+_file_digests: dict[tuple[str, int, int, int, int, int], str] = {}
 
 JOB_REF = re.compile(r"^job:(\d{1,12})$")
 MODEL_FIELDS = ("model", "teacher", "base", "tuned")
@@ -141,13 +146,15 @@ def is_hub_id(resolved: str) -> bool:
 
 
 def file_sha256(path: Path) -> str:
-    """sha256 hex of a file, cached by (path, mtime, size)."""
-    st = path.stat()
-    key = (str(path), st.st_mtime_ns, st.st_size)
+    """sha256 hex of a file (links followed), cached by what it is: its real path, inode, size,
+    mtime and ctime (never by the name alone, which a link can point elsewhere)."""
+    real = os.path.realpath(path)
+    st = os.stat(real)
+    key = (real, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
     digest = _file_digests.get(key)
     if digest is None:
         h = hashlib.sha256()
-        with path.open("rb") as f:
+        with open(real, "rb") as f:
             for chunk in iter(lambda: f.read(1 << 20), b""):
                 h.update(chunk)
         digest = h.hexdigest()
@@ -231,3 +238,75 @@ def run_dir_revision(folder: Path) -> str:
         h.update(f"{c.name}\0{folder_revision(c)}\n".encode())
     return h.hexdigest()
 
+
+
+# -- what a job reads: every file, links followed -------------------------------------------------
+def read_files(folder: Path, target: str) -> dict[str, Path]:
+    """relative name -> path of every file a job reads from a model folder (`target` "model":
+    each top-level entry that is not a folder: config, tokenizer files, weights, shard index,
+    whatever the loaders open by name) or a run folder ("run_dir": those of each
+    checkpoint-<step> folder, as 'checkpoint-N/<name>'). Links are listed as they are (the
+    caller resolves them); a broken link is listed too (it resolves nowhere allowed)."""
+    folders = [(c.name + "/", c) for c in checkpoints(folder)] if target == "run_dir" else [("", folder)]
+    out: dict[str, Path] = {}
+    for prefix, f in folders:
+        for p in sorted(f.iterdir()):
+            if not p.is_dir():
+                out[prefix + p.name] = p
+    return out
+
+
+def manifest(files: dict[str, Path]) -> dict[str, str]:
+    """relative name -> sha256 of the bytes each file (links followed) holds: what the worker
+    re-verifies before it reads a folder (compute.worker.refs)."""
+    return {name: file_sha256(p) for name, p in files.items()}
+
+
+def protected_hit(path: Path, protected: list[Path]) -> str | None:
+    """The path relative to the protected root (the artifact store, its cache) that `path`
+    really is, links followed; None when it is none of theirs."""
+    real = Path(os.path.realpath(path))
+    for root in protected:
+        if real.is_relative_to(root):
+            return real.relative_to(root).as_posix()
+    return None
+
+
+def hard_links(protected: list[Path]) -> dict[tuple[int, int], str]:
+    """(device, inode) -> path relative to its root, of every file under the protected roots
+    that has more than one name (st_nlink > 1): what a hard link made elsewhere into the store
+    shares. Walked only when a candidate file itself has st_nlink > 1."""
+    out: dict[tuple[int, int], str] = {}
+    for root in protected:
+        for dirpath, _dirs, names in os.walk(root):
+            for name in names:
+                p = os.path.join(dirpath, name)
+                try:
+                    st = os.lstat(p)
+                except OSError:
+                    continue
+                if st.st_nlink > 1:
+                    out[(st.st_dev, st.st_ino)] = Path(p).relative_to(root).as_posix()
+    return out
+
+
+def shard_names(files: dict[str, Path]) -> list[str]:
+    """The shard file names the weight indexes (`*.index.json`) of a model folder name that are
+    not plain files of the folder (a name like '../x' or '/abs/x' makes the loader read outside
+    it); [] when every index names only files of the folder."""
+    bad: list[str] = []
+    for name, p in files.items():
+        if not name.endswith(".index.json"):
+            continue
+        try:
+            index = json.loads(p.read_text())
+        except (OSError, ValueError):
+            continue  # unreadable: the loader says why
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict):
+            continue
+        prefix = name.rsplit("/", 1)[0] + "/" if "/" in name else ""  # a checkpoint's index
+        for shard in {str(v) for v in weight_map.values()}:
+            if "/" in shard or "\\" in shard or shard in (".", "..") or prefix + shard not in files:
+                bad.append(shard)
+    return sorted(bad)

@@ -189,6 +189,11 @@ class Settings(BaseSettings):
     max_job_cost_admin: float | None = Field(
         default=None, gt=0, description="The same for admins and the local user (none: no limit)."
     )
+    share_by_default: bool | None = Field(
+        default=None,
+        description="Whether a new job's share link works from the start. Default: on in the "
+        "embedded mode, off with AUTH_REQUIRED (the owner turns a link on).",
+    )
     signin_throttle: str = Field(
         default="5/minute;10/10 minutes;20/hour;50/day",
         description="Failed sign-ins allowed per account and per client address, as stacked "

@@ -100,7 +100,10 @@ CONTRACT = Contract("fisher", FisherResult, heatmaps=FISHER_HEATMAPS, series=(CO
 
 
 def cost(s: FisherSpec) -> int:
-    return fisher_passes(s.prompts, s.samples, s.max_new_tokens, s.estimator, s.exact_output)
+    """until_reliable may double the prompts up to max_prompts: its cost is that worst case
+    (the ceiling must hold for what the runner may do, not for the first round)."""
+    prompts = max(s.prompts, s.max_prompts) if s.until_reliable else s.prompts
+    return fisher_passes(prompts, s.samples, s.max_new_tokens, s.estimator, s.exact_output)
 
 
 KIND = JobKind(

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from compute.lm.naming import layer_index, layer_label, module_type
+from compute.runtime.control import cancel_point
 
 SELECTORS = (
     "fisher",
@@ -110,11 +111,13 @@ def topk_mask(
     # bin holding the k-th largest. Two counting passes, 65536 bins each.
     hist = torch.zeros(65536, dtype=torch.int64)
     for n in names:
+        cancel_point()  # per tensor: a cancel stops a selection over many tensors within one
         u = _ordered_key(scores[n], bottom).flatten() + 2**31  # in [0, 2**32)
         hist += torch.bincount(u >> 16, minlength=65536).cpu()
     hi_bin, above_hi = _kth_bin(hist, k)
     hist.zero_()
     for n in names:
+        cancel_point()
         u = _ordered_key(scores[n], bottom).flatten() + 2**31
         hist += torch.bincount(u[(u >> 16) == hi_bin] & 0xFFFF, minlength=65536).cpu()
     lo_bin, above_lo = _kth_bin(hist, k - above_hi)
@@ -123,6 +126,7 @@ def topk_mask(
     need_ties = k - n_above  # >= 1: how many coordinates equal to the threshold to take, in order
     out: Mask = {}
     for n in names:
+        cancel_point()
         key = _ordered_key(scores[n], bottom)
         m = key > threshold
         if need_ties > 0:

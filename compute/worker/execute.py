@@ -14,7 +14,7 @@ from compute.worker.lifecycle import (
     fail,
     keep_alive,
 )
-from compute.worker.refs import fetch_refs
+from compute.worker.refs import fetch_refs, snapshot, unchanged
 from compute.worker.sharding import fan_out
 
 log = logging.getLogger("fisherlens.worker")
@@ -37,6 +37,7 @@ def execute_job(settings: Any, job_id: int, hostname: str | None = None) -> str:
         with keep_alive(settings, job_id):  # child_count imports the kind's module (torch)
             spec = parse_spec(kind, taken.spec)
             refs = fetch_refs(settings, job_id, taken.refs)  # resolved at submit; sha256 re-verified
+            seen = snapshot(refs)  # what each checked entry is now; compared after the run
             n = child_count(kind, spec)
         if n > 1:
             return fan_out(settings, job_id, n)
@@ -47,6 +48,8 @@ def execute_job(settings: Any, job_id: int, hostname: str | None = None) -> str:
 
     def compute(progress: JobProgress) -> Any:
         progress(0.0, "loading")
-        return get_runner(kind)(spec, progress, refs=refs)
+        result = get_runner(kind)(spec, progress, refs=refs)
+        unchanged(refs, seen)  # a file swapped (and back) while the job read it: nothing stored
+        return result
 
     return compute_and_store(settings, job_id, compute, "running")

@@ -150,7 +150,11 @@ def test_sign_in_submit_own_jobs_share_and_sign_out(browser, auth_server):
     bar = page.wait_for_selector("#fl-progress .fl-progress[data-job]")
     job_id = int(bar.get_attribute("data-job"))
     share = page.input_value("#fl-share-url textarea, #fl-share-url input")
-    assert "/r/" in share
+    assert "share link off" in share  # a shared server: off until the owner turns it on
+    page.click("#fl-reshare")  # "New link" turns one on
+    page.wait_for_function("() => { const b = document.querySelector('#fl-share-url textarea, "
+                           "#fl-share-url input'); return b && b.value.includes('/r/'); }")
+    share = page.input_value("#fl-share-url textarea, #fl-share-url input")
 
     # only her own jobs: Bob's is not listed, and the admin's owner filter is not offered
     page.click("#tab-jobs-button")

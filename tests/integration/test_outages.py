@@ -53,7 +53,7 @@ def test_postgres_stopped_under_a_running_job_loses_nothing(
         token, _ = users.issue_token(session=s, user=u)
     client = TestClient(app, raise_server_exceptions=False,
                         headers={"Authorization": f"Bearer {token}"})
-    assert client.get("/api/health").json() == {"database": "ok", "broker": "ok", "ok": True}
+    assert client.get("/api/health").json() == {"database": "ok", "broker": "ok", "store": "ok", "ok": True}
 
     worker = stack.start_worker(faults=["mid_job"])
     job = services.submit(stack.settings, "fisher", SMALL)
@@ -66,7 +66,7 @@ def test_postgres_stopped_under_a_running_job_loses_nothing(
     assert "database" in r.json()["detail"] and r.headers["Retry-After"]
     r = client.get("/api/health")
     assert r.status_code == 503
-    assert r.json() == {"database": "unreachable", "broker": "ok", "ok": False}
+    assert r.json() == {"database": "unreachable", "broker": "ok", "store": "ok", "ok": False}
 
     # the job goes on without the database and waits for it to record its end
     stack.release("mid_job")
@@ -100,6 +100,7 @@ def test_broker_down_is_503_without_its_address(private_pg, private_redis, priva
     r = client.post("/api/jobs", json={"kind": "fisher", "spec": SMALL})
     assert r.status_code == 503, r.text
     assert _no_address(r.text, private_redis.port) and "queue" in r.json()["detail"], r.text
+    assert int(r.headers["Retry-After"]) >= 1
     r = client.get("/api/health")
     assert r.status_code == 503 and r.json()["broker"] == "unreachable"
     assert r.json()["database"] == "ok"

@@ -114,6 +114,7 @@ def test_several_users_recipe_runs_as_written(tmp_path):
                 time.sleep(1)
                 job = _get(f"{public}/api/jobs/{job['id']}", token)
             assert job["status"] == "succeeded", job.get("message")
+            _get(f"{public}/api/jobs/{job['id']}/share", token, {"action": "on"})  # off by default
             with urllib.request.urlopen(f"{public}/r/{job['share_token']}", timeout=15) as r:
                 assert r.status == 200 and b"id='fl-key'" in r.read()  # anyone with the link
         finally:

@@ -119,7 +119,9 @@ def test_series_of_a_trl_run_folder_through_a_worker_on_postgres(deployed: Deplo
     assert hm["z"][hm["y_labels"].index("0/q")] == pytest.approx(want, abs=1e-12)
     assert any(a["kind"] == "series" for a in result["artifacts"])
 
-    # the share page: no account needed, the figures and the key number
+    # the share page: no account needed once alice turns the link on (off by default here)
+    assert d.client().get(f"/r/{job['share_token']}").status_code == 404
+    assert d.client("alice").post(f"/api/jobs/{job['id']}/share", json={"action": "on"}).status_code == 200
     page = d.client().get(f"/r/{job['share_token']}")
     assert page.status_code == 200, page.text[:500]
     for title in ("Update sparsity over steps", "Sparse sync per step", "Run folder series",

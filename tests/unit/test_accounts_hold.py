@@ -29,7 +29,8 @@ def _model_folder(path: Path, params: int = PARAMS) -> Path:
     (path / "config.json").write_text(json.dumps({
         "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "num_hidden_layers": 2,
         "hidden_size": 32, "vocab_size": 20}))
-    (path / "model.safetensors").write_bytes(b"not loaded by these tests")
+    header = b'{"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}'  # valid, never loaded
+    (path / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + bytes(4))
     (path / "fisherlens.json").write_text(json.dumps({"params": params}))
     return path
 

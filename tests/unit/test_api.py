@@ -22,7 +22,9 @@ def _hf_folder(path: Path, layers: int = 2) -> Path:
     (path / "config.json").write_text(json.dumps({
         "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "num_hidden_layers": layers,
         "hidden_size": 32, "vocab_size": 20}))
-    (path / "model.safetensors").write_bytes(b"not loaded by these tests")
+    # one F32 tensor, a valid safetensors file (submit validates headers); never loaded here
+    header = b'{"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}'
+    (path / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + bytes(4))
     return path
 
 

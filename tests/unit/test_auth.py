@@ -31,7 +31,8 @@ def _model_folder(path: Path, params: int = PARAMS) -> Path:
     (path / "config.json").write_text(json.dumps({
         "architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "num_hidden_layers": 2,
         "hidden_size": 32, "vocab_size": 20}))
-    (path / "model.safetensors").write_bytes(b"not loaded by these tests")
+    header = b'{"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}'  # valid, never loaded
+    (path / "model.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + bytes(4))
     (path / "fisherlens.json").write_text(json.dumps({"params": params}))
     return path
 
@@ -223,6 +224,12 @@ def test_share_link_opens_for_others_until_the_owner_rotates_it(env: Env) -> Non
     job = _submit(a, seed=21)
     _finish(env, job["id"])
     old = job["share_token"]
+    # a shared server (AUTH_REQUIRED): the link is off until the owner turns it on
+    assert job["shared"] is False
+    for c in (b, env.anon):
+        assert c.get(f"/api/results/{old}").status_code == 404 and c.get(f"/r/{old}").status_code == 404
+    assert a.get(f"/api/results/{old}").status_code == 200  # the owner reads it all the same
+    assert a.post(f"/api/jobs/{job['id']}/share", json={"action": "on"}).json()["shared"] is True
     for c in (b, env.anon):
         assert c.get(f"/api/results/{old}").status_code == 200
         assert c.get(f"/api/results/{old}/stats.csv").status_code == 200

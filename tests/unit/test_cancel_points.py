@@ -51,3 +51,20 @@ def test_forward_chunks_check_cancel() -> None:
     assert seen.calls == 3  # 6 rows in chunks of 2
     with cancel_scope(Counter(2)), torch.no_grad(), pytest.raises(JobCancelled):
         token_logprobs(model, roll.input_ids, roll.attention_mask, chunk_size=2)
+
+
+def test_mask_selection_checks_cancel_per_tensor() -> None:
+    """topk_mask (every selector's last step) checks cancel before each tensor of each pass, so
+    a selection over many tensors (a large Fisher) stops within one tensor of a cancel."""
+    from compute.sparsity.masks import topk_mask
+
+    scores = {f"t{i}": torch.rand(5) for i in range(40)}
+    free = Counter(None)
+    with cancel_scope(free):
+        mask = topk_mask(scores, 17)
+    assert sum(int(m.sum()) for m in mask.values()) == 17
+    assert free.calls == 3 * 40  # three passes, one check per tensor each
+    stop = Counter(10)  # cancelled while the first pass is on its 10th tensor
+    with cancel_scope(stop), pytest.raises(JobCancelled):
+        topk_mask(scores, 17)
+    assert stop.calls == 10
