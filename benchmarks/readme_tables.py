@@ -351,7 +351,7 @@ def render_bench_scale(data: dict[str, Any]) -> str:
               f"threads; floor = sampling the job's completions + one batched forward+backward over them, "
               f"timed in the same process. Load average after the run: {load} (a shared machine: ratios, "
               "not absolute times)."]
-    return "\n".join(lines) + "\n\n" + provenance_line(data, "benchmarks/results/bench_scale.json") + "\n"
+    return "\n".join(lines) + "\n"
 
 
 register("bench_scale", "benchmarks/results/bench_scale.json", render_bench_scale)
