@@ -181,7 +181,7 @@ def _add_account_routes(r: APIRouter, settings: Any) -> None:
         except SpecError as exc:
             return JSONResponse(status_code=422, content={"detail": exc.errors})
         est = limits.estimate(settings, req.kind, spec, limits.refs_for_estimate(settings, req.kind, spec))
-        within = p.max_job_cost is None or (est["cost"] is not None and est["cost"] <= p.max_job_cost)
+        within = limits.within_ceiling(est, p.max_job_cost, p.max_job_seconds)
         return {**est, "ceiling": p.max_job_cost, "ceiling_seconds": p.max_job_seconds,
                 "within_ceiling": within,
                 "text": limits.describe(est, p.max_job_cost, p.max_job_seconds)}

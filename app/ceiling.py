@@ -28,6 +28,47 @@ def throughput(settings: Any) -> tuple[float, str] | None:
     return None
 
 
+def calibration(settings: Any) -> tuple[float, float, str] | None:
+    """(a, b, where it comes from) of the calibrated cost model seconds = token_passes x (a + b x
+    params) (compute.lm.calibrate; `fisherlens calibrate` writes FISHERLENS_HOME/throughput.json):
+    THROUGHPUT_FILE, else FISHERLENS_HOME/throughput.json; None when neither holds a calibration
+    (an explicit THROUGHPUT, or the committed one-constant benchmark file, then applies)."""
+    if settings.throughput:
+        return None
+    for path in (settings.throughput_file, settings.home / "throughput.json"):
+        if path is None:
+            continue
+        try:
+            got = _read_calibration(str(path), Path(path).stat().st_mtime)
+        except OSError:
+            continue
+        if got is not None:
+            return got[0], got[1], str(Path(path).name)
+    return None
+
+
+@functools.lru_cache(maxsize=8)
+def _read_calibration(path: str, mtime: float) -> tuple[float, float] | None:
+    try:
+        data = json.loads(Path(path).read_text())
+        a, b = float(data["seconds_per_token_pass"]), float(data["seconds_per_param_token_pass"])
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return (a, b) if a >= 0 and b > 0 else None
+
+
+def seconds_of(settings: Any, token_passes: float, params: int) -> tuple[float, str] | None:
+    """Estimated run time of `token_passes` over a model of `params` parameters, and the model it
+    comes from: the calibration of this machine when there is one, else cost / throughput."""
+    cal = calibration(settings)
+    if cal is not None:
+        return max(token_passes, 1) * (cal[0] + cal[1] * params), f"calibrated ({cal[2]})"
+    tp = throughput(settings)
+    if tp is None:
+        return None
+    return max(token_passes, 1) * params / tp[0], f"{tp[0]:.3g} parameter-token-passes/s ({tp[1]})"
+
+
 def _throughput_file(path: Path) -> float | None:
     try:
         return _read_throughput(str(path), path.stat().st_mtime)

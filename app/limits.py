@@ -23,7 +23,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from app.ceiling import REPO_THROUGHPUT, duration, job_ceiling, throughput
+from app.ceiling import REPO_THROUGHPUT, duration, job_ceiling, seconds_of, throughput
 from app.services.compat import safetensors_header
 from compute.contract.cost import COST_PROMPT_TOKENS
 from compute.contract.specs import SpecError
@@ -149,6 +149,7 @@ def estimate(settings: Any, kind: str, spec: Any, refs: dict[str, Any]) -> dict[
     # (a mask's selection is a pass over its Fisher: its cost is that file's size, not 0)
     cost = None if unknown or params is None else float(max(passes, 1) * max(params, data))
     tp = throughput(settings)
+    timed = seconds_of(settings, passes, params) if cost is not None and params is not None else None
     return {
         "kind": kind,
         "token_passes": passes,
@@ -157,7 +158,8 @@ def estimate(settings: Any, kind: str, spec: Any, refs: dict[str, Any]) -> dict[
         "unknown_models": unknown,
         "prompt_tokens_assumed": COST_PROMPT_TOKENS,
         "throughput": tp[0] if tp else None,
-        "seconds": cost / tp[0] if tp and cost is not None else None,
+        "seconds": timed[0] if timed else None,
+        "seconds_from": timed[1] if timed else None,
     }
 
 
@@ -175,8 +177,7 @@ def refs_for_estimate(settings: Any, kind: str, spec: Any) -> dict[str, Any]:
 def _time_text(est: dict[str, Any]) -> str:
     if est.get("seconds") is None:
         return ""
-    return (f", about {duration(est['seconds'])} at this server's measured "
-            f"{est['throughput']:.3g} parameter-token-passes/s")
+    return f", about {duration(est['seconds'])} ({est.get('seconds_from') or 'measured throughput'})"
 
 
 def _ceiling_text(ceiling: float, seconds: float | None) -> str:
@@ -197,6 +198,18 @@ def describe(est: dict[str, Any], ceiling: float | None = None, seconds: float |
     return line
 
 
+def within_ceiling(est: dict[str, Any], ceiling: float | None, seconds: float | None = None) -> bool:
+    """Whether an estimate is within a ceiling: a run-time limit compares the estimated run time
+    (the calibrated model when there is one), a cost ceiling the cost. Unknown cost: not within."""
+    if ceiling is None:
+        return True
+    if est["cost"] is None:
+        return False
+    if seconds is not None and est.get("seconds") is not None:
+        return float(est["seconds"]) <= seconds
+    return float(est["cost"]) <= ceiling
+
+
 def check_cost(est: dict[str, Any], ceiling: float | None, seconds: float | None = None) -> None:
     """SpecError (422) when the estimate is over the ceiling, or unknown while one applies
     (`seconds`: the run-time limit the ceiling comes from, named in the message)."""
@@ -212,7 +225,7 @@ def check_cost(est: dict[str, Any], ceiling: float | None, seconds: float | None
             "admin to run it",
             "limit": ceiling, "value": None,
         } for f in fields)))
-    if est["cost"] > ceiling:
+    if not within_ceiling(est, ceiling, seconds):
         raise SpecError(_errors({
             "field": "spec",
             "message": f"estimated cost {est['cost']:.3g} parameter-token-passes "
@@ -292,7 +305,7 @@ def form_estimate_html(settings: Any, kind: str, data: dict[str, Any]) -> str:
         est = estimate(settings, kind, spec, refs_for_estimate(settings, kind, spec))
     except Exception as exc:  # noqa: BLE001 - a hint line must never break the form
         return f"<div class='fl-cost' data-within='unknown'>estimated cost: unavailable ({html.escape(type(exc).__name__)})</div>"
-    within = ceiling is None or (est["cost"] is not None and est["cost"] <= ceiling)
+    within = within_ceiling(est, ceiling, seconds)
     over = "" if within else " <b>over your ceiling: it would be refused</b>"
     return (f"<div class='fl-cost' data-within='{'yes' if within else 'no'}' "
             f"data-cost='{est['cost'] if est['cost'] is not None else ''}'>"

@@ -13,6 +13,9 @@ import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# `fisherlens up` would calibrate the cost model in the background in every fresh home: the
+# calibration has its own test (tests/unit/test_calibrate.py)
+os.environ.setdefault("CALIBRATE_ON_UP", "false")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 

@@ -235,6 +235,7 @@ def up_cmd(host: str | None, port: int | None, no_worker: bool) -> None:
     click.echo(f"database: {_safe_url(settings.db_url)}")
     click.echo(f"queue: {settings.redis_url or f'filesystem {settings.queue_dir}'}")
     _ensure_zoo(settings.zoo_dir)
+    calibrating = _calibrate_in_background(settings)
     supervisor = (
         None if no_worker else WorkerSupervisor(f"embedded-{os.getpid()}@{socket.gethostname()}")
     )
@@ -265,6 +266,8 @@ def up_cmd(host: str | None, port: int | None, no_worker: bool) -> None:
         signal.signal(signal.SIGTERM, old)
         if supervisor is not None:
             supervisor.stop()
+        if calibrating is not None and calibrating.poll() is None:
+            calibrating.terminate()
         click.echo("fisherlens stopped")
 
 
@@ -357,7 +360,43 @@ def _stop(proc: subprocess.Popen[bytes], grace_s: float = 15.0) -> None:
         proc.wait()
 
 
+@click.command("calibrate")
+@click.option("--device", default="auto", show_default=True, help="auto | cpu | cuda | cuda:N")
+@click.option("--dtype", default="float32", show_default=True,
+              type=click.Choice(["float32", "bfloat16", "float16"]))
+@click.option("--out", default=None, type=click.Path(dir_okay=False),
+              help="where to write it [default: FISHERLENS_HOME/throughput.json, what estimates read]")
+def calibrate_cmd(device: str, dtype: str, out: str | None) -> None:
+    """Measure this machine's cost model (seconds = token-passes x (a + b x params)) from timed
+    forward + backward passes of two random models; job estimates and time ceilings use it."""
+    from compute.lm.calibrate import calibrate, write
+
+    settings = get_settings()
+    click.echo(f"timing forward + backward passes on {device} ({dtype}) ...")
+    result = calibrate(device, dtype)
+    path = write(Path(out) if out else settings.home / "throughput.json", result)
+    for p in result["points"]:
+        click.echo(f"  {p['params']:>12,} parameters: {p['seconds_per_token_pass'] * 1e6:.3g} us per token-pass")
+    click.echo(f"a = {result['seconds_per_token_pass']:.3g} s per token-pass, b = "
+               f"{result['seconds_per_param_token_pass']:.3g} s per parameter-token-pass "
+               f"({result['device']}); wrote {path}")
+
+
+def _calibrate_in_background(settings: Any) -> subprocess.Popen[bytes] | None:
+    """`fisherlens calibrate` in a child process when this home has no calibration yet (the web
+    process never imports torch; the estimates switch to it once the file appears)."""
+    if (not settings.calibrate_on_up or (settings.home / "throughput.json").exists()
+            or settings.throughput_file or settings.throughput):
+        return None
+    import sys
+
+    click.echo("calibrating the cost model in the background (fisherlens calibrate) ...")
+    return subprocess.Popen([sys.executable, "-m", "app.cli", "calibrate"], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+
+
 commands: list[click.Command] = [
+    calibrate_cmd,
     up_cmd,
     worker_cmd,
     submit_cmd,

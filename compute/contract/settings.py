@@ -183,8 +183,14 @@ class Settings(BaseSettings):
     )
     throughput_file: Path | None = Field(
         default=None,
-        description="JSON written by benchmarks/bench_throughput.py on the workers' machine. "
-        "Default: the committed benchmarks/results/throughput.json.",
+        description="JSON of the cost model: `fisherlens calibrate` (a + b x params per token-pass, "
+        "measured on this machine) or benchmarks/bench_throughput.py. Default: "
+        "FISHERLENS_HOME/throughput.json, else the committed benchmarks/results/throughput.json.",
+    )
+    calibrate_on_up: bool = Field(
+        default=True,
+        description="`fisherlens up` runs `fisherlens calibrate` in the background when "
+        "FISHERLENS_HOME has no throughput.json yet.",
     )
     max_job_cost_admin: float | None = Field(
         default=None, gt=0, description="The same for admins and the local user (none: no limit)."
