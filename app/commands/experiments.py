@@ -97,7 +97,7 @@ def diff_cmd(base: str, tuned: str, out: str, **options: Any) -> None:
         save_file({n: t.contiguous() for n, t in res.tensors["delta"].items()}, str(out_dir / "delta.safetensors"))
     write_html(result, out_dir / "diff.html")
     from app.figures.labels import layer_name
-    from compute.fisher.statistics import aggregate
+    from compute.lm.cells import aggregate
 
     by_layer = aggregate([r for r in res.layer_stats if r.group == "layer_module"], by=("layer",))
     click.echo(_table(["layer", "params", f"unchanged ({s['comparison_dtype']})", "exact", "bf16-equal",

@@ -14,9 +14,9 @@ from compute.jobs.fisher import FisherSpec
 
 def _summary_table(result: Any) -> str:
     """One line per layer: share of Fisher mass, mean, and the module type holding most mass
-    (compute.fisher.statistics.aggregate of the layer x module rows; the rows outside the blocks named)."""
+    (compute.lm.cells.aggregate of the layer x module rows; the rows outside the blocks named)."""
     from app.figures.labels import layer_name
-    from compute.fisher.statistics import aggregate
+    from compute.lm.cells import aggregate
 
     rows = [s for s in result.layer_stats if s.group == "layer_module"]
     by_layer = aggregate(rows, by=("layer",))

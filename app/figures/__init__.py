@@ -6,7 +6,7 @@
 - `fisher.py`, `mask.py`, `train.py`, `sweep.py`, `retention.py`, `diff.py`, `tokens.py`: one
   module per job kind; `tables.py`: the tables every kind shows (overlap, summary, stats CSV).
 - `common.py`: shared Plotly helpers (formatting, pooling, layout, stored heatmap, curves);
-  `layers.py`: layer x module figures (the aggregation is compute.fisher.statistics.aggregate).
+  `layers.py`: layer x module figures (the aggregation is compute.lm.cells.aggregate).
 - `store.py`: build the payload once per job and keep it as one JSON file in the artifact store.
 - `keynumbers.py`: the few numbers a researcher came for, per job kind.
 - `labels.py`: display names for the rows outside the transformer blocks ("embeddings",

@@ -1,6 +1,6 @@
 """Layer x module figures from a result's layer_stats (fisher, tokens, mask).
 
-The aggregation itself is compute.fisher.statistics.aggregate (the one place it is done); this module
+The aggregation itself is compute.lm.cells.aggregate (the one place it is done); this module
 only picks the rows and draws the cells. Rows outside the blocks are stored under layer None,
 drawn as "-" and renamed ("embeddings", "final norm", "lm_head") by labels.name_layers.
 """
@@ -12,7 +12,7 @@ from typing import Any
 import plotly.graph_objects as go
 
 from compute.contract.results import TypedResult
-from compute.fisher.statistics import aggregate
+from compute.lm.cells import aggregate
 
 from .common import (
     COLORSCALE,
@@ -35,7 +35,7 @@ HOVER_KEYS = ("mean", "share", "mass", "max", "density", "numel")
 def layer_module_cells(r: TypedResult[Any]) -> Cells:
     """(layer, module) -> {mean, max, mass, share, numel, density, ..., params: [names]}.
 
-    From the "tensor" rows (compute.fisher.statistics.aggregate: exact sums and numel-weighted means);
+    From the "tensor" rows (compute.lm.cells.aggregate: exact sums and numel-weighted means);
     "layer_module" rows fill the values the tensor rows cannot give, and are used alone when
     there are no tensor rows."""
     cells: Cells = {(k[0], str(k[1])): c for k, c in aggregate(r.stats("tensor")).items()}

@@ -29,8 +29,8 @@ from app.figures.labels import name_layer_cells, name_layers
 from app.figures.registry import entries, figures_for, tables_for
 from compute.contract import provenance
 from compute.contract import results as contract
-from compute.fisher import statistics as analysis
 from compute.jobs import registry
+from compute.lm import cells
 
 log = logging.getLogger("fisherlens.figures")
 
@@ -43,7 +43,7 @@ PUBLIC_JOB_FIELDS = ("id", "kind", "status", "spec", "share_token", "created_at"
 def _code_key(extra: str = "") -> str:
     h = hashlib.sha256(f"plotly {plotly.__version__}\n{extra}".encode())
     here = Path(__file__).resolve().parent
-    drawing = [Path(contract.__file__).resolve(), Path(analysis.__file__).resolve(),
+    drawing = [Path(contract.__file__).resolve(), Path(cells.__file__).resolve(),
                Path(provenance.__file__).resolve(),  # how references are labelled
                *sorted(Path(registry.__file__).resolve().parent.glob("*.py"))]  # the kinds' contracts
     for path in [*drawing, *sorted(here.glob("*.py"))]:

@@ -172,7 +172,7 @@ def _verify(model: nn.Module, params: dict[str, nn.Parameter], chunk: tuple, bud
     errs: dict[str, float] = {}
     total = sum(_l1_diff(None, g, g.numel())[1] for g in grads if g is not None)
     floor = 1e-6 * total / max(1, len(params))
-    grads_left = list(grads)
+    grads_left: list[torch.Tensor | None] = list(grads)
     for i, (n, p) in enumerate(params.items()):
         ref, grads_left[i] = grads_left[i], None  # released as it is compared
         got = store.check.pop(n, None) if store.check is not None else None

@@ -8,9 +8,9 @@ from typing import Any
 
 from compute.contract.jobresult import Heatmap, JobResult, LayerStat, SeriesPoint, null_progress
 from compute.contract.kinds import Refs
-from compute.fisher.statistics import cells_heatmap, ratio_heatmap
 from compute.jobs.artifact_files import load_scores, ref_of
 from compute.jobs.diff import DiffSpec
+from compute.lm.cells import cells_heatmap, ratio_heatmap
 from compute.lm.naming import layer_index, module_type
 from compute.lm.naming import layer_sort_key as _layer_sort
 from compute.sparsity.diff import (
@@ -156,7 +156,7 @@ def _metric_of(metric: str) -> Callable[[dict[str, Any]], float | None]:
 
 
 def _fisher_heatmaps(fr: dict[str, Any], topk_percent: float) -> list[Heatmap]:
-    """layer x module heatmaps of the Fisher-vs-|delta| metrics (compute.fisher.statistics.cells_heatmap
+    """layer x module heatmaps of the Fisher-vs-|delta| metrics (compute.lm.cells.cells_heatmap
     over the overlap's "layer/module" groups)."""
     cells = {_layer_module(k): v for k, v in fr["layer_module"].items()}
     cells = dict(sorted(cells.items(), key=lambda kv: (kv[0][0] is None, kv[0][0] or 0)))

@@ -14,9 +14,9 @@ import torch
 
 from compute.contract.jobresult import Heatmap, JobResult, LayerStat, null_progress
 from compute.contract.kinds import Ref, Refs
-from compute.fisher.statistics import ratio_heatmap
 from compute.jobs.artifact_files import load_scores, ref_of
 from compute.jobs.mask import MaskSpec
+from compute.lm.cells import ratio_heatmap
 from compute.lm.naming import layer_index, module_type
 from compute.sparsity.masks import density_by, select_mask
 

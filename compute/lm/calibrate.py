@@ -37,7 +37,10 @@ def _model(hidden: int, layers: int, inter: int, vocab: int, device: Any, dtype:
                       num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                       max_position_embeddings=LENGTH * 2, tie_word_embeddings=True)
     torch.manual_seed(0)
-    return LlamaForCausalLM(cfg).to(device=device, dtype=dtype)
+    model = LlamaForCausalLM(cfg)
+    model.to(device)
+    model.to(dtype)
+    return model
 
 
 def seconds_per_token_pass(model: Any, vocab: int, device: Any, repeats: int = 2) -> float:
