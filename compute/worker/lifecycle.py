@@ -259,7 +259,12 @@ def _skip_reason(settings: Any, s: Any, job: Job | None, worker: str) -> str | N
         if hb is not None and hb > utcnow() - timedelta(seconds=settings.job_stale_after_s):
             return f"running on {job.worker}"
     if job.cancel_requested:
-        repo.mark_cancelled(session=s, job_id=job.id, message="cancelled before it ran")
+        # what really happened: a job that had started (a worker died or was killed while it
+        # ran, after the cancel was asked) did run, it was not "cancelled before it ran"
+        ran = job.started_at is not None or (job.attempts or 0) > 0
+        repo.mark_cancelled(session=s, job_id=job.id, message=(
+            f"cancelled; it had started {job.attempts or 1} time(s) and its worker stopped before "
+            "it could end it (killed, or out of memory)" if ran else "cancelled before it ran"))
         return "cancelled"
     if job.attempts >= settings.fisherlens_max_attempts:
         repo.mark_failed(

@@ -15,6 +15,7 @@ separate `fisherlens worker` process on PostgreSQL + Redis."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -171,9 +172,13 @@ def test_model_fields_refuse_links_into_another_users_model(stack, alice, case) 
     (mine / "model.safetensors").symlink_to(spare)
     r = stack.client("bob").post("/api/jobs", json=_body(kind, spec, str(mine), _own_fisher(stack)))
     assert r.status_code == 201, r.text
-    ref = r.json()["refs"][field] if "refs" in r.json() else None
-    if ref is not None:
-        assert set(ref["files"]) == {"config.json", "model.safetensors", "tokenizer_config.json"}
+    from app import services
+    from storage import repo
+
+    with services.sessions(stack.settings)() as s:  # the manifest the worker re-verifies
+        stored = repo.get_job(session=s, job_id=r.json()["id"]).refs[field]
+    assert set(stored["files"]) == {"config.json", "model.safetensors", "tokenizer_config.json"}
+    assert stored["files"]["model.safetensors"] == hashlib.sha256(spare.read_bytes()).hexdigest()
 
 
 @pytest.mark.parametrize("case", list(FILE_FIELDS))

@@ -47,7 +47,9 @@ def test_store_down_at_submit_is_503_without_its_address(s3: MotoS3, pg_url: str
                         artifact_url=s3.url("down"), aws_endpoint_url=s3.endpoint,
                         aws_access_key_id="testing", aws_secret_access_key="testing",
                         aws_default_region="us-east-1", auth_required=True,
-                        public_url="http://testserver", max_active_jobs=1)
+                        public_url="http://testserver", max_active_jobs=1,
+                        allowed_model_roots=str(tmp_path / "models"))
+    (tmp_path / "models").mkdir()
     app = create_app(settings)
     with services.sessions(settings)() as s:
         u = users.create_user(session=s, name="alice", password="pw-alice-123")
@@ -82,5 +84,15 @@ def test_store_down_at_submit_is_503_without_its_address(s3: MotoS3, pg_url: str
     # the job limit (max_active_jobs=1): the second active job is 429 with Retry-After
     r = client.post("/api/jobs", json={"kind": "mask", "spec": {"fisher": f"job:{n}", "density": 0.1}})
     assert r.status_code == 201, r.text  # the store is back: the same submit is accepted
+
+    # this machine's cache now holds a copy of job n's Fisher: a link to it is refused like a
+    # link into the store (the cache is other users' bytes too)
+    cached = [p for p in (tmp_path / "web-cache").rglob("*") if p.is_file() and p.suffix == ".safetensors"]
+    assert cached, list((tmp_path / "web-cache").rglob("*"))
+    folder = tmp_path / "models" / "linked-cache"
+    folder.mkdir()
+    (folder / "fisher.safetensors").symlink_to(cached[0])
+    r = client.post("/api/jobs", json={"kind": "mask", "spec": {"fisher": str(folder), "density": 0.3}})
+    assert r.status_code == 422 and "links into the artifact store" in r.text, r.text
     r = client.post("/api/jobs", json={"kind": "mask", "spec": {"fisher": f"job:{n}", "density": 0.2}})
     assert r.status_code == 429 and int(r.headers["Retry-After"]) >= 1, (r.status_code, r.headers)
