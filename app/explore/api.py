@@ -1,0 +1,62 @@
+"""/api/results/{token}/tensors, /tensor and /tensor/view (the drill-down), /api/compare (two
+results compared): JSON, readable by whoever may read the result (a share link, or the owner),
+like every /api/results route."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, HTTPException, Query
+
+from app.explore.sources import NotReadable
+
+NAME = Query(..., min_length=1, max_length=300, description="parameter name, e.g. model.layers.0.self_attn.q_proj.weight")
+
+
+def _404(exc: Exception) -> HTTPException:
+    return HTTPException(status_code=404, detail=str(exc))
+
+
+def make_router(settings: Any) -> APIRouter:
+    r = APIRouter(prefix="/api", tags=["explore"])
+
+    @r.get("/results/{token}/tensors", summary="The tensors of a result (of one heatmap cell)")
+    def list_tensors(token: str, layer: str | None = Query(None, max_length=64, description="row label: a block index or 'embeddings', 'final norm', 'lm_head'"),
+                     module: str | None = Query(None, max_length=64, description="module type (column label)")) -> Any:
+        from app.explore.view import cell_tensors
+
+        try:
+            return cell_tensors(settings, token, layer, module)
+        except NotReadable as exc:
+            raise _404(exc) from None
+
+    @r.get("/results/{token}/tensor", summary="One tensor opened: pooled map, marginals, histogram, top coordinates")
+    def get_tensor(token: str, name: str = NAME) -> Any:
+        from app.explore.view import tensor_numbers
+
+        try:
+            return tensor_numbers(settings, token, name)
+        except NotReadable as exc:
+            raise _404(exc) from None
+
+    @r.get("/results/{token}/tensor/view", summary="One tensor opened, as the HTML block the pages insert")
+    def get_tensor_view(token: str, name: str | None = Query(None, max_length=300),
+                        layer: str | None = Query(None, max_length=64),
+                        module: str | None = Query(None, max_length=64)) -> Any:
+        from app.explore.view import cell_tensors, tensor_numbers, view_html
+
+        try:
+            cell = None
+            if name is None:
+                if layer is None:
+                    raise HTTPException(status_code=422, detail="name: give a tensor name, or layer and module of a cell")
+                cell = cell_tensors(settings, token, layer, module)["tensors"]
+                if not cell:
+                    raise NotReadable(f"layer, module: no tensor of this result is in cell ({layer}, {module})")
+                name = cell[0]["name"]
+            v = tensor_numbers(settings, token, name)
+            return {"name": name, "cached": v.get("cached"), "html": view_html(v, cell)}
+        except NotReadable as exc:
+            raise _404(exc) from None
+
+    return r
