@@ -59,4 +59,46 @@ def make_router(settings: Any) -> APIRouter:
         except NotReadable as exc:
             raise _404(exc) from None
 
+    add_compare_routes(r, settings)
+    return r
+
+
+def add_compare_routes(r: APIRouter, settings: Any) -> None:
+    """/api/results/{a}/compare/{b}: the comparison's numbers (JSON)."""
+
+    @r.get("/results/{a}/compare/{b}", summary="Compare two results: top-k Jaccard, Spearman per layer x module")
+    def get_compare(a: str, b: str, k: float = Query(1.0, gt=0, le=100, description="top-k percent")) -> Any:
+        from app.explore.compare import compare_numbers
+
+        try:
+            return compare_numbers(settings, a, b, k)
+        except NotReadable as exc:
+            raise _404(exc) from None
+
+
+def make_page_router(settings: Any) -> APIRouter:
+    """/r/{a}/compare/{b}: the comparison as a page anyone holding both share links can open."""
+    from fastapi.responses import HTMLResponse
+
+    r = APIRouter()
+
+    @r.get("/r/{a}/compare/{b}", include_in_schema=False)
+    def compare_page(a: str, b: str, k: float = Query(1.0, gt=0, le=100)) -> Any:
+        from app import render
+        from app.explore.compare import compare_html, compare_numbers
+        from app.share import PAGE_CSS, PLOTLY_URL
+
+        try:
+            v = compare_numbers(settings, a, b, k)
+            body = compare_html(v, f"/r/{a}/compare/{b}?k={k:g}")
+            status = 200
+        except NotReadable as exc:
+            body, status = f"<p class='fl-failed' id='fl-status'>Cannot compare: {render.esc(exc)}</p>", 404
+        page = (f'<!doctype html><html lang="en"><head><meta charset="utf-8"><title>fisherlens: compare</title>'
+                f"<style>{PAGE_CSS}{render.CSS}</style><script src=\"{PLOTLY_URL}\" defer></script>"
+                f"<script>{render.PAGE_DRAW_JS}</script></head><body class='fl-share'><main>"
+                f"<div class='fl-shared'>Shared comparison (read-only) &middot; <a href='/?tab=compare&a={render.esc(a)}"
+                f"&b={render.esc(b)}'>open it in the explorer</a></div><h1>Compare</h1>{body}</main></body></html>")
+        return HTMLResponse(page, status_code=status)
+
     return r

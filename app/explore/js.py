@@ -68,7 +68,7 @@ function flBind(root) {
       return;
     }
     if (t.closest && t.closest('.fl-tensor-close')) { const s = t.closest('.fl-tensor-slot'); if (s) { s.remove(); } return; }
-    if (t.closest && t.closest('.fl-download-figs')) { e.preventDefault(); flDownloadAll(t.closest('[data-token]')); return; }
+    if (t.closest && t.closest('.fl-download-figs')) { e.preventDefault(); flDownloadAll(t.closest('[data-download]')); return; }
     const row = t.closest && t.closest('.fl-table[data-tensors] tbody tr');
     if (row) {
       const name = row.firstElementChild ? row.firstElementChild.innerText.trim() : '';

@@ -15,8 +15,10 @@ Definitions (the tests recompute each by brute force):
   with more than MARGINAL_POINTS rows they are shown pooled as the mean row sum of each block.
 - heads: the sum over the rows (q, k, v: output features) or columns (o: input features) of
   each attention head, when the model's config gives the head count and the axis divides evenly.
-- histogram: counts of log10(value) for positive values in bins of HIST_STEP decades on a fixed
-  grid (so chunks add up), trimmed to the bins that hold values; zeros and negatives counted apart.
+- histogram: counts of positive values in bins HIST_STEP decades wide on a fixed grid (so chunks
+  add up): bin i holds edges[i] <= v < edges[i + 1], edges = 10**(HIST_LO + i HIST_STEP) truncated
+  to bfloat16 (`hist_edges`; the first bin also holds smaller values, the last larger ones),
+  trimmed to the bins that hold values; zeros and negatives counted apart.
 - top: the TOP_K largest values with their (row, column), ties by position (row-major).
 """
 
@@ -33,7 +35,7 @@ MAP_ROWS = 200
 MAP_COLS = 200
 MARGINAL_POINTS = 2_000
 HIST_STEP = 0.1  # decades per histogram bin
-HIST_LO, HIST_HI = -46.0, 40.0  # float32 spans about 1e-45 .. 3.4e38
+HIST_LO, HIST_HI = -40.0, 38.5  # float32 spans 1.4e-45 .. 3.4e38: the first bin holds what lies below, the last above
 TOP_K = 25
 CHUNK_ELEMENTS = 1 << 22  # 4M float32 = 16 MB read at a time
 
@@ -70,6 +72,22 @@ def _edges(starts: np.ndarray, n: int) -> list[list[int]]:
     return [[int(a), int(b) - 1] for a, b in zip(starts.tolist(), ends, strict=True)]
 
 
+def hist_edges() -> np.ndarray:
+    """The fixed histogram grid: 10**(HIST_LO + i * HIST_STEP) truncated to bfloat16 (8
+    significant bits, so a bin is 0.1 decade wide to within 0.4%), as float32."""
+    n = int(round((HIST_HI - HIST_LO) / HIST_STEP))
+    with np.errstate(over="ignore", under="ignore"):
+        e = (10.0 ** (HIST_LO + HIST_STEP * np.arange(n + 1))).astype(np.float32)
+    return (e.view(np.uint32) & np.uint32(0xFFFF0000)).view(np.float32)
+
+
+def _fine_to_coarse(edges: np.ndarray) -> np.ndarray:
+    """For each positive bfloat16 bit pattern 1..32767: the histogram bin its values fall in
+    (the first bin also holds what lies below edges[1], the last what lies above its edge)."""
+    values = (np.arange(1, 1 << 15, dtype=np.uint32) << 16).view(np.float32)
+    return np.clip(np.searchsorted(edges, values, side="right") - 1, 0, edges.size - 2)
+
+
 def head_sums(values: np.ndarray, heads: Heads | None) -> list[float] | None:
     """Per-head sums of a marginal (row sums for heads on rows, column sums for columns)."""
     if heads is None or heads.n <= 1 or len(values) % heads.n:
@@ -88,7 +106,9 @@ def tensor_stats(shape: tuple[int, ...], read: Reader, pool: str = "max", heads:
     # whole row blocks per chunk, so each pooled map row is computed from one chunk
     per_chunk = max(1, (chunk_elements // max(C, 1)) // rsize) * rsize
     csizes = np.diff(np.append(cstart, C))
-    nbins = int(round((HIST_HI - HIST_LO) / HIST_STEP))
+    edges = hist_edges()
+    nbins = edges.size - 1
+    coarse = _fine_to_coarse(edges)
     hist = np.zeros(nbins, dtype=np.int64)
     row_sum = np.zeros(R, dtype=np.float64)
     col_sum = np.zeros(C, dtype=np.float64)
@@ -96,43 +116,52 @@ def tensor_stats(shape: tuple[int, ...], read: Reader, pool: str = "max", heads:
     top_v = np.empty(0, dtype=np.float32)
     top_i = np.empty(0, dtype=np.int64)
     n_zero = n_neg = n_nan = 0
-    total = 0.0
-    vmax, vmin_pos = -math.inf, math.inf
+    vmax = -math.inf
     for r0 in range(0, R, per_chunk):
         r1 = min(R, r0 + per_chunk)
         x = np.asarray(read(r0, r1), dtype=np.float32).reshape(r1 - r0, C)
-        bad = ~np.isfinite(x)
-        if bad.any():
+        sums = x.sum(axis=1, dtype=np.float64)
+        if not np.isfinite(sums).all():  # a NaN or inf somewhere: counted, then read as 0
+            bad = ~np.isfinite(x)
             n_nan += int(bad.sum())
             x = np.where(bad, np.float32(0), x)
-        row_sum[r0:r1] = x.sum(axis=1, dtype=np.float64)
+            sums = x.sum(axis=1, dtype=np.float64)
+        row_sum[r0:r1] = sums
         col_sum += x.sum(axis=0, dtype=np.float64)
-        total += float(row_sum[r0:r1].sum())
-        n_zero += int((x == 0).sum())
-        n_neg += int((x < 0).sum())
         vmax = max(vmax, float(x.max()))
-        pos = x[x > 0]
-        if pos.size:
-            vmin_pos = min(vmin_pos, float(pos.min()))
-            idx = np.floor((np.log10(pos.astype(np.float64)) - HIST_LO) / HIST_STEP).astype(np.int64)
-            hist += np.bincount(np.clip(idx, 0, nbins - 1), minlength=nbins)
+        flat = x.reshape(-1)
+        # histogram: the top 16 bits of a float32 are its bfloat16 truncation, monotone in the
+        # value for positive floats; the edges are bfloat16 values, so each of the 32767
+        # positive bfloat16 bins lies inside one histogram bin (exact, one shift + one bincount)
+        fine = np.bincount(flat.view(np.uint32) >> 16, minlength=1 << 16)
+        n_zero_here = int(np.count_nonzero(flat == 0))
+        n_pos = int(np.count_nonzero(flat > 0))
+        n_zero += n_zero_here
+        n_neg += flat.size - n_pos - n_zero_here
+        pos_fine = fine[1:1 << 15]
+        hist += np.bincount(coarse, weights=pos_fine, minlength=nbins).astype(np.int64)
+        hist[0] += n_pos - int(pos_fine.sum())  # positive denormals below 2**-133: the first bin
         # pooled map rows of this chunk
         lr = np.arange(0, r1 - r0, rsize)
         if pool == "max":
             m = np.maximum.reduceat(np.maximum.reduceat(x, lr, axis=0), cstart, axis=1)
         else:
-            s = np.add.reduceat(np.add.reduceat(x.astype(np.float64), lr, axis=0), cstart, axis=1)
+            sm = np.add.reduceat(np.add.reduceat(x.astype(np.float64), lr, axis=0), cstart, axis=1)
             rs = np.diff(np.append(lr, r1 - r0))
-            m = s / (rs[:, None] * csizes[None, :])
+            m = sm / (rs[:, None] * csizes[None, :])
         pooled.append(m.astype(np.float64))
-        # top coordinates: the chunk's best, merged with the best so far (ties by position)
-        flat = x.reshape(-1)
-        k = min(top_k, flat.size)
-        cand = np.argpartition(-flat, k - 1)[:k] if k < flat.size else np.arange(flat.size)
+        # top coordinates: the chunk's values at or above the k-th best so far, merged with the
+        # best so far (ties by position)
+        if top_v.size >= top_k:
+            cand = np.flatnonzero(flat >= top_v[-1])
+        else:
+            k = min(top_k, flat.size)
+            cand = np.argpartition(-flat, k - 1)[:k] if k < flat.size else np.arange(flat.size)
         top_v = np.concatenate([top_v, flat[cand]])
         top_i = np.concatenate([top_i, cand.astype(np.int64) + r0 * C])
         order = np.lexsort((top_i, -top_v.astype(np.float64)))[:top_k]
         top_v, top_i = top_v[order], top_i[order]
+    total = float(row_sum.sum())
     grid = np.concatenate(pooled, axis=0) if pooled else np.zeros((0, 0))
     nz = np.nonzero(hist)[0]
     lo, hi = (int(nz[0]), int(nz[-1]) + 1) if nz.size else (0, 0)
@@ -155,13 +184,12 @@ def tensor_stats(shape: tuple[int, ...], read: Reader, pool: str = "max", heads:
                          "mean_sum": (np.add.reduceat(col_sum, cols_pooled) / csz).tolist() if C else [],
                          "top": _top_of(col_sum)},
         "heads": _heads(row_sum, col_sum, heads),
-        "histogram": {"log10_lo": HIST_LO + lo * HIST_STEP, "step": HIST_STEP,
+        "histogram": {"log10_lo": round(HIST_LO + lo * HIST_STEP, 6), "step": HIST_STEP,
                       "counts": hist[lo:hi].tolist(), "zeros": n_zero, "negative": n_neg,
                       "non_finite": n_nan},
         "sum": total,
         "mean": total / n if n else 0.0,
         "max": vmax if n else 0.0,
-        "min_positive": vmin_pos if math.isfinite(vmin_pos) else None,
         "top": [{"row": int(i // C), "column": int(i % C), "value": float(v)}
                 for v, i in zip(top_v.tolist(), top_i.tolist(), strict=True)],
     }

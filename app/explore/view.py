@@ -18,8 +18,6 @@ import threading
 from pathlib import Path
 from typing import Any
 
-import plotly.graph_objects as go
-
 from app import render
 from app.explore import overlay, tensors
 from app.explore.sources import NotReadable, Source, cell_of, job_files, names_in_cell, open_source
@@ -28,7 +26,15 @@ log = logging.getLogger("fisherlens.explore")
 
 CODE_KEY = hashlib.sha256(b"".join(p.read_bytes() for p in sorted(Path(__file__).parent.glob("*.py")))
                           ).hexdigest()[:12]
-CONFIG = {"displaylogo": False, "responsive": True}
+TEMPLATE: dict[str, Any] = {}  # plotly_white's layout, filled on first use
+
+
+def _template() -> dict[str, Any]:
+    if not TEMPLATE:
+        import plotly.io as pio
+
+        TEMPLATE.update(pio.templates["plotly_white"].to_plotly_json())
+    return TEMPLATE
 _locks: dict[str, threading.Lock] = {}
 _guard = threading.Lock()
 
@@ -148,10 +154,27 @@ def _log(v: float | None) -> float | None:
     return math.log10(v) if v is not None and v > 0 else None
 
 
-def _layout(fig: go.Figure, title: str, height: int = 360, **kw: Any) -> dict[str, Any]:
-    fig.update_layout(title={"text": title, "x": 0.01, "xanchor": "left"}, height=height,
-                      margin={"l": 70, "r": 30, "t": 50, "b": 60}, template="plotly_white", **kw)
-    return json.loads(fig.to_json())
+def _r(v: Any) -> Any:
+    """A number rounded to 4 significant digits for a figure (the JSON API keeps them all)."""
+    if isinstance(v, list):
+        return [_r(x) for x in v]
+    if isinstance(v, float):
+        return float(f"{v:.4g}") if math.isfinite(v) else None
+    return v
+
+
+def _fig(data: list[dict[str, Any]], title: str, height: int = 360, xaxis: dict[str, Any] | None = None,
+         yaxis: dict[str, Any] | None = None, **layout: Any) -> dict[str, Any]:
+    """Plotly figure JSON written directly (plotly's validation of 40k-cell maps costs seconds;
+    these are the same keys it would write)."""
+    return {"data": data, "layout": {
+        "title": {"text": title, "x": 0.01, "xanchor": "left"}, "height": height,
+        "margin": {"l": 70, "r": 30, "t": 50, "b": 60}, "template": _template(),
+        "xaxis": {"automargin": True, **(xaxis or {})}, "yaxis": {"automargin": True, **(yaxis or {})}, **layout}}
+
+
+def _axis(title: str, **kw: Any) -> dict[str, Any]:
+    return {"title": {"text": title}, **kw}
 
 
 def figures(v: dict[str, Any]) -> list[dict[str, Any]]:
@@ -165,47 +188,41 @@ def figures(v: dict[str, Any]) -> list[dict[str, Any]]:
     rb, cb = m["row_blocks"][0], m["col_blocks"][0]
     block = f"{rb[1] - rb[0] + 1} x {cb[1] - cb[0] + 1}"
     how = "block max" if v["pool"] == "max" else "block mean"
-    hm = go.Heatmap(z=z, x=xs, y=ys, colorscale="Viridis", customdata=[[render.significant(x) if x is not None else "n/a"
-                                                                         for x in row] for row in m["z"]],
-                    colorbar={"title": {"text": f"log10 {unit}" if log else unit}},
-                    hovertemplate=f"rows %{{y}}, columns %{{x}}<br>{how} {unit} = %{{customdata}}<extra></extra>")
-    fig = go.Figure(hm)
-    fig.update_xaxes(title_text="input column", type="category")
-    fig.update_yaxes(title_text="output row", type="category", autorange="reversed")
+    hm = {"type": "heatmap", "z": _r(z), "x": xs, "y": ys, "colorscale": "Viridis", "customdata": _r(m["z"]),
+          "hoverongaps": False, "colorbar": {"title": {"text": f"log10 {unit}" if log else unit}},
+          "hovertemplate": f"rows %{{y}}, columns %{{x}}<br>{how} {unit} = %{{customdata:.4g}}<extra></extra>"}
     title = f"{v['name']}: {unit}, {how} over {block} blocks" + (" (log colour)" if log else "")
-    out.append({"name": "tensor_map", "title": title, "figure": _layout(fig, title, height=520)})
+    out.append({"name": "tensor_map", "title": title, "figure": _fig(
+        [hm], title, 520, _axis("input column", type="category"),
+        _axis("output row", type="category", autorange="reversed"))})
     for axis, what in (("row_marginal", "output row"), ("col_marginal", "input column")):
         mg = v[axis]
         if not mg["mean_sum"]:
             continue
         sizes = {b[1] - b[0] + 1 for b in mg["blocks"]}
-        xs_m = [b[0] for b in mg["blocks"]]
-        f = go.Figure(go.Scatter(x=xs_m, y=mg["mean_sum"], mode="lines", name=what,
-                                 hovertemplate=f"{what} %{{x}}: sum %{{y:.4g}}<extra></extra>"))
-        f.update_xaxes(title_text=f"{what} index")
-        f.update_yaxes(title_text=f"sum of {unit}" + (" (mean over blocks)" if sizes != {1} else ""),
-                       type="log" if log else "linear")
+        tr = {"type": "scatter", "mode": "lines", "x": [b[0] for b in mg["blocks"]], "y": _r(mg["mean_sum"]),
+              "name": what, "hovertemplate": f"{what} %{{x}}: sum %{{y:.4g}}<extra></extra>"}
+        ytitle = f"sum of {unit}" + (" (mean over blocks)" if sizes != {1} else "")
         t = f"Sum of {unit} per {what}" + (f" (blocks of {max(sizes)})" if sizes != {1} else "")
-        out.append({"name": axis, "title": t, "figure": _layout(f, t, height=300)})
+        out.append({"name": axis, "title": t, "figure": _fig(
+            [tr], t, 300, _axis(f"{what} index"), _axis(ytitle, type="log" if log else "linear"))})
     if v.get("heads"):
         h = v["heads"]
-        f = go.Figure(go.Bar(x=list(range(len(h["sum"]))), y=h["sum"],
-                             hovertemplate="head %{x}: sum %{y:.4g}<extra></extra>"))
-        f.update_xaxes(title_text=h["what"].rstrip("s"), dtick=1)
-        f.update_yaxes(title_text=f"sum of {unit}")
+        tr = {"type": "bar", "x": list(range(len(h["sum"]))), "y": _r(h["sum"]),
+              "hovertemplate": "head %{x}: sum %{y:.4g}<extra></extra>"}
         t = f"Sum of {unit} per attention head ({h['what']}, split along the {h['axis']})"
-        out.append({"name": "heads", "title": t, "figure": _layout(f, t, height=300)})
+        out.append({"name": "heads", "title": t, "figure": _fig(
+            [tr], t, 300, _axis(h["what"].rstrip("s"), dtick=1), _axis(f"sum of {unit}"))})
     hist = v["histogram"]
     if hist["counts"]:
         lo, step = hist["log10_lo"], hist["step"]
-        centres = [round(lo + (i + 0.5) * step, 4) for i in range(len(hist["counts"]))]
-        f = go.Figure(go.Bar(x=centres, y=hist["counts"], width=step,
-                             hovertemplate="log10 value %{x}: %{y} coordinates<extra></extra>"))
-        f.update_xaxes(title_text=f"log10 {unit}")
-        f.update_yaxes(title_text="coordinates")
+        tr = {"type": "bar", "x": [round(lo + (i + 0.5) * step, 4) for i in range(len(hist["counts"]))],
+              "y": hist["counts"], "width": step,
+              "hovertemplate": "log10 value %{x}: %{y} coordinates<extra></extra>"}
         t = (f"Histogram of log10 {unit} ({hist['zeros']:,} zeros"
              + (f", {hist['negative']:,} negative" if hist["negative"] else "") + " not shown)")
-        out.append({"name": "histogram", "title": t, "figure": _layout(f, t, height=300)})
+        out.append({"name": "histogram", "title": t, "figure": _fig(
+            [tr], t, 300, _axis(f"log10 {unit}"), _axis("coordinates"))})
     if v.get("overlay"):
         out += overlay_figures(v)
     return out
@@ -219,43 +236,42 @@ def overlay_figures(v: dict[str, Any]) -> list[dict[str, Any]]:
     sc = o["scatter"]
     pts = [(f, d, r, c) for f, d, r, c in zip(sc["fisher"], sc["delta"], sc["row"], sc["column"], strict=True)
            if f is not None and d is not None and f > 0 and d > 0]
-    f = go.Figure(go.Scattergl(
-        x=[p[0] for p in pts], y=[p[1] for p in pts], mode="markers", marker={"size": 4, "opacity": 0.5},
-        customdata=[[p[2], p[3]] for p in pts],
-        hovertemplate="row %{customdata[0]}, column %{customdata[1]}<br>F %{x:.3e}, |delta| %{y:.3e}<extra></extra>"))
-    f.update_xaxes(title_text="Fisher F (log)", type="log")
-    f.update_yaxes(title_text="|delta| (log)", type="log")
+    tr = {"type": "scattergl", "mode": "markers", "x": _r([p[0] for p in pts]), "y": _r([p[1] for p in pts]),
+          "marker": {"size": 4, "opacity": 0.5}, "customdata": [[p[2], p[3]] for p in pts],
+          "hovertemplate": "row %{customdata[0]}, column %{customdata[1]}<br>F %{x:.3e}, |delta| %{y:.3e}<extra></extra>"}
     zero = len(sc["fisher"]) - len(pts)
     t = f"|delta| against F, {len(pts):,} sampled coordinates ({zero:,} with F = 0 or |delta| = 0 not on log axes)"
-    out.append({"name": "overlay_scatter", "title": t, "figure": _layout(f, t, height=420)})
-    f = go.Figure()
+    out.append({"name": "overlay_scatter", "title": t, "figure": _fig(
+        [tr], t, 420, _axis("Fisher F", type="log"), _axis("|delta|", type="log"))})
+    data = []
     for key, label in (("top_delta", f"top-{o['k_percent']:g}% |delta|"), ("changed", "changed (|delta| > 0)")):
         roc = o["roc"][key]
         if roc["fpr"]:
             auc = roc["auc"]
-            f.add_scatter(x=roc["fpr"], y=roc["tpr"], mode="lines",
-                          name=f"{label}: AUC {render.significant(auc) if auc is not None else 'n/a'}")
-    f.add_scatter(x=[0, 1], y=[0, 1], mode="lines", name="chance", line={"dash": "dot", "color": "grey"})
-    f.update_xaxes(title_text="false positive rate", range=[0, 1])
-    f.update_yaxes(title_text="true positive rate", range=[0, 1.02])
+            data.append({"type": "scatter", "mode": "lines", "x": _r(roc["fpr"]), "y": _r(roc["tpr"]),
+                         "name": f"{label}: AUC {render.significant(auc) if auc is not None else 'n/a'}"})
+    data.append({"type": "scatter", "mode": "lines", "x": [0, 1], "y": [0, 1], "name": "chance",
+                 "line": {"dash": "dot", "color": "grey"}})
     n = f"{o['sample']:,} sampled coordinates" if o["sampled"] else "all coordinates"
     t = f"ROC of the Fisher for the updated coordinates of this tensor ({n})"
-    out.append({"name": "overlay_roc", "title": t, "figure": _layout(f, t, height=420)})
+    out.append({"name": "overlay_roc", "title": t, "figure": _fig(
+        data, t, 420, _axis("false positive rate", range=[0, 1]), _axis("true positive rate", range=[0, 1.02]),
+        legend={"x": 0.98, "xanchor": "right", "y": 0.05, "yanchor": "bottom"})})
     m = v["map"]
     xs, ys = [_label(b) for b in m["col_blocks"]], [_label(b) for b in m["row_blocks"]]
-    f = go.Figure(go.Heatmap(z=o["changed_map"], x=xs, y=ys, colorscale="Blues", zmin=0, zmax=1,
-                             colorbar={"title": {"text": "changed fraction"}, "x": 1.0},
-                             hovertemplate="rows %{y}, columns %{x}<br>changed %{z:.3f}<extra></extra>"))
-    f.add_contour(z=o["fisher_topk_map"], x=xs, y=ys, showscale=False, name=f"top-{o['k_percent']:g}% Fisher",
-                  contours={"coloring": "lines", "start": o["k_percent"] / 100.0, "end": 1.0,
-                            "size": max(0.05, (1 - o["k_percent"] / 100.0) / 4)},
-                  line={"color": "#e8590c", "width": 2}, hoverinfo="skip", showlegend=True)
-    f.update_xaxes(title_text="input column", type="category")
-    f.update_yaxes(title_text="output row", type="category", autorange="reversed")
+    k = o["k_percent"] / 100.0
+    data = [{"type": "heatmap", "z": _r(o["changed_map"]), "x": xs, "y": ys, "colorscale": "Blues", "zmin": 0,
+             "zmax": 1, "colorbar": {"title": {"text": "changed fraction"}},
+             "hovertemplate": "rows %{y}, columns %{x}<br>changed %{z:.3f}<extra></extra>", "name": "changed"},
+            {"type": "contour", "z": _r(o["fisher_topk_map"]), "x": xs, "y": ys, "showscale": False,
+             "name": f"top-{o['k_percent']:g}% Fisher (block density > {o['k_percent']:g}%)",
+             "contours": {"coloring": "lines", "start": k, "end": k, "size": 1.0},
+             "line": {"color": "#e8590c", "width": 2}, "hoverinfo": "skip", "showlegend": True}]
     t = (f"Changed coordinates per block, outlined where the top-{o['k_percent']:g}% Fisher of this tensor "
          "is denser than uniform")
-    out.append({"name": "overlay_mask", "title": t, "figure": _layout(f, t, height=520,
-                                                                         legend={"orientation": "h", "y": -0.15})})
+    out.append({"name": "overlay_mask", "title": t, "figure": _fig(
+        data, t, 520, _axis("input column", type="category"), _axis("output row", type="category", autorange="reversed"),
+        legend={"orientation": "h", "y": -0.15})})
     return out
 
 
