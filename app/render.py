@@ -73,6 +73,7 @@ _CSS = """
 .fl-result .fl-table[data-tensors] tbody tr:hover{background:#e7f5ff}
 .fl-result .fl-tensor{border:2px solid #4dabf7;border-radius:8px;padding:.25rem .75rem .75rem;margin:0 0 1rem;background:#f8fbff}
 .fl-result .fl-tensor h2{display:flex;justify-content:space-between;align-items:center;overflow-wrap:anywhere}
+.fl-compare-side{min-width:0!important;overflow-x:auto}
 .fl-progress{margin:.25rem 0}
 .fl-progress .fl-bar{height:14px;background:#e9ecef;border-radius:7px;overflow:hidden;max-width:40rem}
 .fl-progress .fl-fill{height:100%;background:#3b5bdb;transition:width .3s}

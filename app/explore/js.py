@@ -89,7 +89,7 @@ function flDraw(root) {
     const fig = JSON.parse(data.textContent);
     const name = (f.getAttribute('data-name') || f.id || 'figure');
     window.Plotly.newPlot(el, fig.data || [], fig.layout || {}, flConfig(name));
-    if (f.hasAttribute('data-drill')) {
+    if (f.hasAttribute('data-drill') && flToken(f)) {  // a result's own figures (not Compare's maps)
       el.on('plotly_click', function (ev) {
         const p = ev && ev.points && ev.points[0];
         if (!p || p.data.type !== 'heatmap' || p.z === null || p.z === undefined) { return; }

@@ -9,9 +9,10 @@ each by brute force):
   |delta|" (|delta| at or above the sample's (1 - k/100) quantile, k = the result's top-k
   percent); the curve is the exact ROC of the sample (ties: one step per distinct score), the
   AUC its Mann-Whitney statistic with mid-ranks (ties count 1/2).
-- maps: over the tensor view's blocks, the fraction of changed coordinates per block, and the
-  fraction of the tensor's top-k% Fisher coordinates (F at or above the sample's quantile)
-  per block: drawn as an outline over the changed map.
+- maps: over the tensor view's blocks, the fraction of changed coordinates per block, of the
+  tensor's top-k% |delta| coordinates (|delta| at or above the sample's quantile) and of its
+  top-k% Fisher coordinates (F at or above the sample's quantile): the Fisher's drawn as an
+  outline over the changed map (over the top-k |delta| map when every coordinate changed).
 """
 
 from __future__ import annotations
@@ -104,10 +105,13 @@ def overlay_stats(name: str, shape: tuple[int, ...], read_delta: Reader, read_fi
         changed_rows.append(_block_fraction(d > 0, r1 - r0, rsize, cstart, csizes))
     t_fisher = _quantile_threshold(s_fisher, k_percent)
     t_delta = _quantile_threshold(s_delta, k_percent)
-    # pass 2: the top-k Fisher fraction per block at the sample's threshold
+    # pass 2: the top-k Fisher and top-k |delta| fractions per block at the sample's thresholds
+    delta_rows: list[np.ndarray] = []
     for r0, r1 in chunks:
         f = np.asarray(read_fisher(r0, r1), dtype=np.float32).reshape(r1 - r0, C)
         fisher_rows.append(_block_fraction(f >= t_fisher, r1 - r0, rsize, cstart, csizes))
+        d = np.asarray(read_delta(r0, r1), dtype=np.float32).reshape(r1 - r0, C)
+        delta_rows.append(_block_fraction(d >= t_delta, r1 - r0, rsize, cstart, csizes))
     changed = s_delta > 0
     top_delta = s_delta >= t_delta
     m = min(SCATTER, idx.size)
@@ -126,6 +130,7 @@ def overlay_stats(name: str, shape: tuple[int, ...], read_delta: Reader, read_fi
                               "positives": int(top_delta.sum())}},
         "changed_map": np.concatenate(changed_rows).tolist(),
         "fisher_topk_map": np.concatenate(fisher_rows).tolist(),
+        "delta_topk_map": np.concatenate(delta_rows).tolist(),
     }
 
 

@@ -260,15 +260,22 @@ def overlay_figures(v: dict[str, Any]) -> list[dict[str, Any]]:
     m = v["map"]
     xs, ys = [_label(b) for b in m["col_blocks"]], [_label(b) for b in m["row_blocks"]]
     k = o["k_percent"] / 100.0
-    data = [{"type": "heatmap", "z": _r(o["changed_map"]), "x": xs, "y": ys, "colorscale": "Blues", "zmin": 0,
-             "zmax": 1, "colorbar": {"title": {"text": "changed fraction"}},
-             "hovertemplate": "rows %{y}, columns %{x}<br>changed %{z:.3f}<extra></extra>", "name": "changed"},
+    dense = all(x is not None and x >= 0.999 for row in o["changed_map"] for x in row)
+    base, what = ((o["delta_topk_map"], f"top-{o['k_percent']:g}% |delta| fraction") if dense
+                  else (o["changed_map"], "changed fraction"))
+    data = [{"type": "heatmap", "z": _r(base), "x": xs, "y": ys, "colorscale": "Blues", "reversescale": True,
+             "zmin": 0, "zmax": 1, "colorbar": {"title": {"text": what}},
+             "hovertemplate": f"rows %{{y}}, columns %{{x}}<br>{what} %{{z:.3f}}<extra></extra>", "name": what},
             {"type": "contour", "z": _r(o["fisher_topk_map"]), "x": xs, "y": ys, "showscale": False,
              "name": f"top-{o['k_percent']:g}% Fisher (block density > {o['k_percent']:g}%)",
              "contours": {"coloring": "lines", "start": k, "end": k, "size": 1.0},
              "line": {"color": "#e8590c", "width": 2}, "hoverinfo": "skip", "showlegend": True}]
-    t = (f"Changed coordinates per block, outlined where the top-{o['k_percent']:g}% Fisher of this tensor "
-         "is denser than uniform")
+    if dense:
+        t = (f"Every coordinate changed: the top-{o['k_percent']:g}% |delta| per block, outlined where the "
+             f"top-{o['k_percent']:g}% Fisher of this tensor is denser than uniform")
+    else:
+        t = (f"Changed coordinates per block, outlined where the top-{o['k_percent']:g}% Fisher of this tensor "
+             "is denser than uniform")
     out.append({"name": "overlay_mask", "title": t, "figure": _fig(
         data, t, 520, _axis("input column", type="category"), _axis("output row", type="category", autorange="reversed"),
         legend={"orientation": "h", "y": -0.15})})

@@ -118,6 +118,7 @@ def test_overlay_equals_brute_force_on_a_small_tensor():
     assert np.array_equal(np.array(o["changed_map"]), (d > 0).astype(float))
     t_f = np.sort(fl)[::-1][k - 1]
     assert np.array_equal(np.array(o["fisher_topk_map"]), (f >= t_f).astype(float))
+    assert np.array_equal(np.array(o["delta_topk_map"]), (d >= t_d).astype(float))
 
 
 def test_overlay_samples_large_tensors_deterministically():
