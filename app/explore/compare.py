@@ -56,7 +56,7 @@ def compare_sources(a: Source, b: Source, k_percent: float = DEFAULT_K) -> dict[
         raise ValueError(f"k: got {k_percent:g}; accepted: 0 < k <= 100 (percent)")
     names = shared_names(a, b)
     sa, sb = _load(a, names), _load(b, names)
-    masks = a.kind == "mask" and b.kind == "mask"
+    masks = a.sets and b.sets
     groups = ("global", LAYER_MODULE)
     if masks:
         res: dict[str, Any] = {g: overlap.mask_overlap(sa, sb, by=g) for g in groups}

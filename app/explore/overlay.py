@@ -4,7 +4,7 @@ the Fisher it was scored against.
 Pure numpy, streamed in row chunks like app/explore/tensors.py. Definitions (the tests recompute
 each by brute force):
 - sample: SAMPLE coordinates drawn uniformly without replacement (seeded by the tensor name), or
-  all of them when the tensor is smaller; the scatter shows the first SCATTER of the sample.
+  all of them when the tensor is smaller; the scatter shows SCATTER of them (a seeded subset).
 - ROC: the Fisher as a score for two labels on the sample: "changed" (|delta| > 0) and "top-k
   |delta|" (|delta| at or above the sample's (1 - k/100) quantile, k = the result's top-k
   percent); the curve is the exact ROC of the sample (ties: one step per distinct score), the
@@ -114,7 +114,7 @@ def overlay_stats(name: str, shape: tuple[int, ...], read_delta: Reader, read_fi
         delta_rows.append(_block_fraction(d >= t_delta, r1 - r0, rsize, cstart, csizes))
     changed = s_delta > 0
     top_delta = s_delta >= t_delta
-    m = min(SCATTER, idx.size)
+    pick = sample_index(name + "/scatter", idx.size, SCATTER)  # a seeded subset, not the first rows
     return {
         "k_percent": k_percent,
         "sample": int(idx.size),
@@ -122,8 +122,8 @@ def overlay_stats(name: str, shape: tuple[int, ...], read_delta: Reader, read_fi
         "sampled": bool(idx.size < n),
         "fisher_threshold": t_fisher,
         "delta_threshold": t_delta,
-        "scatter": {"fisher": s_fisher[:m].tolist(), "delta": s_delta[:m].tolist(),
-                    "row": (idx[:m] // C).tolist(), "column": (idx[:m] % C).tolist()},
+        "scatter": {"fisher": s_fisher[pick].tolist(), "delta": s_delta[pick].tolist(),
+                    "row": (idx[pick] // C).tolist(), "column": (idx[pick] % C).tolist()},
         "roc": {"changed": {**roc_curve(s_fisher, changed), "auc": _nan_none(midrank_auc(s_fisher, changed)),
                             "positives": int(changed.sum())},
                 "top_delta": {**roc_curve(s_fisher, top_delta), "auc": _nan_none(midrank_auc(s_fisher, top_delta)),

@@ -1,11 +1,12 @@
 """Where the tensors of a stored result are, and how one of them is read.
 
-A result's tensors (by kind): a Fisher's "fisher" artifact (values F, block-max pooled, log colour),
-a mask's "mask" artifact (0/1, block-mean pooled: the kept fraction), a diff's |delta|: its
-"delta" artifact when the diff stored one (store_delta), else |tuned - base| read from the two
-checkpoints the diff compared (one tensor from each), and a series' |delta| of its last
-checkpoint against the base. A diff or series built with a Fisher also names that Fisher (the
-overlays, app/explore/overlay.py).
+What a kind's tensors are is declared with the kind (compute/jobs/<kind>.py `KIND.tensors`, a
+compute.contract.kinds.TensorView): e.g. a Fisher's "fisher" artifact (values F, block-max pooled,
+log colour), a mask's "mask" artifact (0/1, block-mean pooled: the kept fraction), a diff's
+|delta|: its "delta" artifact when the diff stored one (store_delta), else |tuned - base| read
+from the two checkpoints it compared (one tensor from each), a series' |delta| of its last
+checkpoint against the base. A kind scored against a Fisher names that field (the overlays,
+app/explore/overlay.py).
 
 Every file is read with safetensors' `safe_open(...).get_slice(name)`, one tensor, in row chunks:
 never the whole file. Readable means: the caller may read the result (share link or owner,
@@ -24,9 +25,6 @@ from typing import Any
 import numpy as np
 
 from compute.lm.naming import layer_index, module_type
-
-SUPPORTED_KINDS = ("fisher", "mask", "diff", "series")
-VALUE_NAMES = {"fisher": "Fisher", "mask": "mask (1 = kept)", "diff": "|delta|", "series": "|delta| (last checkpoint)"}
 
 
 class NotReadable(LookupError):
@@ -113,6 +111,7 @@ class Source:
     config: dict[str, Any] | None = None
     fisher: dict[str, Path] | None = None  # the Fisher a diff / series was scored against
     sha: str = ""  # what the values are a function of (cache key)
+    sets: bool = False  # compared as sets (masks), not by rank
     notes: list[str] = field(default_factory=list)
 
     def names(self) -> list[str]:
@@ -248,49 +247,53 @@ def _pair(base: Path, tuned: Path) -> dict[str, list[Path]]:
     return {n: [b[n], t[n]] for n in t if n in b and shape_of(b[n], n) == shape_of(t[n], n)}
 
 
+def tensor_view(kind: str) -> Any:
+    """The kind's TensorView (compute/jobs/<kind>.py `KIND.tensors`), or NotReadable."""
+    from compute.jobs import registry
+
+    k = registry.KINDS.get(kind)
+    if k is None or k.tensors is None:
+        openable = ", ".join(n for n, v in registry.KINDS.items() if v.tensors is not None)
+        raise NotReadable(f"kind: a {kind} result has no tensors to open; accepted: {openable}")
+    return k.tensors
+
+
 def open_source(settings: Any, jf: JobFiles) -> Source:
-    """The Source of a readable succeeded job of a supported kind (NotReadable otherwise)."""
-    if jf.kind not in SUPPORTED_KINDS:
-        raise NotReadable(f"kind: a {jf.kind} result has no tensors to open; accepted: {', '.join(SUPPORTED_KINDS)}")
+    """The Source of a readable succeeded job whose kind declares a TensorView (NotReadable
+    otherwise, naming what is missing)."""
+    tv = tensor_view(jf.kind)
     if jf.status != "succeeded":
         raise NotReadable(f"status: the job is {jf.status}; tensors open once it has succeeded")
-    art = jf.artifacts
+    art, refs = jf.artifacts, jf.refs
     sha = ",".join(f"{k}={v[1]}" for k, v in sorted(art.items()))
-    refs = jf.refs
-    if jf.kind in ("fisher", "mask"):
-        if jf.kind not in art:
-            raise NotReadable(f"artifact: this {jf.kind} result stored no {jf.kind} tensors")
-        path = _fetch(settings, *art[jf.kind])
-        return Source(jf.kind, VALUE_NAMES[jf.kind], "max" if jf.kind == "fisher" else "mean",
-                      jf.kind == "fisher", _single(path), _config(ref_path(settings, refs.get("model"))), sha=sha)
-    base = ref_path(settings, refs.get("base"))
-    fisher_path = ref_path(settings, refs.get("fisher"))
-    fisher = ({n: fisher_path for n in TensorFile.open(fisher_path).names}
-              if fisher_path is not None and fisher_path.is_file() else None)
-    extra = ",".join(f"{k}={(refs.get(k) or {}).get('sha256') or (refs.get(k) or {}).get('path')}"
-                     for k in ("base", "tuned", "run_dir", "fisher"))
-    if jf.kind == "diff" and "delta" in art:
-        files = _single(_fetch(settings, *art["delta"]))
-        reader_files = {n: p for n, p in files.items()}
-        src = Source("diff", VALUE_NAMES["diff"], "max", True, reader_files, _config(base), fisher, sha + extra)
-        src.notes.append("values: |delta| of the stored float32 delta")
-        return _absolute(src)
+    sha += "," + ",".join(f"{k}={(r or {}).get('sha256') or (r or {}).get('path')}" for k, r in sorted(refs.items()))
+    config = _config(ref_path(settings, refs.get(tv.config_field))) if tv.config_field else None
+    fisher = None
+    fisher_path = ref_path(settings, refs.get(tv.fisher_field)) if tv.fisher_field else None
+    if fisher_path is not None and fisher_path.is_file():
+        fisher = {n: fisher_path for n in TensorFile.open(fisher_path).names}
+
+    def source(files: dict[str, list[Path]], note: str = "") -> Source:
+        src = Source(jf.kind, tv.value, tv.pool, tv.log, files, config, fisher, sha, sets=tv.sets)
+        if note:
+            src.notes.append(note)
+        return _absolute(src) if tv.absolute and len(next(iter(files.values()), [])) == 1 else src
+
+    if tv.artifact and tv.artifact in art:
+        return source(_single(_fetch(settings, *art[tv.artifact])),
+                      f"values: |{tv.artifact}| of the stored {tv.artifact} tensors" if tv.absolute else "")
+    if tv.pair is None:
+        raise NotReadable(f"artifact: this {jf.kind} result stored no {tv.artifact} tensors")
+    base_field, tuned_field = tv.pair
+    base = ref_path(settings, refs.get(base_field))
     if base is None:
-        raise NotReadable("base: the base model of this result is not readable on this server")
-    if jf.kind == "diff":
-        tuned = ref_path(settings, refs.get("tuned"))
-        if tuned is None:
-            raise NotReadable("tuned: the tuned model of this result is not readable on this server")
-        src = Source("diff", VALUE_NAMES["diff"], "max", True, _pair(base, tuned), _config(base), fisher, sha + extra)
-        src.notes.append("values: |tuned - base| in float32, read from both checkpoints")
-        return src
-    run_dir = ref_path(settings, refs.get("run_dir"))
-    if run_dir is None or not run_dir.is_dir():
-        raise NotReadable("run_dir: the run folder of this series is not readable on this server")
-    last = last_checkpoint(run_dir)
-    src = Source("series", VALUE_NAMES["series"], "max", True, _pair(base, last), _config(base), fisher, sha + extra)
-    src.notes.append(f"values: |{last.name} - base| in float32")
-    return src
+        raise NotReadable(f"{base_field}: the model of this result is not readable on this server")
+    tuned = ref_path(settings, refs.get(tuned_field))
+    if tuned is None or not tuned.is_dir():
+        raise NotReadable(f"{tuned_field}: the checkpoint of this result is not readable on this server")
+    if tv.last_checkpoint:
+        tuned = last_checkpoint(tuned)
+    return source(_pair(base, tuned), f"values: |{tuned.name} - {base_field}| in float32, read from both checkpoints")
 
 
 def _absolute(src: Source) -> Source:

@@ -93,9 +93,11 @@ def _finite(obj: Any) -> Any:
 # ---------------------------------------------------------------- the numbers
 
 
-def k_percent(spec: dict[str, Any]) -> float:
-    """The top-k percent the result was scored with (diff topk_percent, series support_percent)."""
-    for key in ("topk_percent", "support_percent"):
+def k_percent(kind: str, spec: dict[str, Any]) -> float:
+    """The top-k percent the result was scored with (its TensorView's k_fields), else 1."""
+    from app.explore.sources import tensor_view
+
+    for key in tensor_view(kind).k_fields:
         v = spec.get(key)
         if isinstance(v, int | float) and v > 0:
             return float(v)
@@ -111,7 +113,7 @@ def tensor_numbers(settings: Any, token: str, name: str) -> dict[str, Any]:
     key = f"{CODE_KEY}|{src.sha}|{name}"
 
     def build() -> dict[str, Any]:
-        return compute(src, name, k_percent(jf.spec))
+        return compute(src, name, k_percent(jf.kind, jf.spec))
 
     return {**cached(settings, jf.id, "tensor", key, build), "token": jf.share_token}
 

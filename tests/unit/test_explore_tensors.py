@@ -103,6 +103,9 @@ def test_overlay_equals_brute_force_on_a_small_tensor():
     d = (np.abs(rng.normal(size=shape)) * (rng.random(shape) < 0.3 + 0.5 * (f > np.median(f)))).astype(np.float32)
     o = overlay.overlay_stats("t", shape, _reader(d), _reader(f), 5.0, chunk_elements=700)
     assert not o["sampled"] and o["sample"] == d.size  # small: every coordinate
+    sc = o["scatter"]  # a seeded subset of the coordinates, from every part of the tensor
+    assert len(sc["row"]) == overlay.SCATTER and max(sc["row"]) > 80 and min(sc["row"]) < 10
+    assert all(d[r, c] == pytest.approx(v) for r, c, v in zip(sc["row"], sc["column"], sc["delta"], strict=True))
     fl, dl = f.reshape(-1), d.reshape(-1)
     assert o["roc"]["changed"]["auc"] == pytest.approx(_brute_auc(fl, dl > 0))
     k = math.ceil(d.size * 0.05)
