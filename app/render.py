@@ -254,14 +254,37 @@ def figures_html(figures: list[dict[str, Any]], prefix: str = "fl-fig") -> str:
         for i, f in enumerate(figures))
 
 
+GROUP_HEADERS = ["group", "quantity", "value"]  # app/figures/tables.py: one card per group
+SETTINGS_TITLE = "Settings of this run"  # app/figures/tables.py: folded away
+
+
+def _grouped(t: dict[str, Any]) -> str:
+    """A (group, quantity, value) table as one card per group, the ungrouped rows first."""
+    groups: dict[str, list[list[Any]]] = {}
+    for g, q, v in t.get("rows") or []:
+        groups.setdefault(str(g or ""), []).append([q, v])
+    out = []
+    for g, rows in groups.items():
+        title = (t.get("title") or "") if not g else g
+        out.append(table_html(["quantity", "value"], rows, title))
+    return "".join(out)
+
+
 def tables_html(tables: list[dict[str, Any]]) -> str:
     """The result's tables; one whose first column is "tensor" is marked `data-tensors` (a click
-    on a row opens that tensor, app/explore/)."""
+    on a row opens that tensor, app/explore/); a (group, quantity, value) table is one card per
+    group; the settings table is folded away."""
     out = []
     for t in tables:
-        h = table_html(t.get("headers") or [], t.get("rows") or [], t.get("title") or "")
-        if (t.get("headers") or [""])[0] == "tensor":
+        headers = list(t.get("headers") or [])
+        if headers == GROUP_HEADERS:
+            h = _grouped(t)
+        else:
+            h = table_html(headers, t.get("rows") or [], t.get("title") or "")
+        if headers[:1] == ["tensor"]:
             h = h.replace("<div class='fl-table'>", "<div class='fl-table' data-tensors>", 1)
+        if t.get("title") == SETTINGS_TITLE:
+            h = f"<details class='fl-run-settings'><summary>{esc(SETTINGS_TITLE)}</summary>{h}</details>"
         out.append(h)
     return "".join(out)
 

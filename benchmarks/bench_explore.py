@@ -11,7 +11,8 @@ pages first with posix_fadvise(DONTNEED) for a first open from disk):
 3. the view: the HTML + Plotly figures built from the cached numbers (what /tensor/view adds);
 4. with `--overlay`: the same tensor as a diff's |delta| with a Fisher of the same shape (two
    reads per pass, two passes).
-Peak resident memory of the process is reported (the tensor is never held whole).
+Peak memory of the first open: what Python and numpy allocated during it (tracemalloc; the
+tensor is never held whole, only row chunks of CHUNK_ELEMENTS values).
 
     OMP_NUM_THREADS=1 .venv/bin/python benchmarks/bench_explore.py --overlay
     .venv/bin/python benchmarks/bench_explore.py --rows 30000 --no-save     # quick
@@ -31,6 +32,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -93,9 +95,12 @@ def main(argv: list[str] | None = None) -> int:
                         _drop_cache(p)
                 if src.fisher:
                     _drop_cache(src.fisher[name])
+            tracemalloc.start()
             t0 = time.perf_counter()
             first = view.cached(settings, job_id, "tensor", f"bench|{label}", lambda s=src: view.compute(s, name, 1.0))
             t1 = time.perf_counter()
+            peak = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
             again = view.cached(settings, job_id, "tensor", f"bench|{label}", lambda: {})
             t2 = time.perf_counter()
             html = view.view_html(again)
@@ -103,7 +108,8 @@ def main(argv: list[str] | None = None) -> int:
             assert first["cached"] is False and again["cached"] is True
             size = next((home / "artifacts" / str(job_id)).glob("explore-tensor-*.json")).stat().st_size
             run = {"source": label, "first_open_s": round(t1 - t0, 3), "cached_open_s": round(t2 - t1, 4),
-                   "view_html_s": round(t3 - t2, 4), "cache_json_bytes": size, "view_html_bytes": len(html)}
+                   "view_html_s": round(t3 - t2, 4), "cache_json_bytes": size,
+                   "first_open_peak_mb": round(peak / 1e6, 1), "view_html_bytes": len(html)}
             out["runs"].append(run)
             print(json.dumps(run), file=sys.stderr)
     out["peak_rss_mb"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, 1)

@@ -139,9 +139,10 @@ def cell_tensors(settings: Any, token: str, layer: str | None = None, module: st
     and `module` are given (largest first), else all of them (file order)."""
     src = open_source(settings, job_files(settings, token))
     names = src.names() if layer is None else names_in_cell(src.names(), layer, module or "")
-    rows = [{"name": n, "shape": list(src.shape(n)), "layer": cell_of(n)[0], "module": cell_of(n)[1]} for n in names]
+    shapes = {n: src.shape(n) for n in names}
     if layer is not None:
-        rows.sort(key=lambda r: -math.prod(r["shape"]))
+        names = sorted(names, key=lambda n: -math.prod(shapes[n]))
+    rows = [{"name": n, "shape": list(shapes[n]), "layer": cell_of(n)[0], "module": cell_of(n)[1]} for n in names]
     return {"kind": src.kind, "value": src.value, "tensors": rows}
 
 
