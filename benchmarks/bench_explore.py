@@ -116,10 +116,11 @@ def main(argv: list[str] | None = None) -> int:
     out["tensor_mb"] = round(args.rows * args.cols * 4 / 1e6, 1)
     commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     dirty = bool(subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True).stdout.strip())
-    cmd = "OMP_NUM_THREADS=1 python benchmarks/bench_explore.py" + (" --overlay" if args.overlay else "") + (
+    cmd = "python benchmarks/bench_explore.py" + (" --overlay" if args.overlay else "") + (
         " --cold" if args.cold else "") + (f" --rows {args.rows}" if args.rows != 262_144 else "")
     out["provenance"] = {"command": cmd, "git": {"commit": commit, "dirty": dirty},
                          "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
+                                     "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
                                      "numpy": np.__version__}}
     print(json.dumps(out, indent=1))
     if not args.no_save:

@@ -18,7 +18,9 @@ def _404(exc: Exception) -> HTTPException:
 
 
 def make_router(settings: Any) -> APIRouter:
-    r = APIRouter(prefix="/api", tags=["explore"])
+    from app.api import responses
+
+    r = APIRouter(prefix="/api", tags=["explore"], responses=responses(401, 403, 404, 422, 500))
 
     @r.get("/results/{token}/tensors", summary="The tensors of a result (of one heatmap cell)")
     def list_tensors(token: str, layer: str | None = Query(None, max_length=64, description="row label: a block index or 'embeddings', 'final norm', 'lm_head'"),
@@ -49,7 +51,11 @@ def make_router(settings: Any) -> APIRouter:
             cell = None
             if name is None:
                 if layer is None:
-                    raise HTTPException(status_code=422, detail="name: give a tensor name, or layer and module of a cell")
+                    from app.api import spec_error_response
+                    from compute.contract.specs import SpecError
+
+                    return spec_error_response(SpecError([{"field": "name", "message":
+                                                            "give a tensor name, or layer and module of a cell"}]))
                 cell = cell_tensors(settings, token, layer, module)["tensors"]
                 if not cell:
                     raise NotReadable(f"layer, module: no tensor of this result is in cell ({layer}, {module})")

@@ -143,4 +143,4 @@ def test_bad_requests_name_what_is_missing(app_and_jobs):
     r = client.get(f"/api/results/{jobs['fisher']['token']}/tensor/view", params={"layer": "7", "module": "q"})
     assert r.status_code == 404 and "cell (7, q)" in r.json()["detail"]
     r = client.get(f"/api/results/{jobs['fisher']['token']}/tensor/view")
-    assert r.status_code == 422 and r.json()["detail"].startswith("name:")
+    assert r.status_code == 422 and r.json()["detail"][0]["field"] == "name"
