@@ -140,6 +140,6 @@ def _nan_none(v: float) -> float | None:
 
 def _block_fraction(mask: np.ndarray, nrows: int, rsize: int, cstart: np.ndarray, csizes: np.ndarray) -> np.ndarray:
     lr = np.arange(0, nrows, rsize)
-    s = np.add.reduceat(np.add.reduceat(mask.astype(np.int64), lr, axis=0), cstart, axis=1)
+    s = np.add.reduceat(np.add.reduceat(mask.view(np.uint8), lr, axis=0, dtype=np.int32), cstart, axis=1)
     rs = np.diff(np.append(lr, nrows))
     return s / (rs[:, None] * csizes[None, :])
