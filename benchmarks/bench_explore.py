@@ -121,6 +121,7 @@ def main(argv: list[str] | None = None) -> int:
     out["provenance"] = {"command": cmd, "git": {"commit": commit, "dirty": dirty},
                          "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                                      "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
+                                     "load_average_1min": round(os.getloadavg()[0], 2),
                                      "numpy": np.__version__}}
     print(json.dumps(out, indent=1))
     if not args.no_save:

@@ -337,7 +337,8 @@ def render_explore(data: dict[str, Any]) -> str:
     rows, cols = data["shape"]
     lines = [f"Tensor {rows:,} x {cols:,} float32 ({data['tensor_mb']:g} MB)"
              + (", file dropped from the page cache before the first open" if data.get("cold") else
-                ", file in the page cache") + ".", "",
+                ", file in the page cache") + f"; {data['provenance']['machine'].get('cpus')} cores, load average "
+             f"{data['provenance']['machine'].get('load_average_1min', '?')} at the end (other work shared them).", "",
              "| opened as | first open | its peak memory | cached open | view HTML from the cache | cached JSON |",
              "|---|---:|---:|---:|---:|---:|"]
     for r in data["runs"]:
