@@ -54,6 +54,16 @@ def _write(path: Path, name: str, rows: int, cols: int, seed: int) -> None:
     del x
 
 
+def _sha256(path: Path) -> str:
+    import hashlib
+
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 24), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 def _drop_cache(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:
@@ -82,10 +92,12 @@ def main(argv: list[str] | None = None) -> int:
         settings = Settings(fisherlens_home=home, database_url=None, redis_url=None)
         fisher = home / "fisher.safetensors"
         _write(fisher, name, args.rows, args.cols, 0)
+        inputs = {"fisher.safetensors": _sha256(fisher)}
         sources = [("fisher", Source("fisher", "Fisher", "max", True, {name: [fisher]}))]
         if args.overlay:
             delta = home / "delta.safetensors"
             _write(delta, name, args.rows, args.cols, 1)
+            inputs["delta.safetensors"] = _sha256(delta)
             src = Source("diff", "|delta|", "max", True, {name: [delta]}, fisher={name: fisher})
             sources.append(("diff with Fisher overlay", src))
         for job_id, (label, src) in enumerate(sources, start=1):
@@ -118,7 +130,9 @@ def main(argv: list[str] | None = None) -> int:
     dirty = bool(subprocess.run(["git", "status", "--porcelain"], cwd=ROOT, capture_output=True, text=True).stdout.strip())
     cmd = "python benchmarks/bench_explore.py" + (" --overlay" if args.overlay else "") + (
         " --cold" if args.cold else "") + (f" --rows {args.rows}" if args.rows != 262_144 else "")
+    # no model: the inputs are random tensors (lognormal, seeds 0 and 1); their files' sha256
     out["provenance"] = {"command": cmd, "git": {"commit": commit, "dirty": dirty},
+                         "models": {f"random {args.rows}x{args.cols} lognormal tensors": {"sha256": inputs}},
                          "machine": {"cpus": os.cpu_count(), "python": platform.python_version(),
                                      "omp_num_threads": os.environ.get("OMP_NUM_THREADS"),
                                      "load_average_1min": round(os.getloadavg()[0], 2),

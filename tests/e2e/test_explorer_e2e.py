@@ -20,6 +20,7 @@ import threading
 import time
 import urllib.request
 import xml.etree.ElementTree as ET
+import zipfile
 from pathlib import Path
 
 import numpy as np
@@ -208,6 +209,26 @@ def test_compare_of_two_fishers_shows_the_hand_computed_jaccard(browser, app):
                            ".every(f => f.querySelector('.main-svg'))")
     page.wait_for_timeout(300)
     page.screenshot(path=str(ARTIFACTS / "explorer-compare.png"))
+    # the two results side by side: every table inside its column (none cut off), every title
+    # inside its figure (long ones wrap), the slider below the x axis title
+    page.wait_for_function("() => [...document.querySelectorAll('#compare-figs-b figure.fl-fig')]"
+                           ".every(f => f.querySelector('.main-svg'))")
+    over = page.evaluate("""() => {
+      const out = [];
+      document.querySelectorAll('.fl-compare-side').forEach(col => {
+        const c = col.getBoundingClientRect();
+        col.querySelectorAll('.fl-table').forEach(t => {
+          if (t.getBoundingClientRect().right > c.right + 1) { out.push('table ' + t.innerText.slice(0, 40)); } });
+        col.querySelectorAll('figure.fl-fig').forEach(f => {
+          const r = f.getBoundingClientRect(), g = f.querySelector('.gtitle');
+          if (g && g.getBoundingClientRect().right > r.right + 1) { out.push('title ' + g.textContent); } });
+      });
+      return out;
+    }""")
+    assert over == [], over
+    page.eval_on_selector("#compare-head-a", "e => e.scrollIntoView()")
+    page.wait_for_timeout(300)
+    page.screenshot(path=str(ARTIFACTS / "explorer-compare-sides.png"))
     # the shared link opens the same numbers on a plain page
     page.goto(base + link)
     page.wait_for_selector("#fl-compare-cells")
@@ -261,6 +282,14 @@ def test_colour_bars_survive_tab_moves_and_no_cloud_button(browser, app):
     path = dl.value.path()
     root = ET.parse(path).getroot()
     assert root.tag.endswith("svg") and dl.value.suggested_filename.endswith(".svg")
+    # "download figures": every drawn figure of the result as SVG in one zip
+    n = page.eval_on_selector_all("#fl-view figure.fl-fig[data-drawn]", "els => els.length")
+    with page.expect_download() as dl:
+        page.click("#fl-view #fl-download-figs")
+    with zipfile.ZipFile(dl.value.path()) as z:
+        names = z.namelist()
+        assert len(names) == n and all(x.endswith(".svg") for x in names)
+        assert ET.fromstring(z.read(names[0])).tag.endswith("svg")
     # the share page: the same figures, the same buttons
     page.goto(f"{base}/r/{jobs['diff']['share_token']}")
     page.wait_for_selector("figure.fl-fig .main-svg")
