@@ -26,3 +26,22 @@ def test_jobs_table_has_a_duration_column():
            "started_at": "2026-12-03T11:00:00", "finished_at": "2026-12-03T11:00:42", "created_at": "2026-12-03T10:59:00"}
     html = jobs_table_html([job])
     assert "<th>duration</th>" in html and "<td class='fl-duration'>42 s</td>" in html
+
+
+def test_token_explorer_shows_the_share_link(tmp_path):
+    import json
+    from pathlib import Path
+
+    from app.ui import tokens
+    from compute.contract.jobresult import Heatmap, JobResult, LayerStat
+    from compute.contract.settings import Settings
+    from tests.unit.test_share import _job
+
+    settings = Settings(fisherlens_home=tmp_path, database_url=None, redis_url=None, public_url="http://fl.example")
+    raw = json.loads((Path(__file__).resolve().parents[1] / "fixtures" / "results" / "tokens.json").read_text())
+    result = JobResult(kind="tokens", summary=raw["summary"],
+                       layer_stats=[LayerStat(**r) for r in raw.get("layer_stats") or []],
+                       heatmaps=[Heatmap(**h) for h in raw.get("heatmaps") or []])
+    _, token = _job(settings, "succeeded", result, kind="tokens", spec={"model": "arith-base", "context": "1+1="})
+    progress, *_ = tokens.poll_tokens(settings, token, "")
+    assert f"<a href='http://fl.example/r/{token}' target='_blank'>" in progress and "Share this result" in progress
