@@ -21,6 +21,8 @@ import json
 import math
 from typing import Any
 
+from app.explore.js import DRAW_FN as DRAW_JS
+
 # The spec FIELDS that say what a result is about, in the order the header names them (field
 # names: "fisher" and "mask" here are the reference fields, not job kinds). A share link's job
 # names a reference given by server path by its label (app/figures/public.py), never the path.
@@ -65,6 +67,13 @@ _CSS = """
 .fl-result .fl-downloads{margin:.5rem 0}.fl-result .fl-downloads a{margin:0 .15rem}
 .fl-result details{margin:.5rem 0}.fl-result summary{cursor:pointer;color:#495057}
 .fl-result code{background:#f1f3f5;padding:0 .25rem;word-break:break-all}
+.fl-result .fl-download-figs{font-size:.8rem;font-weight:400;margin-left:.75rem}
+.fl-result figure.fl-fig[data-drill] .fl-plot{cursor:pointer}
+.fl-result .fl-table[data-tensors] tbody tr{cursor:pointer}
+.fl-result .fl-table[data-tensors] tbody tr:hover{background:#e7f5ff}
+.fl-result .fl-tensor{border:2px solid #4dabf7;border-radius:8px;padding:.25rem .75rem .75rem;margin:0 0 1rem;background:#f8fbff}
+.fl-result .fl-tensor h2{display:flex;justify-content:space-between;align-items:center;overflow-wrap:anywhere}
+.fl-compare-side{min-width:0!important;overflow-x:auto}
 .fl-progress{margin:.25rem 0}
 .fl-progress .fl-bar{height:14px;background:#e9ecef;border-radius:7px;overflow:hidden;max-width:40rem}
 .fl-progress .fl-fill{height:100%;background:#3b5bdb;transition:width .3s}
@@ -78,22 +87,9 @@ _CSS = """
 # each selector repeats its class three times (0,3,x), the same on the share page.
 CSS = _CSS.replace(".fl-result", ".fl-result.fl-result.fl-result").replace(".fl-progress", ".fl-progress.fl-progress.fl-progress")
 
-# Draw every figure not drawn yet under `root` (waits for plotly.js if it has not run yet).
-DRAW_FN = """
-function flDraw(root) {
-  const todo = root.querySelectorAll('figure.fl-fig:not([data-drawn])');
-  if (!todo.length) { return; }
-  if (!window.Plotly) { setTimeout(function () { flDraw(root); }, 30); return; }
-  todo.forEach(function (f) {
-    const data = f.querySelector('script.fl-fig-data');
-    const el = f.querySelector('.fl-plot');
-    if (!data || !el) { return; }
-    f.setAttribute('data-drawn', '1');
-    const fig = JSON.parse(data.textContent);
-    window.Plotly.newPlot(el, fig.data || [], fig.layout || {}, {responsive: true, displaylogo: false});
-  });
-}
-"""
+# Draw every figure not drawn yet under `root` (waits for plotly.js if it has not run yet), with
+# one Plotly config, SVG export, the drill-down clicks and "download figures" (app/explore/js.py).
+DRAW_FN = DRAW_JS
 PAGE_DRAW_JS = DRAW_FN + "window.addEventListener('DOMContentLoaded', function () { flDraw(document); });"
 # gr.HTML(js_on_load=...): `element` is the component; its value is replaced on every new view.
 COMPONENT_DRAW_JS = (DRAW_FN + "new MutationObserver(function () { flDraw(element); })"
@@ -226,20 +222,71 @@ def _script_json(obj: Any) -> str:
             .replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026"))
 
 
+def drillable(fig: dict[str, Any]) -> bool:
+    """A layer x module heatmap: its cells open their tensors (app/explore/)."""
+    layout = fig.get("layout") or {}
+
+    def axis_title(ax: str) -> str:
+        t = (layout.get(ax) or {}).get("title")
+        return str((t.get("text") if isinstance(t, dict) else t) or "")
+
+    return (any(tr.get("type") == "heatmap" for tr in fig.get("data") or [])
+            and axis_title("yaxis") == "layer" and axis_title("xaxis").startswith("module"))
+
+
+def file_stem(title: Any, i: int) -> str:
+    """A figure's export file name: its title in lower-case words joined by '-' (at most 60
+    characters), 'figure-<i>' without one."""
+    words = "".join(c if c.isalnum() else " " for c in str(title or "").lower()).split()
+    return "-".join(words)[:60].strip("-") or f"figure-{i}"
+
+
 def figures_html(figures: list[dict[str, Any]], prefix: str = "fl-fig") -> str:
     """Stored figures ({name, title, figure}) as `<figure id='{prefix}-{i}'>` blocks, each with its
-    Plotly JSON beside the element it is drawn into (`DRAW_FN`)."""
+    Plotly JSON beside the element it is drawn into (`DRAW_FN`); a layer x module heatmap is
+    marked `data-drill` (a click on a cell opens its tensor)."""
     return "".join(
-        f"<figure class='fl-fig' id='{esc(prefix)}-{i}'>"
+        f"<figure class='fl-fig' id='{esc(prefix)}-{i}' data-name='{esc(file_stem(f.get('title'), i))}'"
+        f"{' data-drill' if drillable(f['figure']) else ''}>"
         f"<figcaption>{esc(f.get('title'))}</figcaption><div class='fl-plot'></div>"
         f"<script type='application/json' id='{esc(prefix)}-{i}-data' class='fl-fig-data'>"
         f"{_script_json(f['figure'])}</script></figure>"
         for i, f in enumerate(figures))
 
 
+GROUP_HEADERS = ["group", "quantity", "value"]  # app/figures/tables.py: one card per group
+SETTINGS_TITLE = "Settings of this run"  # app/figures/tables.py: folded away
+
+
+def _grouped(t: dict[str, Any]) -> str:
+    """A (group, quantity, value) table as one card per group, the ungrouped rows first."""
+    groups: dict[str, list[list[Any]]] = {}
+    for g, q, v in t.get("rows") or []:
+        groups.setdefault(str(g or ""), []).append([q, v])
+    out = []
+    for g, rows in groups.items():
+        title = (t.get("title") or "") if not g else g
+        out.append(table_html(["quantity", "value"], rows, title))
+    return "".join(out)
+
+
 def tables_html(tables: list[dict[str, Any]]) -> str:
-    return "".join(table_html(t.get("headers") or [], t.get("rows") or [], t.get("title") or "")
-                   for t in tables)
+    """The result's tables; one whose first column is "tensor" is marked `data-tensors` (a click
+    on a row opens that tensor, app/explore/); a (group, quantity, value) table is one card per
+    group; the settings table is folded away."""
+    out = []
+    for t in tables:
+        headers = list(t.get("headers") or [])
+        if headers == GROUP_HEADERS:
+            h = _grouped(t)
+        else:
+            h = table_html(headers, t.get("rows") or [], t.get("title") or "")
+        if headers[:1] == ["tensor"]:
+            h = h.replace("<div class='fl-table'>", "<div class='fl-table' data-tensors>", 1)
+        if t.get("title") == SETTINGS_TITLE:
+            h = f"<details class='fl-run-settings'><summary>{esc(SETTINGS_TITLE)}</summary>{h}</details>"
+        out.append(h)
+    return "".join(out)
 
 
 def downloads_html(job: dict[str, Any], artifacts: list[dict[str, Any]]) -> str:
@@ -276,13 +323,18 @@ def result_html(payload: dict[str, Any], job: dict[str, Any] | None = None,
     settings. `payload`: app/figures/store.py's; `job`: the job fields (default: the payload's);
     `max_figures`: show only the first ones (the explorer), None = all (the share page)."""
     job = job or payload.get("job") or {}
-    parts = ["<div class='fl-result'>", meta_line(job), key_section(payload.get("numbers") or {})]
+    token = esc(job.get("share_token"))
+    download = esc(f"{job.get('kind')}-{job.get('id')}")
+    parts = [f"<div class='fl-result' data-token='{token}' data-download='{download}'>", meta_line(job),
+             key_section(payload.get("numbers") or {})]
     figs = payload.get("figures") or []
     if figs:
         shown = figs if max_figures is None else figs[:max_figures]
         more = (f"<p class='fl-meta'>{len(figs) - len(shown)} more figures on the share page.</p>"
                 if len(shown) < len(figs) else "")
-        parts.append(f"<section id='fl-figures'><h2>Figures</h2>{figures_html(shown, fig_prefix)}{more}</section>")
+        parts.append(f"<section id='fl-figures'><h2>Figures <a href='#' class='fl-download-figs' "
+                     f"id='fl-download-figs'>download figures (SVG, zip)</a></h2>"
+                     f"{figures_html(shown, fig_prefix)}{more}</section>")
     tables = payload.get("tables") or []
     if tables:
         parts.append(f"<section id='fl-tables'><h2>Tables</h2>{tables_html(tables)}</section>")

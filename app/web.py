@@ -67,9 +67,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(_RetryAfter)  # outermost: every 429 / 503, whoever answered it
     app.include_router(accounts.make_auth_router(settings))
     app.include_router(make_router(settings))
+    from app.explore.api import make_page_router as make_compare_page
+    from app.explore.api import make_router as make_explore_router
+
+    app.include_router(make_explore_router(settings))  # drill-down and compare (app/explore/)
 
     # /r/<token>: the server-rendered share page (app/share.py), outside the Gradio queue
     app.include_router(make_share_router(settings))
+    app.include_router(make_compare_page(settings))  # /r/<a>/compare/<b>
 
     app.mount("/fisherlens-static", StaticFiles(directory=str(ASSETS)), name="assets")
     _offline_docs(app)

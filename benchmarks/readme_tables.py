@@ -362,6 +362,25 @@ register("sweep_precision", "benchmarks/results/sweep_arith_base_precision/sweep
 register("sweep_deep_adamw", "benchmarks/results/sweep_arith_deep_base_adamw/sweep.json", render_sweep)
 register("sweep_deep_sgd", "benchmarks/results/sweep_arith_deep_base_sgd/sweep.json", render_sweep)
 register("bench_share", "benchmarks/results/bench_share-*.json", render_share)
+
+
+def render_explore(data: dict[str, Any]) -> str:
+    """Drill-down timings (benchmarks/bench_explore.py): first and cached open of one tensor."""
+    rows, cols = data["shape"]
+    lines = [f"Tensor {rows:,} x {cols:,} float32 ({data['tensor_mb']:g} MB)"
+             + (", file dropped from the page cache before the first open" if data.get("cold") else
+                ", file in the page cache") + f"; {data['provenance']['machine'].get('cpus')} cores, load average "
+             f"{data['provenance']['machine'].get('load_average_1min', '?')} at the end (other work shared them).", "",
+             "| opened as | first open | its peak memory | cached open | view HTML from the cache | cached JSON |",
+             "|---|---:|---:|---:|---:|---:|"]
+    for r in data["runs"]:
+        lines.append(f"| {r['source']} | {r['first_open_s']:.2f} s | {r.get('first_open_peak_mb', 0):g} MB | "
+                     f"{r['cached_open_s'] * 1000:.0f} ms | "
+                     f"{r['view_html_s'] * 1000:.0f} ms | {r['cache_json_bytes'] / 1e6:.2f} MB |")
+    return "\n".join(lines) + "\n"
+
+
+register("bench_explore", "benchmarks/results/bench_explore.json", render_explore)
 register("real_smollm2_retention", "benchmarks/results/real_smollm2/retention.json", render_retention)
 register("real_smollm2_sweep", "benchmarks/results/real_smollm2/sweep.json", render_sweep)
 

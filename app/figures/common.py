@@ -250,8 +250,23 @@ def curves_figure(
             "active": metrics.index(chosen),
         }])
     fig.update_xaxes(title_text=x_title, type="log" if log_x else "linear")
+    if x_title == "step":
+        integer_steps(fig)
     fig.update_yaxes(title_text=labels.get(chosen, chosen))
     return layout(fig, title)
+
+
+STEP_TICKS = 12  # at most this many distinct steps get one tick each
+
+
+def integer_steps(fig: go.Figure, **where: Any) -> None:
+    """A step axis never shows 1.5: a tick at each step when there are few, else whole-number
+    ticks ("d" format; Plotly's own spacing is then at least 1 apart)."""
+    steps = sorted({float(x) for tr in fig.data for x in (getattr(tr, "x", None) or ()) if finite(x) is not None})
+    if steps and len(steps) <= STEP_TICKS and all(s.is_integer() for s in steps):
+        fig.update_xaxes(tickmode="array", tickvals=steps, ticktext=[str(int(s)) for s in steps], **where)
+    elif steps:
+        fig.update_xaxes(tickformat="d", **where)
 
 
 # ---------------------------------------------------------------- tables

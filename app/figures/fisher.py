@@ -54,8 +54,12 @@ def concentration_figure(r: FisherResult) -> go.Figure:
     fig = go.Figure()
     fig.add_scatter(x=xs, y=ys, mode="lines+markers", name="Fisher",
                     hovertemplate="top %{x:.4g} of coordinates hold %{y:.4g} of the mass<extra></extra>")
-    fig.add_scatter(x=[0, 1], y=[0, 1], mode="lines", name="uniform", line={"dash": "dot", "color": "grey"})
     wide = min(xs) > 0 and max(xs) / max(min(xs), 1e-12) > 100
+    # uniform: the top x of the coordinates hold x of the mass, y = x; drawn at log-spaced points
+    # on a log axis (two end points (0, 0), (1, 1) there would show as a flat line at 1)
+    ref = ([min(xs) * (1.0 / min(xs)) ** (i / 60) for i in range(61)] if wide else [0.0, 1.0])
+    fig.add_scatter(x=ref, y=ref, mode="lines", name="uniform (y = x)", line={"dash": "dot", "color": "grey"},
+                    hovertemplate="uniform: top %{x:.4g} hold %{y:.4g}<extra></extra>")
     fig.update_xaxes(title_text="fraction of coordinates (top by Fisher)", type="log" if wide else "linear")
     fig.update_yaxes(title_text="share of Fisher mass", range=[0, 1.02])
     gini = r.summary.gini

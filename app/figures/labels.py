@@ -95,10 +95,22 @@ def _name_bars(trace: dict[str, Any]) -> None:
     trace[cat] = [OUTSIDE if c == NO_LAYER else c for c in trace[cat]]
 
 
+def group_name(label: Any) -> Any:
+    """A "layer/module" group label (the series' layer x module rows): "-/norm" -> "final norm",
+    "-/embed" -> "embeddings", the one naming of the rows outside the blocks; others unchanged."""
+    if isinstance(label, str) and label.startswith(f"{NO_LAYER}/"):
+        return module_row_name(label[len(NO_LAYER) + 1:])
+    return label
+
+
 def name_layers(fig: dict[str, Any]) -> dict[str, Any]:
     """Figure JSON with every "-" layer label replaced by a name (in place; also returned)."""
     for trace in fig.get("data") or []:
         kind = trace.get("type")
+        for ax in ("x", "y"):  # "layer/module" groups outside the blocks ("-/norm")
+            vals = trace.get(ax)
+            if isinstance(vals, list) and any(isinstance(v, str) and v.startswith(f"{NO_LAYER}/") for v in vals):
+                trace[ax] = [group_name(v) for v in vals]
         if kind == "heatmap":
             for axis_y in (True, False):
                 if NO_LAYER in list(trace.get("y" if axis_y else "x") or []):

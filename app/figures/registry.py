@@ -31,7 +31,7 @@ FigureBuilder = Callable[[Any], go.Figure | None]
 TableBuilder = Callable[[Any], Table]
 KeyNumbersBuilder = Callable[[Any, dict[str, Any]], None]
 EVERY_KIND = "*"  # registered for every kind, after the kind's own entries
-SHARED_MODULES = ("tables",)  # builders for every kind (EVERY_KIND)
+SHARED_MODULES = ("tables", "tensor_table")  # builders for every kind (EVERY_KIND), the per-tensor table
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from compute.jobs.series import (
 )
 
 from . import keynumbers as kn
-from .common import finite, layout
+from .common import finite, integer_steps, layout
 from .registry import figure, key_numbers, stored_heatmap, table
 
 SPARSITY_LABELS = {
@@ -44,6 +44,7 @@ def sparsity(r: SeriesResult) -> go.Figure | None:
     if not fig.data:
         return None
     fig.update_xaxes(title_text="step")
+    integer_steps(fig)
     fig.update_yaxes(title_text="unchanged fraction", range=[0, 1.02])
     atol = finite(r.summary.atol)
     return layout(fig, "Update sparsity over steps" + (f" (atol {atol:g})" if atol is not None else ""))
@@ -86,6 +87,7 @@ def sync(r: SeriesResult) -> go.Figure | None:
                                 hovertemplate="step %{x}: %{y:.4f}<extra></extra>")
         fig.update_yaxes(title_text="share / AUC", range=[0, 1.02], row=2, col=1)
     fig.update_xaxes(title_text="step", row=2 if fisher else 1, col=1)
+    integer_steps(fig)
     k = finite(r.summary.support_percent)
     title = "Sparse sync per step" + (f": Fisher top-{k:g}% support" if k is not None and fisher else "")
     return layout(fig, title, height=640 if fisher else 420)

@@ -55,10 +55,65 @@ def summary_rows(summary: Mapping[str, Any], prefix: str = "") -> list[list[Any]
     return rows
 
 
+# summary keys that say how the run was made, not what it found: the collapsed settings table
+SETTINGS_KEYS = ("settings", "conventions", "config")
+SETTINGS_TITLE = "Settings of this run"  # app/render.py folds a table of this title away
+GROUP_HEADERS = ["group", "quantity", "value"]  # app/render.py draws one card per group
+UNITS = (("_bytes", "bytes"), ("_seconds", "s"), ("_s", "s"), ("_mb", "MB"), ("_percent", "%"), ("_ms", "ms"))
+WORDS = {"auc": "AUC", "rms": "RMS", "topk": "top-k", "lr": "learning rate", "n": "number of", "pct": "%",
+         "kl": "KL", "bf16": "bf16", "fp32": "fp32", "std": "std", "id": "id", "sq": "squared", "abs": "absolute"}
+
+
+def quantity_label(key: str) -> str:
+    """A summary key as a person reads it, with its unit: 'dense_bytes_total' -> 'Dense total
+    (bytes)', 'mean_step_auc' -> 'Mean step AUC', 'n_params' -> 'Number of params'."""
+    unit = ""
+    base = key
+    if base.startswith("seconds_"):
+        base, unit = base[len("seconds_"):], "s"
+    for suffix, u in UNITS if not unit else ():
+        if base.endswith(suffix):
+            base, unit = base[: -len(suffix)], u
+            break
+        if f"{suffix}_" in base:  # dense_bytes_total
+            base, unit = base.replace(f"{suffix}_", "_", 1), u
+            break
+    words = [WORDS.get(w, w) for w in base.replace(".", " ").replace("%", " %").split("_") if w]
+    text = " ".join(words).strip() or key
+    text = text[0].upper() + text[1:]
+    return f"{text} ({unit})" if unit else text
+
+
+def _group_rows(summary: Mapping[str, Any], settings: bool) -> list[list[Any]]:
+    """(group, quantity, value) rows: top-level scalars under "" and each nested mapping under
+    its own label (its nested keys joined as words, never dotted); `settings`: only the
+    SETTINGS_KEYS mappings, else everything but them."""
+    rows: list[list[Any]] = []
+    for k, v in summary.items():
+        is_settings = k in SETTINGS_KEYS
+        if is_settings != settings:
+            continue
+        if isinstance(v, Mapping):
+            group = quantity_label(k)
+            for key, value in summary_rows(v):
+                rows.append([group, " / ".join(quantity_label(p) for p in str(key).split(".")), value])
+        else:
+            for key, value in summary_rows({k: v}):
+                rows.append(["", quantity_label(str(key)), value])
+    return rows
+
+
 @table(EVERY_KIND, "summary", title="Summary")
 def summary_table(r: TypedResult[Any]) -> Table:
-    """Every scalar of the summary, nested keys dotted (see summary_rows)."""
-    return ["key", "value"], summary_rows(r.raw_summary)
+    """Every scalar of the summary, labelled with its unit and grouped by the mapping it is in
+    (one card per group, app/render.py); the run's settings are their own table."""
+    return GROUP_HEADERS, _group_rows(r.raw_summary, settings=False)
+
+
+@table(EVERY_KIND, "settings", title=SETTINGS_TITLE)
+def settings_table(r: TypedResult[Any]) -> Table:
+    """The settings / conventions the run recorded, folded away under the result."""
+    return GROUP_HEADERS, _group_rows(r.raw_summary, settings=True)
 
 
 def layer_stats_table(result: Mapping[str, Any]) -> Table:

@@ -119,7 +119,7 @@ def _wire_page(demo: gr.Blocks, settings: Any, p: Page, rt: result.ResultTab, ct
     p.url_box.change(None, inputs=p.url_box, js=URL_JS)
     demo.load(bind(on_load, settings), inputs=None,
               outputs=[p.tabs, p.view_token, p.readonly, p.banner, rt.pick_row, *p.others, ct.a, ct.b,
-                       *compare.outputs(ct, p.url_box)[:4], *result_out], **FAST)
+                       ct.k, *compare.outputs(ct, p.url_box)[:5], *result_out], **FAST)
     demo.load(bind(who_am_i, settings), outputs=[p.user_box, jt.owner], **FAST)
     # a new token (a submitted job, the picker, re-run, new link): drawn unless already shown
     p.view_token.change(bind(result.follow, settings), inputs=state_in, outputs=result_out, **FAST)
@@ -184,7 +184,7 @@ def _wire_tabs(settings: Any, p: Page, rt: result.ResultTab, jt: jobs.JobsTab, k
 
     ab = [ct.a, ct.b]
     p.tab_compare.select(bind(compare.compare_choices, settings), inputs=ab, outputs=ab, **FAST)
-    ct.button.click(bind(compare.compare_view, settings), inputs=ab, outputs=compare.outputs(ct, p.url_box))
+    ct.button.click(bind(compare.compare_view, settings), inputs=[*ab, ct.k], outputs=compare.outputs(ct, p.url_box))
 
     p.tab_models.select(bind(models.models_table, settings), outputs=mt.table, **FAST)
     mt.button.click(bind(models.register, settings), inputs=[mt.path, mt.name], outputs=[mt.msg, mt.table])

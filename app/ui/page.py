@@ -53,6 +53,14 @@ def query(request: gr.Request | None) -> dict[str, str]:
     return dict(request.query_params) if request is not None else {}
 
 
+def _float(v: str | None, default: float) -> float:
+    try:
+        f = float(v) if v else default
+    except ValueError:
+        return default
+    return f if 0 < f <= 100 else default
+
+
 def on_load(settings: Any, request: gr.Request) -> list[Any]:
     """Everything the URL asks for, in one round trip: /r/<token> arrives as ?view=<token>
     (read-only), ?r=<token> (a result), ?tab=, ?a=&b= (compare). Updates for: tabs, view token,
@@ -68,9 +76,10 @@ def on_load(settings: Any, request: gr.Request) -> list[Any]:
             gr.Row(visible=not readonly), *[gr.Tab(visible=not readonly) for t in TABS if t != "result"]]
     a, b = q.get("a", ""), q.get("b", "")
     if tab == "compare":
-        pair = [*compare.compare_choices(settings, a, b), *compare.compare_view(settings, a, b)[:4]]
+        k = _float(q.get("k"), compare.DEFAULT_K)
+        pair = [*compare.compare_choices(settings, a, b), k, *compare.compare_view(settings, a, b, k)[:5]]
     else:
-        pair = [gr.skip()] * 6
+        pair = [gr.skip()] * 8
     shown = result.result_view(settings, token, "", readonly, force=True, base_url=result.base_of(request))
     if not readonly and not token:  # the picker is filled on load, not only after "Refresh list"
         shown[-1] = result.result_choices(settings)

@@ -73,6 +73,49 @@ def note_html(text: str, kind: str = "ok") -> str:
     return f"<div class='fl-note fl-note-{esc(kind)}'>{text}</div>"
 
 
+def _when(v: Any) -> Any:
+    from datetime import UTC, datetime
+
+    if not v:
+        return None
+    try:
+        t = datetime.fromisoformat(str(v).replace("Z", "+00:00"))
+    except ValueError:
+        return None
+    return t if t.tzinfo else t.replace(tzinfo=UTC)
+
+
+def span_text(seconds: float) -> str:
+    """'42 s', '3 min 5 s', '2 h 4 min'."""
+    s = max(0, int(round(seconds)))
+    if s < 120:
+        return f"{s} s"
+    if s < 7200:
+        return f"{s // 60} min {s % 60} s"
+    return f"{s // 3600} h {(s % 3600) // 60} min"
+
+
+def duration_html(job: dict[str, Any], now: Any = None) -> str:
+    """How long a job took (finished), has run so far and its ETA (running: the time left if it
+    keeps its average pace, elapsed x (1 - progress) / progress; shown from 5% progress on), or
+    has waited (queued)."""
+    from datetime import UTC, datetime
+
+    now = now or datetime.now(UTC)
+    started, finished, created = _when(job.get("started_at")), _when(job.get("finished_at")), _when(job.get("created_at"))
+    status = job.get("status")
+    if finished and started:
+        return span_text((finished - started).total_seconds())
+    if status == "running" and started:
+        elapsed = (now - started).total_seconds()
+        frac = float(job.get("progress") or 0.0)
+        eta = f", about {span_text(elapsed * (1 - frac) / frac)} left" if 0.05 <= frac < 1 else ""
+        return f"{span_text(elapsed)} so far{eta}"
+    if status == "queued" and created:
+        return f"waiting {span_text((now - created).total_seconds())}"
+    return ""
+
+
 def jobs_table_html(jobs: list[dict[str, Any]]) -> str:
     if not jobs:
         return "<div class='fl-note'>No jobs yet. Submit one in <b>New job</b>.</div>"
@@ -86,12 +129,13 @@ def jobs_table_html(jobs: list[dict[str, Any]]) -> str:
             f"<td><div class='fl-bar fl-bar-sm'><div class='fl-fill fl-{esc(j['status'])}' "
             f"style='width:{100 * frac:.0f}%'></div></div></td>"
             f"<td class='fl-msg' title='{esc(services.public_message(j.get('message')))}'>"
-            f"{esc(services.public_message(j.get('message')))}</td><td>{esc((j.get('created_at') or '')[:19])}</td>"
+            f"{esc(services.public_message(j.get('message')))}</td><td class='fl-duration'>{esc(duration_html(j))}</td>"
+            f"<td>{esc((j.get('created_at') or '')[:19])}</td>"
             f"<td><a href='/?{urlencode({'tab': 'result', 'r': j['share_token']})}'>open</a> &middot; "
             f"<a href='/r/{esc(j['share_token'])}' target='_blank'>share</a></td></tr>"
         )
     return ("<div class='fl-scroll'><table class='fl-jobs'><thead><tr><th>id</th><th>kind</th><th>about</th>"
-            "<th>status</th><th>progress</th><th>message</th><th>created (UTC)</th><th></th></tr></thead><tbody>"
+            "<th>status</th><th>progress</th><th>message</th><th>duration</th><th>created (UTC)</th><th></th></tr></thead><tbody>"
             + "".join(rows) + "</tbody></table></div>")
 
 

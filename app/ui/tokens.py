@@ -15,7 +15,7 @@ from app.ui.common import do_submit
 from app.ui.figs import figures_box, figures_html
 from app.ui.formtab import field_input
 from app.ui.result import job_by_token, stored_payload
-from app.ui.snippets import errors_html, progress_html
+from app.ui.snippets import errors_html, esc, progress_html
 from compute.contract.specs import SpecError
 from compute.jobs.tokens import KIND
 
@@ -85,7 +85,10 @@ def poll_tokens(settings: Any, token: str, sig: str) -> list[Any]:
     res = services.result_by_token(settings, token)
     payload = stored_payload(settings, meta) or {}
     choices = plots.token_choices(res) if res else []
-    return [progress_html(meta) + render.downloads_html(meta, payload.get("artifacts") or []),
+    link = services.share_url(settings, token, None)
+    share = (f"<p class='fl-meta' id='tokens-share'>Share this result: <a href='{esc(link)}' target='_blank'>"
+             f"{esc(link)}</a></p>")
+    return [progress_html(meta) + share + render.downloads_html(meta, payload.get("artifacts") or []),
             gr.Radio(choices=choices, value=None, visible=bool(choices)),
             f"<div class='fl-result'>{render.key_section(payload.get('numbers') or {})}"
             f"{figures_html(payload.get('figures') or [], 'tokens-fig')}</div>", new_sig]

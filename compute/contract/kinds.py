@@ -85,6 +85,39 @@ class KindForm:
 
 
 @dataclass(frozen=True)
+class TensorView:
+    """How the explorer opens a kind's tensors one at a time (app/explore/sources.py): the
+    values of each parameter, what they are, how a map of them is pooled, and what a Compare
+    of two such results compares.
+
+    artifact      the artifact kind holding the values (a safetensors file), or None
+    absolute      show |value| (a signed delta)
+    pair          (base field, tuned field): values = |tuned - base| read from the two
+                  checkpoints, when the artifact is absent (tuned may be a run folder, whose
+                  last checkpoint-<step> is read: `last_checkpoint`)
+    value         what a value is, for titles ("Fisher", "|delta|")
+    pool          "max" (a large value anywhere in a block shows) or "mean" (a mask: the kept fraction)
+    log           log colour scale
+    config_field  the model field whose config.json gives the attention heads
+    fisher_field  the field naming the Fisher the result was scored against (the overlays)
+    k_fields      spec fields holding the top-k percent the result was scored with
+    sets          two results of this kind compare as the sets they are (masks), not by rank
+    """
+
+    value: str
+    artifact: str | None = None
+    absolute: bool = False
+    pair: tuple[str, str] | None = None
+    last_checkpoint: bool = False
+    pool: str = "max"
+    log: bool = True
+    config_field: str | None = None
+    fisher_field: str | None = None
+    k_fields: tuple[str, ...] = ()
+    sets: bool = False
+
+
+@dataclass(frozen=True)
 class JobKind:
     """Everything a job kind is, in one value (declared as `KIND` in compute/jobs/<kind>.py).
 
@@ -106,6 +139,7 @@ class JobKind:
     form        the New job sub-tab, or None (no form: e.g. tokens has its own explorer tab)
     cli_args    spec fields taken as positional CLI arguments, in order (diff BASE TUNED)
     example     a small valid spec (tests validate it and price it; docs may show it)
+    tensors     how the explorer opens its tensors (TensorView), or None (nothing to open)
     """
 
     name: str
@@ -121,6 +155,7 @@ class JobKind:
     form: KindForm | None = None
     cli_args: tuple[str, ...] = ()
     example: Mapping[str, Any] = field(default_factory=dict)
+    tensors: TensorView | None = None
 
     def ref_fields(self, *targets: RefTarget) -> tuple[str, ...]:
         """The reference fields naming one of `targets` (all reference fields when none given)."""

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from compute.contract.kinds import JobKind, KindForm
+from compute.contract.kinds import JobKind, KindForm, TensorView
 from compute.contract.results import Contract, Family, Summary, TypedResult
 from compute.contract.specs import (
     ModelRef,
@@ -100,4 +100,6 @@ KIND = JobKind(
                   main=("base", "tuned", "fisher", "topk_percent")),
     cli_args=("base", "tuned"),
     example={"base": "arith-base", "tuned": "job:2"},
+    tensors=TensorView(value="|delta|", artifact="delta", absolute=True, pair=("base", "tuned"), config_field="base",
+                       fisher_field="fisher", k_fields=("topk_percent",)),
 )

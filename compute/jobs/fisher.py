@@ -11,7 +11,7 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field, model_validator
 
 from compute.contract.cost import fisher_passes
-from compute.contract.kinds import JobKind, KindForm
+from compute.contract.kinds import JobKind, KindForm, TensorView
 from compute.contract.results import Contract, Row, Summary, TypedResult
 from compute.contract.specs import (
     FisherKnobs,
@@ -115,4 +115,5 @@ KIND = JobKind(
                   main=("model", "task", "estimator", "prompts", "samples", "seed", "max_new_tokens",
                         "temperature", "exact_output")),
     example={"model": "arith-base", "prompts": 8, "samples": 2},
+    tensors=TensorView(value="Fisher", artifact="fisher", config_field="model"),
 )

@@ -11,7 +11,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from compute.contract.cost import COST_PROMPT_TOKENS
-from compute.contract.kinds import JobKind, KindForm
+from compute.contract.kinds import JobKind, KindForm, TensorView
 from compute.contract.results import Contract, Summary, TypedResult
 from compute.contract.specs import (
     Device,
@@ -97,4 +97,5 @@ KIND = JobKind(
     form=KindForm(tab="Mask", button="Build mask", cost=False,
                   main=("fisher", "select", "density", "model", "seed")),
     example={"fisher": "job:1", "density": 0.05},
+    tensors=TensorView(value="mask (1 = kept)", artifact="mask", pool="mean", log=False, config_field="model", sets=True),
 )

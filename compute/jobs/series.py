@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from compute.contract.kinds import JobKind, KindForm
+from compute.contract.kinds import JobKind, KindForm, TensorView
 from compute.contract.results import Contract, Family, Summary, TypedResult
 from compute.contract.specs import ModelRef, Spec
 
@@ -95,6 +95,8 @@ KIND = JobKind(
                   main=("base", "run_dir", "fisher", "support_percent", "atol")),
     cli_args=("base", "run_dir"),
     example={"base": "arith-base", "run_dir": "job:2"},
+    tensors=TensorView(value="|delta| (last checkpoint)", pair=("base", "run_dir"), last_checkpoint=True,
+                       config_field="base", fisher_field="fisher", k_fields=("support_percent",)),
 )
 
 

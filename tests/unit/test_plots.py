@@ -179,7 +179,7 @@ def test_tables():
     h, rows = plots.overlap_table(res)
     assert h[0] == "scope" and rows[1] == ["q", 0.1, 0.6]
     h, rows = plots.summary_table(res)
-    assert ["base_reward", 0.2] in rows
+    assert h == ["group", "quantity", "value"] and ["", "Base reward", 0.2] in rows
 
 
 def test_token_figures_and_choices():

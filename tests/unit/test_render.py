@@ -110,7 +110,9 @@ def test_every_stored_kind_renders_without_raw_dicts_or_markdown(kind):
     if kind in ("sweep", "retention"):
         assert "markdown" not in page  # the copy of the points table as text
     if kind == "train":
-        assert "bound.bound_ratio_quantiles" not in page and ">bound.bound_max_ratio<" in page
+        # grouped: one card per nested mapping, labelled quantities, never a dotted key
+        assert "bound.bound" not in page and "<div class='fl-table-title'>Bound</div>" in page
+        assert ">Bound max ratio<" in page
 
 
 def test_cells_are_people_text():

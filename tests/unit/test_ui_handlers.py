@@ -152,8 +152,10 @@ def test_compare_shows_stored_figures_with_layer_names_and_one_colour_range(sett
     other = _fisher_result()
     other.heatmaps[0].z[0][1] = 4.0  # the right side's q cell is 16x the left one's
     _, b = _job(settings, "succeeded", other)
-    head_a, figs_a, head_b, figs_b, url = compare.compare_view(settings, a, b)
-    assert "Fisher result" in head_a and "Fisher result" in head_b and url == f"/?tab=compare&a={a}&b={b}"
+    head_a, figs_a, head_b, figs_b, computed, url = compare.compare_view(settings, a, b)
+    assert "Fisher result" in head_a and "Fisher result" in head_b and url == f"/?tab=compare&a={a}&b={b}&k=1"
+    # results without stored tensors: no computed comparison, and the reason
+    assert "No computed comparison" in computed and "stored no fisher tensors" in computed
     # each side leads with its key numbers, as the share page does
     assert "id='fl-key'" in head_a and "Fisher mass in the top 1% of coordinates" in head_b
     left, right = _figs(figs_a), _figs(figs_b)
