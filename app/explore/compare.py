@@ -133,13 +133,13 @@ def _num(v: Any) -> float | None:
 
 
 def _heatmap(cells: list[dict[str, Any]], value: str, title: str, colour: str, **trace: Any) -> dict[str, Any]:
-    from app.explore.view import _fig
+    from app.explore.view import figure_json
 
     z, mods, rows = _grid(cells, value)
     tr = {"type": "heatmap", "z": z, "x": mods, "y": rows, "colorscale": colour, "hoverongaps": False,
           "hovertemplate": f"layer %{{y}}, module %{{x}}<br>{value.replace('_', ' ')} = %{{z:.4g}}<extra></extra>",
           **trace}
-    return {"name": value, "title": title, "figure": _fig(
+    return {"name": value, "title": title, "figure": figure_json(
         [tr], title, max(320, 26 * len(rows) + 150), {"title": {"text": "module type"}, "type": "category"},
         {"title": {"text": "layer"}, "type": "category", "autorange": "reversed"})}
 

@@ -178,11 +178,11 @@ class JobFiles:
 def job_files(settings: Any, token: str) -> JobFiles:
     """The job of a share token if this caller may read it (NotReadable otherwise)."""
     from app.services.common import sessions
-    from app.services.results import _readable_by_token
+    from app.services.results import readable_by_token
     from storage.models import ArtifactRow
 
     with sessions(settings)() as s:
-        job = _readable_by_token(settings, s, token)
+        job = readable_by_token(settings, s, token)
         if job is None:
             raise NotReadable(f"token: no result with share token {token!r}")
         rows = s.query(ArtifactRow).filter(ArtifactRow.job_id == job.id).all()

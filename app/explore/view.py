@@ -166,7 +166,7 @@ def _r(v: Any) -> Any:
     return v
 
 
-def _fig(data: list[dict[str, Any]], title: str, height: int = 360, xaxis: dict[str, Any] | None = None,
+def figure_json(data: list[dict[str, Any]], title: str, height: int = 360, xaxis: dict[str, Any] | None = None,
          yaxis: dict[str, Any] | None = None, **layout: Any) -> dict[str, Any]:
     """Plotly figure JSON written directly (plotly's validation of 40k-cell maps costs seconds;
     these are the same keys it would write)."""
@@ -195,7 +195,7 @@ def figures(v: dict[str, Any]) -> list[dict[str, Any]]:
           "hoverongaps": False, "colorbar": {"title": {"text": f"log10 {unit}" if log else unit}},
           "hovertemplate": f"rows %{{y}}, columns %{{x}}<br>{how} {unit} = %{{customdata:.4g}}<extra></extra>"}
     title = f"{v['name']}: {unit}, {how} over {block} blocks" + (" (log colour)" if log else "")
-    out.append({"name": "tensor_map", "title": title, "figure": _fig(
+    out.append({"name": "tensor_map", "title": title, "figure": figure_json(
         [hm], title, 520, _axis("input column", type="category"),
         _axis("output row", type="category", autorange="reversed"))})
     for axis, what in (("row_marginal", "output row"), ("col_marginal", "input column")):
@@ -207,14 +207,14 @@ def figures(v: dict[str, Any]) -> list[dict[str, Any]]:
               "name": what, "hovertemplate": f"{what} %{{x}}: sum %{{y:.4g}}<extra></extra>"}
         ytitle = f"sum of {unit}" + (" (mean over blocks)" if sizes != {1} else "")
         t = f"Sum of {unit} per {what}" + (f" (blocks of {max(sizes)})" if sizes != {1} else "")
-        out.append({"name": axis, "title": t, "figure": _fig(
+        out.append({"name": axis, "title": t, "figure": figure_json(
             [tr], t, 300, _axis(f"{what} index"), _axis(ytitle, type="log" if log else "linear"))})
     if v.get("heads"):
         h = v["heads"]
         tr = {"type": "bar", "x": list(range(len(h["sum"]))), "y": _r(h["sum"]),
               "hovertemplate": "head %{x}: sum %{y:.4g}<extra></extra>"}
         t = f"Sum of {unit} per attention head ({h['what']}, split along the {h['axis']})"
-        out.append({"name": "heads", "title": t, "figure": _fig(
+        out.append({"name": "heads", "title": t, "figure": figure_json(
             [tr], t, 300, _axis(h["what"].rstrip("s"), dtick=1), _axis(f"sum of {unit}"))})
     hist = v["histogram"]
     if hist["counts"]:
@@ -224,7 +224,7 @@ def figures(v: dict[str, Any]) -> list[dict[str, Any]]:
               "hovertemplate": "log10 value %{x}: %{y} coordinates<extra></extra>"}
         t = (f"Histogram of log10 {unit} ({hist['zeros']:,} zeros"
              + (f", {hist['negative']:,} negative" if hist["negative"] else "") + " not shown)")
-        out.append({"name": "histogram", "title": t, "figure": _fig(
+        out.append({"name": "histogram", "title": t, "figure": figure_json(
             [tr], t, 300, _axis(f"log10 {unit}"), _axis("coordinates"))})
     if v.get("overlay"):
         out += overlay_figures(v)
@@ -244,7 +244,7 @@ def overlay_figures(v: dict[str, Any]) -> list[dict[str, Any]]:
           "hovertemplate": "row %{customdata[0]}, column %{customdata[1]}<br>F %{x:.3e}, |delta| %{y:.3e}<extra></extra>"}
     zero = len(sc["fisher"]) - len(pts)
     t = f"|delta| against F, {len(pts):,} sampled coordinates ({zero:,} with F = 0 or |delta| = 0 not on log axes)"
-    out.append({"name": "overlay_scatter", "title": t, "figure": _fig(
+    out.append({"name": "overlay_scatter", "title": t, "figure": figure_json(
         [tr], t, 420, _axis("Fisher F", type="log"), _axis("|delta|", type="log"))})
     data = []
     for key, label in (("top_delta", f"top-{o['k_percent']:g}% |delta|"), ("changed", "changed (|delta| > 0)")):
@@ -257,7 +257,7 @@ def overlay_figures(v: dict[str, Any]) -> list[dict[str, Any]]:
                  "line": {"dash": "dot", "color": "grey"}})
     n = f"{o['sample']:,} sampled coordinates" if o["sampled"] else "all coordinates"
     t = f"ROC of the Fisher for the updated coordinates of this tensor ({n})"
-    out.append({"name": "overlay_roc", "title": t, "figure": _fig(
+    out.append({"name": "overlay_roc", "title": t, "figure": figure_json(
         data, t, 420, _axis("false positive rate", range=[0, 1]), _axis("true positive rate", range=[0, 1.02]),
         legend={"x": 0.98, "xanchor": "right", "y": 0.05, "yanchor": "bottom"})})
     m = v["map"]
@@ -279,7 +279,7 @@ def overlay_figures(v: dict[str, Any]) -> list[dict[str, Any]]:
     else:
         t = (f"Changed coordinates per block, outlined where the top-{o['k_percent']:g}% Fisher of this tensor "
              "is denser than uniform")
-    out.append({"name": "overlay_mask", "title": t, "figure": _fig(
+    out.append({"name": "overlay_mask", "title": t, "figure": figure_json(
         data, t, 520, _axis("input column", type="category"), _axis("output row", type="category", autorange="reversed"),
         legend={"orientation": "h", "y": -0.15})})
     return out

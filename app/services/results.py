@@ -11,7 +11,7 @@ from app.services.jobs import visible_job
 from storage import repo
 
 
-def _readable_by_token(settings: Any, s: Any, token: str) -> Any:
+def readable_by_token(settings: Any, s: Any, token: str) -> Any:
     """The job of a share token if this caller may read its result, else None."""
     from app import auth
 
@@ -36,7 +36,7 @@ def result_by_token(settings: Any, token: str) -> dict[str, Any] | None:
     A share link is public: a model, run folder or file the spec named by a server path is shown
     by its label ('grpo (local folder)', app/figures/public.py), in the spec and the summary."""
     with sessions(settings)() as s:
-        return _result(settings, s, _readable_by_token(settings, s, token), by_token=True)
+        return _result(settings, s, readable_by_token(settings, s, token), by_token=True)
 
 
 def result_by_id(settings: Any, job_id: int) -> dict[str, Any] | None:
@@ -47,7 +47,7 @@ def result_by_id(settings: Any, job_id: int) -> dict[str, Any] | None:
 
 def _artifact_row(settings: Any, token: str, kind: str) -> Any:
     with sessions(settings)() as s:
-        job = _readable_by_token(settings, s, token)
+        job = readable_by_token(settings, s, token)
         if job is None:
             return None
         return repo.get_artifact(session=s, job_id=job.id, kind=kind)
