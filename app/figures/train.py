@@ -7,6 +7,7 @@ from typing import Any
 
 import plotly.graph_objects as go
 
+from compute.contract import precision
 from compute.contract.results import TypedResult
 from compute.jobs.train import (
     BOUND_HIST,
@@ -154,10 +155,19 @@ def key_numbers_train(r: TrainResult, out: dict[str, Any]) -> None:
         items.append(kn.item("Trainable fraction (mask density)", kn.pct(s.trainable_fraction)))
     us = s.update_sparsity or {}
     if finite(us.get("unchanged_exact")) is not None:
-        # both sides are the stored weights (the base rounded like the checkpoint): exact fits
+        # both sides are the stored weights (the base cast to the checkpoint's dtype): the
+        # headline policy (compute.contract.precision) names the precision they were compared in
         dt = us.get("stored_dtype")
-        note = f"{dt} checkpoint vs the base stored alike" if dt else ""
-        items.append(kn.item("Stored weights exactly unchanged", kn.pct(us["unchanged_exact"]), note))
+        c = ({"rule": us["comparison_rule"], "comparison_dtype": us.get("comparison_dtype")}
+             if us.get("comparison_rule") else None)
+        if precision.is_exact(c):
+            note = f"{dt} checkpoint vs the base stored alike" if dt else ""
+        else:
+            sd = us.get("stored_dtypes") or {}
+            note = (f"base stored in {sd.get('base')}, checkpoint in {sd.get('checkpoint')}: the base cast "
+                    f"to {us.get('comparison_dtype')}, then compared")
+        items.append(kn.item(precision.unchanged_label(c, "Stored weights unchanged"),
+                             kn.pct(us["unchanged_exact"]), note))
     _bound_item(r, out)
 
 

@@ -79,6 +79,8 @@ class SweepPoint(Row):
     precision: str
     unchanged_bf16: float | None = None
     unchanged_exact: float | None = None
+    unchanged_common: float | None = None  # compute.contract.precision: in comparison_dtype
+    comparison_dtype: str | None = None
     fisher_auc_changed: float | None = None
     fisher_auc_changed_within_binades: float | None = None
     fisher_auc_gradient: float | None = None

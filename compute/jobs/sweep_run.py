@@ -79,6 +79,10 @@ def point_row(precision: str, optimizer: str, lr: float, summary: dict[str, Any]
         "lr": lr, "optimizer": optimizer, "precision": precision,
         "stored_dtype": us.get("stored_dtype"),
         "unchanged_exact": us.get("unchanged_exact"),
+        # the headline policy (compute.contract.precision): in the lower of the base's and the
+        # checkpoint's precisions (compute.jobs.train_run._headline_convention)
+        "unchanged_common": us.get("unchanged_common", us.get("unchanged_exact")),
+        "comparison_dtype": us.get("comparison_dtype"),
         "unchanged_bf16": us.get("unchanged_bf16"),
         "unchanged_bf16delta_atol_1e-05": us.get("unchanged_bf16delta_atol_1e-05"),
         "unchanged_atol_1e-05": us.get("unchanged_atol_1e-05"),
@@ -103,7 +107,8 @@ def markdown_table(points: list[dict[str, Any]]) -> str:
     """The sweep as a markdown table (fractions with 3 decimals, '-' where undefined; pipes in
     headers escaped)."""
     cols = [("precision", "precision"), ("optimizer", "optimizer"), ("lr", "lr"),
-            ("unchanged_bf16", "unchanged (bf16)"), ("unchanged_exact", "unchanged (stored, exact)"),
+            ("unchanged_common", "unchanged (lower stored precision)"), ("comparison_dtype", "compared in"),
+            ("unchanged_bf16", "unchanged (bf16)"),
             ("unchanged_bf16delta_atol_1e-05", r"\|Δbf16\| ≤ 1e-5"),
             ("unchanged_atol_1e-05", r"\|Δfp32\| ≤ 1e-5"),
             ("fisher_auc_changed", "Fisher AUC changed"),
@@ -118,6 +123,7 @@ def markdown_table(points: list[dict[str, Any]]) -> str:
             return f"{v:g}"
         return f"{v:.3f}" if isinstance(v, float) else str(v)
 
+    cols = [(k, t) for k, t in cols if any(p.get(k) is not None for p in points)]  # none: stored before
     lines = ["| " + " | ".join(t for _, t in cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(cell(k, p.get(k)) for k, _ in cols) + " |" for p in points]
     return "\n".join(lines) + "\n"

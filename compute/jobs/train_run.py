@@ -110,6 +110,21 @@ def update_sparsity(
     return out
 
 
+def _headline_convention(us: dict[str, Any], base_dtype: str, stored_dtype: str) -> None:
+    """The headline policy (compute.contract.precision) for a run's update sparsity: the base was
+    cast to the checkpoint's stored dtype before the comparison (stored_state), i.e. both sides are
+    in the lower of the two precisions, so the exact count of that comparison is the policy's
+    "unchanged"; the convention records the base's own dtype so the headline says so."""
+    from compute.contract.precision import comparison
+
+    c = comparison({base_dtype}, {stored_dtype}, sides=("base", "checkpoint"))
+    us["unchanged_common"] = us.get("unchanged_exact")
+    us["comparison"] = c["comparison"]
+    us["comparison_dtype"] = c["comparison_dtype"]
+    us["comparison_rule"] = c["rule"]
+    us["stored_dtypes"] = c["stored_dtypes"]
+
+
 def _load(ref: Ref | str, spec: Any) -> tuple[Any, Any]:
     from compute.lm.causal_lm import load_model, resolve_device
 
@@ -229,6 +244,7 @@ def train_job(
     _record_run(run, res)
     run.summary["update_sparsity"] = update_sparsity(stored_base, stored_state(model, spec.precision), fisher)
     run.summary["update_sparsity"]["stored_dtype"] = res.settings["stored_dtype"]
+    _headline_convention(run.summary["update_sparsity"], run.summary["base_dtype"], res.settings["stored_dtype"])
     # issue 18: the precision the run computed in and its checkpoint is stored in
     run.summary["compute_dtype"] = "bfloat16" if spec.precision == "bf16" else "float32"
     run.summary["stored_dtype"] = res.settings["stored_dtype"]
@@ -287,6 +303,7 @@ def _start(spec: TrainSpec, progress: Any, refs: Refs | None = None) -> _Run:
     model_ref = ref_of(refs, "model", spec.model)
     assert model_ref is not None  # the spec requires a model
     model, tok = _load(model_ref, spec)
+    base_dtype = str(next(model.parameters()).dtype).replace("torch.", "")  # the base as loaded
     prepare_precision(model, spec.precision)
     teacher = None
     if spec.algo == "opd":
@@ -295,7 +312,8 @@ def _start(spec: TrainSpec, progress: Any, refs: Refs | None = None) -> _Run:
         teacher, ttok = _load(teacher_ref, spec)
         check_same_tokenizer(tok, ttok)
     config = config_from_spec(spec, track_gradients=spec.concentration)
-    summary = {"model": spec.model, "task": spec.task, "algo": spec.algo, "precision": spec.precision}
+    summary = {"model": spec.model, "task": spec.task, "algo": spec.algo, "precision": spec.precision,
+               "base_dtype": base_dtype}
     return _Run(spec, progress, model, tok, task, teacher, config, JobResult(kind="train", summary=summary),
                 refs)
 

@@ -198,36 +198,21 @@ def threshold_labels() -> list[str]:
 
 
 def lower_precision(a: torch.dtype, b: torch.dtype) -> torch.dtype:
-    """The float dtype with fewer mantissa bits (larger eps): the precision two checkpoints stored
-    in `a` and `b` can both be compared in (bfloat16 for float32 vs bfloat16; a when equal)."""
-    if a == b:
-        return a
-    return a if torch.finfo(a).eps >= torch.finfo(b).eps else b
+    """The float dtype with fewer mantissa bits (compute.contract.precision.lower_precision): the
+    precision two checkpoints stored in `a` and `b` can both be compared in."""
+    from compute.contract.precision import lower_precision as lower
+
+    return a if a == b else getattr(torch, lower(a, b))
 
 
 def comparison_convention(base_dtypes: set[str], tuned_dtypes: set[str]) -> dict[str, Any]:
-    """How a diff of checkpoints stored in these (float) dtypes should count "unchanged":
-    exact equality when both are stored alike, else equality after casting both to the lower
-    stored precision (exact equality across precisions counts every rounding as a change).
+    """How a diff of checkpoints stored in these (float) dtypes counts "unchanged": the one
+    headline policy of every kind (compute.contract.precision.comparison).
 
-    -> {"stored_dtypes": {"base", "tuned"}, "comparison_dtype", "comparison": text}."""
-    def name(ds: set[str]) -> str:
-        return "+".join(sorted(ds)) or "none"
+    -> {"stored_dtypes": {"base", "tuned"}, "comparison_dtype", "rule", "comparison": text}."""
+    from compute.contract.precision import comparison
 
-    out: dict[str, Any] = {"stored_dtypes": {"base": name(base_dtypes), "tuned": name(tuned_dtypes)}}
-    if base_dtypes == tuned_dtypes and len(base_dtypes) <= 1:
-        d = name(base_dtypes)
-        out["comparison_dtype"] = d
-        out["comparison"] = f"exact equality: both checkpoints are stored in {d}"
-        return out
-    lows = {str(lower_precision(getattr(torch, a), getattr(torch, b))).replace("torch.", "")
-            for a in base_dtypes for b in tuned_dtypes}
-    low = name(lows) if len(lows) > 1 else next(iter(lows), "none")
-    out["comparison_dtype"] = low if len(lows) == 1 else f"per tensor ({low})"
-    out["comparison"] = (f"both cast to {low}, the lower of the stored precisions (base "
-                         f"{name(base_dtypes)}, tuned {name(tuned_dtypes)}): exact equality across "
-                         "precisions would count every weight that storage rounding moved as changed")
-    return out
+    return comparison(base_dtypes, tuned_dtypes)
 
 
 def half_ulp_bf16(w: torch.Tensor) -> torch.Tensor:

@@ -65,6 +65,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from compute.contract import precision
 from compute.contract.jobresult import null_progress
 from compute.sparsity import series_kernel
 from compute.sparsity.masks import group_key, n_keep, topk_mask
@@ -538,8 +539,13 @@ def tensor_counts(
         st["unchanged_exact"] = float(n - changed)
         if both16[j]:
             st["unchanged_bf16"] = float(n - changed)  # bf16 equality is equality
+        st["unchanged_common"] = _unchanged_common(cur, ref, st)
+        st["sq_common"] = st["sq_sum"]  # the delta in the compared precision (recast in _PointAcc.add)
+        low = precision.lower_precision(cur.dtype, ref.dtype)
         st["dense_bytes"] = float(n * item)
-        st["sparse_bytes"] = float(changed * (idx_bytes + item))
+        # indices + values of the coordinates changed in the compared precision, values in it
+        st["sparse_bytes"] = precision.sparse_sync_bytes(n - st["unchanged_common"], n, low)
+        st["sync_bytes"] = min(st["sparse_bytes"], st["dense_bytes"])  # the cheaper, per tensor
         rf = ref.flatten()
         if c_support is not None and support is not None:
             g = c_support - rf.index_select(0, support).float()  # the float32 delta on S
@@ -552,6 +558,25 @@ def tensor_counts(
             labels = _not_equal(c_sample, rf.index_select(0, sample) if sample is not None else rf)
         out.append((st, labels))
     return out
+
+
+def _unchanged_common(cur: torch.Tensor, ref: torch.Tensor, st: Mapping[str, float]) -> float:
+    """Coordinates equal in the lower of the two stored precisions (compute.contract.precision):
+    exact equality for one dtype, the bf16 count for bfloat16 against a wider dtype, else both
+    cast (float16, float8: rare, through PyTorch)."""
+    if cur.dtype == ref.dtype:
+        return st["unchanged_exact"]
+    low = precision.lower_precision(cur.dtype, ref.dtype)
+    if low == "bfloat16":
+        return st["unchanged_bf16"]
+    tl = getattr(torch, low)
+    return float((cur.flatten().to(tl) == ref.flatten().to(tl)).sum())
+
+
+def _cast_pair(cur: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both sides in the lower of their precisions (each unchanged when already there)."""
+    low = getattr(torch, precision.lower_precision(cur.dtype, ref.dtype))
+    return (cur if cur.dtype == low else cur.to(low)), (ref if ref.dtype == low else ref.to(low))
 
 
 def _not_equal(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -569,20 +594,24 @@ def _not_equal(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 
 
-_SUMMED = ("numel", "unchanged_exact", "unchanged_bf16", "unchanged_atol", "unchanged_bf16delta_atol",
-           "sq_sum", "dense_bytes", "sparse_bytes", "support_size", "support_changed", "support_sq",
-           "support_bytes")
+_SUMMED = ("numel", "unchanged_exact", "unchanged_common", "unchanged_bf16", "unchanged_atol",
+           "unchanged_bf16delta_atol", "sq_sum", "sq_common", "dense_bytes", "sparse_bytes", "sync_bytes",
+           "support_size", "support_changed", "support_sq", "support_bytes")
 
 
 def _metrics(c: Mapping[str, float], atol: float) -> dict[str, float]:
     """Fractions and shares from summed counts. Key names follow compute.sparsity.diff."""
     n = c["numel"]
     nan = float("nan")
-    changed = n - c["unchanged_exact"]
+    common = c.get("unchanged_common", c["unchanged_exact"])
+    changed = n - common  # in the compared precision (compute.contract.precision)
+    sq = c.get("sq_common", c["sq_sum"])
     out = {
         "numel": n,
         "changed": changed,
-        "update_sparsity": c["unchanged_exact"] / n if n else nan,
+        "changed_exact": n - c["unchanged_exact"],
+        "update_sparsity": common / n if n else nan,
+        "unchanged_common": common / n if n else nan,
         "unchanged_exact": c["unchanged_exact"] / n if n else nan,
         "unchanged_bf16": c["unchanged_bf16"] / n if n else nan,
         f"unchanged_atol_{atol:g}": c["unchanged_atol"] / n if n else nan,
@@ -592,6 +621,7 @@ def _metrics(c: Mapping[str, float], atol: float) -> dict[str, float]:
         "dense_bytes": c["dense_bytes"],
         "sparse_bytes": c["sparse_bytes"],
         "sparse_ratio": c["sparse_bytes"] / c["dense_bytes"] if c["dense_bytes"] else nan,
+        "sync_bytes": c.get("sync_bytes", min(c["sparse_bytes"], c["dense_bytes"])),
     }
     if "support_size" in c:
         size, hit = c["support_size"], c["support_changed"]
@@ -602,7 +632,7 @@ def _metrics(c: Mapping[str, float], atol: float) -> dict[str, float]:
             "support_ratio": c["support_bytes"] / c["dense_bytes"] if c["dense_bytes"] else nan,
             "precision_at_k": hit / size if size else nan,
             "captured_count_share": hit / changed if changed else nan,
-            "captured_sq_share": c["support_sq"] / c["sq_sum"] if c["sq_sum"] > 0 else nan,
+            "captured_sq_share": c["support_sq"] / sq if sq > 0 else nan,
         })
     return out
 
@@ -737,28 +767,26 @@ class _PointAcc:
         # exactly
         self.ranked: dict[str, dict[str, tuple[list[float], int, int]]] = {p: {} for p in PAIRS}
         self.dtypes: dict[str, int] = {}
+        self.stored: dict[str, tuple[set[str], set[str]]] = {p: (set(), set()) for p in PAIRS}  # ref, cur
         self.seconds = 0.0
 
     def add(self, n: str, cur: torch.Tensor, base: torch.Tensor, prev: torch.Tensor, plan: _FisherPlan | None,
             config: SeriesConfig, work: _Work) -> None:
         dt = str(cur.dtype).replace("torch.", "")
         self.dtypes[dt] = self.dtypes.get(dt, 0) + cur.numel()
+        for pair, ref in zip(PAIRS, (base, prev), strict=True):
+            self.stored[pair][0].add(precision.dtype_name(ref.dtype))
+            self.stored[pair][1].add(dt)
         in_fisher = plan is not None and n in plan.support
+        if plan is not None and in_fisher and (base.dtype != cur.dtype or prev.dtype != cur.dtype):
+            self._add_mixed(n, cur, base, prev, plan, config, work)
+            return
         lib = series_kernel.kernel() if in_fisher else None
         arrays = [_as_numpy(t) for t in (cur, base, prev)] if lib is not None else []
         if plan is not None and lib is not None and all(a.dtype in (np.uint16, np.float32) for a in arrays):
             # the dense counts, then the Fisher's share in one C loop (gathers, labels, rank sums)
             res = tensor_counts(cur, [base, prev], config.atol, work)
-            sample = plan.sample[n]
-            m = cur.numel() if sample is None else sample.numel()
-            fp = series_kernel.fisher_pair(lib, arrays[0], arrays[1:], None if sample is None else sample.numpy(),
-                                           m, plan.rank_cols[n].numpy(), plan.support[n].numpy())
-            item = _itemsize(cur.dtype)
-            for pair, (counts, _), (sums2, npos, sup_changed, sup_sq) in zip(PAIRS, res, fp, strict=True):
-                counts.update(support_size=float(plan.support[n].numel()), support_changed=float(sup_changed),
-                              support_sq=sup_sq, support_bytes=float(plan.support[n].numel() * item))
-                self.per[pair][n] = counts
-                self.ranked[pair][n] = ([x / 2 for x in sums2], npos, m)
+            self._fisher_kernel(n, lib, arrays, plan, cur, [c for c, _ in res])
             return
         res = tensor_counts(cur, [base, prev], config.atol, work,
                             support=plan.support[n] if plan is not None and in_fisher else None,
@@ -769,8 +797,43 @@ class _PointAcc:
                 counts.update(support_size=0.0, support_changed=0.0, support_sq=0.0, support_bytes=0.0)
             self.per[pair][n] = counts
             if lab is not None and plan is not None:
-                sums = torch.mv(plan.rank_cols[n].t().double(), lab.to(torch.float64)).tolist()
-                self.ranked[pair][n] = ([x / 2 for x in sums], int(np.count_nonzero(_as_numpy(lab))), lab.numel())
+                self._rank(pair, n, plan, lab)
+
+    def _rank(self, pair: str, n: str, plan: _FisherPlan, lab: torch.Tensor) -> None:
+        sums = torch.mv(plan.rank_cols[n].t().double(), lab.to(torch.float64)).tolist()
+        self.ranked[pair][n] = ([x / 2 for x in sums], int(np.count_nonzero(_as_numpy(lab))), lab.numel())
+
+    def _fisher_kernel(self, n: str, lib: Any, arrays: list[np.ndarray], plan: _FisherPlan, cur: torch.Tensor,
+                       counts: list[dict[str, float]]) -> None:
+        sample = plan.sample[n]
+        m = cur.numel() if sample is None else sample.numel()
+        fp = series_kernel.fisher_pair(lib, arrays[0], arrays[1:], None if sample is None else sample.numpy(),
+                                       m, plan.rank_cols[n].numpy(), plan.support[n].numpy())
+        item = _itemsize(cur.dtype)
+        for pair, c, (sums2, npos, sup_changed, sup_sq) in zip(PAIRS, counts, fp, strict=True):
+            c.update(support_size=float(plan.support[n].numel()), support_changed=float(sup_changed),
+                     support_sq=sup_sq, support_bytes=float(plan.support[n].numel() * item))
+            self.per[pair][n] = c
+            self.ranked[pair][n] = ([x / 2 for x in sums2], npos, m)
+
+    def _add_mixed(self, n: str, cur: torch.Tensor, base: torch.Tensor, prev: torch.Tensor, plan: _FisherPlan,
+                   config: SeriesConfig, work: _Work) -> None:
+        """A tensor whose checkpoint and reference are stored at different precisions: the dense
+        counts as stored (every convention), the Fisher's share (changed labels, support, the
+        squared update it carries) with both sides cast to the lower precision
+        (compute.contract.precision): exact equality across precisions labels every rounded
+        weight "changed"."""
+        res = tensor_counts(cur, [base, prev], config.atol, work)
+        for pair, ref, (counts, _) in zip(PAIRS, (base, prev), res, strict=True):
+            c, r = _cast_pair(cur, ref)
+            (fc, lab), = tensor_counts(c, [r], config.atol, None, support=plan.support[n], sample=plan.sample[n],
+                                       want_labels=True)
+            counts.update({k: fc[k] for k in ("support_size", "support_changed", "support_sq")})
+            counts["support_bytes"] = float(plan.support[n].numel() * _itemsize(c.dtype))
+            counts["sq_common"] = fc["sq_sum"]
+            self.per[pair][n] = counts
+            assert lab is not None
+            self._rank(pair, n, plan, lab)
 
     def finish(self, ck: RunCheckpoint, plan: _FisherPlan | None, config: SeriesConfig) -> dict[str, Any]:
         dtypes = self.dtypes
@@ -787,6 +850,8 @@ class _PointAcc:
                                              sum(r[2] for r in rs))
                         groups[grouping].setdefault(g, {})["auc"] = auc
             point[pair] = groups
+            point[f"{pair}_precision"] = precision.comparison(*self.stored[pair], sides=(
+                "base" if pair == "vs_base" else "previous", "checkpoint"))
         if ck.trainer:
             point["trainer"] = ck.trainer
         return point

@@ -112,8 +112,8 @@ def test_series_of_a_trl_run_folder_from_the_form_with_its_share_link(browser, s
     points = summary["points"]
 
     figs = _figures(page)
-    # sparsity over steps: the exactly-unchanged fraction vs the base at each checkpoint
-    (vs_base,) = [t for t in figs["sparsity"] if t["name"] == "vs base: exactly unchanged"]
+    # sparsity over steps: the unchanged fraction (both fp32: exact) vs the base at each checkpoint
+    (vs_base,) = [t for t in figs["sparsity"] if t["name"] == "vs base: unchanged (exact)"]
     assert vs_base["x"] == [1, 2, 3]
     assert vs_base["y"] == pytest.approx([p["vs_base_update_sparsity"] for p in points])
     assert all(0.0 <= y < 1.0 for y in vs_base["y"])  # GRPO moved weights at every step

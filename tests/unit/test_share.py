@@ -393,7 +393,8 @@ def test_key_numbers_sweep_and_fisher_read_declared_fields():
         {"lr": 1e-5, "optimizer": "adamw", "precision": "bf16-mixed", "unchanged_bf16": 0.98,
          "fisher_auc_changed": 0.61, "reward_after": 0.3}]}})
     assert sweep["items"] == [{"label": "Points (lr x optimizer x precision)", "value": "1", "note": ""}]
-    assert sweep["table"]["rows"] == [["bf16-mixed", "adamw", "1e-05", "98%", "0.61", "30%"]]
+    # stored before issue 27 (no unchanged_common): the bf16 count, and the table says it is bf16
+    assert sweep["table"]["rows"] == [["bf16-mixed", "adamw", "1e-05", "98%", "bfloat16", "0.61", "30%"]]
     # a batch-estimator Fisher stores split_half_jaccard = None: the verdict says why there is none
     none = keynumbers.key_numbers({"kind": "fisher", "summary": {"split_half_jaccard": None, "top1%_share": 0.25}})
     assert none["verdict"]["level"] == "none" and none["items"][0]["value"] == "25%"
