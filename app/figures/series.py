@@ -9,6 +9,7 @@ from typing import Any
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
+from compute.contract import precision
 from compute.jobs.series import (
     CAPTURE_HEATMAP,
     FISHER,
@@ -18,8 +19,6 @@ from compute.jobs.series import (
     VS_PREV,
     SeriesResult,
 )
-
-from compute.contract import precision
 
 from . import keynumbers as kn
 from .common import finite, layout

@@ -476,7 +476,6 @@ def tensor_counts(
     work = work or _Work(min(chunk, cur.numel()))
     n = cur.numel()
     item = _itemsize(cur.dtype)
-    idx_bytes = 4 if n < 2**31 else 8
     t16, inclusive16 = bf16_round_threshold(atol)
     t16_32, atol32, zero = np.float32(t16), np.float32(atol), np.float32(0)
     le16 = np.less_equal if inclusive16 else np.less
