@@ -144,7 +144,10 @@ def _unchanged_table(s: DiffSummary) -> dict[str, Any] | None:
             continue  # shown next to the float32 row of the same atol
         if lab == "common" and _exact_comparison(s):
             continue  # the same numbers as the "exactly equal" row
-        row = [_common_name(s) if lab == "common" else _threshold_name(lab), kn.pct(v)]
+        name = _common_name(s) if lab == "common" else _threshold_name(lab)
+        if lab == "exact" and not _exact_comparison(s):  # the precision policy: a counter-number
+            name = "exactly equal across precisions (storage rounding counts as a change)"
+        row = [name, kn.pct(v)]
         if bf16:
             row.append(kn.pct(bf16[lab[5:]]) if lab.startswith("atol_") and lab[5:] in bf16 else "")
         rows.append(row)

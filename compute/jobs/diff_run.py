@@ -33,6 +33,9 @@ def _threshold_meta(label: str, precision: dict[str, Any] | None = None) -> dict
                 "threshold_label": f"exact equality ({low})" if exact else
                 f"equality in {low} (the lower stored precision)"}
     if label == "exact":
+        if (precision or {}).get("rule") == "cast":  # compute.contract.precision: a counter-number
+            return {"threshold": 0.0, "threshold_label": "exact equality across precisions (storage "
+                                                         "rounding counts as a change)"}
         return {"threshold": 0.0, "threshold_label": "exact equality"}
     if label == "bf16":
         return {"threshold_label": "equal after casting both to bf16"}

@@ -102,7 +102,7 @@ class Builder:
 
         self.get("mask")
         res = run_train.run(TrainSpec(model="arith-base", mask=str(self.tmp / "mask.safetensors"),
-                                      precision="bf16-mixed", lr=1e-2, **TINY))
+                                      precision="bf16-mixed", lr=1e-2, save_steps=1, **TINY))
         out = self.tmp / "trained"
         shutil.move(res.files["model"], out)
         return {"job": res, "dict": self.stored(res), "model": str(out)}
@@ -113,6 +113,15 @@ class Builder:
 
         tuned = self.get("train")["model"]
         res = run_diff.run(DiffSpec(base="arith-base", tuned=tuned, fisher=self._fisher_file()))
+        return {"job": res, "dict": self.stored(res)}
+
+    def _series(self) -> dict[str, Any]:
+        """The issue's series: the bf16 checkpoints of the masked bf16-mixed run vs the fp32 base."""
+        from compute.jobs import series as run_series
+        from compute.jobs.series import SeriesSpec
+
+        run_dir = self.get("train")["model"]
+        res = run_series.run(SeriesSpec(base="arith-base", run_dir=run_dir, fisher=self._fisher_file()))
         return {"job": res, "dict": self.stored(res)}
 
     def _diff_same(self) -> dict[str, Any]:
@@ -188,12 +197,37 @@ def expected_train(d: dict[str, Any]) -> dict[str, str]:
     out = {"Held-out accuracy before -> after":
            f"{pct(b)} -> {pct(a)} ({'+' if a >= b else ''}{100 * (a - b):.3g} points)",
            "Trainable fraction (mask density)": pct(s["trainable_fraction"]),
-           "Stored weights exactly unchanged": pct(s["update_sparsity"]["unchanged_exact"]),
+           _train_unchanged_label(s): pct(s["update_sparsity"]["unchanged_exact"]),
            "Precision": f"computed in {s['compute_dtype']}, stored in {s['stored_dtype']}"}
     if len(rewards) >= 2:
         out["Sample reward, first -> last step"] = f"{fmt(rewards[0][1])} -> {fmt(rewards[-1][1])}"
     if "bound_violations" in (s.get("bound") or {}):
         out["Cauchy-Schwarz bound, first batch"] = f"{s['bound']['bound_violations']:,} violations"
+    return out
+
+
+def _train_unchanged_label(s: dict[str, Any]) -> str:
+    us = s["update_sparsity"]
+    if us.get("comparison_rule", "exact") == "exact":
+        return "Stored weights exactly unchanged"
+    return f"Stored weights unchanged, compared in {us['comparison_dtype']}"
+
+
+def expected_series(d: dict[str, Any]) -> dict[str, str]:
+    s = d["summary"]
+    out = {"Checkpoints": str(len(s["steps"]))}
+    label = ("Weights exactly unchanged at the last checkpoint (vs base)" if s["comparison_rule"] == "exact"
+             else f"Weights unchanged at the last checkpoint (vs base), compared in {s['comparison_dtype']}")
+    out[label] = pct(s["final_update_sparsity"])
+    out["Unchanged per step (mean, step to step)"] = pct(s["mean_step_sparsity"])
+    ratio = s["sparse_bytes_total"] / s["dense_bytes_total"]
+    out["Sparse sync (indices + values) vs dense"] = pct(ratio) if ratio < 1 else f"{ratio:.3g}x dense"
+    if s["sync_bytes_total"] < s["sparse_bytes_total"]:
+        out["Cheaper of sparse and dense per tensor vs dense"] = pct(s["sync_bytes_total"] / s["dense_bytes_total"])
+    if s.get("support_bytes_total") is not None:
+        out["Fisher-support sync vs dense"] = pct(s["support_bytes_total"] / s["dense_bytes_total"])
+    if s.get("mean_step_auc") is not None:
+        out["Fisher AUC for the coordinates a step changes (mean)"] = fmt(s["mean_step_auc"])
     return out
 
 
@@ -241,7 +275,7 @@ def expected_retention(d: dict[str, Any]) -> dict[str, str]:
 
 EXPECTED: dict[str, Callable[[dict[str, Any]], dict[str, str]]] = {
     "fisher": expected_fisher, "mask": expected_mask, "train": expected_train, "diff": expected_diff,
-    "diff-same": expected_diff, "tokens": expected_tokens, "sweep": expected_sweep,
+    "diff-same": expected_diff, "tokens": expected_tokens, "sweep": expected_sweep, "series": expected_series,
     "retention": expected_retention}
 
 # figure titles that carry numbers of the result, computed here from the summary
@@ -421,3 +455,92 @@ def test_bf16_fisher_states_its_error_against_float32(built):
     assert "Computed in bfloat16" in warning and fmt(err["relative_l1"]) in warning
     prec = {i["label"]: i for i in key_numbers(d)["items"]}["Precision"]
     assert prec["value"] == "computed in bfloat16, stored in float32" and fmt(err["relative_l1"]) in prec["note"]
+
+
+# ------------------------------------------------------------------ issue 27: the precision policy
+
+
+# what reads as bit equality: allowed only where both sides are stored alike, or where the text
+# itself says the number compares across precisions (a labelled counter-number, never a headline)
+EXACT_WORDS = re.compile(r"exact(ly)?\b[^;:]*\b(unchanged|equal)|unchanged[^;:]*\(exact\)", re.I)
+ACROSS = "across precisions"
+
+
+def shown_texts(d: dict[str, Any]) -> list[tuple[str, str]]:
+    """(where, text) of everything a reader of this result is shown as a label: key-number labels
+    and notes, the key-number table's title, headers and row labels, every figure's title, trace
+    names and colour-bar titles, every table's title and headers."""
+    from app.figures.registry import tables_for
+
+    out: list[tuple[str, str]] = []
+    nums = key_numbers(d)
+    for i in nums["items"]:
+        out += [("key number", i["label"]), ("key-number note", i["note"])]
+    if nums["table"]:
+        t = nums["table"]
+        out += [("table", str(t.get("title") or "")), *[("table header", str(h)) for h in t.get("headers", [])],
+                *[("table row", str(r[0])) for r in t.get("rows", [])]]
+    for name, title, fig in titled_figures_for(parse_result(d)):
+        out.append((f"figure {name}", title))
+        for tr in fig.data:
+            out.append((f"figure {name} trace", str(getattr(tr, "name", "") or "")))
+            cb = getattr(tr, "colorbar", None)
+            if cb is not None and cb.title is not None and cb.title.text:
+                out.append((f"figure {name} colour bar", str(cb.title.text)))
+    for title, (headers, _rows) in tables_for(d):
+        out += [("table", title), *[("table header", str(h)) for h in headers]]
+    return out
+
+
+@pytest.mark.slow
+def test_every_kind_from_a_mixed_precision_pair_never_compares_across_precisions_exactly(built):
+    """Issue 27, item 1: fp32 base, bf16 checkpoints (the masked bf16-mixed run). Every kind of
+    the registry renders; no headline, figure title, trace, colour bar or table header reads bit
+    equality unless the text says it compares across precisions; the kinds that compare the pair
+    lead in bfloat16 with >= 90% unchanged; sparse sync is never shown as a saving when it is not."""
+    from compute.jobs import registry
+
+    results = {k: built.get(k)["dict"] for k in registry.NAMES}
+    for kind, d in results.items():
+        for where, text in shown_texts(d):
+            if EXACT_WORDS.search(text) and ACROSS not in text:
+                raise AssertionError(f"{kind}: {where} compares across precisions exactly: {text!r}")
+    # the pair's kinds lead with the comparison in the lower precision
+    leads = {"diff": "Weights unchanged, compared in bfloat16",
+             "series": "Weights unchanged at the last checkpoint (vs base), compared in bfloat16",
+             "train": "Stored weights unchanged, compared in bfloat16"}
+    for kind, label in leads.items():
+        items = {i["label"]: i["value"] for i in key_numbers(results[kind])["items"]}
+        assert label in items, (kind, list(items))
+        assert float(items[label].rstrip("%")) >= 90, (kind, items[label])
+    s = results["series"]["summary"]
+    assert s["stored_dtypes"] == {"base": "float32", "checkpoint": "bfloat16"} and s["comparison_rule"] == "cast"
+    assert s["final_update_sparsity"] >= 0.9 > 0.05 > s["final_unchanged_exact"]
+    # the bytes: the compared precision's changed coordinates x (int32 index + bf16 value)
+    series = json.loads(Path(built.get("series")["job"].files["series"]).read_text())
+    for p in series["points"]:
+        g = p["vs_prev"]["global"]["all"]
+        assert g["sparse_bytes"] == g["changed"] * (4 + 2) and g["dense_bytes"] == g["numel"] * 2
+        assert g["sync_bytes"] <= min(g["sparse_bytes"], g["dense_bytes"])
+    assert s["sparse_bytes_total"] < s["dense_bytes_total"]  # a 5% mask: sparse is the saving here
+    heat = {h["name"]: h for h in results["series"]["heatmaps"]}
+    assert heat["base_sparsity_layer_module"]["meta"]["units"] == "unchanged fraction (compared in bfloat16)"
+    assert min(v for row in heat["base_sparsity_layer_module"]["z"] for v in row if v is not None) > 0.5
+    # the sweep's points (bf16-mixed) lead with the lower stored precision too
+    for p in results["sweep"]["summary"]["points"]:
+        assert p["comparison_dtype"] == "bfloat16" and p["unchanged_common"] == p["unchanged_exact"]
+
+
+def test_sync_verdict_never_shows_a_costlier_sparse_sync_as_a_saving():
+    """Issue 27: the series' key number when sparse bytes exceed dense (exact equality of an fp32
+    base against bf16 checkpoints counted every rounded weight: 6.5e5 sparse vs 2.2e5 dense)."""
+    d = {"kind": "series", "summary": {"steps": [1], "sparse_bytes_total": 6.5e5, "dense_bytes_total": 2.2e5,
+                                       "sync_bytes_total": 2.2e5}}
+    items = {i["label"]: i for i in key_numbers(d)["items"]}
+    sync = items["Sparse sync (indices + values) vs dense"]
+    assert sync["value"] == "2.95x dense" and "dense is cheaper" in sync["note"]
+    assert items["Cheaper of sparse and dense per tensor vs dense"]["value"] == "100%"
+    title = dict((n, t) for n, t, _ in titled_figures_for({**d, "series": [
+        {"name": "sync/sparse_bytes", "step": 1, "value": 6.5e5}, {"name": "sync/dense_bytes", "step": 1,
+                                                                  "value": 2.2e5}]}))["sync"]
+    assert "dense is cheaper" in title
