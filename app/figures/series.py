@@ -9,7 +9,7 @@ from typing import Any
 import plotly.graph_objects as go
 from plotly.subplots import make_subplots
 
-from compute.contract import precision
+from compute.contract import construction, precision
 from compute.jobs.series import (
     CAPTURE_HEATMAP,
     FISHER,
@@ -180,7 +180,12 @@ def key_numbers_series(r: SeriesResult, out: dict[str, Any]) -> None:
                              f"carries {kn.pct(s.mean_captured_sq_share)} of each step's squared update and "
                              f"{kn.pct(s.mean_captured_count_share)} of its changed coordinates (means)"))
     if finite(s.mean_step_auc) is not None:
-        items.append(kn.item("Fisher AUC for the coordinates a step changes (mean)", kn.fmt(s.mean_step_auc),
-                             "0.5 = chance"))
+        sc = r.raw_summary.get("construction")  # compute.contract.construction
+        note = "0.5 = chance"
+        if sc and sc.get("trained_in_mask"):
+            note += (f"; support, AUC and captured shares over the {kn.pct(sc.get('mask_density'))} of "
+                     "coordinates inside the mask the run trained in (the rest cannot move)")
+        items.append(kn.item(construction.scoped_label("Fisher AUC for the coordinates a step changes (mean)", sc),
+                             kn.fmt(s.mean_step_auc), note))
     # the Fisher's verdict (its split-half check, or a note that it is unknown) comes from summary
     # "fisher_reliability", written by the runner (app.figures.keynumbers.key_numbers)

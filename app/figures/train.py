@@ -7,7 +7,7 @@ from typing import Any
 
 import plotly.graph_objects as go
 
-from compute.contract import precision
+from compute.contract import construction, precision
 from compute.contract.results import TypedResult
 from compute.jobs.train import (
     BOUND_HIST,
@@ -120,14 +120,24 @@ for _name, _target in zip(CONCENTRATION_AUC, CONCENTRATION_TARGETS, strict=True)
 @table("train", "concentration", title="Concentration: the Fisher's top-k vs the run (whole model)")
 def concentration_table(r: TypedResult[Any]) -> Table:
     """One row per target the Fisher's top-k is compared with (its per-layer and per-module
-    values are the concentration heatmaps)."""
+    values are the concentration heatmaps). A run trained inside a mask: over the coordinates
+    inside it (compute.contract.construction), then the same over all coordinates, labelled."""
     conc = r.raw_summary.get("concentration")
     if not isinstance(conc, dict):
         return [], []
-    rows = [{"target": TARGET_TITLES.get(t, t), "top-k fraction": conc.get("fraction"), **conc[t]["global"]}
+    scope = conc.get("scope") or construction.SCOPE_ALL
+    rows = [{"target": TARGET_TITLES.get(t, t), "scope": scope, "top-k fraction": conc.get("fraction"),
+             **conc[t]["global"]}
             for t in CONCENTRATION_TARGETS
             if isinstance(conc.get(t), dict) and isinstance(conc[t].get("global"), dict)]
-    return rows_table(rows, ("target", "top-k fraction", "precision_at_k", "auc", "spearman", "jaccard_lift"))
+    every = r.raw_summary.get("concentration_all_coordinates")
+    if isinstance(every, dict):
+        rows += [{"target": TARGET_TITLES.get(t, t), "scope": f"all coordinates: {every.get('label')}",
+                  "top-k fraction": every.get("fraction"), **every[t]["global"]}
+                 for t in CONCENTRATION_TARGETS
+                 if isinstance(every.get(t), dict) and isinstance(every[t].get("global"), dict)]
+    return rows_table(rows, ("target", "scope", "top-k fraction", "precision_at_k", "auc", "spearman",
+                             "jaccard_lift"))
 
 
 # ---------------------------------------------------------------- key numbers

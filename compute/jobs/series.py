@@ -17,7 +17,7 @@ from pydantic import Field
 
 from compute.contract.kinds import JobKind, KindForm
 from compute.contract.results import Contract, Family, Summary, TypedResult
-from compute.contract.specs import ModelRef, Spec
+from compute.contract.specs import AllowOtherModel, ModelRef, Spec
 
 # ---------------------------------------------------------------- spec
 
@@ -34,6 +34,7 @@ class SeriesSpec(Spec):
     fisher: str | None = Field(
         None, max_length=1000, description="initial Fisher (fisher.safetensors path or 'job:<id>'): its "
         "top-k support, AUC and precision@k for the changed coordinates")
+    allow_other_model: AllowOtherModel = False
     atol: float = Field(1e-5, gt=0.0, le=1.0,
                         description="tolerance of both delta conventions (|delta| <= atol is unchanged)")
     support_percent: float = Field(
@@ -139,9 +140,16 @@ def run(spec: SeriesSpec, progress: Any = None, refs: Any = None) -> Any:
 
         fisher = LazyTensors(local_file(fisher_ref, "fisher"), "fisher")
         summary_extra = {"fisher_reliability": fisher_provenance(fisher_ref)}  # the Fisher's verdict
+    within = None
+    if fisher is not None:  # a run trained inside a mask: its Fisher shares inside the mask
+        from compute.jobs.diff_run import trained_mask
+
+        within, construction = trained_mask(Path(run_dir), fisher_ref)
+        if construction is not None:
+            summary_extra["construction"] = construction
     config = SeriesConfig(atol=spec.atol, support_percent=spec.support_percent)
     res = checkpoint_series(base, run_dir, fisher=fisher, config=config,
-                            progress=lambda f, m="": progress(0.95 * f, m))
+                            progress=lambda f, m="": progress(0.95 * f, m), within=within)
     out = Path(tempfile.mkdtemp(prefix="fisherlens-series-"))
     path = write_series(res, out)
     summary = _summary(spec, res)

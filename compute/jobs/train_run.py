@@ -82,11 +82,13 @@ def build_mask_in_memory(
 
 def update_sparsity(
     base: Mapping[str, torch.Tensor], tuned: torch.nn.Module | Mapping[str, torch.Tensor],
-    fisher: Mapping[str, torch.Tensor] | None = None,
+    fisher: Mapping[str, torch.Tensor] | None = None, within: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, Any]:
     """Global update-sparsity numbers of a run (compute.sparsity.diff) and, with a Fisher, its precision@k
     against the changed / top-|delta| coordinates and its AUC for "changed" within |w| binades.
-    tuned: the model or its stored state dict (compare like with like: both in the stored dtype)."""
+    tuned: the model or its stored state dict (compare like with like: both in the stored dtype).
+    within: the mask the run trained inside: the Fisher metrics over its coordinates only
+    (compute.contract.construction)."""
     from compute.sparsity.diff import diff_checkpoints
 
     if isinstance(tuned, torch.nn.Module):
@@ -95,7 +97,7 @@ def update_sparsity(
         tuned_sd = dict(tuned)
     if fisher is not None:
         fisher = {n: f for n, f in fisher.items() if n in tuned_sd}
-    d = diff_checkpoints(dict(base), tuned_sd, fisher=fisher, svd_max_numel=0)
+    d = diff_checkpoints(dict(base), tuned_sd, fisher=fisher, svd_max_numel=0, within=within)
     glob = next(iter(d.groups["global"].values()))
     out: dict[str, Any] = {k: v for k, v in glob.items() if k.startswith(("unchanged_", "changed_"))}
     if d.fisher is not None:
@@ -242,7 +244,9 @@ def train_job(
                 progress=lambda f, m="": progress(0.15 + 0.75 * f, m), step_hook=save_every if spec.save_steps else None)
     progress(0.92, "update sparsity")
     _record_run(run, res)
-    run.summary["update_sparsity"] = update_sparsity(stored_base, stored_state(model, spec.precision), fisher)
+    construction = _construction(run, mask, fisher_info)
+    run.summary["update_sparsity"] = update_sparsity(stored_base, stored_state(model, spec.precision), fisher,
+                                                     within=mask)
     run.summary["update_sparsity"]["stored_dtype"] = res.settings["stored_dtype"]
     _headline_convention(run.summary["update_sparsity"], run.summary["base_dtype"], res.settings["stored_dtype"])
     # issue 18: the precision the run computed in and its checkpoint is stored in
@@ -250,9 +254,11 @@ def train_job(
     run.summary["stored_dtype"] = res.settings["stored_dtype"]
     if spec.concentration and res.grad_sq_sum is not None and res.grad_abs_sum is not None:
         progress(0.95, "gradient concentration")
-        _concentration(run, res, fisher, master_base)
+        _concentration(run, res, fisher, master_base, mask)
     metrics = train_metrics(res.curve, run.summary, spec, refs)
     save_output(model, run.tok, out, metrics, precision=spec.precision)
+    if mask is not None:  # the mask travels with the model and its checkpoints (diff, series)
+        _save_trained_mask(run, mask, out, construction)
     run.result.files["model"] = str(out)
     progress(1.0, f"accuracy {res.accuracy_before:.3f} -> {res.accuracy_after:.3f}")
     return run.result
@@ -350,6 +356,46 @@ def _mask(run: _Run) -> dict[str, torch.Tensor] | None:
     return mask
 
 
+def _construction(run: _Run, mask: Mapping[str, torch.Tensor] | None,
+                  fisher_info: Mapping[str, Any] | None) -> dict[str, Any]:
+    """compute.contract.construction.scope of this run's Fisher metrics, into the summary: inside
+    the mask when it trained inside one; whether the initial Fisher is the one the mask was chosen
+    from (their sha256s: the given mask file's Fisher vs the given Fisher; an independent estimate,
+    or a mask built in the job from its own Fisher, is another Fisher)."""
+    from compute.contract.construction import FROZEN_INCLUDED, scope
+    from compute.sparsity.masks import mask_density
+
+    if mask is None:
+        sc = scope(False)
+    else:
+        mask_fisher = (run.summary.get("fisher_reliability") or {}).get("source_sha256") \
+            if run.spec.mask else None
+        fisher_ref = ref_of(run.refs, "fisher", run.spec.fisher) if run.spec.fisher else None
+        fisher_sha = getattr(fisher_ref, "sha256", None) if fisher_ref is not None else None
+        sc = scope(True, density=mask_density(mask), mask_fisher_sha256=mask_fisher, fisher_sha256=fisher_sha,
+                   mask_label=run.spec.mask or f"built in the job ({run.spec.mask_select})")
+        if not (fisher_info or {}).get("file") and not run.spec.fisher:
+            sc["same_fisher"] = False  # the initial Fisher was estimated from independent samples
+            sc["all_coordinates"] = FROZEN_INCLUDED
+    run.summary["construction"] = sc
+    return sc
+
+
+def _save_trained_mask(run: _Run, mask: Mapping[str, torch.Tensor], out: Path, construction: dict[str, Any]) -> None:
+    """OUT/mask.safetensors: the mask the run trained inside, with the provenance of the Fisher it
+    was chosen from, so a diff or series of this model scores the Fisher inside it."""
+    import json
+
+    from compute.contract.construction import MASK_FILE
+    from compute.sparsity.masks import save_mask
+
+    meta = {"trained_inside": "1", "construction": json.dumps(construction, default=str)}
+    rel = run.summary.get("fisher_reliability")
+    if rel and run.spec.mask:
+        meta["fisher_reliability"] = json.dumps(rel, default=str)
+    save_mask({n: m.cpu() for n, m in mask.items()}, out / MASK_FILE, metadata=meta)
+
+
 def _mask_fisher_reliability(run: _Run, mask_ref: Ref) -> None:
     """The verdict of the Fisher a given mask file was built on (its metadata), if any."""
     from compute.jobs.artifact_files import stored_metadata
@@ -432,9 +478,12 @@ def _record_run(run: _Run, res: Any) -> None:
     series.append(SeriesPoint("eval/accuracy", run.spec.steps, res.accuracy_after))
 
 
-def _concentration(run: _Run, res: Any, fisher: Any, master_base: dict[str, torch.Tensor]) -> None:
-    """The gradient sums over the run, and (with an initial Fisher) how well it predicted them."""
-    from compute.sparsity.overlap import concentration
+def _concentration(run: _Run, res: Any, fisher: Any, master_base: dict[str, torch.Tensor],
+                   mask: Mapping[str, torch.Tensor] | None = None) -> None:
+    """The gradient sums over the run, and (with an initial Fisher) how well it predicted them:
+    inside the mask when the run trained inside one (compute.contract.construction), where the
+    gradients were free to be nonzero; the all-coordinates numbers kept labelled."""
+    from compute.sparsity.overlap import concentration, restrict
 
     run.result.tensors["grad_sq_sum"] = res.grad_sq_sum
     run.result.tensors["grad_abs_sum"] = res.grad_abs_sum
@@ -443,10 +492,20 @@ def _concentration(run: _Run, res: Any, fisher: Any, master_base: dict[str, torc
         return
     abs_delta = {n: (p.detach().cpu().float() - master_base[n].float()).abs()
                  for n, p in run.model.named_parameters()}
-    conc = concentration(fisher, {"grad_sq_sum": res.grad_sq_sum, "grad_abs_sum": res.grad_abs_sum,
-                                  "abs_delta": abs_delta}, run.spec.topk_percent / 100.0)
+    targets = {"grad_sq_sum": res.grad_sq_sum, "grad_abs_sum": res.grad_abs_sum, "abs_delta": abs_delta}
+    frac = run.spec.topk_percent / 100.0
+    sc = run.summary.get("construction") or {}
+    if mask is not None:
+        m = {n: t.cpu() for n, t in mask.items()}
+        every = concentration(fisher, targets, frac)
+        run.summary["concentration_all_coordinates"] = {**concentration_summary(every),
+                                                        "label": sc.get("all_coordinates")}
+        fisher = restrict({n: f.cpu() for n, f in fisher.items() if n in m}, m)
+        targets = {k: restrict({n: t.cpu() for n, t in v.items()}, m) for k, v in targets.items()}
+    conc = concentration(fisher, targets, frac)
     run.summary["concentration"] = {
         **concentration_summary(conc),
+        "scope": sc.get("scope", "all coordinates"),
         "gradient": f"masked, unclipped gradient of the training loss, summed over {res.updates} updates",
         "delta": "master weights (float32 for fp32/bf16-mixed, the bf16 weights for bf16)",
     }

@@ -331,9 +331,12 @@ def diff_checkpoints(
     keep_delta: bool = False,
     svd_max_numel: int = SVD_MAX_NUMEL,
     progress: Progress | None = None,
+    within: Mapping[str, torch.Tensor] | None = None,
 ) -> CheckpointDiff:
     """Update sparsity of `tuned` relative to `base` (each a Checkpoint, a model reference string,
-    a folder, an nn.Module or a state dict). ValueError for different architectures."""
+    a folder, an nn.Module or a state dict). ValueError for different architectures.
+    within: the mask `tuned` was trained inside: the Fisher-vs-delta metrics are computed over its
+    coordinates only (compute.contract.construction), the sparsity counts over all."""
     src_b, src_t = _source(base, "base"), _source(tuned, "tuned")
     check_same_architecture(src_b, src_t)
     names = src_b.names()
@@ -361,7 +364,11 @@ def diff_checkpoints(
                                                    if k.startswith(("energy_", "svd_", "rank"))}}
         per_tensor[n]["base_rms"] = stats["base_rms"]
         if fisher is not None and n in fisher:
-            abs_delta[n] = delta.abs()
+            if tb.dtype == tt.dtype:
+                abs_delta[n] = delta.abs()
+            else:  # the precision policy: "changed" and |delta| in the lower stored precision
+                low = lower_precision(tb.dtype, tt.dtype)
+                abs_delta[n] = (tt.to(low).float() - tb.to(low).float()).abs()
             base_w[n] = tb
         if keep_delta:
             deltas[n] = delta
@@ -370,6 +377,13 @@ def diff_checkpoints(
     if fisher is not None:
         if progress:
             progress(0.92, "Fisher vs |delta| overlap")
+        if within is not None:  # the coordinates free to move (compute.contract.construction)
+            from compute.sparsity.overlap import restrict
+
+            abs_delta, base_w = restrict(abs_delta, within), restrict(base_w, within)
+            fisher = restrict({n: fisher[n] for n in fisher if n in within}, within)
+            if not abs_delta:
+                raise ValueError("mask: no coordinate of the checkpoints is inside the mask")
         fisher_res = fisher_vs_delta(fisher, abs_delta, topk_percent)
         fisher_res["changed_by_weight_binade"] = fisher_auc_by_weight_binade(
             fisher, {n: d > 0 for n, d in abs_delta.items()}, base_w)

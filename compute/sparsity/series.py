@@ -265,8 +265,11 @@ class _FisherPlan:
     auc_n: int  # coordinates the AUC ranks
 
 
-def plan_fisher(fisher: Mapping[str, torch.Tensor], base: Any, config: SeriesConfig) -> _FisherPlan:
-    """Check the Fisher against the base, select its top-k support, draw the AUC sample."""
+def plan_fisher(fisher: Mapping[str, torch.Tensor], base: Any, config: SeriesConfig,
+                within: Mapping[str, torch.Tensor] | None = None) -> _FisherPlan:
+    """Check the Fisher against the base, select its top-k support, draw the AUC sample.
+    within: the mask the run trained inside (compute.contract.construction): the support, the AUC
+    sample and every Fisher share are taken over its coordinates (the ones free to move) only."""
     base_names = set(base.names())
     names = list(fisher)
     for n in names:
@@ -275,12 +278,25 @@ def plan_fisher(fisher: Mapping[str, torch.Tensor], base: Any, config: SeriesCon
         if _fisher_shape(fisher, n) != tuple(base.shape(n)):
             raise ValueError(f"fisher: parameter {n!r} has shape {list(_fisher_shape(fisher, n))} "
                              f"but {list(base.shape(n))} in the base model")
-    total = sum(math.prod(_fisher_shape(fisher, n)) for n in names)
+    inside: dict[str, torch.Tensor] | None = None  # name -> sorted flat indices inside the mask
+    if within is not None:
+        inside = {n: torch.nonzero(within[n].flatten().bool()).flatten() for n in names if n in within}
+        inside = {n: ix for n, ix in inside.items() if ix.numel()}
+        names = [n for n in names if n in inside]
+        if not names:
+            raise ValueError("mask: no coordinate of the Fisher is inside the mask the run was trained in")
+    size = {n: int(inside[n].numel()) if inside is not None else math.prod(_fisher_shape(fisher, n))
+            for n in names}
+    total = sum(size.values())
     k = n_keep(config.support_percent / 100.0, total)
     if k == 0:
         raise ValueError(f"support_percent: {config.support_percent:g}% keeps 0 of {total} coordinates")
-    mask = topk_mask(fisher, k)
-    support = {n: torch.nonzero(mask[n].flatten()).flatten() for n in names}
+    if inside is None:
+        mask = topk_mask(fisher, k)
+        support = {n: torch.nonzero(mask[n].flatten()).flatten() for n in names}
+    else:
+        mask = topk_mask({n: fisher[n].flatten()[inside[n]] for n in names}, k)
+        support = {n: inside[n][torch.nonzero(mask[n]).flatten()] for n in names}
     del mask
     sampled = total > config.auc_cap
     sample: dict[str, torch.Tensor | None] = {}
@@ -288,9 +304,12 @@ def plan_fisher(fisher: Mapping[str, torch.Tensor], base: Any, config: SeriesCon
     for n in names:
         f = fisher[n].flatten().float()
         if sampled:
-            idx = _sample_index(n, f.numel(), round_half_up_ratio(config.auc_cap, f.numel(), total),
-                                config.seed, f.device).sort().values
+            idx = _sample_index(n, size[n], round_half_up_ratio(config.auc_cap, size[n], total),
+                                config.seed, f.device)
+            idx = (inside[n][idx] if inside is not None else idx).sort().values
             sample[n], scores[n] = idx, f[idx].clone()
+        elif inside is not None:
+            sample[n], scores[n] = inside[n], f[inside[n]].clone()
         else:
             sample[n], scores[n] = None, f.clone()
         del f
@@ -694,11 +713,12 @@ def checkpoint_series(
     fisher: Mapping[str, torch.Tensor] | None = None,
     config: SeriesConfig | None = None,
     progress: Callable[..., None] | None = None,
+    within: Mapping[str, torch.Tensor] | None = None,
 ) -> SeriesResult:
     """The series of a run folder (or its opened checkpoints) against `base` (a compute.sparsity.diff
     Checkpoint, a folder, a state dict or a module). ValueError before any computation for a run
     folder without checkpoints, an odd checkpoint-* entry, or a checkpoint or Fisher that does not
-    fit the base."""
+    fit the base. within: the mask the run trained inside (plan_fisher)."""
     from compute.sparsity.diff import Checkpoint, _source
 
     config = config or SeriesConfig()
@@ -709,7 +729,7 @@ def checkpoint_series(
     if not ckpts:
         raise ValueError("run_dir: no checkpoint to read")
     names = check_run_fits(src_b, ckpts)
-    plan = plan_fisher(fisher, src_b, config) if fisher is not None else None
+    plan = plan_fisher(fisher, src_b, config, within) if fisher is not None else None
     skipped = {n: f"not a float tensor ({src_b.dtype(n)})" for n in names
                if not _is_float(src_b.dtype(n)) or any(not _is_float(c.source.dtype(n)) for c in ckpts)}
     names = [n for n in names if n not in skipped]

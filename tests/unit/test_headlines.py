@@ -227,7 +227,7 @@ def expected_series(d: dict[str, Any]) -> dict[str, str]:
     if s.get("support_bytes_total") is not None:
         out["Fisher-support sync vs dense"] = pct(s["support_bytes_total"] / s["dense_bytes_total"])
     if s.get("mean_step_auc") is not None:
-        out["Fisher AUC for the coordinates a step changes (mean)"] = fmt(s["mean_step_auc"])
+        out[_scoped("Fisher AUC for the coordinates a step changes (mean)", s)] = fmt(s["mean_step_auc"])
     return out
 
 
@@ -241,12 +241,19 @@ def expected_diff(d: dict[str, Any]) -> dict[str, str]:
     out["Precision"] = f"base {sd['base']}, tuned {sd['tuned']}"
     if s.get("auc") is not None:
         k = s["overlap"][0]["k_percent"]  # the overlap table's k (every row has the spec's)
-        out[f"Fisher AUC for the top-{fmt(k)}% |delta| coordinates"] = fmt(s["auc"])
+        out[_scoped(f"Fisher AUC for the top-{fmt(k)}% |delta| coordinates", s)] = fmt(s["auc"])
     else:
         out["Fisher AUC"] = "not computed"
     if s.get("changed_auc") is not None:
-        out["Fisher AUC for changed-at-all coordinates"] = fmt(s["changed_auc"])
+        out[_scoped("Fisher AUC for changed-at-all coordinates", s)] = fmt(s["changed_auc"])
     return out
+
+
+def _scoped(label: str, s: dict[str, Any]) -> str:
+    """issue 27: a masked run's Fisher metrics say they are inside the mask."""
+    if (s.get("construction") or {}).get("trained_in_mask"):
+        return f"{label} (inside the mask: the coordinates free to move)"
+    return label
 
 
 def expected_tokens(d: dict[str, Any]) -> dict[str, str]:
@@ -544,3 +551,60 @@ def test_sync_verdict_never_shows_a_costlier_sparse_sync_as_a_saving():
         {"name": "sync/sparse_bytes", "step": 1, "value": 6.5e5}, {"name": "sync/dense_bytes", "step": 1,
                                                                   "value": 2.2e5}]}))["sync"]
     assert "dense is cheaper" in title
+
+
+# ------------------------------------------------------------------ issue 27: construction-aware metrics
+
+
+@pytest.mark.slow
+def test_masked_run_headline_aucs_are_the_aucs_inside_the_mask(built):
+    """Issue 27, item 2: the run trained inside a 5% Fisher mask (gradients zeroed outside it).
+    The diff's, the series' and the train's Fisher metrics are computed over the coordinates inside
+    the mask, equal to the AUC computed here by hand on them; over all coordinates the AUC is the
+    number the mask makes true, and is only shown labelled."""
+    import torch
+    from safetensors.torch import load_file
+
+    from compute.sparsity.diff import Checkpoint
+    from compute.sparsity.masks import load_mask
+    from compute.sparsity.overlap import restrict, roc_auc, score_vs_target
+
+    trained = Path(built.get("train")["model"])
+    mask = load_mask(trained / "mask.safetensors")
+    fisher = load_file(built._fisher_file())
+    base = Checkpoint(built.home / "zoo" / "arith-base")
+    # diff: "changed" in the lower stored precision (bf16: tuned is bf16), inside the mask
+    tuned = Checkpoint(trained)
+    changed = {n: tuned.get(n).bfloat16() != base.get(n).bfloat16() for n in fisher}
+    f_in, c_in = restrict(fisher, mask), restrict(changed, mask)
+    names = sorted(f_in)
+    hand = roc_auc(torch.cat([f_in[n].float() for n in names]), torch.cat([c_in[n] for n in names]))
+    d = built.get("diff")["dict"]
+    s = d["summary"]
+    assert s["construction"]["trained_in_mask"] and s["construction"]["scope"].startswith("inside the mask")
+    assert s["changed_auc"] == pytest.approx(hand, abs=1e-12)
+    items = {i["label"]: i for i in key_numbers(d)["items"]}
+    item = items["Fisher AUC for changed-at-all coordinates (inside the mask: the coordinates free to move)"]
+    assert item["value"] == fmt(hand) and "cannot move" in item["note"]
+    everywhere = roc_auc(torch.cat([fisher[n].flatten().float() for n in names]),
+                         torch.cat([changed[n].flatten() for n in names]))
+    assert everywhere > hand  # the frozen 95%: low Fisher and unchanged by construction
+    # series: each checkpoint's AUC vs the base, inside the mask, by hand
+    series = json.loads(Path(built.get("series")["job"].files["series"]).read_text())
+    for p in series["points"]:
+        ck = Checkpoint(trained / p["checkpoint"])
+        ch = restrict({n: ck.get(n).bfloat16() != base.get(n).bfloat16() for n in fisher}, mask)
+        want = roc_auc(torch.cat([f_in[n].float() for n in names]), torch.cat([ch[n] for n in names]))
+        got = p["vs_base"]["global"]["all"]["auc"]
+        assert (got is None and want != want) or got == pytest.approx(want, abs=1e-12), (p["step"], got, want)
+    assert built.get("series")["dict"]["summary"]["construction"]["trained_in_mask"]
+    # train: the concentration of the summed g^2 (zero outside the mask) inside the mask
+    job = built.get("train")["job"]
+    ts = built.get("train")["dict"]["summary"]
+    f0 = {n: t.float() for n, t in job.tensors["fisher"].items()}
+    frac = ts["concentration"]["fraction"]
+    want = score_vs_target(restrict(f0, mask), restrict(job.tensors["grad_sq_sum"], mask), frac)
+    assert ts["concentration"]["grad_sq_sum"]["global"]["auc"] == pytest.approx(
+        want["global"]["all"]["auc"], abs=1e-12)
+    assert ts["concentration"]["scope"].startswith("inside the mask")
+    assert ts["concentration_all_coordinates"]["label"]  # kept only labelled
