@@ -117,7 +117,8 @@ def compatibility(found: dict[str, Path], algo: str | None, refs: dict[str, Any]
     """What the worker would refuse about two references together (`found`: field -> local
     model folder or artifact file), as field errors. By field, whatever the kind: a Fisher or
     mask must fit the model it is used with (or the checkpoints it is compared with): the same
-    parameter names and shapes (a mask every trainable parameter; a Fisher may cover a subset),
+    parameter names and shapes (every parameter of the model; a Fisher compared with checkpoints
+    may cover a subset of them),
     and (issue 27) unless `allow_other_model`, the same model revision by sha256 when the file
     records the model it was made for and the model was hashed (`refs`: the resolved Refs); a
     tuned checkpoint must fit its base."""
@@ -136,7 +137,9 @@ def compatibility(found: dict[str, Path], algo: str | None, refs: dict[str, Any]
         part, whole = got.get(field), got.get(model_field)
         if part is None or whole is None:
             return
-        why = mismatch(part, whole, f"the {field}", whose, tied_ok=True, both=field == "mask")
+        # with a model: every parameter (a mask or Fisher of arith-base lacks arith-deep-base's
+        # extra layers); against checkpoints, a Fisher may cover a subset (compute.sparsity.diff)
+        why = mismatch(part, whole, f"the {field}", whose, tied_ok=True, both=model_field == "model")
         if why:
             errors.append({"field": field, "message": why + models(field, model_field)})
             return
