@@ -141,6 +141,8 @@ def _summary(spec: DiffSpec, res: Any) -> dict[str, Any]:
         "stored_dtype": "float32",  # the delta artifact (store_delta)
         **{f"unchanged_{lab}": g[f"unchanged_{lab}"] for lab in threshold_labels()},
         "changed_below_half_ulp": g["changed_below_half_ulp"],
+        "zero_in_base": g["zero_in_base"],  # fractions: exactly 0 in the base, and of those changed
+        "changed_from_zero": g["changed_from_zero"],
         "conventions": {
             "unchanged_atol_<a>": "float32 delta |tuned - base| <= a",
             "unchanged_bf16delta_atol_<a>": "published convention (sparsity_in_rl): both checkpoints "

@@ -87,6 +87,9 @@ def point_row(precision: str, optimizer: str, lr: float, summary: dict[str, Any]
         "unchanged_bf16delta_atol_1e-05": us.get("unchanged_bf16delta_atol_1e-05"),
         "unchanged_atol_1e-05": us.get("unchanged_atol_1e-05"),
         "changed_below_half_ulp": us.get("changed_below_half_ulp"),
+        # weights exactly 0 in the base, and those the run changed (any nonzero update shows)
+        "zero_in_base": us.get("zero_in_base"),
+        "changed_from_zero": us.get("changed_from_zero"),
         "fisher_auc_changed": us.get("fisher_auc_changed"),
         "fisher_auc_changed_within_binades": us.get("fisher_auc_changed_within_binades"),
         "fisher_auc_changed_by_binade": us.get("fisher_auc_changed_by_binade"),

@@ -99,7 +99,8 @@ def update_sparsity(
         fisher = {n: f for n, f in fisher.items() if n in tuned_sd}
     d = diff_checkpoints(dict(base), tuned_sd, fisher=fisher, svd_max_numel=0, within=within)
     glob = next(iter(d.groups["global"].values()))
-    out: dict[str, Any] = {k: v for k, v in glob.items() if k.startswith(("unchanged_", "changed_"))}
+    out: dict[str, Any] = {k: v for k, v in glob.items()
+                           if k.startswith(("unchanged_", "changed_")) or k == "zero_in_base"}
     if d.fisher is not None:
         g = d.fisher.get("global", {})
         allm = next(iter(g.values())) if g else {}

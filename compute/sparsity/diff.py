@@ -236,12 +236,20 @@ def tensor_diff_stats(base: torch.Tensor, tuned: torch.Tensor, svd_max_numel: in
     n = base.numel()
     s: dict[str, float] = {"numel": float(n)}
     if base.dtype == tuned.dtype:
-        s["unchanged_exact"] = float((base == tuned).sum())
+        same = base == tuned
+        s["unchanged_exact"] = float(same.sum())
         s["unchanged_common"] = s["unchanged_exact"]
     else:
         s["unchanged_exact"] = float((base.double() == tuned.double()).sum())
         low = lower_precision(base.dtype, tuned.dtype)
-        s["unchanged_common"] = float((base.to(low) == tuned.to(low)).sum())
+        same = base.to(low) == tuned.to(low)
+        s["unchanged_common"] = float(same.sum())
+    # weights exactly 0 in the base have no rounding slack: any nonzero update, however small,
+    # shows in any stored precision (the SGD finding of docs/reading-results.md)
+    zero = base == 0
+    s["zero_in_base"] = float(zero.sum())
+    s["changed_from_zero"] = float((zero & ~same).sum())
+    del same, zero
     bb, tb = base.to(torch.bfloat16), tuned.to(torch.bfloat16)
     s["unchanged_bf16"] = float((bb == tb).sum())
     ad16 = (tb - bb).abs()  # bf16 arithmetic, as after loading both checkpoints in bf16
@@ -301,6 +309,8 @@ def _fractions(counts: Mapping[str, float]) -> dict[str, float]:
         out[f"unchanged_{lab}"] = counts[f"unchanged_{lab}"] / n if n else float("nan")
     out["changed_exact"] = 1.0 - out["unchanged_exact"] if n else float("nan")
     out["changed_below_half_ulp"] = counts.get("changed_below_half_ulp", 0.0) / n if n else float("nan")
+    for k in ("zero_in_base", "changed_from_zero"):  # fractions of all coordinates
+        out[k] = counts.get(k, 0.0) / n if n else float("nan")
     out["delta_rms"] = math.sqrt(counts["sq_sum"] / n) if n else float("nan")
     out["max_abs_delta"] = counts["max_abs"]
     return out
@@ -411,7 +421,8 @@ def _group_fractions(raw: Mapping[str, dict[str, float]]) -> dict[str, dict[str,
         for n, st in raw.items():
             a = acc.setdefault(group_key(n, grouping), {})
             for k, v in st.items():
-                if k in ("numel", "sq_sum", "changed_below_half_ulp") or k.startswith("unchanged_"):
+                if k in ("numel", "sq_sum", "changed_below_half_ulp", "zero_in_base", "changed_from_zero") \
+                        or k.startswith("unchanged_"):
                     a[k] = a.get(k, 0.0) + v
                 elif k == "max_abs":
                     a[k] = max(a.get(k, 0.0), v)
