@@ -53,7 +53,7 @@ def test_bf16_mixed_sgd_moves_the_exact_zeros_of_the_base_at_any_lr(zoo_home: Pa
             (model / f.name).write_bytes(f.read_bytes())
     sd = load_file(str(src / "model.safetensors"))
     g = torch.Generator().manual_seed(0)
-    for n, t in sd.items():
+    for t in sd.values():
         if t.dim() == 2:
             t[torch.rand(t.shape, generator=g) < 0.01] = 0.0
     save_file(sd, str(model / "model.safetensors"), metadata={"format": "pt"})
