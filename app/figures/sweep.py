@@ -16,7 +16,7 @@ from .registry import figure, key_numbers, stored_heatmap, table
 SWEEP_COLUMNS = ("precision", "optimizer", "lr", "unchanged_common", "comparison_dtype", "unchanged_bf16",
                  "unchanged_bf16delta_atol_1e-05", "unchanged_atol_1e-05", "fisher_auc_changed",
                  "fisher_auc_changed_within_binades", "fisher_auc_gradient", "fisher_auc_abs_delta",
-                 "reward_before", "reward_after")
+                 "reward_before", "reward_before_se", "reward_after", "reward_after_se")
 METRIC_TITLES = {"unchanged_bf16": "Unchanged fraction (bf16)", "fisher_auc_changed": "Fisher AUC for 'changed'",
                  "fisher_auc_gradient": "Fisher AUC for the top-k of the summed squared gradient"}
 Lines = dict[str, tuple[list[float], list[float | None]]]
@@ -138,9 +138,9 @@ def key_numbers_sweep(r: SweepResult, out: dict[str, Any]) -> None:
     out["table"] = {
         "title": "Unchanged fraction (in the lower stored precision) and Fisher AUC per point",
         "headers": ["precision", "optimizer", "lr", "unchanged", "compared in", "Fisher AUC changed",
-                    "reward after"],
+                    "reward after (± SE)"],
         "rows": [[p.precision, p.optimizer, f"{p.lr:g}",
                   kn.pct(p.unchanged_common if p.unchanged_common is not None else p.unchanged_bf16),
                   p.comparison_dtype or ("bfloat16" if p.unchanged_common is None else "stored dtype"),
-                  kn.fmt(p.fisher_auc_changed), kn.pct(p.reward_after)] for p in pts],
+                  kn.fmt(p.fisher_auc_changed), kn.pct_se(p.reward_after, p.reward_after_se)] for p in pts],
     }

@@ -150,9 +150,13 @@ def key_numbers_train(r: TrainResult, out: dict[str, Any]) -> None:
     before, after = finite(s.accuracy_before), finite(s.accuracy_after)
     if before is not None and after is not None:
         n = (s.eval or {}).get("prompts")
+        se_b, se_a = kn.binomial_se(before, n), kn.binomial_se(after, n)
         note = f"greedy, {n} held-out prompts" if n else "greedy, held-out prompts"
+        if se_b is not None and se_a is not None:
+            note += (f"; ± one binomial SE in points; the change's SE is at most "
+                     f"{100 * (se_b ** 2 + se_a ** 2) ** 0.5:.2g} points (unpaired)")
         items.append(kn.item("Held-out accuracy before -> after",
-                           f"{kn.pct(before)} -> {kn.pct(after)} ({'+' if after >= before else ''}"
+                           f"{kn.pct_se(before, se_b)} -> {kn.pct_se(after, se_a)} ({'+' if after >= before else ''}"
                            f"{100 * (after - before):.3g} points)", note))
         if after <= before:
             out["warnings"].append("Training did not improve held-out accuracy.")

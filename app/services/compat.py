@@ -130,7 +130,7 @@ def compatibility(found: dict[str, Path], algo: str | None, refs: dict[str, Any]
     def models(field: str, model_field: str) -> str:
         label, _ = made_for(found[field])
         ref = (refs or {}).get(model_field)
-        mine = f"{model_field} {ref_label(ref)!r}" if ref is not None else f"the {model_field}"
+        mine = f"{model_field} is {ref_label(ref)!r}" if ref is not None else f"not the {model_field}"
         return f" (the {field} was made for model {label!r}; {mine})" if label else ""
 
     def check(field: str, model_field: str, whose: str) -> None:

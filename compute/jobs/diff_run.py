@@ -113,8 +113,17 @@ def trained_mask(folder: Path, fisher_ref: Any) -> tuple[dict[str, Any] | None, 
     from compute.sparsity.masks import load_mask, mask_density, mask_metadata
 
     path = Path(folder) / MASK_FILE
-    if not path.is_file() or mask_metadata(path).get("trained_inside") != "1":
+    if not path.is_file():
         return None, None
+    if mask_metadata(path).get("trained_inside") != "1":
+        # `fisherlens train --out` also writes the job's tensors there (a mask built in the job):
+        # the same mask, when the folder's metrics.json says the run trained inside one
+        try:
+            trained_in = "mask" in json.loads((Path(folder) / "metrics.json").read_text())
+        except (OSError, ValueError):
+            trained_in = False
+        if not trained_in:
+            return None, None
     mask = load_mask(path)
     try:
         rel = json.loads(mask_metadata(path).get("fisher_reliability") or "{}")

@@ -38,7 +38,7 @@ class FisherSpec(Spec):
     # samples -> top-1% Jaccard 0.347 'poor', 32 -> 0.479, 64 -> 0.548 'fair'; seeds 1-2 and the
     # command: benchmarks/results/fisher_reliability.json, made by benchmarks/fisher_reliability.py)
     prompts: FisherPrompts = Field(64, description="number of task prompts (64 x 4 samples: split-half "
-                                   "verdict 'fair' on arith-base; 16 gave 'unreliable')")
+                                   "verdict 'fair' on arith-base; 16 gave 'poor')")
     samples: FisherSamples = Field(4, description="sampled completions per prompt")
     estimator: Estimator = Field("sequence",
         description="sequence | token | empirical | batch (which Fisher is estimated)")

@@ -233,8 +233,10 @@ def finish(spec: FisherSpec, shard_outputs: list[dict], progress: Progress = nul
     perr = next((o["precision_error"] for o in outs if o.get("precision_error")), None)
     if perr:
         summary["precision_error"] = perr
+    progress(0.975, "statistics: concentration (sorting every coordinate)")
     summary.update(analysis.summary(fisher))
     if not batch and denoms[0] > 0 and denoms[1] > 0:
+        progress(0.98, "statistics: split-half top-k Jaccard")
         halves = [{n: sums[n][k].double() / denoms[k] for n in order} for k in (0, 1)]
         summary["split_half_jaccard"] = analysis.topk_jaccard(halves[0], halves[1],
                                                               spec.topk_percent)
@@ -242,6 +244,7 @@ def finish(spec: FisherSpec, shard_outputs: list[dict], progress: Progress = nul
     else:
         summary["split_half_jaccard"] = None
     if exact and exact_count > 0:
+        progress(0.985, "statistics: exact output-layer Fisher vs the estimate")
         rows = {}
         for n, s in exact.items():
             ref = s / exact_count
@@ -253,6 +256,7 @@ def finish(spec: FisherSpec, shard_outputs: list[dict], progress: Progress = nul
     if skipped:
         summary["exact_output_skipped"] = skipped
     summary.update(extra or {})
+    progress(0.99, "statistics: per-layer tables and heatmaps")
     series = analysis.to_series(fisher)
     result = JobResult(
         kind="fisher", summary=summary, layer_stats=analysis.to_layer_stats(fisher),

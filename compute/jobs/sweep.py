@@ -89,6 +89,8 @@ class SweepPoint(Row):
     fisher_auc_changed_by_binade: list[dict[str, Any]] | None = None
     reward_before: float | None = None
     reward_after: float | None = None
+    reward_before_se: float | None = None  # one binomial SE over the held-out prompts
+    reward_after_se: float | None = None
 
 
 class SweepSummary(Summary):

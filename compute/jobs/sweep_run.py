@@ -70,6 +70,12 @@ def _num(x: Any) -> float | None:
     return float(x) if isinstance(x, (int, float)) and math.isfinite(float(x)) else None
 
 
+def _binomial_se(p: Any, n: Any) -> float | None:
+    if not isinstance(p, (int, float)) or not isinstance(n, int) or n < 1 or not math.isfinite(float(p)):
+        return None
+    return math.sqrt(float(p) * (1 - float(p)) / n)
+
+
 def point_row(precision: str, optimizer: str, lr: float, summary: dict[str, Any]) -> dict[str, Any]:
     us = summary.get("update_sparsity", {})
     conc = summary.get("concentration", {})
@@ -99,6 +105,9 @@ def point_row(precision: str, optimizer: str, lr: float, summary: dict[str, Any]
         "fisher_auc_abs_delta": dlt.get("auc"),
         "reward_before": summary.get("accuracy_before"),
         "reward_after": summary.get("accuracy_after"),
+        # one binomial standard error of each accuracy over the held-out prompts
+        "reward_before_se": _binomial_se(summary.get("accuracy_before"), (summary.get("eval") or {}).get("prompts")),
+        "reward_after_se": _binomial_se(summary.get("accuracy_after"), (summary.get("eval") or {}).get("prompts")),
         "train_reward_first": summary.get("reward_first"),
         "train_reward_last": summary.get("reward_last"),
         "seconds": summary.get("seconds"),
@@ -111,7 +120,7 @@ def markdown_table(points: list[dict[str, Any]]) -> str:
     headers escaped)."""
     cols = [("precision", "precision"), ("optimizer", "optimizer"), ("lr", "lr"),
             ("unchanged_common", "unchanged (lower stored precision)"), ("comparison_dtype", "compared in"),
-            ("unchanged_bf16", "unchanged (bf16)"),
+            ("unchanged_bf16", "unchanged (bf16)"), ("unchanged_exact", "unchanged (stored, exact)"),
             ("unchanged_bf16delta_atol_1e-05", r"\|Δbf16\| ≤ 1e-5"),
             ("unchanged_atol_1e-05", r"\|Δfp32\| ≤ 1e-5"),
             ("fisher_auc_changed", "Fisher AUC changed"),

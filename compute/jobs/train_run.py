@@ -447,7 +447,8 @@ def _bound(run: _Run, probe: Any, fisher: Any, fisher_info: dict[str, Any] | Non
     spec = run.spec
     run.progress(0.13, "bound check on the first GRPO batch")
     b = first_step_bound(probe, run.tok, run.task, prompts=spec.batch, group=spec.group,
-                         max_new_tokens=spec.max_new_tokens, seed=spec.seed, temperature=spec.temperature)
+                         max_new_tokens=spec.max_new_tokens, seed=spec.seed, temperature=spec.temperature,
+                         progress=lambda f, m="": run.progress(0.13 + 0.02 * f, f"bound check: {m}"))
     bsum, bseries, bheat = summarize(b, fisher=fisher, fisher_info=fisher_info if fisher else None,
                                      aggregation=run.config.aggregation)
     run.summary["bound"] = {**bsum, "mean_reward": b.summary.get("bound_mean_reward")}

@@ -194,8 +194,13 @@ def expected_train(d: dict[str, Any]) -> dict[str, str]:
     s = d["summary"]
     b, a = s["accuracy_before"], s["accuracy_after"]
     rewards = sorted((p["step"], p["value"]) for p in d["series"] if p["name"] == "train/reward")
+    n = s["eval"]["prompts"]
+
+    def se(p: float) -> str:  # issue 27: one binomial SE next to every accuracy, in points
+        return f"{pct(p)} ± {100 * (p * (1 - p) / n) ** 0.5:.2g}"
+
     out = {"Held-out accuracy before -> after":
-           f"{pct(b)} -> {pct(a)} ({'+' if a >= b else ''}{100 * (a - b):.3g} points)",
+           f"{se(b)} -> {se(a)} ({'+' if a >= b else ''}{100 * (a - b):.3g} points)",
            "Trainable fraction (mask density)": pct(s["trainable_fraction"]),
            _train_unchanged_label(s): pct(s["update_sparsity"]["unchanged_exact"]),
            "Precision": f"computed in {s['compute_dtype']}, stored in {s['stored_dtype']}"}
@@ -271,12 +276,13 @@ def expected_sweep(d: dict[str, Any]) -> dict[str, str]:
 
 def expected_retention(d: dict[str, Any]) -> dict[str, str]:
     s = d["summary"]
-    out = {"Base model held-out reward": fmt(s["base_reward"]),
+    base = fmt(s["base_reward"]) + (f" ± {fmt(s['base_se'])}" if s.get("base_se") is not None else "")
+    out = {"Base model held-out reward": base,
            "Precision": f"computed in {s['compute_dtype']}, stored in {s['stored_dtype']}"}
     full = s.get("full_reward_mean")
     if full is not None:
         spread = s.get("full_reward_std")
-        out["Full training held-out reward"] = fmt(full) + (f" +- {fmt(spread)}" if spread is not None else "")
+        out["Full training held-out reward"] = fmt(full) + (f" ± {fmt(spread)}" if spread is not None else "")
     return out
 
 
@@ -298,9 +304,11 @@ NUMBERED_TITLES: dict[tuple[str, str], Callable[[dict[str, Any]], str]] = {
 
 def _counterfactual_title(sim: dict[str, Any]) -> str:
     k = sim.get("top_k")
-    if sim.get("exact"):
-        return (f"similarity removes {fmt(sim['removed'])} = {fmt(sim['removed_share'])} of F_orth; "
-                f"top-{k} pairs {fmt(sim['removed_top'])} = {fmt(sim['removed_top_share'])}")
+    if sim.get("exact"):  # issue 27: no double negative ("removes -136.2" reads "adds 136.2")
+        def change(r: float, sh: float) -> str:
+            return f"{'removes' if r >= 0 else 'adds'} {fmt(abs(r))} = {fmt(abs(sh))} of F_orth"
+        return (f"similarity {change(sim['removed'], sim['removed_share'])}; "
+                f"top-{k} pairs {change(sim['removed_top'], sim['removed_top_share'])}")
     return (f"removed <= {fmt(sim['removed_upper'])}, share <= {fmt(sim['removed_share_upper'])}; "
             f"top-{k} pairs remove {fmt(sim['removed_top'])}")
 
