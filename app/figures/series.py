@@ -85,7 +85,8 @@ def sync(r: SeriesResult) -> go.Figure | None:
         return None
     fisher = "support_bytes" in c
     fig = make_subplots(rows=2 if fisher else 1, cols=1, shared_xaxes=True, vertical_spacing=0.08)
-    low = (comparison_of(r) or {}).get("comparison_dtype")
+    conv = comparison_of(r)
+    low = None if precision.is_exact(conv) else (conv or {}).get("comparison_dtype")
     names = {"dense_bytes": "dense (every value)",
              "sparse_bytes": "indices + values of changed" + (f" (in {low})" if low else ""),
              "sync_bytes": "cheaper of the two, per tensor",

@@ -163,7 +163,14 @@ def independent_fisher(
     return {n: f.float().cpu() for n, f in fr.fisher.items()}, info
 
 
-def _concentration_heatmaps(conc: dict[str, Any]) -> list[Any]:
+TARGET_NAMES = {"grad_sq_sum": "the run's summed squared gradient (top-k)",
+                "grad_abs_sum": "the run's summed |gradient| (top-k)",
+                "abs_delta": "the run's |weight change| (top-k)"}
+
+
+def _concentration_heatmaps(conc: dict[str, Any], scope: str | None = None) -> list[Any]:
+    """The concentration AUC per layer x module; `scope` (compute.contract.construction) names the
+    coordinates it is computed over in the title (inside the mask of a masked run)."""
     from compute.contract.jobresult import Heatmap
     from compute.lm.naming import layer_sort_key
 
@@ -182,7 +189,9 @@ def _concentration_heatmaps(conc: dict[str, Any]) -> list[Any]:
         out.append(Heatmap(name=f"concentration_auc_{label}", x_labels=mods, y_labels=layers, z=z,
                            meta={"x_title": "module type", "y_title": "layer", "units": "ROC-AUC",
                                  "target": label, "topk_fraction": conc["fraction"], "zmin": 0.0,
-                                 "zmax": 1.0}))
+                                 "zmax": 1.0,
+                                 **({"title": f"Initial Fisher as a predictor of {TARGET_NAMES[label]}: "
+                                              f"ROC-AUC ({scope})", "scope": scope} if scope else {})}))
     return out
 
 
@@ -511,4 +520,4 @@ def _concentration(run: _Run, res: Any, fisher: Any, master_base: dict[str, torc
         "gradient": f"masked, unclipped gradient of the training loss, summed over {res.updates} updates",
         "delta": "master weights (float32 for fp32/bf16-mixed, the bf16 weights for bf16)",
     }
-    run.result.heatmaps += _concentration_heatmaps(conc)
+    run.result.heatmaps += _concentration_heatmaps(conc, sc.get("scope") if mask is not None else None)

@@ -555,10 +555,13 @@ def test_sync_verdict_never_shows_a_costlier_sparse_sync_as_a_saving():
     sync = items["Sparse sync (indices + values) vs dense"]
     assert sync["value"] == "2.95x dense" and "dense is cheaper" in sync["note"]
     assert items["Cheaper of sparse and dense per tensor vs dense"]["value"] == "100%"
-    title = dict((n, t) for n, t, _ in titled_figures_for({**d, "series": [
+    figs = {n: (t, f) for n, t, f in titled_figures_for({**d, "series": [
         {"name": "sync/sparse_bytes", "step": 1, "value": 6.5e5}, {"name": "sync/dense_bytes", "step": 1,
-                                                                  "value": 2.2e5}]}))["sync"]
+                                                                  "value": 2.2e5}]})}
+    title, fig = figs["sync"]
     assert "dense is cheaper" in title
+    assert [(tr.name, list(tr.y)) for tr in fig.data] == [("dense (every value)", [2.2e5]),
+                                                          ("indices + values of changed", [6.5e5])]
 
 
 # ------------------------------------------------------------------ issue 27: construction-aware metrics
