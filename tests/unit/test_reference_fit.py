@@ -110,3 +110,40 @@ def test_the_api_answers_422_naming_the_field_and_both_models(settings) -> None:
     assert r.status_code == 422, r.text
     body = json.dumps(r.json())
     assert "mask" in body and "arith-base" in body and "arith-teacher" in body
+
+
+@pytest.mark.parametrize("db", ["sqlite", "postgresql"])
+def test_a_fisher_job_of_another_model_is_refused_by_job_reference(fl_home: Path, zoo_home: Path, db: str,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same rule for `job:N` references (the artifact store and the job row: SQLite and
+    PostgreSQL): a Fisher job of arith-base used with arith-teacher is refused, with arith-base
+    queued."""
+    import contextlib
+
+    from compute.contract.jobresult import JobResult
+    from storage import repo
+    from storage.artifacts import open_store
+    from tests.pg import pg_schema_url
+
+    monkeypatch.setenv("FISHERLENS_QUEUE", "fisherlens")
+    shutil.copytree(zoo_home / "zoo", fl_home / "zoo")
+    ctx = pg_schema_url() if db == "postgresql" else contextlib.nullcontext(None)
+    with ctx as url:
+        if url:
+            monkeypatch.setenv("DATABASE_URL", url)
+        settings = get_settings()
+        files = _files(settings)
+        with safe_open(str(files["fisher"]), framework="pt") as h:
+            tensors = {n: h.get_tensor(n) for n in h.keys()}  # noqa: SIM118
+            meta = h.metadata()
+        job = services.submit(settings, "fisher", {"model": "arith-base", "prompts": 4})
+        with services.sessions(settings)() as s:
+            repo.save_result(session=s, job_id=job["id"], store=open_store(settings),
+                             result=JobResult(kind="fisher", summary={}, tensors={"fisher": tensors},
+                                              metadata={"fisher": meta}))
+            repo.mark_succeeded(session=s, job_id=job["id"])
+        spec = {"fisher": f"job:{job['id']}", "steps": 1, "batch": 2, "group": 2}
+        errors = _refusal(settings, "train", {"model": "arith-teacher", **spec})
+        assert [e["field"] for e in errors] == ["fisher"]
+        assert "made for model 'arith-base'" in errors[0]["message"] and "'arith-teacher'" in errors[0]["message"]
+        assert services.submit(settings, "train", {"model": "arith-base", **spec})["status"] == "queued"
