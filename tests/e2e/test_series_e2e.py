@@ -182,6 +182,11 @@ def test_series_of_a_masked_bf16_mixed_run_leads_in_bf16_in_the_browser_and_shar
     job = _get_json(f"{server}/api/jobs/{ids['series']}")
     summary = _get_json(f"{server}/api/results/{job['share_token']}")["summary"]
     assert summary["comparison_dtype"] == "bfloat16" and summary["final_update_sparsity"] >= 0.9
+    # the construction rule: the series' Fisher is the one the mask was chosen from (the sha256s
+    # recorded in the trained model's mask file and in the reference match)
+    c = summary["construction"]
+    assert c["trained_in_mask"] and c["same_fisher"] is True, c
+    assert c["all_coordinates"] == "holds by construction: the mask was chosen from this Fisher"
     for url in (f"{server}/?tab=result&r={job['share_token']}", f"{server}/r/{job['share_token']}"):
         ctx, page, _ = _open(browser, url)
         label, value = _first_key_number(page)
