@@ -385,6 +385,26 @@ register("real_smollm2_retention", "benchmarks/results/real_smollm2/retention.js
 register("real_smollm2_sweep", "benchmarks/results/real_smollm2/sweep.json", render_sweep)
 
 
+def render_sgd_zeros(data: dict[str, Any]) -> str:
+    """Where the SGD points' changed weights sit (issue 27): the sweep's |w| bins
+    (fisher_auc_changed_by_binade), the w == 0 bin against all the others."""
+    lines = ["| optimizer | lr | changed (all) | weights exactly 0 in the base | of them changed | "
+             "changed among nonzero weights |", "|---|---|---:|---:|---:|---:|"]
+    for p in data["points"]:
+        if p.get("optimizer") != "sgd":
+            continue
+        bins = p.get("fisher_auc_changed_by_binade") or []
+        zero = next((b for b in bins if b["exponent"] == -1000), {"n": 0, "n_changed": 0})
+        n = sum(b["n"] for b in bins)
+        changed = sum(b["n_changed"] for b in bins)
+        lines.append(f"| {p['optimizer']} | {p['lr']:g} | {changed:,} ({100 * changed / n:.4f}%) | {zero['n']:,} "
+                     f"| {zero['n_changed']:,} | {changed - zero['n_changed']:,} |")
+    return "\n".join(lines) + "\n"
+
+
+register("sgd_zero_weights", "benchmarks/results/real_smollm2/sweep.json", render_sgd_zeros)
+
+
 # ---------------------------------------------------------------------------------------------
 # README update / check
 # ---------------------------------------------------------------------------------------------

@@ -7,6 +7,7 @@ from typing import Any
 
 import plotly.graph_objects as go
 
+from compute.contract import construction
 from compute.contract.results import HeatmapData, TypedResult
 from compute.jobs.diff import (
     FISHER_VS_DELTA,
@@ -144,7 +145,10 @@ def _unchanged_table(s: DiffSummary) -> dict[str, Any] | None:
             continue  # shown next to the float32 row of the same atol
         if lab == "common" and _exact_comparison(s):
             continue  # the same numbers as the "exactly equal" row
-        row = [_common_name(s) if lab == "common" else _threshold_name(lab), kn.pct(v)]
+        name = _common_name(s) if lab == "common" else _threshold_name(lab)
+        if lab == "exact" and not _exact_comparison(s):  # the precision policy: a counter-number
+            name = "exactly equal across precisions (storage rounding counts as a change)"
+        row = [name, kn.pct(v)]
         if bf16:
             row.append(kn.pct(bf16[lab[5:]]) if lab.startswith("atol_") and lab[5:] in bf16 else "")
         rows.append(row)
@@ -169,14 +173,20 @@ def key_numbers_diff(r: DiffResult, out: dict[str, Any]) -> None:
         note = (f"both stored in {s.comparison_dtype}; every threshold in the table below"
                 if s.comparison_dtype else "every threshold in the table below")
         items.append(kn.item("Weights exactly unchanged", kn.pct(s.unchanged_exact), note))
+    sc = r.raw_summary.get("construction")  # compute.contract.construction: trained inside a mask
+    inside = ""
+    if sc and sc.get("trained_in_mask"):
+        inside = (f"; over the {kn.pct(sc.get('mask_density'))} of coordinates inside the mask the model was "
+                  f"trained in (the rest cannot move; over all coordinates the AUC {sc.get('all_coordinates')})")
     if finite(s.auc) is not None:
         k = (s.overlap_settings or {}).get("topk_percent") or next(
             (row.get("k_percent") for row in s.overlap or [] if row.get("k_percent")), None)
         top = f"top-{kn.fmt(k)}%" if k is not None else "top-k"
-        items.append(kn.item(f"Fisher AUC for the {top} |delta| coordinates", kn.fmt(s.auc),
-                           "0.5 = chance, 1 = the Fisher ranks them all first"))
+        items.append(kn.item(construction.scoped_label(f"Fisher AUC for the {top} |delta| coordinates", sc),
+                             kn.fmt(s.auc), "0.5 = chance, 1 = the Fisher ranks them all first" + inside))
     if finite(s.changed_auc) is not None:
-        items.append(kn.item("Fisher AUC for changed-at-all coordinates", kn.fmt(s.changed_auc), "0.5 = chance"))
+        items.append(kn.item(construction.scoped_label("Fisher AUC for changed-at-all coordinates", sc),
+                             kn.fmt(s.changed_auc), "0.5 = chance" + inside))
     if "auc" not in s.model_fields_set:
         items.append(kn.item("Fisher AUC", "not computed", "the diff was run without a Fisher"))
     out["table"] = _unchanged_table(s)

@@ -40,6 +40,27 @@ def pct(v: Any) -> str:
     return f"{100 * f:.3g}%" if abs(100 * f) >= 0.01 or f == 0 else f"{100 * f:.2e}%"
 
 
+def binomial_se(p: float | None, n: Any) -> float | None:
+    """One standard error of an accuracy p measured on n prompts: sqrt(p (1 - p) / n) (the SE
+    convention of every accuracy the pages show; docs/reading-results.md)."""
+    f = finite(p)
+    if f is None or not isinstance(n, int) or isinstance(n, bool) or n < 1:
+        return None
+    return (f * (1 - f) / n) ** 0.5
+
+
+def pct_se(p: Any, se: Any) -> str:
+    """'32% ± 3.3' (the SE in percentage points), or the bare percentage without an SE."""
+    e = finite(se)
+    return pct(p) if e is None else f"{pct(p)} ± {100 * e:.2g}"
+
+
+def fmt_se(v: Any, se: Any) -> str:
+    """'0.32 ± 0.033', or the bare value without an SE."""
+    e = finite(se)
+    return fmt(v) if e is None else f"{fmt(v)} ± {fmt(e)}"
+
+
 def item(label: str, value: str, note: str = "") -> Item:
     return {"label": label, "value": value, "note": note}
 
@@ -51,16 +72,18 @@ def random_topk_jaccard(fraction: float) -> float:
 
 
 def jaccard_verdict(jaccard: float | None, topk_percent: float | None) -> dict[str, str]:
+    """The split-half verdict: its text starts with its level's name (good, fair, poor), the one
+    name the API, the UI and the docs use for it (issue 27; the UI said "unreliable")."""
     if jaccard is None:
         return {"level": "none", "text": "no split-half check (the batch estimator keeps no halves)"}
     base = random_topk_jaccard(topk_percent / 100) if topk_percent else None
     vs = f" (random sets: {fmt(base)})" if base is not None else ""
     if jaccard >= RELIABLE_JACCARD:
-        return {"level": "good", "text": f"reliable: the two halves agree on the top set{vs}"}
+        return {"level": "good", "text": f"good: the two halves agree on the top set{vs}"}
     if jaccard >= FAIR_JACCARD:
         return {"level": "fair", "text": "fair: trust layer x module aggregates, not single "
                                          f"coordinates; more samples would firm it up{vs}"}
-    return {"level": "poor", "text": "unreliable: the top set is mostly sampling noise; take more "
+    return {"level": "poor", "text": "poor: the top set is mostly sampling noise; take more "
                                      f"samples (rerun with until_reliable, CLI --until-reliable){vs}"}
 
 

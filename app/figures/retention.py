@@ -179,10 +179,15 @@ def key_numbers_retention(r: RetentionResult, out: dict[str, Any]) -> None:
     s = r.summary
     base, full, spread = finite(s.base_reward), finite(s.full_reward_mean), finite(s.full_reward_std)
     if base is not None:
-        out["items"].append(kn.item("Base model held-out reward", kn.fmt(base)))
+        out["items"].append(kn.item("Base model held-out reward", kn.fmt_se(base, r.raw_summary.get("base_se")),
+                                    "± one standard error" if finite(r.raw_summary.get("base_se")) is not None
+                                    else ""))
     if full is not None:
+        se = finite(r.raw_summary.get("full_se"))
+        note = f"{len(s.full_rewards or [])} seeds" + ("; ± the spread (std) across seeds" if spread is not None else "")
+        if se is not None:
+            note += f"; standard error of the mean {kn.fmt(se)}"
         out["items"].append(kn.item("Full training held-out reward",
-                                  kn.fmt(full) + (f" +- {kn.fmt(spread)}" if spread is not None else ""),
-                                  f"{len(s.full_rewards or [])} seeds"))
+                                  kn.fmt(full) + (f" ± {kn.fmt(spread)}" if spread is not None else ""), note))
     _retention_warning(r, out)
     out["table"] = _retention_table(list(s.rows), s.confidence)

@@ -13,10 +13,10 @@ from . import keynumbers as kn
 from .common import Table, cell, empty_figure, finite, layout
 from .registry import figure, key_numbers, stored_heatmap, table
 
-SWEEP_COLUMNS = ("precision", "optimizer", "lr", "unchanged_bf16", "unchanged_exact",
+SWEEP_COLUMNS = ("precision", "optimizer", "lr", "unchanged_common", "comparison_dtype", "unchanged_bf16",
                  "unchanged_bf16delta_atol_1e-05", "unchanged_atol_1e-05", "fisher_auc_changed",
                  "fisher_auc_changed_within_binades", "fisher_auc_gradient", "fisher_auc_abs_delta",
-                 "reward_before", "reward_after")
+                 "reward_before", "reward_before_se", "reward_after", "reward_after_se")
 METRIC_TITLES = {"unchanged_bf16": "Unchanged fraction (bf16)", "fisher_auc_changed": "Fisher AUC for 'changed'",
                  "fisher_auc_gradient": "Fisher AUC for the top-k of the summed squared gradient"}
 Lines = dict[str, tuple[list[float], list[float | None]]]
@@ -55,9 +55,13 @@ def _lines_figure(r: TypedResult[Any], keys: tuple[tuple[str, str, str], ...], y
 
 
 def sweep_sparsity_figure(r: TypedResult[Any]) -> go.Figure:
-    """Update sparsity (fraction of coordinates unchanged in bf16) against learning rate, one line
-    per optimizer x precision; dotted: the published |delta_bf16| <= 1e-5 convention."""
-    return _lines_figure(r, (("unchanged_bf16", "solid", "bf16-equal"),
+    """Update sparsity (the headline policy, compute.contract.precision: unchanged in the lower of
+    the base's and the checkpoint's stored precisions) against learning rate, one line per
+    optimizer x precision; dotted: the published |delta_bf16| <= 1e-5 convention."""
+    lead = (("unchanged_common", "solid", "unchanged (lower stored precision)")
+            if any(p.unchanged_common is not None for p in _points(r))
+            else ("unchanged_bf16", "solid", "bf16-equal"))  # results stored before the policy
+    return _lines_figure(r, (lead,
                              ("unchanged_bf16delta_atol_1e-05", "dot", "|Δbf16| ≤ 1e-5")),
                          "fraction of coordinates unchanged", "Update sparsity vs learning rate x optimizer",
                          chance=False)
@@ -118,7 +122,8 @@ for _metric in SWEEP_METRICS:
 def sweep_table(r: TypedResult[Any]) -> Table:
     """One row per sweep point (empty for other results)."""
     rows = [p.model_dump() for p in _points(r)]
-    return list(SWEEP_COLUMNS), [[cell(p.get(c)) for c in SWEEP_COLUMNS] for p in rows]
+    cols = [c for c in SWEEP_COLUMNS if any(p.get(c) is not None for p in rows)]  # none: stored before
+    return cols, [[cell(p.get(c)) for c in cols] for p in rows]
 
 
 # ---------------------------------------------------------------- key numbers
@@ -131,8 +136,11 @@ def key_numbers_sweep(r: SweepResult, out: dict[str, Any]) -> None:
         return
     out["items"].append(kn.item("Points (lr x optimizer x precision)", str(len(pts))))
     out["table"] = {
-        "title": "Unchanged fraction (bf16) and Fisher AUC per point",
-        "headers": ["precision", "optimizer", "lr", "unchanged (bf16)", "Fisher AUC changed", "reward after"],
-        "rows": [[p.precision, p.optimizer, f"{p.lr:g}", kn.pct(p.unchanged_bf16), kn.fmt(p.fisher_auc_changed),
-                  kn.pct(p.reward_after)] for p in pts],
+        "title": "Unchanged fraction (in the lower stored precision) and Fisher AUC per point",
+        "headers": ["precision", "optimizer", "lr", "unchanged", "compared in", "Fisher AUC changed",
+                    "reward after (± SE)"],
+        "rows": [[p.precision, p.optimizer, f"{p.lr:g}",
+                  kn.pct(p.unchanged_common if p.unchanged_common is not None else p.unchanged_bf16),
+                  p.comparison_dtype or ("bfloat16" if p.unchanged_common is None else "stored dtype"),
+                  kn.fmt(p.fisher_auc_changed), kn.pct_se(p.reward_after, p.reward_after_se)] for p in pts],
     }

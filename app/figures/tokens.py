@@ -65,13 +65,23 @@ def token_similarity_heatmap(r: TypedResult[Any], which: str = "top") -> go.Figu
     return heatmap_figure(shown, f"Sensitivity similarity ({which} tokens{extra})", log=False)
 
 
+def _change(removed: Any, share: Any) -> str:
+    """'removes 101.2 = 0.339 of F_orth' / 'adds 136.2 = 0.106 of F_orth' (never "removes -136.2")."""
+    r, sh = finite(removed), finite(share)
+    if r is None:
+        return f"removes {fmt(removed)}"
+    verb = "removes" if r >= 0 else "adds"
+    tail = f" = {fmt(abs(sh))} of F_orth" if sh is not None else ""
+    return f"{verb} {fmt(abs(r))}{tail}"
+
+
 def _counterfactual_bars(sim: dict[str, Any]) -> tuple[list[str], list[Any], str]:
     k = sim.get("top_k")
     if sim.get("exact"):
         names = ["trace F (measured)", "F_orth (all tokens orthogonal)", f"F_orth (top-{k} orthogonal)"]
         vals = [sim.get("trace_f"), sim.get("trace_f_orth"), sim.get("trace_f_orth_top")]
-        share = (f"similarity removes {fmt(sim.get('removed'))} = {fmt(sim.get('removed_share'))} of F_orth; "
-                 f"top-{k} pairs {fmt(sim.get('removed_top'))} = {fmt(sim.get('removed_top_share'))}")
+        share = (f"similarity {_change(sim.get('removed'), sim.get('removed_share'))}; "
+                 f"top-{k} pairs {_change(sim.get('removed_top'), sim.get('removed_top_share'))}")
         return names, vals, share
     names = ["trace F >= (covered tokens)", "F_orth >= (covered tokens)"]
     vals = [sim.get("trace_f_lower"), sim.get("trace_f_orth_lower")]

@@ -7,6 +7,7 @@ from typing import Any
 
 import plotly.graph_objects as go
 
+from compute.contract import construction, precision
 from compute.contract.results import TypedResult
 from compute.jobs.train import (
     BOUND_HIST,
@@ -119,14 +120,24 @@ for _name, _target in zip(CONCENTRATION_AUC, CONCENTRATION_TARGETS, strict=True)
 @table("train", "concentration", title="Concentration: the Fisher's top-k vs the run (whole model)")
 def concentration_table(r: TypedResult[Any]) -> Table:
     """One row per target the Fisher's top-k is compared with (its per-layer and per-module
-    values are the concentration heatmaps)."""
+    values are the concentration heatmaps). A run trained inside a mask: over the coordinates
+    inside it (compute.contract.construction), then the same over all coordinates, labelled."""
     conc = r.raw_summary.get("concentration")
     if not isinstance(conc, dict):
         return [], []
-    rows = [{"target": TARGET_TITLES.get(t, t), "top-k fraction": conc.get("fraction"), **conc[t]["global"]}
+    scope = conc.get("scope") or construction.SCOPE_ALL
+    rows = [{"target": TARGET_TITLES.get(t, t), "scope": scope, "top-k fraction": conc.get("fraction"),
+             **conc[t]["global"]}
             for t in CONCENTRATION_TARGETS
             if isinstance(conc.get(t), dict) and isinstance(conc[t].get("global"), dict)]
-    return rows_table(rows, ("target", "top-k fraction", "precision_at_k", "auc", "spearman", "jaccard_lift"))
+    every = r.raw_summary.get("concentration_all_coordinates")
+    if isinstance(every, dict):
+        rows += [{"target": TARGET_TITLES.get(t, t), "scope": f"all coordinates: {every.get('label')}",
+                  "top-k fraction": every.get("fraction"), **every[t]["global"]}
+                 for t in CONCENTRATION_TARGETS
+                 if isinstance(every.get(t), dict) and isinstance(every[t].get("global"), dict)]
+    return rows_table(rows, ("target", "scope", "top-k fraction", "precision_at_k", "auc", "spearman",
+                             "jaccard_lift"))
 
 
 # ---------------------------------------------------------------- key numbers
@@ -139,9 +150,13 @@ def key_numbers_train(r: TrainResult, out: dict[str, Any]) -> None:
     before, after = finite(s.accuracy_before), finite(s.accuracy_after)
     if before is not None and after is not None:
         n = (s.eval or {}).get("prompts")
+        se_b, se_a = kn.binomial_se(before, n), kn.binomial_se(after, n)
         note = f"greedy, {n} held-out prompts" if n else "greedy, held-out prompts"
+        if se_b is not None and se_a is not None:
+            note += (f"; ± one binomial SE in points; the change's SE is at most "
+                     f"{100 * (se_b ** 2 + se_a ** 2) ** 0.5:.2g} points (unpaired)")
         items.append(kn.item("Held-out accuracy before -> after",
-                           f"{kn.pct(before)} -> {kn.pct(after)} ({'+' if after >= before else ''}"
+                           f"{kn.pct_se(before, se_b)} -> {kn.pct_se(after, se_a)} ({'+' if after >= before else ''}"
                            f"{100 * (after - before):.3g} points)", note))
         if after <= before:
             out["warnings"].append("Training did not improve held-out accuracy.")
@@ -154,10 +169,19 @@ def key_numbers_train(r: TrainResult, out: dict[str, Any]) -> None:
         items.append(kn.item("Trainable fraction (mask density)", kn.pct(s.trainable_fraction)))
     us = s.update_sparsity or {}
     if finite(us.get("unchanged_exact")) is not None:
-        # both sides are the stored weights (the base rounded like the checkpoint): exact fits
+        # both sides are the stored weights (the base cast to the checkpoint's dtype): the
+        # headline policy (compute.contract.precision) names the precision they were compared in
         dt = us.get("stored_dtype")
-        note = f"{dt} checkpoint vs the base stored alike" if dt else ""
-        items.append(kn.item("Stored weights exactly unchanged", kn.pct(us["unchanged_exact"]), note))
+        c = ({"rule": us["comparison_rule"], "comparison_dtype": us.get("comparison_dtype")}
+             if us.get("comparison_rule") else None)
+        if precision.is_exact(c):
+            note = f"{dt} checkpoint vs the base stored alike" if dt else ""
+        else:
+            sd = us.get("stored_dtypes") or {}
+            note = (f"base stored in {sd.get('base')}, checkpoint in {sd.get('checkpoint')}: the base cast "
+                    f"to {us.get('comparison_dtype')}, then compared")
+        items.append(kn.item(precision.unchanged_label(c, "Stored weights unchanged"),
+                             kn.pct(us["unchanged_exact"]), note))
     _bound_item(r, out)
 
 

@@ -146,29 +146,80 @@ def _vocab(folder: Path) -> dict[str, int] | None:
     return {**vocab, **{t["content"]: t["id"] for t in tok.get("added_tokens") or []}}
 
 
-def compatibility(found: dict[str, Path], algo: str | None) -> list[dict[str, str]]:
+def made_for(path: Path) -> tuple[str | None, str | None]:
+    """(label, sha256) of the model a Fisher or mask file records it was made for: a Fisher's
+    "fisherlens" metadata (compute.jobs.fisher_run.fisher_metadata), a mask's copy of its Fisher's
+    ("fisher_reliability", compute.jobs.mask_run); (None, None) when the file does not say."""
+    try:
+        header = safetensors_header(path)
+    except ValueError:
+        return None, None
+    meta = header.get("__metadata__") if isinstance(header, dict) else None
+    for key in ("fisherlens", "fisher_reliability"):
+        raw = (meta or {}).get(key)
+        try:
+            info = json.loads(raw) if isinstance(raw, str) else None
+        except ValueError:
+            info = None
+        if isinstance(info, dict) and info.get("model"):
+            sha = info.get("model_sha256")
+            return str(info["model"]), str(sha) if sha else None
+    return None, None
+
+
+# (reference field, the model field it must come from, how that model is named)
+FIT_PAIRS = (("fisher", "model", "the model"), ("mask", "model", "the model"),
+             ("fisher", "base", "the checkpoints"))
+
+
+def compatibility(found: dict[str, Path], algo: str | None, refs: dict[str, Any] | None = None,
+                  allow_other_model: bool = False) -> list[dict[str, str]]:
     """What the worker would refuse about two references together (`found`: field -> local
     model folder or artifact file), as field errors. By field, whatever the kind: a Fisher or
-    mask must fit the model it is used with (or the checkpoints it is compared with), a tuned
-    checkpoint its base."""
+    mask must fit the model it is used with (or the checkpoints it is compared with): the same
+    parameter names and shapes (every parameter of the model; a Fisher compared with checkpoints
+    may cover a subset of them),
+    and (issue 27) unless `allow_other_model`, the same model revision by sha256 when the file
+    records the model it was made for and the model was hashed (`refs`: the resolved Refs); a
+    tuned checkpoint must fit its base."""
+    from compute.contract.provenance import ref_label
+
     got = {f: shapes(p) for f, p in found.items()}
     errors = []
 
+    def models(field: str, model_field: str) -> str:
+        label, _ = made_for(found[field])
+        ref = (refs or {}).get(model_field)
+        mine = f"{model_field} is {ref_label(ref)!r}" if ref is not None else f"not the {model_field}"
+        return f" (the {field} was made for model {label!r}; {mine})" if label else ""
+
     def check(field: str, model_field: str, whose: str) -> None:
         part, whole = got.get(field), got.get(model_field)
-        if part is not None and whole is not None:
-            why = mismatch(part, whole, f"the {field}", whose, tied_ok=True)
-            if why:
-                errors.append({"field": field, "message": why})
+        if part is None or whole is None:
+            return
+        # with a model: every parameter (a mask or Fisher of arith-base lacks arith-deep-base's
+        # extra layers); against checkpoints, a Fisher may cover a subset (compute.sparsity.diff)
+        why = mismatch(part, whole, f"the {field}", whose, tied_ok=True, both=model_field == "model")
+        if why:
+            errors.append({"field": field, "message": why + models(field, model_field)})
+            return
+        ref = (refs or {}).get(model_field)
+        label, sha = made_for(found[field])
+        model_sha = getattr(ref, "sha256", None)
+        if allow_other_model or not sha or not model_sha or sha == model_sha:
+            return
+        errors.append({"field": field, "message": (
+            f"made for model {label!r} (revision {sha[:12]}), but {model_field} is {ref_label(ref)!r} "
+            f"(revision {model_sha[:12]}): the same names and shapes, another model; a {field} must come "
+            "from the model it is used with; set allow_other_model to use it anyway")})
 
-    check("fisher", "model", "the model")
-    check("mask", "model", "the model")
+    for field, model_field, whose in FIT_PAIRS:
+        check(field, model_field, whose)
     base, tuned = got.get("base"), got.get("tuned")
     if base is not None and tuned is not None:
         why = mismatch(base, tuned, "base", "tuned", both=True, tied_ok=True)
         if why:
             errors.append({"field": "tuned", "message": "different architecture: " + why})
-    check("fisher", "base", "the checkpoints")
     if base is not None and "run_dir" in found:  # every checkpoint of a run folder fits its base
         from compute.contract.modelref import checkpoints
 

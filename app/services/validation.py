@@ -50,7 +50,8 @@ def check_spec(
             errors.append(resolver.field_error("layer", exc))
     if not errors:
         found = {f: Path(r.local) for f, r in refs.items() if r.local}
-        errors += compatibility(found, getattr(spec, "algo", None))
+        errors += compatibility(found, getattr(spec, "algo", None), refs,
+                                allow_other_model=bool(getattr(spec, "allow_other_model", False)))
     task = getattr(spec, "task", None)
     if isinstance(task, str) and task.startswith("jsonl:"):
         try:

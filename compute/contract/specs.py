@@ -96,6 +96,10 @@ Device = Annotated[
 
 # Knobs several specs share: the accepted range is written once here (each spec sets its default).
 Seed = Annotated[int, Field(ge=0, le=2**31 - 1)]
+# issue 27: a mask or Fisher made for another revision of the model (same names and shapes) is
+# refused at submit unless the user says so (app.services.compat.model_fit)
+AllowOtherModel = Annotated[bool, Field(
+    description="use a mask / Fisher made for another model revision of the same shapes (refused otherwise)")]
 Steps = Annotated[int, Field(ge=1, le=100_000)]
 Batch = Annotated[int, Field(ge=1, le=1024)]
 Group = Annotated[int, Field(ge=2, le=64)]

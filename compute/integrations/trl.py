@@ -44,6 +44,9 @@ the plain Trainer), single process. What it guarantees, and how:
 update sparsity of the model being trained against `base` (default: the weights at train begin)
 into the trainer's own logs (`state.log_history`, and the `logs` dict the callbacks after it see),
 in both published conventions, computed by `compute.sparsity.diff.diff_checkpoints` (docs/science.md section 6):
+- `update_sparsity/unchanged`: the headline (compute.contract.precision): share of coordinates
+  unchanged, exactly when the base and the model are stored alike, else with both cast to the
+  lower precision (`update_sparsity/compared_mantissa_bits`: 7 = bfloat16, 23 = float32);
 - `update_sparsity/unchanged_bf16`: share of coordinates whose bf16 value did not change;
 - `update_sparsity/unchanged_bf16delta_atol_<a>`: share with |tuned_bf16 - base_bf16| <= a, the
   difference taken in bf16 (sparsity_in_rl, arXiv 2505.11711), for each a in `atols`.
@@ -374,10 +377,18 @@ def sparsity_logs(base: Any, params: Mapping[str, torch.Tensor], atols: Iterable
                   ) -> dict[str, float]:
     """Update sparsity of `params` (name -> tensor, the names of `base`) against `base` (anything
     `compute.sparsity.diff.diff_checkpoints` reads), over all coordinates: the logged keys
+    `update_sparsity/unchanged` (the headline policy, compute.contract.precision: exact when the
+    base and the model are stored alike, else both cast to the lower precision; a trainer log
+    holds numbers, so the precision is `update_sparsity/compared_mantissa_bits`),
     `update_sparsity/unchanged_bf16` and `update_sparsity/unchanged_bf16delta_atol_<a>`."""
+    from compute.contract.precision import MANTISSA_BITS
+
     res = diff_checkpoints(base, params, svd_max_numel=0)
     g = res.groups["global"]["all"]
-    out = {SPARSITY_PREFIX + "unchanged_bf16": g["unchanged_bf16"]}
+    low = str(res.precision.get("comparison_dtype"))
+    out = {SPARSITY_PREFIX + "unchanged": g["unchanged_common"],
+           SPARSITY_PREFIX + "compared_mantissa_bits": float(MANTISSA_BITS.get(low, float("nan"))),
+           SPARSITY_PREFIX + "unchanged_bf16": g["unchanged_bf16"]}
     for a in atols:
         out[f"{SPARSITY_PREFIX}unchanged_bf16delta_atol_{a:g}"] = g[f"unchanged_bf16delta_atol_{a:g}"]
     return out

@@ -13,6 +13,7 @@ from pydantic import Field
 from compute.contract.kinds import JobKind, KindForm, TensorView
 from compute.contract.results import Contract, Family, Summary, TypedResult
 from compute.contract.specs import (
+    AllowOtherModel,
     ModelRef,
     Spec,
     TopkPercent,
@@ -27,6 +28,7 @@ class DiffSpec(Spec):
     base: ModelRef
     tuned: ModelRef
     fisher: str | None = Field(None, max_length=1000, description="fisher.safetensors path or 'job:<id>'")
+    allow_other_model: AllowOtherModel = False
     topk_percent: TopkPercent = Field(1.0,
         description="top-k% used for the Fisher/|delta| overlap")
     store_delta: bool = Field(False, description="also store the full float32 delta as an artifact (large)")

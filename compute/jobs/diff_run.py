@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from compute.contract.jobresult import Heatmap, JobResult, LayerStat, SeriesPoint, null_progress
@@ -33,6 +34,9 @@ def _threshold_meta(label: str, precision: dict[str, Any] | None = None) -> dict
                 "threshold_label": f"exact equality ({low})" if exact else
                 f"equality in {low} (the lower stored precision)"}
     if label == "exact":
+        if (precision or {}).get("rule") == "cast":  # compute.contract.precision: a counter-number
+            return {"threshold": 0.0, "threshold_label": "exact equality across precisions (storage "
+                                                         "rounding counts as a change)"}
         return {"threshold": 0.0, "threshold_label": "exact equality"}
     if label == "bf16":
         return {"threshold_label": "equal after casting both to bf16"}
@@ -71,13 +75,16 @@ def run(spec: DiffSpec, progress: Any = null_progress, refs: Refs | None = None)
     tuned = open_checkpoint(ref_of(refs, "tuned", spec.tuned), "tuned")
     fisher_ref = ref_of(refs, "fisher", spec.fisher)
     fisher = load_scores(fisher_ref, "fisher") if fisher_ref is not None else None
+    within, construction = trained_mask(tuned.folder, fisher_ref) if fisher is not None else (None, None)
     res = diff_checkpoints(base, tuned, fisher=fisher, topk_percent=spec.topk_percent,
                            keep_delta=spec.store_delta, svd_max_numel=spec.svd_max_numel,
-                           progress=progress)
+                           progress=progress, within=within)
     progress(0.95, "summarising")
     g = res.groups["global"]["all"]
     summary = _summary(spec, res)
     heatmaps: list[Heatmap] = []
+    if construction is not None:
+        summary["construction"] = construction
     if res.fisher is not None:
         summary.update(_fisher_summary(spec, res.fisher))
         heatmaps += _fisher_heatmaps(res.fisher, spec.topk_percent)
@@ -96,6 +103,37 @@ def run(spec: DiffSpec, progress: Any = null_progress, refs: Refs | None = None)
                      series=series, tensors=tensors)
 
 
+def trained_mask(folder: Path, fisher_ref: Any) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """(mask, compute.contract.construction.scope) of a model a train job trained inside a mask
+    (its OUT/mask.safetensors, compute.jobs.train_run._save_trained_mask), or (None, None). The
+    scope says whether `fisher_ref` is the Fisher the mask was chosen from (sha256 of both)."""
+    import json
+
+    from compute.contract.construction import MASK_FILE, scope
+    from compute.sparsity.masks import load_mask, mask_density, mask_metadata
+
+    path = Path(folder) / MASK_FILE
+    if not path.is_file():
+        return None, None
+    if mask_metadata(path).get("trained_inside") != "1":
+        # `fisherlens train --out` also writes the job's tensors there (a mask built in the job):
+        # the same mask, when the folder's metrics.json says the run trained inside one
+        try:
+            trained_in = "mask" in json.loads((Path(folder) / "metrics.json").read_text())
+        except (OSError, ValueError):
+            trained_in = False
+        if not trained_in:
+            return None, None
+    mask = load_mask(path)
+    try:
+        rel = json.loads(mask_metadata(path).get("fisher_reliability") or "{}")
+    except ValueError:
+        rel = {}
+    return mask, scope(True, density=mask_density(mask), mask_fisher_sha256=rel.get("source_sha256"),
+                       fisher_sha256=getattr(fisher_ref, "sha256", None),
+                       mask_label="the mask the tuned model was trained inside")
+
+
 def _summary(spec: DiffSpec, res: Any) -> dict[str, Any]:
     """The key numbers of a diff: update sparsity at every threshold, per module, ranks."""
     g = res.groups["global"]["all"]
@@ -112,6 +150,8 @@ def _summary(spec: DiffSpec, res: Any) -> dict[str, Any]:
         "stored_dtype": "float32",  # the delta artifact (store_delta)
         **{f"unchanged_{lab}": g[f"unchanged_{lab}"] for lab in threshold_labels()},
         "changed_below_half_ulp": g["changed_below_half_ulp"],
+        "zero_in_base": g["zero_in_base"],  # fractions: exactly 0 in the base, and of those changed
+        "changed_from_zero": g["changed_from_zero"],
         "conventions": {
             "unchanged_atol_<a>": "float32 delta |tuned - base| <= a",
             "unchanged_bf16delta_atol_<a>": "published convention (sparsity_in_rl): both checkpoints "

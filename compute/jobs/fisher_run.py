@@ -253,6 +253,7 @@ def finish(spec: FisherSpec, shard_outputs: list[dict], progress: Progress = nul
     if split_jaccard is not None:
         summary["split_half_topk_percent"] = spec.topk_percent
     if exact and exact_count > 0:
+        progress(0.985, "statistics: exact output-layer Fisher vs the estimate")
         rows = {}
         for n, s in exact.items():
             ref = s / exact_count

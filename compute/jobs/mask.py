@@ -14,6 +14,7 @@ from compute.contract.cost import COST_PROMPT_TOKENS
 from compute.contract.kinds import JobKind, KindForm, TensorView
 from compute.contract.results import Contract, Summary, TypedResult
 from compute.contract.specs import (
+    AllowOtherModel,
     Device,
     ModelRef,
     Seed,
@@ -29,6 +30,7 @@ class MaskSpec(Spec):
     fisher: str | None = Field(
         None, max_length=1000, description="fisher.safetensors path or 'job:<id>' of a fisher job"
     )
+    allow_other_model: AllowOtherModel = False
     select: Selector = Field("fisher", description="how coordinates are chosen")
     density: float = Field(0.05, gt=0.0, le=1.0, description="fraction of all coordinates kept")
     model: ModelRef | None = Field(None,

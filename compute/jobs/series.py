@@ -17,7 +17,7 @@ from pydantic import Field
 
 from compute.contract.kinds import JobKind, KindForm, TensorView
 from compute.contract.results import Contract, Family, Summary, TypedResult
-from compute.contract.specs import ModelRef, Spec
+from compute.contract.specs import AllowOtherModel, ModelRef, Spec
 
 # ---------------------------------------------------------------- spec
 
@@ -34,6 +34,7 @@ class SeriesSpec(Spec):
     fisher: str | None = Field(
         None, max_length=1000, description="initial Fisher (fisher.safetensors path or 'job:<id>'): its "
         "top-k support, AUC and precision@k for the changed coordinates")
+    allow_other_model: AllowOtherModel = False
     atol: float = Field(1e-5, gt=0.0, le=1.0,
                         description="tolerance of both delta conventions (|delta| <= atol is unchanged)")
     support_percent: float = Field(
@@ -43,8 +44,13 @@ class SeriesSpec(Spec):
 # ---------------------------------------------------------------- result
 
 VS_BASE, VS_PREV, SYNC, FISHER = Family("vs_base"), Family("vs_prev"), Family("sync"), Family("fisher")
-SPARSITY_KEYS = ("update_sparsity", "unchanged_bf16", "unchanged_atol", "unchanged_bf16delta_atol")
-SYNC_KEYS = ("dense_bytes", "sparse_bytes", "support_bytes", "captured_count_share", "captured_sq_share")
+# update_sparsity: unchanged in the compared precision (compute.contract.precision): exact when
+# both sides are stored alike, else both cast to the lower precision; unchanged_exact: bit equality
+SPARSITY_KEYS = ("update_sparsity", "unchanged_exact", "unchanged_bf16", "unchanged_atol",
+                 "unchanged_bf16delta_atol")
+SYNC_KEYS = ("dense_bytes", "sparse_bytes", "sync_bytes", "support_bytes", "captured_count_share",
+             "captured_sq_share")
+N_SYNC_PLAIN = 3  # SYNC_KEYS without a Fisher
 FISHER_KEYS = ("auc", "precision_at_k")
 HEATMAP_PAIRS = {"step_sparsity_layer_module": "vs_prev", "base_sparsity_layer_module": "vs_base"}
 CAPTURE_HEATMAP = "step_captured_sq_layer_module"
@@ -58,7 +64,14 @@ class SeriesSummary(Summary):
     n_params: int | None = None
     dtype: str | None = None
     atol: float | None = None
-    final_update_sparsity: float | None = None
+    final_update_sparsity: float | None = None  # in comparison_dtype (the headline)
+    final_unchanged_exact: float | None = None
+    # compute.contract.precision: the stored dtypes of both sides and the convention of the headline
+    stored_dtypes: dict[str, str] | None = None
+    comparison_dtype: str | None = None
+    comparison: str | None = None
+    comparison_rule: str | None = None
+    sync_bytes_total: float | None = None  # per tensor and step the cheaper of sparse and dense
     final_unchanged_bf16delta_atol: float | None = None
     mean_step_sparsity: float | None = None
     mean_step_unchanged_bf16delta_atol: float | None = None
@@ -129,9 +142,16 @@ def run(spec: SeriesSpec, progress: Any = None, refs: Any = None) -> Any:
 
         fisher = LazyTensors(local_file(fisher_ref, "fisher"), "fisher")
         summary_extra = {"fisher_reliability": fisher_provenance(fisher_ref)}  # the Fisher's verdict
+    within = None
+    if fisher is not None:  # a run trained inside a mask: its Fisher shares inside the mask
+        from compute.jobs.diff_run import trained_mask
+
+        within, construction = trained_mask(Path(run_dir), fisher_ref)
+        if construction is not None:
+            summary_extra["construction"] = construction
     config = SeriesConfig(atol=spec.atol, support_percent=spec.support_percent)
     res = checkpoint_series(base, run_dir, fisher=fisher, config=config,
-                            progress=lambda f, m="": progress(0.95 * f, m))
+                            progress=lambda f, m="": progress(0.95 * f, m), within=within)
     out = Path(tempfile.mkdtemp(prefix="fisherlens-series-"))
     path = write_series(res, out)
     summary = _summary(spec, res)
@@ -168,7 +188,7 @@ def _summary(spec: SeriesSpec, res: Any) -> dict[str, Any]:
         for pair in ("vs_base", "vs_prev"):
             for k in SPARSITY_KEYS:
                 row[f"{pair}_{k}"] = _finite(_g(p, pair, k, spec.atol))
-        for k in SYNC_KEYS if with_fisher else SYNC_KEYS[:2]:
+        for k in SYNC_KEYS if with_fisher else SYNC_KEYS[:N_SYNC_PLAIN]:
             row[k] = _finite(_g(p, "vs_prev", k, spec.atol))
         if with_fisher:
             for k in FISHER_KEYS:
@@ -177,7 +197,14 @@ def _summary(spec: SeriesSpec, res: Any) -> dict[str, Any]:
         if p.get("trainer", {}).get("log"):
             row["trainer"] = {k: _finite(v) for k, v in p["trainer"]["log"].items()}
         compact.append(row)
+    from compute.contract.precision import merge
+
+    prec = merge([p.get("vs_base_precision") for p in pts]) or {}
     out: dict[str, Any] = {
+        "stored_dtypes": prec.get("stored_dtypes"), "comparison_dtype": prec.get("comparison_dtype"),
+        "comparison": prec.get("comparison"), "comparison_rule": prec.get("rule"),
+        "final_unchanged_exact": _finite(_g(last, "vs_base", "unchanged_exact", spec.atol)),
+        "sync_bytes_total": sum(_g(p, "vs_prev", "sync_bytes", spec.atol) for p in pts),
         "base": spec.base, "run_dir": spec.run_dir, "fisher": spec.fisher,
         "steps": [p["step"] for p in pts], "n_params": int(last["vs_base"]["global"]["all"]["numel"]),
         "dtype": last.get("dtype"), "atol": spec.atol,
@@ -215,7 +242,7 @@ def _curves(res: Any, atol: float) -> list[Any]:
                 v = _finite(_g(p, pair, k, atol))
                 if v is not None:
                     out.append(SeriesPoint(f"{pair}/{k}", step, v))
-        for k in SYNC_KEYS if with_fisher else SYNC_KEYS[:2]:
+        for k in SYNC_KEYS if with_fisher else SYNC_KEYS[:N_SYNC_PLAIN]:
             v = _finite(_g(p, "vs_prev", k, atol))
             if v is not None:
                 out.append(SeriesPoint(f"sync/{k}", step, v))
@@ -239,14 +266,21 @@ def _heatmaps(res: Any, atol: float) -> list[Any]:
                     key=lambda g: (layer_sort_key(g.split("/")[0]), g.split("/")[1]))
     steps = [str(p["step"]) for p in pts]
 
-    def hm(name: str, pair: str, key: str, units: str) -> Any:
-        z = [[_finite(p[pair]["layer_module"][g].get(key)) for p in pts] for g in groups]
-        return Heatmap(name=name, x_labels=steps, y_labels=groups, z=z,
-                       meta={"x_title": "step", "y_title": "layer/module", "units": units,
-                             "zmin": 0.0, "zmax": 1.0})
+    from compute.contract.precision import merge, unchanged_units
 
-    out = [hm(name, pair, "update_sparsity", "unchanged fraction (exact)")
-           for name, pair in HEATMAP_PAIRS.items()]
+    def hm(name: str, pair: str, key: str, units: str, title: str | None = None) -> Any:
+        z = [[_finite(p[pair]["layer_module"][g].get(key)) for p in pts] for g in groups]
+        meta = {"x_title": "step", "y_title": "layer/module", "units": units, "zmin": 0.0, "zmax": 1.0}
+        if title:
+            meta["title"] = title
+        return Heatmap(name=name, x_labels=steps, y_labels=groups, z=z, meta=meta)
+
+    out = []
+    for name, pair in HEATMAP_PAIRS.items():  # the headline convention, named in the title
+        units = unchanged_units(merge([p.get(f"{pair}_precision") for p in pts]))
+        vs = "vs base" if pair == "vs_base" else "step to step"
+        out.append(hm(name, pair, "update_sparsity", units,
+                      f"{units[0].upper()}{units[1:]} by layer x module over steps ({vs})"))
     if "fisher" in res.settings:
         out.append(hm(CAPTURE_HEATMAP, "vs_prev", "captured_sq_share",
                       "share of the step's squared update on the Fisher support"))

@@ -15,6 +15,7 @@ from compute.contract.cost import fisher_passes, train_passes
 from compute.contract.kinds import JobKind, KindForm
 from compute.contract.results import PRECISIONS, Contract, Family, Row, Summary, TypedResult
 from compute.contract.specs import (
+    AllowOtherModel,
     IndependentFisher,
     Lr,
     Optimizer,
@@ -47,6 +48,7 @@ class SweepSpec(RunKnobs):
     fisher: str | None = Field(
         None, max_length=1000, description="initial Fisher (path or 'job:<id>'); default: estimated once "
         "from independent samples")
+    allow_other_model: AllowOtherModel = False
     independent_fisher: IndependentFisher = Field("other-prompts",
         description="samples of the estimated initial Fisher")
     topk_percent: TopkPercent = Field(1.0, description="top-k% of the Fisher/gradient overlap")
@@ -79,12 +81,16 @@ class SweepPoint(Row):
     precision: str
     unchanged_bf16: float | None = None
     unchanged_exact: float | None = None
+    unchanged_common: float | None = None  # compute.contract.precision: in comparison_dtype
+    comparison_dtype: str | None = None
     fisher_auc_changed: float | None = None
     fisher_auc_changed_within_binades: float | None = None
     fisher_auc_gradient: float | None = None
     fisher_auc_changed_by_binade: list[dict[str, Any]] | None = None
     reward_before: float | None = None
     reward_after: float | None = None
+    reward_before_se: float | None = None  # one binomial SE over the held-out prompts
+    reward_after_se: float | None = None
 
 
 class SweepSummary(Summary):

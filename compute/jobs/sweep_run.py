@@ -70,6 +70,12 @@ def _num(x: Any) -> float | None:
     return float(x) if isinstance(x, (int, float)) and math.isfinite(float(x)) else None
 
 
+def _binomial_se(p: Any, n: Any) -> float | None:
+    if not isinstance(p, (int, float)) or not isinstance(n, int) or n < 1 or not math.isfinite(float(p)):
+        return None
+    return math.sqrt(float(p) * (1 - float(p)) / n)
+
+
 def point_row(precision: str, optimizer: str, lr: float, summary: dict[str, Any]) -> dict[str, Any]:
     us = summary.get("update_sparsity", {})
     conc = summary.get("concentration", {})
@@ -79,10 +85,17 @@ def point_row(precision: str, optimizer: str, lr: float, summary: dict[str, Any]
         "lr": lr, "optimizer": optimizer, "precision": precision,
         "stored_dtype": us.get("stored_dtype"),
         "unchanged_exact": us.get("unchanged_exact"),
+        # the headline policy (compute.contract.precision): in the lower of the base's and the
+        # checkpoint's precisions (compute.jobs.train_run._headline_convention)
+        "unchanged_common": us.get("unchanged_common", us.get("unchanged_exact")),
+        "comparison_dtype": us.get("comparison_dtype"),
         "unchanged_bf16": us.get("unchanged_bf16"),
         "unchanged_bf16delta_atol_1e-05": us.get("unchanged_bf16delta_atol_1e-05"),
         "unchanged_atol_1e-05": us.get("unchanged_atol_1e-05"),
         "changed_below_half_ulp": us.get("changed_below_half_ulp"),
+        # weights exactly 0 in the base, and those the run changed (any nonzero update shows)
+        "zero_in_base": us.get("zero_in_base"),
+        "changed_from_zero": us.get("changed_from_zero"),
         "fisher_auc_changed": us.get("fisher_auc_changed"),
         "fisher_auc_changed_within_binades": us.get("fisher_auc_changed_within_binades"),
         "fisher_auc_changed_by_binade": us.get("fisher_auc_changed_by_binade"),
@@ -92,6 +105,9 @@ def point_row(precision: str, optimizer: str, lr: float, summary: dict[str, Any]
         "fisher_auc_abs_delta": dlt.get("auc"),
         "reward_before": summary.get("accuracy_before"),
         "reward_after": summary.get("accuracy_after"),
+        # one binomial standard error of each accuracy over the held-out prompts
+        "reward_before_se": _binomial_se(summary.get("accuracy_before"), (summary.get("eval") or {}).get("prompts")),
+        "reward_after_se": _binomial_se(summary.get("accuracy_after"), (summary.get("eval") or {}).get("prompts")),
         "train_reward_first": summary.get("reward_first"),
         "train_reward_last": summary.get("reward_last"),
         "seconds": summary.get("seconds"),
@@ -103,6 +119,7 @@ def markdown_table(points: list[dict[str, Any]]) -> str:
     """The sweep as a markdown table (fractions with 3 decimals, '-' where undefined; pipes in
     headers escaped)."""
     cols = [("precision", "precision"), ("optimizer", "optimizer"), ("lr", "lr"),
+            ("unchanged_common", "unchanged (lower stored precision)"), ("comparison_dtype", "compared in"),
             ("unchanged_bf16", "unchanged (bf16)"), ("unchanged_exact", "unchanged (stored, exact)"),
             ("unchanged_bf16delta_atol_1e-05", r"\|Δbf16\| ≤ 1e-5"),
             ("unchanged_atol_1e-05", r"\|Δfp32\| ≤ 1e-5"),
@@ -118,6 +135,7 @@ def markdown_table(points: list[dict[str, Any]]) -> str:
             return f"{v:g}"
         return f"{v:.3f}" if isinstance(v, float) else str(v)
 
+    cols = [(k, t) for k, t in cols if any(p.get(k) is not None for p in points)]  # none: stored before
     lines = ["| " + " | ".join(t for _, t in cols) + " |", "|" + "---|" * len(cols)]
     lines += ["| " + " | ".join(cell(k, p.get(k)) for k, _ in cols) + " |" for p in points]
     return "\n".join(lines) + "\n"

@@ -16,6 +16,7 @@ from compute.contract.kinds import JobKind, KindForm
 from compute.contract.results import Contract, Family, Summary, TypedResult
 from compute.contract.specs import (
     PRECISION_DTYPES,
+    AllowOtherModel,
     Dtype,
     FisherPrompts,
     FisherSamples,
@@ -51,6 +52,7 @@ class TrainSpec(LoopKnobs):
     fisher: str | None = Field(
         None, max_length=1000, description="initial Fisher (fisher.safetensors path or 'job:<id>') for the "
         "gradient-concentration and bound checks; default: estimated from independent samples")
+    allow_other_model: AllowOtherModel = False
     independent_fisher: IndependentFisher = Field(
         "other-prompts", description="samples of the estimated initial Fisher: train prompts after the "
         "ones training uses, or other completions of the first training prompts")

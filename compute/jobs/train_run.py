@@ -82,11 +82,13 @@ def build_mask_in_memory(
 
 def update_sparsity(
     base: Mapping[str, torch.Tensor], tuned: torch.nn.Module | Mapping[str, torch.Tensor],
-    fisher: Mapping[str, torch.Tensor] | None = None,
+    fisher: Mapping[str, torch.Tensor] | None = None, within: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, Any]:
     """Global update-sparsity numbers of a run (compute.sparsity.diff) and, with a Fisher, its precision@k
     against the changed / top-|delta| coordinates and its AUC for "changed" within |w| binades.
-    tuned: the model or its stored state dict (compare like with like: both in the stored dtype)."""
+    tuned: the model or its stored state dict (compare like with like: both in the stored dtype).
+    within: the mask the run trained inside: the Fisher metrics over its coordinates only
+    (compute.contract.construction)."""
     from compute.sparsity.diff import diff_checkpoints
 
     if isinstance(tuned, torch.nn.Module):
@@ -95,9 +97,10 @@ def update_sparsity(
         tuned_sd = dict(tuned)
     if fisher is not None:
         fisher = {n: f for n, f in fisher.items() if n in tuned_sd}
-    d = diff_checkpoints(dict(base), tuned_sd, fisher=fisher, svd_max_numel=0)
+    d = diff_checkpoints(dict(base), tuned_sd, fisher=fisher, svd_max_numel=0, within=within)
     glob = next(iter(d.groups["global"].values()))
-    out: dict[str, Any] = {k: v for k, v in glob.items() if k.startswith(("unchanged_", "changed_"))}
+    out: dict[str, Any] = {k: v for k, v in glob.items()
+                           if k.startswith(("unchanged_", "changed_")) or k == "zero_in_base"}
     if d.fisher is not None:
         g = d.fisher.get("global", {})
         allm = next(iter(g.values())) if g else {}
@@ -108,6 +111,21 @@ def update_sparsity(
         out["fisher_auc_changed_within_binades"] = d.fisher.get("changed_by_weight_binade", {}).get("pooled_auc")
         out["fisher_auc_changed_by_binade"] = d.fisher.get("changed_by_weight_binade", {}).get("bins")
     return out
+
+
+def _headline_convention(us: dict[str, Any], base_dtype: str, stored_dtype: str) -> None:
+    """The headline policy (compute.contract.precision) for a run's update sparsity: the base was
+    cast to the checkpoint's stored dtype before the comparison (stored_state), i.e. both sides are
+    in the lower of the two precisions, so the exact count of that comparison is the policy's
+    "unchanged"; the convention records the base's own dtype so the headline says so."""
+    from compute.contract.precision import comparison
+
+    c = comparison({base_dtype}, {stored_dtype}, sides=("base", "checkpoint"))
+    us["unchanged_common"] = us.get("unchanged_exact")
+    us["comparison"] = c["comparison"]
+    us["comparison_dtype"] = c["comparison_dtype"]
+    us["comparison_rule"] = c["rule"]
+    us["stored_dtypes"] = c["stored_dtypes"]
 
 
 def _load(ref: Ref | str, spec: Any) -> tuple[Any, Any]:
@@ -145,7 +163,14 @@ def independent_fisher(
     return {n: f.float().cpu() for n, f in fr.fisher.items()}, info
 
 
-def _concentration_heatmaps(conc: dict[str, Any]) -> list[Any]:
+TARGET_NAMES = {"grad_sq_sum": "the run's summed squared gradient (top-k)",
+                "grad_abs_sum": "the run's summed |gradient| (top-k)",
+                "abs_delta": "the run's |weight change| (top-k)"}
+
+
+def _concentration_heatmaps(conc: dict[str, Any], scope: str | None = None) -> list[Any]:
+    """The concentration AUC per layer x module; `scope` (compute.contract.construction) names the
+    coordinates it is computed over in the title (inside the mask of a masked run)."""
     from compute.contract.jobresult import Heatmap
     from compute.lm.naming import layer_sort_key
 
@@ -164,7 +189,9 @@ def _concentration_heatmaps(conc: dict[str, Any]) -> list[Any]:
         out.append(Heatmap(name=f"concentration_auc_{label}", x_labels=mods, y_labels=layers, z=z,
                            meta={"x_title": "module type", "y_title": "layer", "units": "ROC-AUC",
                                  "target": label, "topk_fraction": conc["fraction"], "zmin": 0.0,
-                                 "zmax": 1.0}))
+                                 "zmax": 1.0,
+                                 **({"title": f"Initial Fisher as a predictor of {TARGET_NAMES[label]}: "
+                                              f"ROC-AUC ({scope})", "scope": scope} if scope else {})}))
     return out
 
 
@@ -227,16 +254,21 @@ def train_job(
                 progress=lambda f, m="": progress(0.15 + 0.75 * f, m), step_hook=save_every if spec.save_steps else None)
     progress(0.92, "update sparsity")
     _record_run(run, res)
-    run.summary["update_sparsity"] = update_sparsity(stored_base, stored_state(model, spec.precision), fisher)
+    construction = _construction(run, mask, fisher_info)
+    run.summary["update_sparsity"] = update_sparsity(stored_base, stored_state(model, spec.precision), fisher,
+                                                     within=mask)
     run.summary["update_sparsity"]["stored_dtype"] = res.settings["stored_dtype"]
+    _headline_convention(run.summary["update_sparsity"], run.summary["base_dtype"], res.settings["stored_dtype"])
     # issue 18: the precision the run computed in and its checkpoint is stored in
     run.summary["compute_dtype"] = "bfloat16" if spec.precision == "bf16" else "float32"
     run.summary["stored_dtype"] = res.settings["stored_dtype"]
     if spec.concentration and res.grad_sq_sum is not None and res.grad_abs_sum is not None:
         progress(0.95, "gradient concentration")
-        _concentration(run, res, fisher, master_base)
+        _concentration(run, res, fisher, master_base, mask)
     metrics = train_metrics(res.curve, run.summary, spec, refs)
     save_output(model, run.tok, out, metrics, precision=spec.precision)
+    if mask is not None:  # the mask travels with the model and its checkpoints (diff, series)
+        _save_trained_mask(run, mask, out, construction)
     run.result.files["model"] = str(out)
     progress(1.0, f"accuracy {res.accuracy_before:.3f} -> {res.accuracy_after:.3f}")
     return run.result
@@ -287,6 +319,7 @@ def _start(spec: TrainSpec, progress: Any, refs: Refs | None = None) -> _Run:
     model_ref = ref_of(refs, "model", spec.model)
     assert model_ref is not None  # the spec requires a model
     model, tok = _load(model_ref, spec)
+    base_dtype = str(next(model.parameters()).dtype).replace("torch.", "")  # the base as loaded
     prepare_precision(model, spec.precision)
     teacher = None
     if spec.algo == "opd":
@@ -295,7 +328,8 @@ def _start(spec: TrainSpec, progress: Any, refs: Refs | None = None) -> _Run:
         teacher, ttok = _load(teacher_ref, spec)
         check_same_tokenizer(tok, ttok)
     config = config_from_spec(spec, track_gradients=spec.concentration)
-    summary = {"model": spec.model, "task": spec.task, "algo": spec.algo, "precision": spec.precision}
+    summary = {"model": spec.model, "task": spec.task, "algo": spec.algo, "precision": spec.precision,
+               "base_dtype": base_dtype}
     return _Run(spec, progress, model, tok, task, teacher, config, JobResult(kind="train", summary=summary),
                 refs)
 
@@ -330,6 +364,46 @@ def _mask(run: _Run) -> dict[str, torch.Tensor] | None:
             **{k: f[k] for k in ("split_half_jaccard", "split_half_topk_percent", "reliability")}}
     run.result.tensors["mask"] = {n: m.cpu() for n, m in mask.items()}
     return mask
+
+
+def _construction(run: _Run, mask: Mapping[str, torch.Tensor] | None,
+                  fisher_info: Mapping[str, Any] | None) -> dict[str, Any]:
+    """compute.contract.construction.scope of this run's Fisher metrics, into the summary: inside
+    the mask when it trained inside one; whether the initial Fisher is the one the mask was chosen
+    from (their sha256s: the given mask file's Fisher vs the given Fisher; an independent estimate,
+    or a mask built in the job from its own Fisher, is another Fisher)."""
+    from compute.contract.construction import FROZEN_INCLUDED, scope
+    from compute.sparsity.masks import mask_density
+
+    if mask is None:
+        sc = scope(False)
+    else:
+        mask_fisher = (run.summary.get("fisher_reliability") or {}).get("source_sha256") \
+            if run.spec.mask else None
+        fisher_ref = ref_of(run.refs, "fisher", run.spec.fisher) if run.spec.fisher else None
+        fisher_sha = getattr(fisher_ref, "sha256", None) if fisher_ref is not None else None
+        sc = scope(True, density=mask_density(mask), mask_fisher_sha256=mask_fisher, fisher_sha256=fisher_sha,
+                   mask_label=run.spec.mask or f"built in the job ({run.spec.mask_select})")
+        if not (fisher_info or {}).get("file") and not run.spec.fisher:
+            sc["same_fisher"] = False  # the initial Fisher was estimated from independent samples
+            sc["all_coordinates"] = FROZEN_INCLUDED
+    run.summary["construction"] = sc
+    return sc
+
+
+def _save_trained_mask(run: _Run, mask: Mapping[str, torch.Tensor], out: Path, construction: dict[str, Any]) -> None:
+    """OUT/mask.safetensors: the mask the run trained inside, with the provenance of the Fisher it
+    was chosen from, so a diff or series of this model scores the Fisher inside it."""
+    import json
+
+    from compute.contract.construction import MASK_FILE
+    from compute.sparsity.masks import save_mask
+
+    meta = {"trained_inside": "1", "construction": json.dumps(construction, default=str)}
+    rel = run.summary.get("fisher_reliability")
+    if rel and run.spec.mask:
+        meta["fisher_reliability"] = json.dumps(rel, default=str)
+    save_mask({n: m.cpu() for n, m in mask.items()}, out / MASK_FILE, metadata=meta)
 
 
 def _mask_fisher_reliability(run: _Run, mask_ref: Ref) -> None:
@@ -382,7 +456,8 @@ def _bound(run: _Run, probe: Any, fisher: Any, fisher_info: dict[str, Any] | Non
     spec = run.spec
     run.progress(0.13, "bound check on the first GRPO batch")
     b = first_step_bound(probe, run.tok, run.task, prompts=spec.batch, group=spec.group,
-                         max_new_tokens=spec.max_new_tokens, seed=spec.seed, temperature=spec.temperature)
+                         max_new_tokens=spec.max_new_tokens, seed=spec.seed, temperature=spec.temperature,
+                         progress=lambda f, m="": run.progress(0.13 + 0.02 * f, f"bound check: {m}"))
     bsum, bseries, bheat = summarize(b, fisher=fisher, fisher_info=fisher_info if fisher else None,
                                      aggregation=run.config.aggregation)
     run.summary["bound"] = {**bsum, "mean_reward": b.summary.get("bound_mean_reward")}
@@ -414,9 +489,12 @@ def _record_run(run: _Run, res: Any) -> None:
     series.append(SeriesPoint("eval/accuracy", run.spec.steps, res.accuracy_after))
 
 
-def _concentration(run: _Run, res: Any, fisher: Any, master_base: dict[str, torch.Tensor]) -> None:
-    """The gradient sums over the run, and (with an initial Fisher) how well it predicted them."""
-    from compute.sparsity.overlap import concentration
+def _concentration(run: _Run, res: Any, fisher: Any, master_base: dict[str, torch.Tensor],
+                   mask: Mapping[str, torch.Tensor] | None = None) -> None:
+    """The gradient sums over the run, and (with an initial Fisher) how well it predicted them:
+    inside the mask when the run trained inside one (compute.contract.construction), where the
+    gradients were free to be nonzero; the all-coordinates numbers kept labelled."""
+    from compute.sparsity.overlap import concentration, restrict
 
     run.result.tensors["grad_sq_sum"] = res.grad_sq_sum
     run.result.tensors["grad_abs_sum"] = res.grad_abs_sum
@@ -425,11 +503,21 @@ def _concentration(run: _Run, res: Any, fisher: Any, master_base: dict[str, torc
         return
     abs_delta = {n: (p.detach().cpu().float() - master_base[n].float()).abs()
                  for n, p in run.model.named_parameters()}
-    conc = concentration(fisher, {"grad_sq_sum": res.grad_sq_sum, "grad_abs_sum": res.grad_abs_sum,
-                                  "abs_delta": abs_delta}, run.spec.topk_percent / 100.0)
+    targets = {"grad_sq_sum": res.grad_sq_sum, "grad_abs_sum": res.grad_abs_sum, "abs_delta": abs_delta}
+    frac = run.spec.topk_percent / 100.0
+    sc = run.summary.get("construction") or {}
+    if mask is not None:
+        m = {n: t.cpu() for n, t in mask.items()}
+        every = concentration(fisher, targets, frac)
+        run.summary["concentration_all_coordinates"] = {**concentration_summary(every),
+                                                        "label": sc.get("all_coordinates")}
+        fisher = restrict({n: f.cpu() for n, f in fisher.items() if n in m}, m)
+        targets = {k: restrict({n: t.cpu() for n, t in v.items()}, m) for k, v in targets.items()}
+    conc = concentration(fisher, targets, frac)
     run.summary["concentration"] = {
         **concentration_summary(conc),
+        "scope": sc.get("scope", "all coordinates"),
         "gradient": f"masked, unclipped gradient of the training loss, summed over {res.updates} updates",
         "delta": "master weights (float32 for fp32/bf16-mixed, the bf16 weights for bf16)",
     }
-    run.result.heatmaps += _concentration_heatmaps(conc)
+    run.result.heatmaps += _concentration_heatmaps(conc, sc.get("scope") if mask is not None else None)

@@ -98,7 +98,10 @@ def _weights_size(resolved: Any) -> str:
         total = total or (sum(f.stat().st_size for f in folder.glob("*.bin")) if folder.is_dir() else 0)
     except OSError:
         return ""
-    return f" ({total / 1e6:.0f} MB)" if total else ""
+    if not total:
+        return ""
+    mb = total / 1e6  # two significant digits below 10 MB: a zoo model is 0.44 MB, not "0 MB"
+    return f" ({mb:.0f} MB)" if mb >= 10 else f" ({mb:.2g} MB)"
 
 
 def greedy_generate(

@@ -198,36 +198,21 @@ def threshold_labels() -> list[str]:
 
 
 def lower_precision(a: torch.dtype, b: torch.dtype) -> torch.dtype:
-    """The float dtype with fewer mantissa bits (larger eps): the precision two checkpoints stored
-    in `a` and `b` can both be compared in (bfloat16 for float32 vs bfloat16; a when equal)."""
-    if a == b:
-        return a
-    return a if torch.finfo(a).eps >= torch.finfo(b).eps else b
+    """The float dtype with fewer mantissa bits (compute.contract.precision.lower_precision): the
+    precision two checkpoints stored in `a` and `b` can both be compared in."""
+    from compute.contract.precision import lower_precision as lower
+
+    return a if a == b else getattr(torch, lower(a, b))
 
 
 def comparison_convention(base_dtypes: set[str], tuned_dtypes: set[str]) -> dict[str, Any]:
-    """How a diff of checkpoints stored in these (float) dtypes should count "unchanged":
-    exact equality when both are stored alike, else equality after casting both to the lower
-    stored precision (exact equality across precisions counts every rounding as a change).
+    """How a diff of checkpoints stored in these (float) dtypes counts "unchanged": the one
+    headline policy of every kind (compute.contract.precision.comparison).
 
-    -> {"stored_dtypes": {"base", "tuned"}, "comparison_dtype", "comparison": text}."""
-    def name(ds: set[str]) -> str:
-        return "+".join(sorted(ds)) or "none"
+    -> {"stored_dtypes": {"base", "tuned"}, "comparison_dtype", "rule", "comparison": text}."""
+    from compute.contract.precision import comparison
 
-    out: dict[str, Any] = {"stored_dtypes": {"base": name(base_dtypes), "tuned": name(tuned_dtypes)}}
-    if base_dtypes == tuned_dtypes and len(base_dtypes) <= 1:
-        d = name(base_dtypes)
-        out["comparison_dtype"] = d
-        out["comparison"] = f"exact equality: both checkpoints are stored in {d}"
-        return out
-    lows = {str(lower_precision(getattr(torch, a), getattr(torch, b))).replace("torch.", "")
-            for a in base_dtypes for b in tuned_dtypes}
-    low = name(lows) if len(lows) > 1 else next(iter(lows), "none")
-    out["comparison_dtype"] = low if len(lows) == 1 else f"per tensor ({low})"
-    out["comparison"] = (f"both cast to {low}, the lower of the stored precisions (base "
-                         f"{name(base_dtypes)}, tuned {name(tuned_dtypes)}): exact equality across "
-                         "precisions would count every weight that storage rounding moved as changed")
-    return out
+    return comparison(base_dtypes, tuned_dtypes)
 
 
 def half_ulp_bf16(w: torch.Tensor) -> torch.Tensor:
@@ -251,12 +236,20 @@ def tensor_diff_stats(base: torch.Tensor, tuned: torch.Tensor, svd_max_numel: in
     n = base.numel()
     s: dict[str, float] = {"numel": float(n)}
     if base.dtype == tuned.dtype:
-        s["unchanged_exact"] = float((base == tuned).sum())
+        same = base == tuned
+        s["unchanged_exact"] = float(same.sum())
         s["unchanged_common"] = s["unchanged_exact"]
     else:
         s["unchanged_exact"] = float((base.double() == tuned.double()).sum())
         low = lower_precision(base.dtype, tuned.dtype)
-        s["unchanged_common"] = float((base.to(low) == tuned.to(low)).sum())
+        same = base.to(low) == tuned.to(low)
+        s["unchanged_common"] = float(same.sum())
+    # weights exactly 0 in the base have no rounding slack: any nonzero update, however small,
+    # shows in any stored precision (the SGD finding of docs/reading-results.md)
+    zero = base == 0
+    s["zero_in_base"] = float(zero.sum())
+    s["changed_from_zero"] = float((zero & ~same).sum())
+    del same, zero
     bb, tb = base.to(torch.bfloat16), tuned.to(torch.bfloat16)
     s["unchanged_bf16"] = float((bb == tb).sum())
     ad16 = (tb - bb).abs()  # bf16 arithmetic, as after loading both checkpoints in bf16
@@ -316,6 +309,8 @@ def _fractions(counts: Mapping[str, float]) -> dict[str, float]:
         out[f"unchanged_{lab}"] = counts[f"unchanged_{lab}"] / n if n else float("nan")
     out["changed_exact"] = 1.0 - out["unchanged_exact"] if n else float("nan")
     out["changed_below_half_ulp"] = counts.get("changed_below_half_ulp", 0.0) / n if n else float("nan")
+    for k in ("zero_in_base", "changed_from_zero"):  # fractions of all coordinates
+        out[k] = counts.get(k, 0.0) / n if n else float("nan")
     out["delta_rms"] = math.sqrt(counts["sq_sum"] / n) if n else float("nan")
     out["max_abs_delta"] = counts["max_abs"]
     return out
@@ -346,9 +341,12 @@ def diff_checkpoints(
     keep_delta: bool = False,
     svd_max_numel: int = SVD_MAX_NUMEL,
     progress: Progress | None = None,
+    within: Mapping[str, torch.Tensor] | None = None,
 ) -> CheckpointDiff:
     """Update sparsity of `tuned` relative to `base` (each a Checkpoint, a model reference string,
-    a folder, an nn.Module or a state dict). ValueError for different architectures."""
+    a folder, an nn.Module or a state dict). ValueError for different architectures.
+    within: the mask `tuned` was trained inside: the Fisher-vs-delta metrics are computed over its
+    coordinates only (compute.contract.construction), the sparsity counts over all."""
     src_b, src_t = as_source(base, "base"), as_source(tuned, "tuned")
     check_same_architecture(src_b, src_t)
     names = src_b.names()
@@ -376,7 +374,11 @@ def diff_checkpoints(
                                                    if k.startswith(("energy_", "svd_", "rank"))}}
         per_tensor[n]["base_rms"] = stats["base_rms"]
         if fisher is not None and n in fisher:
-            abs_delta[n] = delta.abs()
+            if tb.dtype == tt.dtype:
+                abs_delta[n] = delta.abs()
+            else:  # the precision policy: "changed" and |delta| in the lower stored precision
+                low = lower_precision(tb.dtype, tt.dtype)
+                abs_delta[n] = (tt.to(low).float() - tb.to(low).float()).abs()
             base_w[n] = tb
         if keep_delta:
             deltas[n] = delta
@@ -385,6 +387,13 @@ def diff_checkpoints(
     if fisher is not None:
         if progress:
             progress(0.92, "Fisher vs |delta| overlap")
+        if within is not None:  # the coordinates free to move (compute.contract.construction)
+            from compute.sparsity.overlap import restrict
+
+            abs_delta, base_w = restrict(abs_delta, within), restrict(base_w, within)
+            fisher = restrict({n: fisher[n] for n in fisher if n in within}, within)
+            if not abs_delta:
+                raise ValueError("mask: no coordinate of the checkpoints is inside the mask")
         fisher_res = fisher_vs_delta(fisher, abs_delta, topk_percent)
         fisher_res["changed_by_weight_binade"] = fisher_auc_by_weight_binade(
             fisher, {n: d > 0 for n, d in abs_delta.items()}, base_w)
@@ -412,7 +421,8 @@ def _group_fractions(raw: Mapping[str, dict[str, float]]) -> dict[str, dict[str,
         for n, st in raw.items():
             a = acc.setdefault(group_key(n, grouping), {})
             for k, v in st.items():
-                if k in ("numel", "sq_sum", "changed_below_half_ulp") or k.startswith("unchanged_"):
+                if k in ("numel", "sq_sum", "changed_below_half_ulp", "zero_in_base", "changed_from_zero") \
+                        or k.startswith("unchanged_"):
                     a[k] = a.get(k, 0.0) + v
                 elif k == "max_abs":
                     a[k] = max(a.get(k, 0.0), v)

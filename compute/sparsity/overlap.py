@@ -234,6 +234,22 @@ def _group_metrics(
     return m
 
 
+def restrict(tensors: Mapping[str, torch.Tensor], mask: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The coordinates inside `mask` of each tensor, flat (compute.contract.construction: a run
+    trained inside a mask is scored over the coordinates free to move). A tensor absent from the
+    mask, or with nothing inside it, was frozen and is left out; the names (hence the layer and
+    module groups) stay."""
+    out = {}
+    for n, t in tensors.items():
+        m = mask.get(n)
+        if m is None:
+            continue
+        m = m.to(t.device).bool()
+        if bool(m.any()):
+            out[n] = t[m]
+    return out
+
+
 def round_half_up_ratio(cap: int, numel: int, total: int) -> int:
     """Sample size of a tensor when `cap` coordinates are spread proportionally (at least 1)."""
     return max(1, int(math.floor(cap * numel / total + 0.5)))

@@ -65,6 +65,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from compute.contract import precision
 from compute.contract.jobresult import null_progress
 from compute.sparsity import series_kernel
 from compute.sparsity.masks import group_key, n_keep, topk_mask
@@ -264,8 +265,11 @@ class _FisherPlan:
     auc_n: int  # coordinates the AUC ranks
 
 
-def plan_fisher(fisher: Mapping[str, torch.Tensor], base: Any, config: SeriesConfig) -> _FisherPlan:
-    """Check the Fisher against the base, select its top-k support, draw the AUC sample."""
+def plan_fisher(fisher: Mapping[str, torch.Tensor], base: Any, config: SeriesConfig,
+                within: Mapping[str, torch.Tensor] | None = None) -> _FisherPlan:
+    """Check the Fisher against the base, select its top-k support, draw the AUC sample.
+    within: the mask the run trained inside (compute.contract.construction): the support, the AUC
+    sample and every Fisher share are taken over its coordinates (the ones free to move) only."""
     base_names = set(base.names())
     names = list(fisher)
     for n in names:
@@ -274,12 +278,25 @@ def plan_fisher(fisher: Mapping[str, torch.Tensor], base: Any, config: SeriesCon
         if _fisher_shape(fisher, n) != tuple(base.shape(n)):
             raise ValueError(f"fisher: parameter {n!r} has shape {list(_fisher_shape(fisher, n))} "
                              f"but {list(base.shape(n))} in the base model")
-    total = sum(math.prod(_fisher_shape(fisher, n)) for n in names)
+    inside: dict[str, torch.Tensor] | None = None  # name -> sorted flat indices inside the mask
+    if within is not None:
+        inside = {n: torch.nonzero(within[n].flatten().bool()).flatten() for n in names if n in within}
+        inside = {n: ix for n, ix in inside.items() if ix.numel()}
+        names = [n for n in names if n in inside]
+        if not names:
+            raise ValueError("mask: no coordinate of the Fisher is inside the mask the run was trained in")
+    size = {n: int(inside[n].numel()) if inside is not None else math.prod(_fisher_shape(fisher, n))
+            for n in names}
+    total = sum(size.values())
     k = n_keep(config.support_percent / 100.0, total)
     if k == 0:
         raise ValueError(f"support_percent: {config.support_percent:g}% keeps 0 of {total} coordinates")
-    mask = topk_mask(fisher, k)
-    support = {n: torch.nonzero(mask[n].flatten()).flatten() for n in names}
+    if inside is None:
+        mask = topk_mask(fisher, k)
+        support = {n: torch.nonzero(mask[n].flatten()).flatten() for n in names}
+    else:
+        mask = topk_mask({n: fisher[n].flatten()[inside[n]] for n in names}, k)
+        support = {n: inside[n][torch.nonzero(mask[n]).flatten()] for n in names}
     del mask
     sampled = total > config.auc_cap
     sample: dict[str, torch.Tensor | None] = {}
@@ -287,9 +304,12 @@ def plan_fisher(fisher: Mapping[str, torch.Tensor], base: Any, config: SeriesCon
     for n in names:
         f = fisher[n].flatten().float()
         if sampled:
-            idx = sample_index(n, f.numel(), round_half_up_ratio(config.auc_cap, f.numel(), total),
-                                config.seed, f.device).sort().values
+            idx = sample_index(n, size[n], round_half_up_ratio(config.auc_cap, size[n], total),
+                                config.seed, f.device)
+            idx = (inside[n][idx] if inside is not None else idx).sort().values
             sample[n], scores[n] = idx, f[idx].clone()
+        elif inside is not None:
+            sample[n], scores[n] = inside[n], f[inside[n]].clone()
         else:
             sample[n], scores[n] = None, f.clone()
         del f
@@ -475,7 +495,6 @@ def tensor_counts(
     work = work or _Work(min(chunk, cur.numel()))
     n = cur.numel()
     item = _itemsize(cur.dtype)
-    idx_bytes = 4 if n < 2**31 else 8
     t16, inclusive16 = bf16_round_threshold(atol)
     t16_32, atol32, zero = np.float32(t16), np.float32(atol), np.float32(0)
     le16 = np.less_equal if inclusive16 else np.less
@@ -538,8 +557,13 @@ def tensor_counts(
         st["unchanged_exact"] = float(n - changed)
         if both16[j]:
             st["unchanged_bf16"] = float(n - changed)  # bf16 equality is equality
+        st["unchanged_common"] = _unchanged_common(cur, ref, st)
+        st["sq_common"] = st["sq_sum"]  # the delta in the compared precision (recast in _PointAcc.add)
+        low = precision.lower_precision(cur.dtype, ref.dtype)
         st["dense_bytes"] = float(n * item)
-        st["sparse_bytes"] = float(changed * (idx_bytes + item))
+        # indices + values of the coordinates changed in the compared precision, values in it
+        st["sparse_bytes"] = precision.sparse_sync_bytes(n - st["unchanged_common"], n, low)
+        st["sync_bytes"] = min(st["sparse_bytes"], st["dense_bytes"])  # the cheaper, per tensor
         rf = ref.flatten()
         if c_support is not None and support is not None:
             g = c_support - rf.index_select(0, support).float()  # the float32 delta on S
@@ -552,6 +576,25 @@ def tensor_counts(
             labels = _not_equal(c_sample, rf.index_select(0, sample) if sample is not None else rf)
         out.append((st, labels))
     return out
+
+
+def _unchanged_common(cur: torch.Tensor, ref: torch.Tensor, st: Mapping[str, float]) -> float:
+    """Coordinates equal in the lower of the two stored precisions (compute.contract.precision):
+    exact equality for one dtype, the bf16 count for bfloat16 against a wider dtype, else both
+    cast (float16, float8: rare, through PyTorch)."""
+    if cur.dtype == ref.dtype:
+        return st["unchanged_exact"]
+    low = precision.lower_precision(cur.dtype, ref.dtype)
+    if low == "bfloat16":
+        return st["unchanged_bf16"]
+    tl = getattr(torch, low)
+    return float((cur.flatten().to(tl) == ref.flatten().to(tl)).sum())
+
+
+def _cast_pair(cur: torch.Tensor, ref: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both sides in the lower of their precisions (each unchanged when already there)."""
+    low = getattr(torch, precision.lower_precision(cur.dtype, ref.dtype))
+    return (cur if cur.dtype == low else cur.to(low)), (ref if ref.dtype == low else ref.to(low))
 
 
 def _not_equal(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -569,20 +612,24 @@ def _not_equal(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 
 
-_SUMMED = ("numel", "unchanged_exact", "unchanged_bf16", "unchanged_atol", "unchanged_bf16delta_atol",
-           "sq_sum", "dense_bytes", "sparse_bytes", "support_size", "support_changed", "support_sq",
-           "support_bytes")
+_SUMMED = ("numel", "unchanged_exact", "unchanged_common", "unchanged_bf16", "unchanged_atol",
+           "unchanged_bf16delta_atol", "sq_sum", "sq_common", "dense_bytes", "sparse_bytes", "sync_bytes",
+           "support_size", "support_changed", "support_sq", "support_bytes")
 
 
 def _metrics(c: Mapping[str, float], atol: float) -> dict[str, float]:
     """Fractions and shares from summed counts. Key names follow compute.sparsity.diff."""
     n = c["numel"]
     nan = float("nan")
-    changed = n - c["unchanged_exact"]
+    common = c.get("unchanged_common", c["unchanged_exact"])
+    changed = n - common  # in the compared precision (compute.contract.precision)
+    sq = c.get("sq_common", c["sq_sum"])
     out = {
         "numel": n,
         "changed": changed,
-        "update_sparsity": c["unchanged_exact"] / n if n else nan,
+        "changed_exact": n - c["unchanged_exact"],
+        "update_sparsity": common / n if n else nan,
+        "unchanged_common": common / n if n else nan,
         "unchanged_exact": c["unchanged_exact"] / n if n else nan,
         "unchanged_bf16": c["unchanged_bf16"] / n if n else nan,
         f"unchanged_atol_{atol:g}": c["unchanged_atol"] / n if n else nan,
@@ -592,6 +639,7 @@ def _metrics(c: Mapping[str, float], atol: float) -> dict[str, float]:
         "dense_bytes": c["dense_bytes"],
         "sparse_bytes": c["sparse_bytes"],
         "sparse_ratio": c["sparse_bytes"] / c["dense_bytes"] if c["dense_bytes"] else nan,
+        "sync_bytes": c.get("sync_bytes", min(c["sparse_bytes"], c["dense_bytes"])),
     }
     if "support_size" in c:
         size, hit = c["support_size"], c["support_changed"]
@@ -602,7 +650,7 @@ def _metrics(c: Mapping[str, float], atol: float) -> dict[str, float]:
             "support_ratio": c["support_bytes"] / c["dense_bytes"] if c["dense_bytes"] else nan,
             "precision_at_k": hit / size if size else nan,
             "captured_count_share": hit / changed if changed else nan,
-            "captured_sq_share": c["support_sq"] / c["sq_sum"] if c["sq_sum"] > 0 else nan,
+            "captured_sq_share": c["support_sq"] / sq if sq > 0 else nan,
         })
     return out
 
@@ -665,11 +713,12 @@ def checkpoint_series(
     fisher: Mapping[str, torch.Tensor] | None = None,
     config: SeriesConfig | None = None,
     progress: Callable[..., None] | None = None,
+    within: Mapping[str, torch.Tensor] | None = None,
 ) -> SeriesResult:
     """The series of a run folder (or its opened checkpoints) against `base` (a compute.sparsity.diff
     Checkpoint, a folder, a state dict or a module). ValueError before any computation for a run
     folder without checkpoints, an odd checkpoint-* entry, or a checkpoint or Fisher that does not
-    fit the base."""
+    fit the base. within: the mask the run trained inside (plan_fisher)."""
     from compute.sparsity.diff import Checkpoint, as_source
 
     config = config or SeriesConfig()
@@ -680,7 +729,7 @@ def checkpoint_series(
     if not ckpts:
         raise ValueError("run_dir: no checkpoint to read")
     names = check_run_fits(src_b, ckpts)
-    plan = plan_fisher(fisher, src_b, config) if fisher is not None else None
+    plan = plan_fisher(fisher, src_b, config, within) if fisher is not None else None
     skipped = {n: f"not a float tensor ({src_b.dtype(n)})" for n in names
                if not _is_float(src_b.dtype(n)) or any(not _is_float(c.source.dtype(n)) for c in ckpts)}
     names = [n for n in names if n not in skipped]
@@ -737,28 +786,26 @@ class _PointAcc:
         # exactly
         self.ranked: dict[str, dict[str, tuple[list[float], int, int]]] = {p: {} for p in PAIRS}
         self.dtypes: dict[str, int] = {}
+        self.stored: dict[str, tuple[set[str], set[str]]] = {p: (set(), set()) for p in PAIRS}  # ref, cur
         self.seconds = 0.0
 
     def add(self, n: str, cur: torch.Tensor, base: torch.Tensor, prev: torch.Tensor, plan: _FisherPlan | None,
             config: SeriesConfig, work: _Work) -> None:
         dt = str(cur.dtype).replace("torch.", "")
         self.dtypes[dt] = self.dtypes.get(dt, 0) + cur.numel()
+        for pair, ref in zip(PAIRS, (base, prev), strict=True):
+            self.stored[pair][0].add(precision.dtype_name(ref.dtype))
+            self.stored[pair][1].add(dt)
         in_fisher = plan is not None and n in plan.support
+        if plan is not None and in_fisher and (base.dtype != cur.dtype or prev.dtype != cur.dtype):
+            self._add_mixed(n, cur, base, prev, plan, config, work)
+            return
         lib = series_kernel.kernel() if in_fisher else None
         arrays = [_as_numpy(t) for t in (cur, base, prev)] if lib is not None else []
         if plan is not None and lib is not None and all(a.dtype in (np.uint16, np.float32) for a in arrays):
             # the dense counts, then the Fisher's share in one C loop (gathers, labels, rank sums)
             res = tensor_counts(cur, [base, prev], config.atol, work)
-            sample = plan.sample[n]
-            m = cur.numel() if sample is None else sample.numel()
-            fp = series_kernel.fisher_pair(lib, arrays[0], arrays[1:], None if sample is None else sample.numpy(),
-                                           m, plan.rank_cols[n].numpy(), plan.support[n].numpy())
-            item = _itemsize(cur.dtype)
-            for pair, (counts, _), (sums2, npos, sup_changed, sup_sq) in zip(PAIRS, res, fp, strict=True):
-                counts.update(support_size=float(plan.support[n].numel()), support_changed=float(sup_changed),
-                              support_sq=sup_sq, support_bytes=float(plan.support[n].numel() * item))
-                self.per[pair][n] = counts
-                self.ranked[pair][n] = ([x / 2 for x in sums2], npos, m)
+            self._fisher_kernel(n, lib, arrays, plan, cur, [c for c, _ in res])
             return
         res = tensor_counts(cur, [base, prev], config.atol, work,
                             support=plan.support[n] if plan is not None and in_fisher else None,
@@ -769,8 +816,43 @@ class _PointAcc:
                 counts.update(support_size=0.0, support_changed=0.0, support_sq=0.0, support_bytes=0.0)
             self.per[pair][n] = counts
             if lab is not None and plan is not None:
-                sums = torch.mv(plan.rank_cols[n].t().double(), lab.to(torch.float64)).tolist()
-                self.ranked[pair][n] = ([x / 2 for x in sums], int(np.count_nonzero(_as_numpy(lab))), lab.numel())
+                self._rank(pair, n, plan, lab)
+
+    def _rank(self, pair: str, n: str, plan: _FisherPlan, lab: torch.Tensor) -> None:
+        sums = torch.mv(plan.rank_cols[n].t().double(), lab.to(torch.float64)).tolist()
+        self.ranked[pair][n] = ([x / 2 for x in sums], int(np.count_nonzero(_as_numpy(lab))), lab.numel())
+
+    def _fisher_kernel(self, n: str, lib: Any, arrays: list[np.ndarray], plan: _FisherPlan, cur: torch.Tensor,
+                       counts: list[dict[str, float]]) -> None:
+        sample = plan.sample[n]
+        m = cur.numel() if sample is None else sample.numel()
+        fp = series_kernel.fisher_pair(lib, arrays[0], arrays[1:], None if sample is None else sample.numpy(),
+                                       m, plan.rank_cols[n].numpy(), plan.support[n].numpy())
+        item = _itemsize(cur.dtype)
+        for pair, c, (sums2, npos, sup_changed, sup_sq) in zip(PAIRS, counts, fp, strict=True):
+            c.update(support_size=float(plan.support[n].numel()), support_changed=float(sup_changed),
+                     support_sq=sup_sq, support_bytes=float(plan.support[n].numel() * item))
+            self.per[pair][n] = c
+            self.ranked[pair][n] = ([x / 2 for x in sums2], npos, m)
+
+    def _add_mixed(self, n: str, cur: torch.Tensor, base: torch.Tensor, prev: torch.Tensor, plan: _FisherPlan,
+                   config: SeriesConfig, work: _Work) -> None:
+        """A tensor whose checkpoint and reference are stored at different precisions: the dense
+        counts as stored (every convention), the Fisher's share (changed labels, support, the
+        squared update it carries) with both sides cast to the lower precision
+        (compute.contract.precision): exact equality across precisions labels every rounded
+        weight "changed"."""
+        res = tensor_counts(cur, [base, prev], config.atol, work)
+        for pair, ref, (counts, _) in zip(PAIRS, (base, prev), res, strict=True):
+            c, r = _cast_pair(cur, ref)
+            (fc, lab), = tensor_counts(c, [r], config.atol, None, support=plan.support[n], sample=plan.sample[n],
+                                       want_labels=True)
+            counts.update({k: fc[k] for k in ("support_size", "support_changed", "support_sq")})
+            counts["support_bytes"] = float(plan.support[n].numel() * _itemsize(c.dtype))
+            counts["sq_common"] = fc["sq_sum"]
+            self.per[pair][n] = counts
+            assert lab is not None
+            self._rank(pair, n, plan, lab)
 
     def finish(self, ck: RunCheckpoint, plan: _FisherPlan | None, config: SeriesConfig) -> dict[str, Any]:
         dtypes = self.dtypes
@@ -787,6 +869,8 @@ class _PointAcc:
                                              sum(r[2] for r in rs))
                         groups[grouping].setdefault(g, {})["auc"] = auc
             point[pair] = groups
+            point[f"{pair}_precision"] = precision.comparison(*self.stored[pair], sides=(
+                "base" if pair == "vs_base" else "previous", "checkpoint"))
         if ck.trainer:
             point["trainer"] = ck.trainer
         return point

@@ -102,7 +102,7 @@ class Builder:
 
         self.get("mask")
         res = run_train.run(TrainSpec(model="arith-base", mask=str(self.tmp / "mask.safetensors"),
-                                      precision="bf16-mixed", lr=1e-2, **TINY))
+                                      precision="bf16-mixed", lr=1e-2, save_steps=1, **TINY))
         out = self.tmp / "trained"
         shutil.move(res.files["model"], out)
         return {"job": res, "dict": self.stored(res), "model": str(out)}
@@ -113,6 +113,15 @@ class Builder:
 
         tuned = self.get("train")["model"]
         res = run_diff.run(DiffSpec(base="arith-base", tuned=tuned, fisher=self._fisher_file()))
+        return {"job": res, "dict": self.stored(res)}
+
+    def _series(self) -> dict[str, Any]:
+        """The issue's series: the bf16 checkpoints of the masked bf16-mixed run vs the fp32 base."""
+        from compute.jobs import series as run_series
+        from compute.jobs.series import SeriesSpec
+
+        run_dir = self.get("train")["model"]
+        res = run_series.run(SeriesSpec(base="arith-base", run_dir=run_dir, fisher=self._fisher_file()))
         return {"job": res, "dict": self.stored(res)}
 
     def _diff_same(self) -> dict[str, Any]:
@@ -185,15 +194,45 @@ def expected_train(d: dict[str, Any]) -> dict[str, str]:
     s = d["summary"]
     b, a = s["accuracy_before"], s["accuracy_after"]
     rewards = sorted((p["step"], p["value"]) for p in d["series"] if p["name"] == "train/reward")
+    n = s["eval"]["prompts"]
+
+    def se(p: float) -> str:  # issue 27: one binomial SE next to every accuracy, in points
+        return f"{pct(p)} ± {100 * (p * (1 - p) / n) ** 0.5:.2g}"
+
     out = {"Held-out accuracy before -> after":
-           f"{pct(b)} -> {pct(a)} ({'+' if a >= b else ''}{100 * (a - b):.3g} points)",
+           f"{se(b)} -> {se(a)} ({'+' if a >= b else ''}{100 * (a - b):.3g} points)",
            "Trainable fraction (mask density)": pct(s["trainable_fraction"]),
-           "Stored weights exactly unchanged": pct(s["update_sparsity"]["unchanged_exact"]),
+           _train_unchanged_label(s): pct(s["update_sparsity"]["unchanged_exact"]),
            "Precision": f"computed in {s['compute_dtype']}, stored in {s['stored_dtype']}"}
     if len(rewards) >= 2:
         out["Sample reward, first -> last step"] = f"{fmt(rewards[0][1])} -> {fmt(rewards[-1][1])}"
     if "bound_violations" in (s.get("bound") or {}):
         out["Cauchy-Schwarz bound, first batch"] = f"{s['bound']['bound_violations']:,} violations"
+    return out
+
+
+def _train_unchanged_label(s: dict[str, Any]) -> str:
+    us = s["update_sparsity"]
+    if us.get("comparison_rule", "exact") == "exact":
+        return "Stored weights exactly unchanged"
+    return f"Stored weights unchanged, compared in {us['comparison_dtype']}"
+
+
+def expected_series(d: dict[str, Any]) -> dict[str, str]:
+    s = d["summary"]
+    out = {"Checkpoints": str(len(s["steps"]))}
+    label = ("Weights exactly unchanged at the last checkpoint (vs base)" if s["comparison_rule"] == "exact"
+             else f"Weights unchanged at the last checkpoint (vs base), compared in {s['comparison_dtype']}")
+    out[label] = pct(s["final_update_sparsity"])
+    out["Unchanged per step (mean, step to step)"] = pct(s["mean_step_sparsity"])
+    ratio = s["sparse_bytes_total"] / s["dense_bytes_total"]
+    out["Sparse sync (indices + values) vs dense"] = pct(ratio) if ratio < 1 else f"{ratio:.3g}x dense"
+    if s["sync_bytes_total"] < s["sparse_bytes_total"]:
+        out["Cheaper of sparse and dense per tensor vs dense"] = pct(s["sync_bytes_total"] / s["dense_bytes_total"])
+    if s.get("support_bytes_total") is not None:
+        out["Fisher-support sync vs dense"] = pct(s["support_bytes_total"] / s["dense_bytes_total"])
+    if s.get("mean_step_auc") is not None:
+        out[_scoped("Fisher AUC for the coordinates a step changes (mean)", s)] = fmt(s["mean_step_auc"])
     return out
 
 
@@ -207,12 +246,19 @@ def expected_diff(d: dict[str, Any]) -> dict[str, str]:
     out["Precision"] = f"base {sd['base']}, tuned {sd['tuned']}"
     if s.get("auc") is not None:
         k = s["overlap"][0]["k_percent"]  # the overlap table's k (every row has the spec's)
-        out[f"Fisher AUC for the top-{fmt(k)}% |delta| coordinates"] = fmt(s["auc"])
+        out[_scoped(f"Fisher AUC for the top-{fmt(k)}% |delta| coordinates", s)] = fmt(s["auc"])
     else:
         out["Fisher AUC"] = "not computed"
     if s.get("changed_auc") is not None:
-        out["Fisher AUC for changed-at-all coordinates"] = fmt(s["changed_auc"])
+        out[_scoped("Fisher AUC for changed-at-all coordinates", s)] = fmt(s["changed_auc"])
     return out
+
+
+def _scoped(label: str, s: dict[str, Any]) -> str:
+    """issue 27: a masked run's Fisher metrics say they are inside the mask."""
+    if (s.get("construction") or {}).get("trained_in_mask"):
+        return f"{label} (inside the mask: the coordinates free to move)"
+    return label
 
 
 def expected_tokens(d: dict[str, Any]) -> dict[str, str]:
@@ -230,18 +276,19 @@ def expected_sweep(d: dict[str, Any]) -> dict[str, str]:
 
 def expected_retention(d: dict[str, Any]) -> dict[str, str]:
     s = d["summary"]
-    out = {"Base model held-out reward": fmt(s["base_reward"]),
+    base = fmt(s["base_reward"]) + (f" ± {fmt(s['base_se'])}" if s.get("base_se") is not None else "")
+    out = {"Base model held-out reward": base,
            "Precision": f"computed in {s['compute_dtype']}, stored in {s['stored_dtype']}"}
     full = s.get("full_reward_mean")
     if full is not None:
         spread = s.get("full_reward_std")
-        out["Full training held-out reward"] = fmt(full) + (f" +- {fmt(spread)}" if spread is not None else "")
+        out["Full training held-out reward"] = fmt(full) + (f" ± {fmt(spread)}" if spread is not None else "")
     return out
 
 
 EXPECTED: dict[str, Callable[[dict[str, Any]], dict[str, str]]] = {
     "fisher": expected_fisher, "mask": expected_mask, "train": expected_train, "diff": expected_diff,
-    "diff-same": expected_diff, "tokens": expected_tokens, "sweep": expected_sweep,
+    "diff-same": expected_diff, "tokens": expected_tokens, "sweep": expected_sweep, "series": expected_series,
     "retention": expected_retention}
 
 # figure titles that carry numbers of the result, computed here from the summary
@@ -257,9 +304,11 @@ NUMBERED_TITLES: dict[tuple[str, str], Callable[[dict[str, Any]], str]] = {
 
 def _counterfactual_title(sim: dict[str, Any]) -> str:
     k = sim.get("top_k")
-    if sim.get("exact"):
-        return (f"similarity removes {fmt(sim['removed'])} = {fmt(sim['removed_share'])} of F_orth; "
-                f"top-{k} pairs {fmt(sim['removed_top'])} = {fmt(sim['removed_top_share'])}")
+    if sim.get("exact"):  # issue 27: no double negative ("removes -136.2" reads "adds 136.2")
+        def change(r: float, sh: float) -> str:
+            return f"{'removes' if r >= 0 else 'adds'} {fmt(abs(r))} = {fmt(abs(sh))} of F_orth"
+        return (f"similarity {change(sim['removed'], sim['removed_share'])}; "
+                f"top-{k} pairs {change(sim['removed_top'], sim['removed_top_share'])}")
     return (f"removed <= {fmt(sim['removed_upper'])}, share <= {fmt(sim['removed_share_upper'])}; "
             f"top-{k} pairs remove {fmt(sim['removed_top'])}")
 
@@ -421,3 +470,152 @@ def test_bf16_fisher_states_its_error_against_float32(built):
     assert "Computed in bfloat16" in warning and fmt(err["relative_l1"]) in warning
     prec = {i["label"]: i for i in key_numbers(d)["items"]}["Precision"]
     assert prec["value"] == "computed in bfloat16, stored in float32" and fmt(err["relative_l1"]) in prec["note"]
+
+
+# ------------------------------------------------------------------ issue 27: the precision policy
+
+
+# what reads as bit equality: allowed only where both sides are stored alike, or where the text
+# itself says the number compares across precisions (a labelled counter-number, never a headline)
+EXACT_WORDS = re.compile(r"exact(ly)?\b[^;:]*\b(unchanged|equal)|unchanged[^;:]*\(exact\)", re.I)
+ACROSS = "across precisions"
+
+
+def shown_texts(d: dict[str, Any]) -> list[tuple[str, str]]:
+    """(where, text) of everything a reader of this result is shown as a label: key-number labels
+    and notes, the key-number table's title, headers and row labels, every figure's title, trace
+    names and colour-bar titles, every table's title and headers."""
+    from app.figures.registry import tables_for
+
+    out: list[tuple[str, str]] = []
+    nums = key_numbers(d)
+    for i in nums["items"]:
+        out += [("key number", i["label"]), ("key-number note", i["note"])]
+    if nums["table"]:
+        t = nums["table"]
+        out += [("table", str(t.get("title") or "")), *[("table header", str(h)) for h in t.get("headers", [])],
+                *[("table row", str(r[0])) for r in t.get("rows", [])]]
+    for name, title, fig in titled_figures_for(parse_result(d)):
+        out.append((f"figure {name}", title))
+        for tr in fig.data:
+            out.append((f"figure {name} trace", str(getattr(tr, "name", "") or "")))
+            cb = getattr(tr, "colorbar", None)
+            if cb is not None and cb.title is not None and cb.title.text:
+                out.append((f"figure {name} colour bar", str(cb.title.text)))
+    for title, (headers, _rows) in tables_for(d):
+        out += [("table", title), *[("table header", str(h)) for h in headers]]
+    return out
+
+
+@pytest.mark.slow
+def test_every_kind_from_a_mixed_precision_pair_never_compares_across_precisions_exactly(built):
+    """Issue 27, item 1: fp32 base, bf16 checkpoints (the masked bf16-mixed run). Every kind of
+    the registry renders; no headline, figure title, trace, colour bar or table header reads bit
+    equality unless the text says it compares across precisions; the kinds that compare the pair
+    lead in bfloat16 with >= 90% unchanged; sparse sync is never shown as a saving when it is not."""
+    from compute.jobs import registry
+
+    results = {k: built.get(k)["dict"] for k in registry.NAMES}
+    for kind, d in results.items():
+        for where, text in shown_texts(d):
+            if EXACT_WORDS.search(text) and ACROSS not in text:
+                raise AssertionError(f"{kind}: {where} compares across precisions exactly: {text!r}")
+    # the pair's kinds lead with the comparison in the lower precision
+    leads = {"diff": "Weights unchanged, compared in bfloat16",
+             "series": "Weights unchanged at the last checkpoint (vs base), compared in bfloat16",
+             "train": "Stored weights unchanged, compared in bfloat16"}
+    for kind, label in leads.items():
+        items = {i["label"]: i["value"] for i in key_numbers(results[kind])["items"]}
+        assert label in items, (kind, list(items))
+        assert float(items[label].rstrip("%")) >= 90, (kind, items[label])
+    s = results["series"]["summary"]
+    assert s["stored_dtypes"] == {"base": "float32", "checkpoint": "bfloat16"} and s["comparison_rule"] == "cast"
+    assert s["final_update_sparsity"] >= 0.9 > 0.05 > s["final_unchanged_exact"]
+    # the bytes: the compared precision's changed coordinates x (int32 index + bf16 value)
+    series = json.loads(Path(built.get("series")["job"].files["series"]).read_text())
+    for p in series["points"]:
+        g = p["vs_prev"]["global"]["all"]
+        assert g["sparse_bytes"] == g["changed"] * (4 + 2) and g["dense_bytes"] == g["numel"] * 2
+        assert g["sync_bytes"] <= min(g["sparse_bytes"], g["dense_bytes"])
+    assert s["sparse_bytes_total"] < s["dense_bytes_total"]  # a 5% mask: sparse is the saving here
+    heat = {h["name"]: h for h in results["series"]["heatmaps"]}
+    assert heat["base_sparsity_layer_module"]["meta"]["units"] == "unchanged fraction (compared in bfloat16)"
+    assert min(v for row in heat["base_sparsity_layer_module"]["z"] for v in row if v is not None) > 0.5
+    # the sweep's points (bf16-mixed) lead with the lower stored precision too
+    for p in results["sweep"]["summary"]["points"]:
+        assert p["comparison_dtype"] == "bfloat16" and p["unchanged_common"] == p["unchanged_exact"]
+
+
+def test_sync_verdict_never_shows_a_costlier_sparse_sync_as_a_saving():
+    """Issue 27: the series' key number when sparse bytes exceed dense (exact equality of an fp32
+    base against bf16 checkpoints counted every rounded weight: 6.5e5 sparse vs 2.2e5 dense)."""
+    d = {"kind": "series", "summary": {"steps": [1], "sparse_bytes_total": 6.5e5, "dense_bytes_total": 2.2e5,
+                                       "sync_bytes_total": 2.2e5}}
+    items = {i["label"]: i for i in key_numbers(d)["items"]}
+    sync = items["Sparse sync (indices + values) vs dense"]
+    assert sync["value"] == "2.95x dense" and "dense is cheaper" in sync["note"]
+    assert items["Cheaper of sparse and dense per tensor vs dense"]["value"] == "100%"
+    figs = {n: (t, f) for n, t, f in titled_figures_for({**d, "series": [
+        {"name": "sync/sparse_bytes", "step": 1, "value": 6.5e5}, {"name": "sync/dense_bytes", "step": 1,
+                                                                  "value": 2.2e5}]})}
+    title, fig = figs["sync"]
+    assert "dense is cheaper" in title
+    assert [(tr.name, list(tr.y)) for tr in fig.data] == [("dense (every value)", [2.2e5]),
+                                                          ("indices + values of changed", [6.5e5])]
+
+
+# ------------------------------------------------------------------ issue 27: construction-aware metrics
+
+
+@pytest.mark.slow
+def test_masked_run_headline_aucs_are_the_aucs_inside_the_mask(built):
+    """Issue 27, item 2: the run trained inside a 5% Fisher mask (gradients zeroed outside it).
+    The diff's, the series' and the train's Fisher metrics are computed over the coordinates inside
+    the mask, equal to the AUC computed here by hand on them; over all coordinates the AUC is the
+    number the mask makes true, and is only shown labelled."""
+    import torch
+    from safetensors.torch import load_file
+
+    from compute.sparsity.diff import Checkpoint
+    from compute.sparsity.masks import load_mask
+    from compute.sparsity.overlap import restrict, roc_auc, score_vs_target
+
+    trained = Path(built.get("train")["model"])
+    mask = load_mask(trained / "mask.safetensors")
+    fisher = load_file(built._fisher_file())
+    base = Checkpoint(built.home / "zoo" / "arith-base")
+    # diff: "changed" in the lower stored precision (bf16: tuned is bf16), inside the mask
+    tuned = Checkpoint(trained)
+    changed = {n: tuned.get(n).bfloat16() != base.get(n).bfloat16() for n in fisher}
+    f_in, c_in = restrict(fisher, mask), restrict(changed, mask)
+    names = sorted(f_in)
+    hand = roc_auc(torch.cat([f_in[n].float() for n in names]), torch.cat([c_in[n] for n in names]))
+    d = built.get("diff")["dict"]
+    s = d["summary"]
+    assert s["construction"]["trained_in_mask"] and s["construction"]["scope"].startswith("inside the mask")
+    assert s["changed_auc"] == pytest.approx(hand, abs=1e-12)
+    items = {i["label"]: i for i in key_numbers(d)["items"]}
+    item = items["Fisher AUC for changed-at-all coordinates (inside the mask: the coordinates free to move)"]
+    assert item["value"] == fmt(hand) and "cannot move" in item["note"]
+    everywhere = roc_auc(torch.cat([fisher[n].flatten().float() for n in names]),
+                         torch.cat([changed[n].flatten() for n in names]))
+    assert everywhere > hand  # the frozen 95%: low Fisher and unchanged by construction
+    # series: each checkpoint's AUC vs the base, inside the mask, by hand
+    series = json.loads(Path(built.get("series")["job"].files["series"]).read_text())
+    for p in series["points"]:
+        ck = Checkpoint(trained / p["checkpoint"])
+        ch = restrict({n: ck.get(n).bfloat16() != base.get(n).bfloat16() for n in fisher}, mask)
+        want = roc_auc(torch.cat([f_in[n].float() for n in names]), torch.cat([ch[n] for n in names]))
+        got = p["vs_base"]["global"]["all"]["auc"]
+        assert (got is None and want != want) or got == pytest.approx(want, abs=1e-12), (p["step"], got, want)
+    assert built.get("series")["dict"]["summary"]["construction"]["trained_in_mask"]
+    # train: the concentration of the summed g^2 (zero outside the mask) inside the mask
+    job = built.get("train")["job"]
+    ts = built.get("train")["dict"]["summary"]
+    f0 = {n: t.float() for n, t in job.tensors["fisher"].items()}
+    frac = ts["concentration"]["fraction"]
+    want = score_vs_target(restrict(f0, mask), restrict(job.tensors["grad_sq_sum"], mask), frac)
+    assert ts["concentration"]["grad_sq_sum"]["global"]["auc"] == pytest.approx(
+        want["global"]["all"]["auc"], abs=1e-12)
+    assert ts["concentration"]["scope"].startswith("inside the mask")
+    assert ts["concentration_all_coordinates"]["label"]  # kept only labelled

@@ -143,7 +143,7 @@ def test_share_page_and_result_tab_render_the_same_view(tmp_path):
 
 def test_warnings_are_banners_and_notes_do_not_run_into_values():
     numbers = {"items": [{"label": "Gini coefficient", "value": "0.9416", "note": "0 = uniform, 1 = one coordinate"}],
-               "warnings": ["bf16 weights compared exactly"], "verdict": {"level": "poor", "text": "unreliable"}}
+               "warnings": ["bf16 weights compared exactly"], "verdict": {"level": "poor", "text": "poor"}}
     out = render.key_section(numbers)
     assert "<div class='fl-banner fl-warn' role='note'><b>Warning:</b> bf16 weights compared exactly</div>" in out
     assert "class='fl-banner fl-verdict fl-poor'" in out

@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import save_file
 
 from compute.sparsity import series_kernel
+from compute.sparsity.diff import lower_precision
 from compute.sparsity.masks import group_key, topk_mask
 from compute.sparsity.series import (
     SeriesConfig,
@@ -79,7 +80,13 @@ def test_counts_equal_brute_force_on_ties(cur_dtype: torch.dtype, ref_dtype: tor
                 assert st[k] == want[k], (n, k, st[k], want[k])
             # float64 lanes (kernel) are within rounding of the float64 sum; float32 chunk dots (numpy) near it
             assert st["sq_sum"] == pytest.approx(want["sq_sum"], rel=1e-12 if kernel else 1e-6, abs=0), n
-            assert st["sparse_bytes"] == (n - want["unchanged_exact"]) * (4 + cur.element_size())
+            # issue 27: changed and the sync's values in the lower of the two stored precisions
+            low = lower_precision(cur.dtype, r.dtype)
+            common = float((cur.to(low) == r.to(low)).sum())
+            assert st["unchanged_common"] == common
+            item = torch.empty((), dtype=low).element_size()
+            assert st["sparse_bytes"] == (n - common) * (4 + item)
+            assert st["sync_bytes"] == min(st["sparse_bytes"], n * cur.element_size())
 
 
 def test_kernel_and_numpy_agree_on_every_count() -> None:
@@ -89,7 +96,8 @@ def test_kernel_and_numpy_agree_on_every_count() -> None:
         cur, ref = _tied_pair(50_003, cd, rd, seed)
         a = tensor_counts(cur, [ref], ATOL, kernel=True)[0][0]
         b = tensor_counts(cur, [ref], ATOL, kernel=False)[0][0]
-        assert {k: v for k, v in a.items() if k != "sq_sum"} == {k: v for k, v in b.items() if k != "sq_sum"}
+        sums = ("sq_sum", "sq_common")
+        assert {k: v for k, v in a.items() if k not in sums} == {k: v for k, v in b.items() if k not in sums}
         assert a["sq_sum"] == pytest.approx(b["sq_sum"], rel=1e-6)
 
 

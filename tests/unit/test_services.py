@@ -222,7 +222,7 @@ def test_references_that_do_not_fit_together_are_refused(settings, tmp_path: Pat
         vocab = {"a": 0, "b": 1} if name == "arith-base" else {"a": 0, "c": 1}
         (zoo / name / "tokenizer.json").write_text(json.dumps({"model": {"vocab": vocab}, "added_tokens": []}))
     fisher = services.submit(settings, "fisher", {"model": "other-arch"})
-    _store_result(settings, fisher["id"], tensors={"fisher": {"w.weight": torch.ones(6, 3)}})
+    _store_result(settings, fisher["id"], tensors={"fisher": {"w.weight": torch.ones(6, 3), "b": torch.ones(2)}})
     with pytest.raises(SpecError) as err:
         services.submit(settings, "mask", {"fisher": f"job:{fisher['id']}", "model": "arith-base"})
     assert err.value.errors == [{"field": "fisher", "message": "parameter 'w.weight' has shape [6, 3] in the fisher but [4, 3] in the model"}]
@@ -239,7 +239,8 @@ def test_references_that_do_not_fit_together_are_refused(settings, tmp_path: Pat
         services.submit(settings, "train", {"model": "arith-base", "mask": str(mask)})
     mask = Path(settings.zoo_dir) / "mask.safetensors"  # inside the allowed model roots
     save_file({"x": torch.ones(2, dtype=torch.bool)}, str(mask))
-    with pytest.raises(SpecError, match="mask: parameter 'x' is in the mask but not in the model"):
+    # issue 27: a mask must cover every parameter of the model (the worker would refuse it)
+    with pytest.raises(SpecError, match="mask: parameter 'b' is in the model but not in the mask"):
         services.submit(settings, "train", {"model": "arith-base", "mask": str(mask)})
     assert _messages(settings) == [{"task": RUN_JOB, "args": [j], "kwargs": {}} for j in (fisher["id"], ok["id"])]
 

@@ -96,7 +96,7 @@ def test_finished_fisher_page_embeds_named_figures_and_key_numbers_first(env):
     assert page.index("id='fl-key'") < page.index("id='fl-figures'") < page.index("id='fl-tables'")
     assert "Fisher mass in the top 1% of coordinates" in page and "30%" in page
     assert "Split-half top-1% Jaccard" in page and ">0.91<" in page
-    assert "fl-verdict fl-good" in page and "reliable" in page
+    assert "fl-verdict fl-good" in page and "<b>Reliability:</b> good:" in page  # one name per verdict
     # the figures are in the HTML itself, drawn by the local plotly.js
     figs = _figures(page)
     assert len(figs) >= 3
@@ -327,8 +327,11 @@ def test_key_numbers_train_diff_retention():
         "series": [{"name": "train/reward", "step": 2, "value": 0.4}, {"name": "train/reward", "step": 1, "value": 0.25},
                    {"name": "train/reward", "step": 100, "value": 0.5}]})
     items = {i["label"]: i for i in train["items"]}
-    assert items["Held-out accuracy before -> after"]["value"] == "20% -> 39% (+19 points)"
-    assert items["Held-out accuracy before -> after"]["note"] == "greedy, 500 held-out prompts"
+    # issue 27: one binomial SE next to each accuracy: sqrt(0.2 x 0.8 / 500) = 1.8 points,
+    # sqrt(0.39 x 0.61 / 500) = 2.2; the change's SE at most sqrt(1.8^2 + 2.2^2) = 2.8
+    assert items["Held-out accuracy before -> after"]["value"] == "20% ± 1.8 -> 39% ± 2.2 (+19 points)"
+    assert items["Held-out accuracy before -> after"]["note"] == (
+        "greedy, 500 held-out prompts; ± one binomial SE in points; the change's SE is at most 2.8 points (unpaired)")
     assert items["Sample reward, first -> last step"]["value"] == "0.25 -> 0.5"
     assert items["Stored weights exactly unchanged"]["value"] == "0.6%" and not train["warnings"]
 
@@ -393,7 +396,8 @@ def test_key_numbers_sweep_and_fisher_read_declared_fields():
         {"lr": 1e-5, "optimizer": "adamw", "precision": "bf16-mixed", "unchanged_bf16": 0.98,
          "fisher_auc_changed": 0.61, "reward_after": 0.3}]}})
     assert sweep["items"] == [{"label": "Points (lr x optimizer x precision)", "value": "1", "note": ""}]
-    assert sweep["table"]["rows"] == [["bf16-mixed", "adamw", "1e-05", "98%", "0.61", "30%"]]
+    # stored before issue 27 (no unchanged_common): the bf16 count, and the table says it is bf16
+    assert sweep["table"]["rows"] == [["bf16-mixed", "adamw", "1e-05", "98%", "bfloat16", "0.61", "30%"]]
     # a batch-estimator Fisher stores split_half_jaccard = None: the verdict says why there is none
     none = keynumbers.key_numbers({"kind": "fisher", "summary": {"split_half_jaccard": None, "top1%_share": 0.25}})
     assert none["verdict"]["level"] == "none" and none["items"][0]["value"] == "25%"

@@ -146,6 +146,11 @@ def test_grpo_trainer_trains_only_inside_the_mask(zoo_home: Path, tmp_path: Path
     trainer.save_model(str(tmp_path / "saved"))
     g = diff_checkpoints(Checkpoint(base), Checkpoint(tmp_path / "saved"), svd_max_numel=0).groups["global"]["all"]
     assert rows[3]["update_sparsity/unchanged_bf16"] == g["unchanged_bf16"]
+    # issue 27: the headline in the lower of the two stored precisions (fp32 base, bf16 model: bf16)
+    assert rows[3]["update_sparsity/unchanged"] == g["unchanged_common"]
+    assert rows[3]["update_sparsity/compared_mantissa_bits"] == (7 if bf16 else 23)
+    if bf16:
+        assert g["unchanged_common"] == g["unchanged_bf16"] > 0.85 > g["unchanged_exact"]
     assert rows[3]["update_sparsity/unchanged_bf16delta_atol_1e-05"] == g["unchanged_bf16delta_atol_1e-05"]
     assert 0.85 < g["unchanged_bf16"] < 1.0  # ~90% of the coordinates are frozen
 
