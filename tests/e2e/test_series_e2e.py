@@ -121,7 +121,9 @@ def test_series_of_a_trl_run_folder_from_the_form_with_its_share_link(browser, s
     (hm,) = figs["layer_module"]
     assert hm["type"] == "heatmap" and [str(x) for x in hm["x"]] == ["1", "2", "3"]
     (stored,) = [h for h in result["heatmaps"] if h["name"] == "step_sparsity_layer_module"]
-    assert hm["z"] == stored["z"] and hm["y"] == stored["y_labels"]
+    from app.figures.labels import group_name  # rows outside the blocks are named ("final norm")
+
+    assert hm["z"] == stored["z"] and hm["y"] == [group_name(y) for y in stored["y_labels"]]
     # the Fisher-predicted sync curve: bytes per step, values-only on the Fisher support
     sync = {t["name"]: t for t in figs["sync"]}
     assert sync["values on the Fisher support"]["y"] == pytest.approx([p["support_bytes"] for p in points])
