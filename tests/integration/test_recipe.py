@@ -1,4 +1,4 @@
-"""The README's "Several users without Docker" recipe, run as written: the ```bash block after the
+"""docs/lab.md's "Several users without Docker" recipe, run as written: the ```bash block after the
 `<!-- recipe: several users ... -->` marker, line by line, in one bash process.
 
 Only the values of its `export` lines are replaced (this test's PostgreSQL schema, Redis database,
@@ -66,7 +66,7 @@ def _get(url: str, token: str | None = None, data: dict | None = None) -> dict:
 
 
 def test_recipe_block_is_what_the_readme_says():
-    lines = recipe_block((ROOT / "README.md").read_text())
+    lines = recipe_block((ROOT / "docs" / "lab.md").read_text())
     assert "fisherlens db upgrade" in lines and "fisherlens worker &" in lines
     assert "fisherlens up --no-worker --host 0.0.0.0 &" in lines
     exported = {w.split("=", 1)[0] for ln in lines if ln.startswith("export ") for w in ln.split()[1:]}
@@ -78,7 +78,7 @@ def test_recipe_block_is_what_the_readme_says():
 @pytest.mark.postgres
 def test_several_users_recipe_runs_as_written(tmp_path):
     _redis_or_skip()
-    lines = recipe_block((ROOT / "README.md").read_text())
+    lines = recipe_block((ROOT / "docs" / "lab.md").read_text())
     port = free_port()
     public = f"http://127.0.0.1:{port}"
     (tmp_path / "ada-password.txt").write_text("correct horse battery staple\n")
