@@ -373,6 +373,7 @@ def _construction(run: _Run, mask: Mapping[str, torch.Tensor] | None,
     from (their sha256s: the given mask file's Fisher vs the given Fisher; an independent estimate,
     or a mask built in the job from its own Fisher, is another Fisher)."""
     from compute.contract.construction import FROZEN_INCLUDED, scope
+    from compute.contract.provenance import ref_label, value_label
     from compute.sparsity.masks import mask_density
 
     if mask is None:
@@ -383,7 +384,9 @@ def _construction(run: _Run, mask: Mapping[str, torch.Tensor] | None,
         fisher_ref = ref_of(run.refs, "fisher", run.spec.fisher) if run.spec.fisher else None
         fisher_sha = getattr(fisher_ref, "sha256", None) if fisher_ref is not None else None
         sc = scope(True, density=mask_density(mask), mask_fisher_sha256=mask_fisher, fisher_sha256=fisher_sha,
-                   mask_label=run.spec.mask or f"built in the job ({run.spec.mask_select})")
+                   mask_label=(ref_label(run.refs["mask"]) if run.refs and "mask" in run.refs
+                               else value_label(run.spec.mask, "mask")) if run.spec.mask
+                   else f"built in the job ({run.spec.mask_select})")
         if not (fisher_info or {}).get("file") and not run.spec.fisher:
             sc["same_fisher"] = False  # the initial Fisher was estimated from independent samples
             sc["all_coordinates"] = FROZEN_INCLUDED
