@@ -16,7 +16,8 @@ from .registry import table
 
 # per-tensor statistics worth a column, in this order, with their headers (a result shows those it has)
 VALUES = (("mean", "mean"), ("share", "share of the total"), ("max", "max"), ("density", "kept fraction"),
-          ("unchanged_exact", "unchanged (exact)"), ("delta_rms", "rms |delta|"), ("max_abs_delta", "max |delta|"))
+          ("unchanged_common", "unchanged (as stored; the lower precision when they differ)"),
+          ("delta_rms", "rms |delta|"), ("max_abs_delta", "max |delta|"))
 TITLE = "Per-tensor statistics (click a row to open the tensor)"
 
 
