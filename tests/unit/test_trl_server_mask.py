@@ -50,11 +50,17 @@ def jobs(app: App) -> dict[str, dict[str, Any]]:
 
 
 def _stored_mask(app: App, job: dict[str, Any]) -> tuple[Path, str]:
-    from app import services
+    """The stored mask file and its sha256, read as its owner (share links are off by default on
+    a server with accounts: the owner reads her result by its token all the same)."""
+    from app import auth, services
 
-    result = services.result_by_token(app.settings, job["share_token"])
-    (art,) = [a for a in result["artifacts"] if a["kind"] == "mask"]
-    return Path(services.artifact_path(app.settings, job["share_token"], "mask")), art["sha256"]
+    with auth.acting_as(auth.token_principal(app.settings, app.tokens["alice"])):
+        result = services.result_by_token(app.settings, job["share_token"])
+        assert result is not None
+        (art,) = [a for a in result["artifacts"] if a["kind"] == "mask"]
+        path = services.artifact_path(app.settings, job["share_token"], "mask")
+    assert path is not None
+    return Path(path), art["sha256"]
 
 
 def test_sft_trainer_with_the_mask_of_a_server_job(app: App, jobs, zoo_home: Path, tmp_path: Path) -> None:
