@@ -21,6 +21,7 @@ from typing import Any
 from app import render
 from app.explore import overlay, tensors
 from app.explore.sources import NotReadable, Source, cell_of, job_files, names_in_cell, open_source
+from app.figures.store import finite_json
 
 log = logging.getLogger("fisherlens.explore")
 
@@ -74,20 +75,10 @@ def cached(settings: Any, job_id: int, kind: str, key: str, build: Any) -> dict[
             return {**hit, "cached": True}
         out = {"key": key, **build()}
         try:
-            store.save_bytes(job_id, name, json.dumps(_finite(out), separators=(",", ":")).encode())
+            store.save_bytes(job_id, name, json.dumps(finite_json(out), separators=(",", ":")).encode())
         except (OSError, ArtifactStoreUnavailable):
             log.exception("explore cache of job %s not stored", job_id)
         return {**out, "cached": False}
-
-
-def _finite(obj: Any) -> Any:
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
-    if isinstance(obj, list):
-        return [_finite(v) for v in obj]
-    return obj
 
 
 # ---------------------------------------------------------------- the numbers

@@ -86,14 +86,14 @@ def build_payload(result: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _finite(obj: Any) -> Any:
+def finite_json(obj: Any) -> Any:
     """NaN/inf -> None (JSON has no NaN; a blank cell is what Plotly draws for it anyway)."""
     if isinstance(obj, float):
         return obj if math.isfinite(obj) else None
     if isinstance(obj, dict):
-        return {k: _finite(v) for k, v in obj.items()}
+        return {k: finite_json(v) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [_finite(v) for v in obj]
+        return [finite_json(v) for v in obj]
     return obj
 
 
@@ -156,7 +156,7 @@ class FigureStore:
         the next view (the page is served from the payload in hand)."""
         from storage.artifacts import ArtifactStoreUnavailable
 
-        data = json.dumps(_finite(payload), separators=(",", ":"), allow_nan=False).encode()
+        data = json.dumps(finite_json(payload), separators=(",", ":"), allow_nan=False).encode()
         try:
             self.store.save_bytes(job_id, FILENAME, data)
         except ArtifactStoreUnavailable:
