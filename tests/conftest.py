@@ -19,6 +19,21 @@ os.environ.setdefault("CALIBRATE_ON_UP", "false")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 
+def _own_redis_db() -> None:
+    """Under pytest-xdist each test process gets its own Redis database (gw0: the given one,
+    gw1: one below, ...), so counters keyed by address or account (the sign-in throttle) never
+    mix between tests running at the same time. PostgreSQL needs nothing: every test uses a
+    fresh schema (tests/pg.py), and every stack its own queue name."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    url = os.environ.get("FISHERLENS_TEST_REDIS_URL", "redis://127.0.0.1:6379/15")
+    base, _, db = url.rpartition("/")
+    if worker.startswith("gw") and worker[2:].isdigit() and db.isdigit():
+        os.environ["FISHERLENS_TEST_REDIS_URL"] = f"{base}/{(int(db) - int(worker[2:])) % 16}"
+
+
+_own_redis_db()
+
+
 def services_required() -> bool:
     """CI=true (or FISHERLENS_REQUIRE_SERVICES=1): every service the suite uses must be there."""
     ci = os.environ.get("CI", "").strip().lower() in ("1", "true", "yes")
@@ -38,7 +53,10 @@ def pytest_configure(config: pytest.Config) -> None:
         import torch
     except ImportError:  # pragma: no cover
         return
-    torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+    # Under pytest-xdist (./dev test) the cores are shared by the test processes: one thread
+    # each unless there are more cores than processes.
+    procs = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+    torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // procs)))
     if not torch.cuda.is_available():
         os.environ.setdefault("FISHERLENS_DEVICE", "cpu")
 

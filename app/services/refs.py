@@ -60,20 +60,11 @@ def job_outputs(field: str, target: RefTarget) -> tuple[tuple[str, ...], str]:
 
 
 def spec_values(kind: str, spec: Any) -> dict[str, tuple[str, RefTarget]]:
-    """field -> (what the spec names, its target), for the reference fields the spec fills. A
-    retention job's default OPD teacher counts as given (it is what the worker loads)."""
+    """field -> (what the spec names, its target) for the reference fields the spec fills
+    (compute.jobs.registry.ref_values: the one list, shared with library callers)."""
     from compute.jobs import registry
 
-    job_kind = registry.get(kind)
-    implied = dict(job_kind.implied_refs(spec)) if job_kind.implied_refs else {}
-    out: dict[str, tuple[str, RefTarget]] = {}
-    for field, target in ref_fields(kind).items():
-        value = getattr(spec, field, None)
-        if not value:
-            value = implied.get(field)
-        if isinstance(value, str) and value.strip():
-            out[field] = (value.strip(), target)
-    return out
+    return registry.ref_values(kind, spec)
 
 
 # -- the whole spec ----------------------------------------------------------------------------

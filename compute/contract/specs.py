@@ -49,18 +49,10 @@ class Spec(BaseModel):
 
 
 def _check_task(name: str) -> str:
-    """Task name and options (e.g. arithmetic?digits=1000000 is refused here, not in a worker).
-    jsonl: files are checked where the allowed roots are known (app.services.validate)."""
-    if name.startswith("jsonl:"):
-        path, _, query = name[len("jsonl:"):].partition("?")
-        if not path.strip():
-            raise ValueError("'jsonl:' needs a path, e.g. jsonl:/data/gsm8k.jsonl")
-        for key, _eq, value in (part.partition("=") for part in query.split("&") if part):
-            if key != "match":
-                raise ValueError(f"unknown option {key!r} in {name!r}; accepted: match")
-            if value not in ("exact", "numeric"):
-                raise ValueError(f"match={value!r} is not accepted; accepted: exact, numeric")
-        return name
+    """Task name and options (e.g. arithmetic?digits=1000000 is refused here, not in a worker),
+    by the one parser, compute.contract.tasknames.parse_task_name (memoised: the engine's
+    get_task reuses this parse). jsonl: files are checked where the allowed roots are known
+    (app.services.validate)."""
     try:
         parse_task_name(name)
     except ValueError as exc:

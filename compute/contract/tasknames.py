@@ -12,6 +12,7 @@ Errors are ValueError("task: ...") or, for an option out of range, ValueError("<
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from urllib.parse import parse_qsl
 
@@ -79,13 +80,16 @@ def _int_option(opts: dict[str, str], key: str, default: int) -> int:
         raise ValueError(f"task: option {key}={opts[key]!r} is not an integer") from None
 
 
+@functools.lru_cache(maxsize=256)
 def parse_task_name(name: str) -> ArithmeticName | JsonlName:
-    """The parsed task name, every option checked (see the module docstring)."""
+    """The parsed task name, every option checked (see the module docstring). Memoised (the
+    result is frozen): the spec's validator parses a name once per process and get_task, the
+    estimate and the validation of a jsonl file reuse that parse."""
     if not isinstance(name, str) or not name:
         raise unknown_task(str(name))
     if name.startswith("jsonl:"):
         path, _, query = name[len("jsonl:") :].partition("?")
-        if not path:
+        if not path.strip():
             raise ValueError("task: 'jsonl:' needs a path, e.g. jsonl:/data/gsm8k.jsonl")
         match = _options(name, query, ("match",)).get("match", "exact")
         check_match(match)

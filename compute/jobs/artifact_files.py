@@ -18,27 +18,32 @@ import torch
 from compute.contract.kinds import Ref
 
 
-def ref_of(refs: Mapping[str, Ref] | None, field: str, value: Any, target: str = "") -> Ref | None:
-    """The Ref of spec field `field`: refs[field] when the caller resolved it (the worker, the
-    CLI), else `value` named directly (library callers; see the module docstring); None when
-    the field is empty. `target` defaults to "model" for model fields, else the field name."""
-    if refs is not None and field in refs:
-        return refs[field]
-    if value is None or (isinstance(value, str) and not value.strip()):
-        return None
-    if isinstance(value, Ref):
-        return value
-    from compute.contract.modelref import MODEL_FIELDS, name_ref
+def resolved_refs(spec: Any, refs: Mapping[str, Ref] | None) -> dict[str, Ref]:
+    """The references a runner reads, called once where a runner is entered (run, run_child,
+    combine and the public helpers that take `refs`): `refs` as the product's resolver made them
+    (app.services.refs; the worker and the CLI always pass them), or, for a library caller that
+    passes none (tests, notebooks, benchmarks), each reference field the spec fills
+    (compute.jobs.registry.ref_values: the same list the product resolver walks) named directly
+    by compute.contract.modelref.name_ref (a zoo name, a folder, a file path; never job:N).
+    Afterwards the runner only reads `refs.get(field)`."""
+    if refs is not None:
+        return dict(refs)
+    from compute.contract.modelref import name_ref
+    from compute.jobs import registry
 
-    return name_ref(field, str(value), target or ("model" if field in MODEL_FIELDS else field))
+    kind = registry.kind_of_spec(spec)
+    return {field: name_ref(field, value, target)
+            for field, (value, target) in registry.ref_values(kind, spec).items()}
 
 
 def local_file(ref: Ref | str | Path, kind: str) -> Path:
     """The local file a Fisher / mask / gradient reference names (a Ref, or a path for library
     callers: a folder holding `<kind>.safetensors` names that file)."""
-    r = ref if isinstance(ref, Ref) else ref_of(None, kind, str(ref), kind)
-    assert r is not None
-    return Path(r.where())
+    if isinstance(ref, Ref):
+        return Path(ref.where())
+    from compute.contract.modelref import name_ref
+
+    return Path(name_ref(kind, str(ref), kind).where())
 
 
 def load_scores(ref: Ref | str | Path, kind: str = "fisher") -> dict[str, torch.Tensor]:

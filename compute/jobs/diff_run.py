@@ -9,7 +9,7 @@ from typing import Any
 
 from compute.contract.jobresult import Heatmap, JobResult, LayerStat, SeriesPoint, null_progress
 from compute.contract.kinds import Refs
-from compute.jobs.artifact_files import load_scores, ref_of
+from compute.jobs.artifact_files import load_scores, resolved_refs
 from compute.jobs.diff import DiffSpec
 from compute.lm.cells import cells_heatmap, ratio_heatmap
 from compute.lm.naming import layer_index, module_type
@@ -71,9 +71,10 @@ def _finite(x: float) -> float | None:
 
 def run(spec: DiffSpec, progress: Any = null_progress, refs: Refs | None = None) -> JobResult:
     progress(0.0, "opening checkpoints")
-    base = open_checkpoint(ref_of(refs, "base", spec.base), "base")
-    tuned = open_checkpoint(ref_of(refs, "tuned", spec.tuned), "tuned")
-    fisher_ref = ref_of(refs, "fisher", spec.fisher)
+    refs = resolved_refs(spec, refs)
+    base = open_checkpoint(refs["base"], "base")
+    tuned = open_checkpoint(refs["tuned"], "tuned")
+    fisher_ref = refs.get("fisher")
     fisher = load_scores(fisher_ref, "fisher") if fisher_ref is not None else None
     within, construction = trained_mask(tuned.folder, fisher_ref) if fisher is not None else (None, None)
     res = diff_checkpoints(base, tuned, fisher=fisher, topk_percent=spec.topk_percent,
@@ -88,7 +89,6 @@ def run(spec: DiffSpec, progress: Any = null_progress, refs: Refs | None = None)
     if res.fisher is not None:
         summary.update(_fisher_summary(spec, res.fisher))
         heatmaps += _fisher_heatmaps(res.fisher, spec.topk_percent)
-    fisher_ref = ref_of(refs, "fisher", spec.fisher)
     if fisher_ref is not None:  # issue 18: the verdict of the Fisher this diff is scored against
         from compute.jobs.artifact_files import fisher_provenance
 

@@ -38,10 +38,10 @@ def shard_range(spec: FisherSpec, shard_index: int) -> tuple[int, int]:
 
 
 def _load(spec: FisherSpec, refs: Refs | None) -> tuple[Any, Any]:
-    from compute.jobs.artifact_files import ref_of
+    from compute.jobs.artifact_files import resolved_refs
     from compute.lm.causal_lm import load_model
 
-    model = ref_of(refs, "model", spec.model)
+    model = resolved_refs(spec, refs).get("model")
     assert model is not None  # the spec requires a model
     return load_model(model, device=spec.device, dtype=spec.dtype)
 

@@ -14,7 +14,7 @@ import torch
 
 from compute.contract.jobresult import Heatmap, JobResult, LayerStat, null_progress
 from compute.contract.kinds import Ref, Refs
-from compute.jobs.artifact_files import load_scores, ref_of
+from compute.jobs.artifact_files import load_scores, resolved_refs
 from compute.jobs.mask import MaskSpec
 from compute.lm.cells import ratio_heatmap
 from compute.lm.naming import layer_index, module_type
@@ -80,9 +80,8 @@ def build_mask(spec: MaskSpec, progress: Any = null_progress, refs: Refs | None 
                ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
     """The mask of a MaskSpec and a dict describing where its scores came from."""
     sel = spec.select
-    fisher_ref = ref_of(refs, "fisher", spec.fisher)
-    model = ref_of(refs, "model", spec.model)
-    gradient = ref_of(refs, "gradient", spec.gradient)
+    refs = resolved_refs(spec, refs)
+    fisher_ref, model, gradient = refs.get("fisher"), refs.get("model"), refs.get("gradient")
     fisher = load_scores(fisher_ref, "fisher") if fisher_ref is not None else None
     info: dict[str, Any] = {"fisher": spec.fisher, "model": spec.model}
     scores: dict[str, torch.Tensor] | None = None
@@ -198,7 +197,7 @@ def run(spec: MaskSpec, progress: Any = null_progress, refs: Refs | None = None)
     summary["stored_dtype"] = "bool"
     summary["compute_dtype"] = "float32"  # scores ranked in float32
     metadata: dict[str, str] = {}
-    fisher_ref = ref_of(refs, "fisher", spec.fisher)
+    fisher_ref = resolved_refs(spec, refs).get("fisher")
     if fisher_ref is not None:
         from compute.jobs.artifact_files import fisher_provenance
 

@@ -132,6 +132,32 @@ def producers(target: RefTarget) -> tuple[str, ...]:
     return tuple(k.name for k in KINDS.values() if target in k.outputs)
 
 
+def kind_of_spec(spec: Any) -> str:
+    """The kind whose spec class `spec` is an instance of."""
+    for k in KINDS.values():
+        if type(spec) is k.spec:
+            return k.name
+    raise RegistryError(f"{type(spec).__name__} is not the spec of any job kind")
+
+
+def ref_values(kind: str, spec: Any) -> dict[str, tuple[str, RefTarget]]:
+    """field -> (what the spec names, its target), for the reference fields of `kind` that the
+    spec fills: KIND.refs, the one place that says which fields are references, plus the
+    references a kind implies (a retention job's default OPD teacher counts as given: it is what
+    the worker loads). The product's resolver (app.services.refs) and the library callers' one
+    (compute.jobs.artifact_files.resolved_refs) both walk this list."""
+    job_kind = get(kind)
+    implied = dict(job_kind.implied_refs(spec)) if job_kind.implied_refs else {}
+    out: dict[str, tuple[str, RefTarget]] = {}
+    for field, target in job_kind.refs.items():
+        value = getattr(spec, field, None)
+        if not value:
+            value = implied.get(field)
+        if isinstance(value, str) and value.strip():
+            out[field] = (value.strip(), target)
+    return out
+
+
 def ref_targets() -> dict[str, RefTarget]:
     """Every reference field of any kind -> its target (a field means the same in every kind)."""
     out: dict[str, RefTarget] = {}

@@ -87,21 +87,20 @@ def _load(spec: RetentionSpec, shared: dict[Any, Any], progress: Any, refs: Refs
         return shared["loaded"]
     import torch
 
-    from compute.jobs.artifact_files import ref_of
+    from compute.jobs.artifact_files import resolved_refs
     from compute.lm.causal_lm import load_model, resolve_device
     from compute.lm.verifiable_tasks import get_task
     from compute.train.objectives.distill import check_same_tokenizer
 
-    ref = teacher_ref(spec)
     device = resolve_device(spec.device)
     torch.manual_seed(0)
     progress(0.0, f"loading {spec.model}")
-    model_ref = ref_of(refs, "model", spec.model)
+    model_ref = resolved_refs(spec, refs).get("model")
     assert model_ref is not None  # the spec requires a model
     model, tok = load_model(model_ref, device=device, dtype=spec.dtype)
     teacher = None
     if spec.algo == "opd":
-        teacher_ref_ = ref_of(refs, "teacher", ref)  # the resolver resolved the default teacher too
+        teacher_ref_ = resolved_refs(spec, refs).get("teacher")  # the resolver resolved the default teacher too
         assert teacher_ref_ is not None
         teacher, ttok = load_model(teacher_ref_, device=device, dtype=spec.dtype)
         check_same_tokenizer(tok, ttok)

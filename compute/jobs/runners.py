@@ -13,7 +13,7 @@ call it, and so does the worker when a job has no child units.
 tuned, fisher, mask, gradient), resolved once at validation by app.services.refs (owners
 checked there) and made local by the caller: the worker fetches them from the job row
 (compute.worker.refs: sha256 re-verified), the CLI resolves them as its user. A runner reads
-`refs[field].where()` (compute.jobs.artifact_files.ref_of, load_model, open_checkpoint accept a Ref) and
+`refs[field].where()` (compute.jobs.artifact_files.resolved_refs, load_model, open_checkpoint accept a Ref) and
 never resolves a reference itself; the spec keeps what the user wrote (results show `job:3`, not
 a server path). refs=None is for library callers (tests, notebooks): each field is then named
 directly (a zoo name, an allowed folder, a hub id, a file path; never job:N). The worker and

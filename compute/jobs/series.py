@@ -125,18 +125,18 @@ def run(spec: SeriesSpec, progress: Any = None, refs: Any = None) -> Any:
     from pathlib import Path
 
     from compute.contract.jobresult import JobResult, null_progress
-    from compute.jobs.artifact_files import local_file, ref_of
+    from compute.jobs.artifact_files import local_file, resolved_refs
     from compute.sparsity.series import LazyTensors, SeriesConfig, checkpoint_series, write_series
 
     progress = progress or null_progress
     progress(0.0, "opening the run folder")
-    base_ref = ref_of(refs, "base", spec.base)
-    run_ref = ref_of(refs, "run_dir", spec.run_dir, "run_dir")
+    refs = resolved_refs(spec, refs)
+    base_ref, run_ref = refs.get("base"), refs.get("run_dir")
     assert base_ref is not None and run_ref is not None  # both required by the spec
     base, run_dir = base_ref.where(), run_ref.where()
     fisher = None
     summary_extra: dict[str, Any] = {}
-    fisher_ref = ref_of(refs, "fisher", spec.fisher, "fisher")
+    fisher_ref = refs.get("fisher")
     if fisher_ref is not None:
         from compute.jobs.artifact_files import fisher_provenance
 

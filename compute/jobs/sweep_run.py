@@ -38,6 +38,7 @@ from typing import Any
 
 from compute.contract.jobresult import Heatmap, JobResult, SeriesPoint, null_progress
 from compute.contract.kinds import Refs
+from compute.jobs.artifact_files import resolved_refs
 from compute.jobs.sweep import SweepSpec
 from compute.jobs.train import TrainSpec
 
@@ -165,17 +166,17 @@ def initial_fisher(spec: SweepSpec, progress: Any = null_progress, refs: Refs | 
     """The sweep's initial Fisher and its description: the given file, or estimated from samples
     independent of the training batches, at the bf16-rounded base when every point starts there
     (no fp32 point), else at the float32 base. Deterministic: every unit gets the same one."""
-    from compute.jobs.artifact_files import load_scores, ref_of
+    from compute.jobs.artifact_files import load_scores
     from compute.jobs.train_run import independent_fisher
     from compute.lm.causal_lm import load_model, resolve_device
     from compute.lm.verifiable_tasks import get_task
     from compute.train import prepare_precision
 
-    fisher_ref = ref_of(refs, "fisher", spec.fisher)
+    fisher_ref = resolved_refs(spec, refs).get("fisher")
     if fisher_ref is not None:
         return load_scores(fisher_ref, "fisher"), {"source": "given", "file": spec.fisher}
     progress(0.0, "initial Fisher from independent samples")
-    model_ref = ref_of(refs, "model", spec.model)
+    model_ref = resolved_refs(spec, refs).get("model")
     assert model_ref is not None  # the spec requires a model
     model, tok = load_model(model_ref, device=resolve_device(spec.device), dtype="float32")
     rounded = "fp32" not in spec.precision
@@ -210,7 +211,7 @@ def run_child(spec: SweepSpec, index: int, progress: Any = null_progress,
     def sub(f: float, m: str = "") -> None:
         progress(0.05 + 0.95 * min(max(f, 0.0), 1.0), f"{label}: {m}" if m else label)
 
-    model_refs = {k: v for k, v in (refs or {}).items() if k == "model"}  # the Fisher is given above
+    model_refs = {"model": resolved_refs(spec, refs)["model"]}  # the Fisher is given above
     res = train_job(point_spec(spec, prec, opt, lr), sub, fisher=fisher, fisher_info=info, refs=model_refs)
     folder = res.files.get("model")
     if folder:
@@ -268,9 +269,9 @@ def combine(spec: SweepSpec, outputs: list[Any], progress: Any = null_progress,
     # issue 18: precision per point is in the table; here the run-wide facts and the Fisher's verdict
     summary["compute_dtype"] = "per point (bfloat16 for precision bf16, else float32)"
     summary["stored_dtype"] = "per point (float32 for fp32, else bfloat16)"
-    from compute.jobs.artifact_files import fisher_provenance, ref_of
+    from compute.jobs.artifact_files import fisher_provenance
 
-    fisher_ref = ref_of(refs, "fisher", spec.fisher)
+    fisher_ref = resolved_refs(spec, refs).get("fisher")
     if fisher_ref is not None:
 
         summary["fisher_reliability"] = fisher_provenance(fisher_ref)

@@ -38,11 +38,11 @@ def _nan_none(x: float) -> float | None:
 
 
 def run(spec: TokensSpec, progress: Any = null_progress, refs: Refs | None = None) -> JobResult:
-    from compute.jobs.artifact_files import ref_of
+    from compute.jobs.artifact_files import resolved_refs
     from compute.lm.causal_lm import load_model, model_info
 
     progress(0.0, "loading the model")
-    ref = ref_of(refs, "model", spec.model)
+    ref = resolved_refs(spec, refs).get("model")
     assert ref is not None  # the spec requires a model
     model, tokenizer = load_model(ref, device=spec.device, dtype=spec.dtype, progress=progress)
     progress(0.02, "forward pass and the top tokens' sensitivities")

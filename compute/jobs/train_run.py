@@ -17,7 +17,7 @@ import torch
 
 from compute.contract.jobresult import JobResult, SeriesPoint, null_progress
 from compute.contract.kinds import Ref, Refs
-from compute.jobs.artifact_files import ref_of
+from compute.jobs.artifact_files import resolved_refs
 from compute.jobs.train import TrainSpec
 
 FISHER_SELECTORS = ("fisher", "fisher-tensor", "fisher-bottom")
@@ -316,14 +316,14 @@ def _start(spec: TrainSpec, progress: Any, refs: Refs | None = None) -> _Run:
     task = get_task(spec.task)
     torch.manual_seed(spec.seed)
     progress(0.0, f"loading {spec.model}")
-    model_ref = ref_of(refs, "model", spec.model)
+    model_ref = resolved_refs(spec, refs).get("model")
     assert model_ref is not None  # the spec requires a model
     model, tok = _load(model_ref, spec)
     base_dtype = str(next(model.parameters()).dtype).replace("torch.", "")  # the base as loaded
     prepare_precision(model, spec.precision)
     teacher = None
     if spec.algo == "opd":
-        teacher_ref = ref_of(refs, "teacher", spec.teacher)
+        teacher_ref = resolved_refs(spec, refs).get("teacher")
         assert teacher_ref is not None  # TrainSpec: opd needs a teacher
         teacher, ttok = _load(teacher_ref, spec)
         check_same_tokenizer(tok, ttok)
@@ -341,7 +341,7 @@ def _mask(run: _Run) -> dict[str, torch.Tensor] | None:
     from compute.sparsity.masks import load_mask
 
     spec = run.spec
-    mask_ref = ref_of(run.refs, "mask", spec.mask)
+    mask_ref = resolved_refs(run.spec, run.refs).get("mask")
     if mask_ref is not None:
         run.summary["mask"] = {"file": spec.mask}
         _mask_fisher_reliability(run, mask_ref)
@@ -381,7 +381,7 @@ def _construction(run: _Run, mask: Mapping[str, torch.Tensor] | None,
     else:
         mask_fisher = (run.summary.get("fisher_reliability") or {}).get("source_sha256") \
             if run.spec.mask else None
-        fisher_ref = ref_of(run.refs, "fisher", run.spec.fisher) if run.spec.fisher else None
+        fisher_ref = resolved_refs(run.spec, run.refs).get("fisher") if run.spec.fisher else None
         fisher_sha = getattr(fisher_ref, "sha256", None) if fisher_ref is not None else None
         sc = scope(True, density=mask_density(mask), mask_fisher_sha256=mask_fisher, fisher_sha256=fisher_sha,
                    mask_label=(ref_label(run.refs["mask"]) if run.refs and "mask" in run.refs
@@ -435,13 +435,12 @@ def _initial_fisher(
     if fisher is not None:
         out_info = dict(info or {"source": "given by the caller"})
     elif spec.fisher:
-        fisher = load_scores(ref_of(run.refs, "fisher", spec.fisher) or spec.fisher, "fisher")
+        fisher = load_scores(resolved_refs(spec, run.refs)["fisher"], "fisher")
         out_info = {"source": "given", "file": spec.fisher}
         if "fisher_reliability" not in run.summary:  # issue 18: the given Fisher's verdict
             from compute.jobs.artifact_files import fisher_provenance
 
-            run.summary["fisher_reliability"] = fisher_provenance(ref_of(run.refs, "fisher", spec.fisher)
-                                                                  or spec.fisher)
+            run.summary["fisher_reliability"] = fisher_provenance(resolved_refs(spec, run.refs)["fisher"])
     elif spec.concentration or (spec.algo == "grpo" and spec.bound):
         run.progress(0.1, f"initial Fisher from independent samples ({spec.independent_fisher})")
         fisher, out_info = independent_fisher(probe, run.tok, run.task, spec,
