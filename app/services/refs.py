@@ -2,7 +2,9 @@
 hub id, `job:N`, a file path) becomes a typed `Ref` (compute.contract.kinds) here, once, at
 validation; who may use it is part of resolving.
 
-    resolve_spec(settings, kind, spec, user) -> {field: Ref}    (SpecError naming each bad field)
+    resolve_values(settings, spec_values(kind, spec), user) -> ({field: Ref}, [field errors])
+
+(app.services.validation.check_spec turns the errors into one SpecError naming each field.)
 
 The Refs are stored with the job (`jobs.refs`); the worker receives them and only re-verifies
 their sha256 through `storage.artifacts.open_store(settings).fetch(path, sha256)`; the engine
@@ -68,28 +70,15 @@ def spec_values(kind: str, spec: Any) -> dict[str, tuple[str, RefTarget]]:
 
 
 # -- the whole spec ----------------------------------------------------------------------------
-def resolve_spec(
-    settings: Any, kind: str, spec: Any, user: Any = None, *, local: bool = False,
-    hash_models: bool = True,
-) -> dict[str, Ref]:  # fmt: skip
-    """Every reference of `spec` resolved (see the module docstring); SpecError naming each
-    field that cannot be used. `user` is the caller (app.auth Principal; None: anonymous, or
-    the operator for the CLI's direct commands). `hash_models=False` skips hashing model
-    weights (estimates, direct CLI runs); artifacts are always checked against their sha256."""
-    from compute.contract.specs import SpecError
-
-    refs, errors = resolve_values(settings, spec_values(kind, spec), user, local=local,
-                                  hash_models=hash_models)
-    if errors:
-        raise SpecError(errors)
-    return refs
-
-
 def resolve_values(
     settings: Any, values: dict[str, tuple[str, RefTarget]], user: Any = None, *,
     local: bool = False, hash_models: bool = True,
 ) -> tuple[dict[str, Ref], list[dict[str, str]]]:  # fmt: skip
-    """({field: Ref}, [{"field", "message"}, ...]) for field -> (value, target)."""
+    """({field: Ref}, [{"field", "message"}, ...]) for field -> (value, target): every reference
+    of a spec (see the module docstring). `user` is the caller (app.auth Principal; None:
+    anonymous, or the operator for the CLI's direct commands). `hash_models=False` skips hashing
+    model weights (estimates, direct CLI runs); artifacts are always checked against their
+    sha256."""
     refs: dict[str, Ref] = {}
     errors: list[dict[str, str]] = []
     needs_db = any(mr.job_ref_id(v) is not None for v, _ in values.values())
