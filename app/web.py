@@ -44,6 +44,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     settings = settings or get_settings()
     services.sessions(settings)  # apply migrations now, not on the first request
+    if settings.auth_required:  # verified tokens remembered (PostgreSQL; app/auth/token_cache.py)
+        from app.auth import token_cache
+
+        token_cache.enable(settings)
     app = FastAPI(
         title="fisherlens",
         description="Submit Fisher / mask / training / retention / diff / token-explorer jobs, "
