@@ -26,7 +26,7 @@ import time
 from datetime import datetime
 from typing import Any
 
-from app.auth.principal import Principal
+Principal = Any  # app.auth.principal.Principal (not imported: principal imports this module)
 
 log = logging.getLogger("fisherlens.auth")
 RECHECK_S = 5.0  # the listening connection proves itself alive this often
