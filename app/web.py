@@ -176,8 +176,8 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 def _method_not_allowed(app: FastAPI) -> None:
     """/api/<anything> that no route serves with this method: 405 with `Allow` (the methods
-    the routes of that path do serve) when there are some, else 404. Without it the UI mounted
-    at "/" answered 404 for TRACE /api/me."""
+    the routes of that path do serve) when there are some, else 404, whatever the method (QUERY
+    included). Without it the UI mounted at "/" answered 404 for TRACE /api/me."""
     from starlette.routing import Match, Mount
 
     every = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "TRACE", "CONNECT"]
@@ -185,7 +185,7 @@ def _method_not_allowed(app: FastAPI) -> None:
     def served(scope: Any, method: str) -> bool:
         probe = {**scope, "method": method, "type": "http"}
         for rt in app.router.routes:
-            if getattr(rt, "endpoint", None) is other_method:
+            if getattr(rt, "endpoint", None) in (other_method, catch_all):
                 continue
             if isinstance(rt, Mount) and not rt.path.startswith("/api"):
                 continue  # the UI at "/": it answers every path
@@ -201,7 +201,15 @@ def _method_not_allowed(app: FastAPI) -> None:
                             content={"detail": f"method {request.method} not allowed here; "
                                      f"allowed: {', '.join(allowed)}"})
 
-    app.add_api_route("/api/{rest:path}", other_method, methods=every, include_in_schema=False)
+    class AnyMethod:
+        """An ASGI endpoint (not a function), so its route keeps methods=None and matches every
+        method, also ones HTTP adds later (QUERY had fallen through to the UI's 404)."""
+
+        async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+            await (await other_method(Request(scope, receive)))(scope, receive, send)
+
+    catch_all = AnyMethod()
+    app.router.add_route("/api/{rest:path}", catch_all, methods=None, include_in_schema=False)
 
 
 def _mount_ui(app: FastAPI, settings: Settings) -> None:
