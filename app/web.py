@@ -209,7 +209,8 @@ def _method_not_allowed(app: FastAPI) -> None:
             await (await other_method(Request(scope, receive)))(scope, receive, send)
 
     catch_all = AnyMethod()
-    app.router.add_route("/api/{rest:path}", catch_all, methods=None, include_in_schema=False)
+    app.router.add_route("/api/{rest:path}", catch_all,  # type: ignore[arg-type]  # ASGI app
+                         methods=None, include_in_schema=False)
 
 
 def _mount_ui(app: FastAPI, settings: Settings) -> None:
@@ -256,6 +257,7 @@ def _document_errors(app: FastAPI) -> None:
             body = model.model_json_schema(ref_template="#/components/schemas/{model}")
             comps.update(body.pop("$defs", {}))
             comps[model.__name__] = body
+        _job_request_union(comps)
         for path, ops in schema.get("paths", {}).items():
             if not path.startswith("/api/"):
                 continue
@@ -276,6 +278,32 @@ def _document_errors(app: FastAPI) -> None:
         return schema
 
     app.openapi = build  # type: ignore[method-assign]
+
+
+def _job_request_union(comps: dict[str, Any]) -> None:
+    """POST /api/jobs's body in the schema: one object per job kind (a discriminated union on
+    `kind`), its `spec` the kind's own spec model from the job-kind registry
+    (compute.jobs.registry: the models the server validates with), not a free-form object."""
+    from compute.jobs.registry import KINDS
+
+    variants, mapping = [], {}
+    for name, kind in KINDS.items():
+        spec = kind.spec.model_json_schema(ref_template="#/components/schemas/{model}")
+        comps.update(spec.pop("$defs", {}))
+        comps[kind.spec.__name__] = spec
+        title = f"{name.capitalize()}JobRequest"
+        comps[title] = {
+            "title": title, "type": "object", "additionalProperties": False,
+            "required": ["kind", "spec"] if spec.get("required") else ["kind"],
+            "properties": {"kind": {"type": "string", "enum": [name]},
+                           "spec": {"$ref": f"#/components/schemas/{kind.spec.__name__}"}}}
+        variants.append({"$ref": f"#/components/schemas/{title}"})
+        mapping[name] = f"#/components/schemas/{title}"
+    if "JobRequest" in comps:
+        old = comps["JobRequest"]
+        comps["JobRequest"] = {"title": "JobRequest", "description": old.get("description", ""),
+                               "oneOf": variants,
+                               "discriminator": {"propertyName": "kind", "mapping": mapping}}
 
 
 def _offline_docs(app: FastAPI) -> None:
