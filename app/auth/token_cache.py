@@ -159,8 +159,14 @@ def enable(settings: Any) -> TokenCache | None:
 
 def disable(settings: Any) -> None:
     """Stop the cache of settings.db_url (tests, a disposed app)."""
+    disable_urls(lambda url: url == settings.db_url)
+
+
+def disable_urls(match: Any) -> None:
+    """Stop the caches (and close the listening connections) of every URL match(url) is true
+    for: a test's throwaway database, before it is dropped."""
     with _lock:
-        cache = _caches.pop(settings.db_url, None)
-    if cache is not None:
+        gone = [_caches.pop(u) for u in [u for u in _caches if match(u)]]
+    for cache in gone:
         cache.stop()
         cache.clear()
