@@ -44,6 +44,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     settings = settings or get_settings()
     services.sessions(settings)  # apply migrations now, not on the first request
+    if settings.auth_required:  # verified tokens remembered (PostgreSQL; app/auth/token_cache.py)
+        from app.auth import token_cache
+
+        token_cache.enable(settings)
     app = FastAPI(
         title="fisherlens",
         description="Submit Fisher / mask / training / retention / diff / token-explorer jobs, "
@@ -172,8 +176,8 @@ def _add_error_handlers(app: FastAPI) -> None:
 
 def _method_not_allowed(app: FastAPI) -> None:
     """/api/<anything> that no route serves with this method: 405 with `Allow` (the methods
-    the routes of that path do serve) when there are some, else 404. Without it the UI mounted
-    at "/" answered 404 for TRACE /api/me."""
+    the routes of that path do serve) when there are some, else 404, whatever the method (QUERY
+    included). Without it the UI mounted at "/" answered 404 for TRACE /api/me."""
     from starlette.routing import Match, Mount
 
     every = ["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS", "TRACE", "CONNECT"]
@@ -181,7 +185,7 @@ def _method_not_allowed(app: FastAPI) -> None:
     def served(scope: Any, method: str) -> bool:
         probe = {**scope, "method": method, "type": "http"}
         for rt in app.router.routes:
-            if getattr(rt, "endpoint", None) is other_method:
+            if getattr(rt, "endpoint", None) in (other_method, catch_all):
                 continue
             if isinstance(rt, Mount) and not rt.path.startswith("/api"):
                 continue  # the UI at "/": it answers every path
@@ -197,7 +201,16 @@ def _method_not_allowed(app: FastAPI) -> None:
                             content={"detail": f"method {request.method} not allowed here; "
                                      f"allowed: {', '.join(allowed)}"})
 
-    app.add_api_route("/api/{rest:path}", other_method, methods=every, include_in_schema=False)
+    class AnyMethod:
+        """An ASGI endpoint (not a function), so its route keeps methods=None and matches every
+        method, also ones HTTP adds later (QUERY had fallen through to the UI's 404)."""
+
+        async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+            await (await other_method(Request(scope, receive)))(scope, receive, send)
+
+    catch_all = AnyMethod()
+    app.router.add_route("/api/{rest:path}", catch_all,  # type: ignore[arg-type]  # ASGI app
+                         methods=None, include_in_schema=False)
 
 
 def _mount_ui(app: FastAPI, settings: Settings) -> None:
@@ -244,6 +257,7 @@ def _document_errors(app: FastAPI) -> None:
             body = model.model_json_schema(ref_template="#/components/schemas/{model}")
             comps.update(body.pop("$defs", {}))
             comps[model.__name__] = body
+        _job_request_union(comps)
         for path, ops in schema.get("paths", {}).items():
             if not path.startswith("/api/"):
                 continue
@@ -264,6 +278,32 @@ def _document_errors(app: FastAPI) -> None:
         return schema
 
     app.openapi = build  # type: ignore[method-assign]
+
+
+def _job_request_union(comps: dict[str, Any]) -> None:
+    """POST /api/jobs's body in the schema: one object per job kind (a discriminated union on
+    `kind`), its `spec` the kind's own spec model from the job-kind registry
+    (compute.jobs.registry: the models the server validates with), not a free-form object."""
+    from compute.jobs.registry import KINDS
+
+    variants, mapping = [], {}
+    for name, kind in KINDS.items():
+        spec = kind.spec.model_json_schema(ref_template="#/components/schemas/{model}")
+        comps.update(spec.pop("$defs", {}))
+        comps[kind.spec.__name__] = spec
+        title = f"{name.capitalize()}JobRequest"
+        comps[title] = {
+            "title": title, "type": "object", "additionalProperties": False,
+            "required": ["kind", "spec"] if spec.get("required") else ["kind"],
+            "properties": {"kind": {"type": "string", "enum": [name]},
+                           "spec": {"$ref": f"#/components/schemas/{kind.spec.__name__}"}}}
+        variants.append({"$ref": f"#/components/schemas/{title}"})
+        mapping[name] = f"#/components/schemas/{title}"
+    if "JobRequest" in comps:
+        old = comps["JobRequest"]
+        comps["JobRequest"] = {"title": "JobRequest", "description": old.get("description", ""),
+                               "oneOf": variants,
+                               "discriminator": {"propertyName": "kind", "mapping": mapping}}
 
 
 def _offline_docs(app: FastAPI) -> None:

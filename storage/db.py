@@ -46,6 +46,12 @@ def make_engine(url: str, **kwargs: Any) -> Engine:
     kwargs.setdefault("pool_pre_ping", True)
     if u.get_backend_name() == "postgresql":  # a server that is away answers within seconds
         kwargs.setdefault("connect_args", {"connect_timeout": 10})
+        # as many connections as the threads that may want one at once: the web process runs
+        # sync routes in Starlette's threadpool (40 threads); the default pool (5 + 10) made the
+        # 41st..15th concurrent request wait for a connection. 10 stay open, the rest close
+        # when returned.
+        kwargs.setdefault("pool_size", 10)
+        kwargs.setdefault("max_overflow", 40)
     return create_engine(url, **kwargs)
 
 
@@ -61,6 +67,39 @@ def _get_engine_unlocked(url: str) -> Engine:
     if url not in _engines:
         _engines[url] = make_engine(url)
     return _engines[url]
+
+
+READ_SUFFIX = "#read"  # the key of a URL's read engine in _engines
+
+
+def read_engine(url: str) -> Engine:
+    """A second shared engine for `url` without pre-ping, for the reads a page or a client polls
+    (a job listing): pre-ping is one more round trip per checkout. A connection that died (the
+    database restarted) is retried once on a fresh one by `read`."""
+    key = url + READ_SUFFIX
+    engine = _engines.get(key)
+    if engine is not None:
+        return engine
+    with _lock:
+        if make_url(url).get_backend_name() == "sqlite":  # no round trip to save (and :memory:)
+            engine = _get_engine_unlocked(url)
+        else:
+            engine = _engines.get(key) or make_engine(url, pool_pre_ping=False)
+        _engines[key] = engine
+        return engine
+
+
+def read(url: str, fn: Any) -> Any:
+    """fn(connection) on read_engine(url); once more on a fresh connection when the first one
+    turns out dead (what pre-ping would have caught)."""
+    for attempt in (1, 2):
+        try:
+            with read_engine(url).connect() as conn:
+                return fn(conn)
+        except DBAPIError as exc:
+            if attempt == 2 or not exc.connection_invalidated:
+                raise
+    return None  # not reached
 
 
 def make_session_factory(engine: Engine) -> sessionmaker[Session]:

@@ -11,6 +11,7 @@ import math
 import secrets
 from collections.abc import Callable
 from datetime import datetime, timedelta
+from functools import lru_cache
 from typing import Any
 
 from sqlalchemy import Connection, bindparam, select, update
@@ -170,6 +171,49 @@ def list_jobs(
         q = q.where(Job.parent_id.is_(None))
     q = q.order_by(Job.id.desc()).limit(max(1, min(int(limit), 1000))).offset(max(0, int(offset)))
     return list(session.scalars(q))
+
+
+# job_dict's fields, in its order: what a job listing reads (no refs, no summary JSON).
+_DICT_COLUMNS = ("id", "kind", "spec", "spec_hash", "model_revision", "revisions", "status",
+                 "progress", "message", "error", "share_token", "created_at", "started_at",
+                 "finished_at", "heartbeat_at", "worker", "attempts", "cancel_requested",
+                 "parent_id", "shard_index", "n_children", "combine_state", "owner_id", "shared")
+_DATES = frozenset(("created_at", "started_at", "finished_at", "heartbeat_at"))
+
+
+@lru_cache(maxsize=32)
+def _listing(owner: bool, kind: bool, status: bool, include_shards: bool) -> Any:
+    """The listing's select for one combination of filters, built once (values are bound)."""
+    q = select(*(getattr(Job, c) for c in _DICT_COLUMNS))
+    if owner:
+        q = q.where(Job.owner_id == bindparam("owner_id"))
+    if kind:
+        q = q.where(Job.kind == bindparam("kind"))
+    if status:
+        q = q.where(Job.status == bindparam("status"))
+    if not include_shards:
+        q = q.where(Job.parent_id.is_(None))
+    return q.order_by(Job.id.desc()).limit(bindparam("limit")).offset(bindparam("offset"))
+
+
+def list_job_dicts(
+    *,
+    session: Session | Connection,
+    limit: int = 100,
+    offset: int = 0,
+    kind: str | None = None,
+    status: str | None = None,
+    include_shards: bool = False,
+    owner_id: int | None = None,
+) -> list[dict[str, Any]]:
+    """list_jobs as job_dict's dicts, read without the ORM (a Session or a plain Connection):
+    the same rows, the same fields, a third of the work per listing (it is polled)."""
+    q = _listing(owner_id is not None, bool(kind), bool(status), include_shards)
+    params = {"owner_id": owner_id, "kind": kind, "status": status,
+              "limit": max(1, min(int(limit), 1000)), "offset": max(0, int(offset))}
+    rows = session.execute(q, {k: v for k, v in params.items() if v is not None})
+    return [{c: iso(v) if c in _DATES else v for c, v in zip(_DICT_COLUMNS, r, strict=True)}
+            for r in rows]
 
 
 def update_progress(

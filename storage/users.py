@@ -11,11 +11,12 @@ from __future__ import annotations
 import hashlib
 import re
 import secrets
+from collections.abc import Callable
 from datetime import timedelta
 from functools import lru_cache
 from typing import Any
 
-from sqlalchemy import func, select, update
+from sqlalchemy import func, select, text, update
 from sqlalchemy.orm import Session
 
 from storage.models import ApiToken, Job, User, utcnow
@@ -24,6 +25,30 @@ LOCAL_USER = "local"  # the embedded single-user mode's owner (created by migrat
 TOKEN_PREFIX_LEN = 10
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,63}$")
 ACTIVE = ("queued", "running")
+# PostgreSQL NOTIFY channel: a token, session or user changed (revoked, password, limits,
+# disabled). Web processes cache verified tokens (app/auth/token_cache.py) and drop them on it.
+CREDENTIALS_CHANNEL = "fisherlens_credentials"
+_on_change: list[Callable[[], None]] = []  # this process's caches, dropped after each commit
+
+
+def on_credentials_change(fn: Callable[[], None]) -> None:
+    """Call `fn` after every change of a token, session or user committed by this process."""
+    if fn not in _on_change:
+        _on_change.append(fn)
+
+
+def commit_credentials(session: Session) -> None:
+    """Commit a change of tokens, sessions or users so that no cache keeps the old state: on
+    PostgreSQL a NOTIFY in the same transaction (delivered to every listening process when it
+    commits), and this process's caches are dropped once it has committed."""
+    bind = session.get_bind()
+    if bind.dialect.name == "postgresql":
+        session.execute(text("SELECT pg_notify(:channel, '')"), {"channel": CREDENTIALS_CHANNEL})
+    try:
+        session.commit()
+    finally:
+        for fn in list(_on_change):
+            fn()
 
 
 @lru_cache(maxsize=1)
@@ -115,7 +140,7 @@ def set_password(
     user = _must_user(session, name)
     user.password_hash = hash_password(password)
     ended = _revoke_sessions(session, user.id, keep=keep_session_id)
-    session.commit()
+    commit_credentials(session)
     return user, ended
 
 
@@ -124,7 +149,7 @@ def end_sessions(*, session: Session, name: str) -> int:
     Their API tokens keep working (revoke those with revoke_token)."""
     user = _must_user(session, name)
     ended = _revoke_sessions(session, user.id)
-    session.commit()
+    commit_credentials(session)
     return ended
 
 
@@ -150,7 +175,7 @@ def set_limits(
     user.max_active_jobs = max_active_jobs
     user.max_job_cost = max_job_cost
     user.max_job_seconds = max_job_seconds
-    session.commit()
+    commit_credentials(session)  # a cached caller carries its limits
     return user
 
 
@@ -158,7 +183,7 @@ def set_disabled(*, session: Session, name: str, disabled: bool) -> User:
     """A disabled user cannot sign in and none of their tokens or sessions work."""
     user = _must_user(session, name)
     user.disabled = disabled
-    session.commit()
+    commit_credentials(session)
     return user
 
 
@@ -246,7 +271,7 @@ def revoke_secret(*, session: Session, secret: str) -> bool:
         .values(revoked_at=utcnow())
         .execution_options(synchronize_session=False)
     )
-    session.commit()
+    commit_credentials(session)
     return bool(res.rowcount)  # type: ignore[attr-defined]
 
 
@@ -279,7 +304,7 @@ def revoke_token(*, session: Session, ref: str) -> ApiToken:
         .values(revoked_at=now)
         .execution_options(synchronize_session=False)
     )
-    session.commit()
+    commit_credentials(session)
     return rows[0]
 
 

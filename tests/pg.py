@@ -44,6 +44,9 @@ def pg_schema_url(prefix: str = "fl_test") -> Iterator[str]:
 
         for url in [u for u in _engines if schema in u]:
             _engines.pop(url).dispose()
+        from app.auth import token_cache
+
+        token_cache.disable_urls(lambda u: schema in u)  # its LISTEN connection closes
         with admin.begin() as conn:
             conn.execute(text(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE'))
         admin.dispose()

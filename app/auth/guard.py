@@ -10,7 +10,7 @@ from http.cookies import SimpleCookie
 from typing import Any
 from urllib.parse import quote, urlsplit
 
-from app.auth.principal import Principal, acting_as, token_principal
+from app.auth.principal import Principal, acting_as, cached_token_principal, token_principal
 
 SESSION_COOKIE = "fl_session"
 DB_DOWN = "the database cannot be reached right now; try again in a minute"
@@ -66,6 +66,20 @@ def resolve(settings: Any, scope: Scope) -> tuple[Principal | None, str | None]:
         p = token_principal(settings, sess, kind="session")
         return (p, "session") if p else (None, "your session has ended; sign in again")
     return None, None
+
+
+def resolve_cached(settings: Any, scope: Scope) -> tuple[Principal, str] | None:
+    """resolve() answered from the web process's token cache (no thread, no database), or None
+    when it cannot say (no credential, or one not verified in the last seconds)."""
+    tok = bearer(scope)
+    if tok is not None:
+        p = cached_token_principal(settings, tok)
+        return (p, "token") if p else None
+    sess = _cookie(scope, SESSION_COOKIE)
+    if sess:
+        p = cached_token_principal(settings, sess, kind="session")
+        return (p, "session") if p else None
+    return None
 
 
 # ---------------------------------------------------------------- same-site check
@@ -169,7 +183,9 @@ class AccessGuard:
             return
         p: Principal | None = None
         how: str | None = None
-        if self.settings.auth_required:
+        if self.settings.auth_required and (hit := resolve_cached(self.settings, scope)):
+            p, how = hit
+        elif self.settings.auth_required:
             try:
                 p, how = await anyio.to_thread.run_sync(resolve, self.settings, scope)
             except Exception as exc:

@@ -124,11 +124,32 @@ def owner_filter(settings: Any, p: Principal, owner: str | None) -> int | None:
 
 
 def token_principal(settings: Any, secret: str, kind: str | None = None) -> Principal | None:
+    """The caller a live token (kind None: an API token or a session; "session": a browser
+    session only) belongs to, else None. In the web process a verified token is remembered for
+    a few seconds (app/auth/token_cache.py: dropped on any revoke, password change, ...)."""
+    from app.auth import token_cache
     from storage import users
 
+    cache = token_cache.cache_for(settings)
+    if cache is not None:
+        hit = cache.get(secret, kind)
+        if hit is not None:
+            return hit
+        generation = cache.generation  # read before the look-up: a change after it wins
     with db_sessions(settings)() as s:
         found = users.token_and_user(session=s, secret=secret, kind=kind)
         if found is None:
             return None
         tok, user = found
-        return principal(user, settings, "session" if kind == "session" else "token", tok.id)
+        p = principal(user, settings, "session" if kind == "session" else "token", tok.id)
+    if cache is not None:
+        cache.put(secret, kind, p, generation, tok.expires_at)
+    return p
+
+
+def cached_token_principal(settings: Any, secret: str, kind: str | None = None) -> Principal | None:
+    """token_principal from the web process's cache only (no database): None on a miss."""
+    from app.auth import token_cache
+
+    cache = token_cache.cache_for(settings)
+    return cache.get(secret, kind) if cache is not None else None

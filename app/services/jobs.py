@@ -160,13 +160,13 @@ def list_jobs(
 ) -> list[dict[str, Any]]:
     """Newest first: the caller's own jobs (admins: everyone's, or owner=NAME / 'me')."""
     from app import auth
+    from storage.db import read
 
     owner_id = auth.owner_filter(settings, auth.current_user(settings), owner)
-    with sessions(settings)() as s:
-        return [
-            public(settings, repo.job_dict(j))
-            for j in repo.list_jobs(session=s, limit=limit, owner_id=owner_id, **filters)
-        ]
+    sessions(settings)  # the schema migrated once per process
+    rows = read(settings.db_url, lambda conn: repo.list_job_dicts(
+        session=conn, limit=limit, owner_id=owner_id, **filters))
+    return [public(settings, r) for r in rows]
 
 
 def trained_models(settings: Any, limit: int = 100) -> list[dict[str, Any]]:

@@ -209,6 +209,15 @@ class Settings(BaseSettings):
         default="30/minute;300/hour",
         description="Bad bearer tokens / session cookies allowed per client address (windows).",
     )
+    token_cache_s: float = Field(
+        default=10.0,
+        ge=0,
+        le=300,
+        description="PostgreSQL: seconds a web process remembers a verified bearer token or "
+        "session (dropped at once on any revoke, sign-out, password change or user change, "
+        "through LISTEN/NOTIFY; nothing is cached while that connection is down). 0: look "
+        "every token up on every request.",
+    )
     signin_threads: int = Field(
         default=2, ge=1, description="Password hashes (argon2) verified at once by one web process."
     )

@@ -11,6 +11,8 @@ its own code (`auto_map`) while it is off (app.services.refs), so a job never ge
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,31 @@ from compute.contract.modelref import is_hub_id, resolve_model
 
 # every device/dtype decision lives in compute.lm.device (resolve_dtype is re-exported for callers)
 from compute.lm.device import resolve_device, resolve_dtype
+
+
+@contextlib.contextmanager
+def _construction_checkpoints() -> Iterator[None]:
+    """A cancel point at every submodule and parameter the model's construction registers
+    (torch's global registration hooks, removed afterwards): a cancel stops a model with a
+    million layers while it is being built, not after. transformers 5 builds from_pretrained's
+    model on the meta device (PreTrainedModel.get_init_context), so construction itself holds no
+    weights; the weights come from the files checked at submit. The test-only fault point
+    `constructing` stops at the first registration."""
+    from torch.nn.modules import module as nn_module
+
+    from compute.runtime.control import cancel_point, fault_point
+
+    def check(*_args: Any) -> None:
+        fault_point("constructing")
+        cancel_point()  # throttled: a flag read at most every few seconds
+
+    handles = [nn_module.register_module_module_registration_hook(check),
+               nn_module.register_module_parameter_registration_hook(check)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
 
 
 def load_model(
@@ -65,7 +92,8 @@ def load_model(
         report(0.0, f"loading the tokenizer of {name_or_path}")
         tokenizer = AutoTokenizer.from_pretrained(resolved, **kwargs)
         report(0.0, f"loading the weights of {name_or_path}{_weights_size(resolved)}")
-        lm: Any = AutoModelForCausalLM.from_pretrained(resolved, dtype=dt, **kwargs)
+        with _construction_checkpoints():
+            lm: Any = AutoModelForCausalLM.from_pretrained(resolved, dtype=dt, **kwargs)
     except (OSError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         if hub:

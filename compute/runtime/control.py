@@ -9,7 +9,8 @@ steps.
 
 fault_point(name): the hook the fault-injection tests use to stop a worker at a named moment
 (after_receive, after_claim, mid_job, during_fanout, loading, sampling,
-artifact_uploaded: after a job's first object reaches the object store). It is a no-op unless the
+artifact_uploaded: after a job's first object reaches the object store; constructing: while a
+model's modules are being built). It is a no-op unless the
 process runs with FISHERLENS_TESTING=1 *and* `name` is listed in FISHERLENS_FAULT_POINTS
 (comma-separated) *and* FISHERLENS_FAULT_DIR is set. Only the environment of the worker process
 turns it on: no job spec, API call or setting reaches it. When on, the first arrival at a point
@@ -34,7 +35,7 @@ _check: contextvars.ContextVar[Callable[[bool], None] | None] = contextvars.Cont
 _force_next = contextvars.ContextVar("fisherlens_force_next_check", default=False)
 
 FAULT_POINTS = ("after_receive", "after_claim", "mid_job", "during_fanout", "loading", "sampling",
-                "artifact_uploaded")
+                "artifact_uploaded", "constructing")
 
 
 @contextmanager

@@ -469,3 +469,6 @@ def private_pg_stack(
             for url in [u for u in _engines if f":{private_pg.port}/" in u]:
                 _engines.pop(url).dispose()
                 _factories.pop(url, None)
+            from app.auth import token_cache
+
+            token_cache.disable_urls(lambda u: f":{private_pg.port}/" in u)

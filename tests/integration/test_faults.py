@@ -158,6 +158,23 @@ def test_kill_mid_job_a_new_worker_on_the_host_reruns_it_once(stack) -> None:
     assert _stats_rows(stack.settings, job["id"]) > 0
 
 
+def test_cancel_during_model_construction_stops_inside_it(fs_stack) -> None:
+    """Cancel requested while the model's modules are being built (issue 28, item 3): the
+    construction's own cancel point (a registration hook in compute.lm.causal_lm) stops it there,
+    not after the model is whole; the job ends cancelled, ran once, stored nothing."""
+    stack = fs_stack
+    stack.start_worker(faults=["constructing"])
+    job = services.submit(stack.settings, "fisher", SMALL)
+    stack.wait_reached("constructing")
+    assert stack.job(job["id"])["status"] == "running"
+    services.cancel(stack.settings, job["id"])
+    stack.release("constructing")
+    done = stack.wait_final(job["id"])
+    assert done["status"] == "cancelled" and done["attempts"] == 1, done
+    assert done["progress"] == 0.0  # still loading: not one sampling step
+    assert _stats_rows(stack.settings, job["id"]) == 0
+
+
 @pytest.mark.parametrize("point", ["loading", "sampling"])
 def test_cancel_while_loading_or_sampling_takes_effect_there(fs_stack, point: str) -> None:
     """Cancel requested while the model loads (or the first sampling step runs): the job stops

@@ -372,6 +372,28 @@ def test_openapi_documents_every_error_status_with_its_body(env):
     assert r.status_code == 422 and all(set(e) == {"field", "message"} for e in r.json()["detail"])
 
 
+def test_openapi_job_request_is_a_union_per_kind_from_the_registry(env):
+    """POST /api/jobs's body: oneOf one object per registered kind, discriminated on `kind`,
+    whose `spec` is that kind's spec model (its fields, ranges and no unknown keys)."""
+    from compute.jobs.registry import KINDS
+
+    _, client, _ = env
+    spec = client.get("/api/openapi.json").json()
+    comps = spec["components"]["schemas"]
+    body = spec["paths"]["/api/jobs"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    req = comps[body["$ref"].rsplit("/", 1)[1]]
+    assert req["discriminator"]["propertyName"] == "kind"
+    assert set(req["discriminator"]["mapping"]) == set(KINDS) and len(req["oneOf"]) == len(KINDS)
+    for name, kind in KINDS.items():
+        variant = comps[req["discriminator"]["mapping"][name].rsplit("/", 1)[1]]
+        assert variant["properties"]["kind"]["enum"] == [name]
+        model = comps[variant["properties"]["spec"]["$ref"].rsplit("/", 1)[1]]
+        assert set(model["properties"]) == set(kind.spec.model_fields)
+        assert model.get("additionalProperties") is False
+    fisher = comps["FisherJobRequest"]["properties"]["spec"]["$ref"].rsplit("/", 1)[1]
+    assert comps[fisher]["properties"]["prompts"].get("minimum") is not None  # ranges too
+
+
 def test_api_docs_work_offline(env):
     """/api/docs loads Swagger UI from this server (the fastapi-offline package's files), not a CDN."""
     _, client, _ = env
@@ -425,7 +447,7 @@ def test_schemathesis_finds_no_server_error_and_no_undocumented_response(env):
     # schemathesis' unsupported_method check (its coverage phase): every method an operation's
     # path does not declare is 405 with an Allow header listing the declared ones
     spec = client.get("/api/openapi.json").json()
-    every = {"get", "put", "post", "delete", "patch", "trace"}
+    every = {"get", "put", "post", "delete", "patch", "trace", "query"}  # QUERY: ST204
     for path, ops in spec["paths"].items():
         concrete = path.replace("{job_id}", "1").replace("{token}", "t").replace("{kind}", "fisher")
         for method in sorted(every - set(ops)):
