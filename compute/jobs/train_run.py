@@ -570,8 +570,9 @@ def _concentration(run: _Run, res: Any, fisher: Any, base: Any,
     gradients were free to be nonzero; the all-coordinates numbers kept labelled."""
     from compute.sparsity.overlap import concentration, restrict
 
-    run.result.tensors["grad_sq_sum"] = res.grad_sq_sum
-    run.result.tensors["grad_abs_sum"] = res.grad_abs_sum
+    # the artifacts are dense files (0 off the mask): made here, in the report after training
+    run.result.tensors["grad_sq_sum"] = dict(res.grad_sq_sum)
+    run.result.tensors["grad_abs_sum"] = dict(res.grad_abs_sum)
     run.summary["gradient_updates"] = res.updates
     if fisher is None:
         return
@@ -579,7 +580,8 @@ def _concentration(run: _Run, res: Any, fisher: Any, base: Any,
     # bf16 values; bf16: the weights themselves)
     abs_delta = {n: (p.detach().cpu().float() - base.get(n).float()).abs()
                  for n, p in run.model.named_parameters()}
-    targets = {"grad_sq_sum": res.grad_sq_sum, "grad_abs_sum": res.grad_abs_sum, "abs_delta": abs_delta}
+    targets = {"grad_sq_sum": run.result.tensors["grad_sq_sum"], "grad_abs_sum": run.result.tensors["grad_abs_sum"],
+               "abs_delta": abs_delta}
     frac = run.spec.topk_percent / 100.0
     sc = run.summary.get("construction") or {}
     if mask is not None:

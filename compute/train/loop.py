@@ -12,7 +12,7 @@ import copy
 import json
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -51,9 +51,9 @@ class TrainOutcome:
     updates: int = 0  # optimizer updates taken (steps x inner steps, minus skipped steps)
     # with config.track_gradients: per coordinate sum over updates of g^2 and of |g|, where g is
     # the masked, unclipped gradient of the training loss (float32, CPU; accumulated at the
-    # mask's coordinates only during training, made dense here: 0 off the mask)
-    grad_sq_sum: dict[str, torch.Tensor] | None = None
-    grad_abs_sum: dict[str, torch.Tensor] | None = None
+    # mask's coordinates only, each tensor made dense when read: 0 off the mask)
+    grad_sq_sum: Mapping[str, torch.Tensor] | None = None  # a SparseSums
+    grad_abs_sum: Mapping[str, torch.Tensor] | None = None
 
 
 class _Step:
@@ -173,25 +173,34 @@ def _result(model: torch.nn.Module, config: TrainConfig, mask: Any, params: Para
     settings["optimizer_state_dtype"] = "float32"
     res = TrainOutcome(curve, before, after, settings, seconds, n_train / max(1, n_total), update.updates)
     if update.sq is not None and update.abs is not None:
-        res.grad_sq_sum = _dense_sums(model, params, update.sq)
-        res.grad_abs_sum = _dense_sums(model, params, update.abs)
+        res.grad_sq_sum = SparseSums(model, params, update.sq)
+        res.grad_abs_sum = SparseSums(model, params, update.abs)
         update.sq = update.abs = None
     return res
 
 
-def _dense_sums(model: torch.nn.Module, params: Params, sums: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Per-parameter float32 CPU tensors of `sums` (1-D at a Coords): 0 off the mask, and for the
-    frozen parameters."""
-    coords: dict[str, Coords | None] = {n: c for n, _p, c in params}
-    out = {}
-    for n, p in model.named_parameters():
-        t = sums.pop(n, None)
-        c = coords.get(n)
+class SparseSums(Mapping[str, torch.Tensor]):
+    """name -> dense float32 CPU tensor of a per-coordinate sum kept at the mask's coordinates
+    only (1-D at a Coords; 0 off the mask and for frozen parameters): each tensor is made dense
+    when it is read, so holding the sums costs the mask's size, not the model's."""
+
+    def __init__(self, model: torch.nn.Module, params: Params, sums: dict[str, torch.Tensor]):
+        self.shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        self.coords: dict[str, Coords | None] = {n: c for n, _p, c in params}
+        self.sums = {n: t.cpu() for n, t in sums.items()}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        shape = self.shapes[name]  # KeyError for a name that is not a parameter
+        t, c = self.sums.get(name), self.coords.get(name)
         if t is None:
-            out[n] = torch.zeros(p.shape, dtype=torch.float32)
-        else:
-            out[n] = (t if c is None else c.dense(t, p.shape)).cpu()
-    return out
+            return torch.zeros(shape, dtype=torch.float32)
+        return t if c is None else c.dense(t, shape)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.shapes)
+
+    def __len__(self) -> int:
+        return len(self.shapes)
 
 
 def save_output(
