@@ -253,7 +253,7 @@ def objective_gradient(
     (for the 'gradient' mask selector). The model is not changed (a copy takes the step)."""
     captured: dict[str, torch.Tensor] = {}
 
-    def hook(step: int, params: list[tuple[str, torch.nn.Parameter, torch.Tensor | None]]) -> None:
+    def hook(step: int, params: Params) -> None:
         if step == 0 and not captured:
             for n, p, _m in params:
                 g = p.grad
