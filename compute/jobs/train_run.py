@@ -81,23 +81,27 @@ def build_mask_in_memory(
 
 
 def update_sparsity(
-    base: Mapping[str, torch.Tensor], tuned: torch.nn.Module | Mapping[str, torch.Tensor],
+    base: Any, tuned: Any,
     fisher: Mapping[str, torch.Tensor] | None = None, within: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, Any]:
     """Global update-sparsity numbers of a run (compute.sparsity.diff) and, with a Fisher, its precision@k
     against the changed / top-|delta| coordinates and its AUC for "changed" within |w| binades.
-    tuned: the model or its stored state dict (compare like with like: both in the stored dtype).
+    base, tuned: state dicts or sources read a tensor at a time (ModelStored, FileBase); tuned may
+    be the model (compare like with like: both in the stored dtype).
     within: the mask the run trained inside: the Fisher metrics over its coordinates only
     (compute.contract.construction)."""
     from compute.sparsity.diff import diff_checkpoints
 
+    tuned_src: Any
     if isinstance(tuned, torch.nn.Module):
-        tuned_sd = {n: p.detach().cpu() for n, p in tuned.named_parameters()}
+        tuned_src = {n: p.detach().cpu() for n, p in tuned.named_parameters()}
     else:
-        tuned_sd = dict(tuned)
+        tuned_src = tuned if hasattr(tuned, "names") and not isinstance(tuned, Mapping) else dict(tuned)
+    names = set(tuned_src.names() if hasattr(tuned_src, "names") else tuned_src)
     if fisher is not None:
-        fisher = {n: f for n, f in fisher.items() if n in tuned_sd}
-    d = diff_checkpoints(dict(base), tuned_sd, fisher=fisher, svd_max_numel=0, within=within)
+        fisher = {n: f for n, f in fisher.items() if n in names}
+    base_src = base if hasattr(base, "names") and not isinstance(base, Mapping) else dict(base)
+    d = diff_checkpoints(base_src, tuned_src, fisher=fisher, svd_max_numel=0, within=within)
     glob = next(iter(d.groups["global"].values()))
     out: dict[str, Any] = {k: v for k, v in glob.items()
                            if k.startswith(("unchanged_", "changed_")) or k == "zero_in_base"}
@@ -111,6 +115,70 @@ def update_sparsity(
         out["fisher_auc_changed_within_binades"] = d.fisher.get("changed_by_weight_binade", {}).get("pooled_auc")
         out["fisher_auc_changed_by_binade"] = d.fisher.get("changed_by_weight_binade", {}).get("bins")
     return out
+
+
+class ModelStored:
+    """The model's parameters as its checkpoint stores them at `precision`, one tensor at a time
+    (the diff's source interface: names, shape, dtype, get), no copy of the model."""
+
+    def __init__(self, model: torch.nn.Module, precision: str):
+        from compute.train import stored_dtype
+
+        self.params = dict(model.named_parameters())
+        self.dt = stored_dtype(precision)
+
+    def names(self) -> list[str]:
+        return sorted(self.params)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.params[name].shape)
+
+    def dtype(self, name: str) -> str:
+        return str(self.dt).replace("torch.", "")
+
+    def get(self, name: str) -> torch.Tensor:
+        return self.params[name].detach().to(device="cpu", dtype=self.dt)
+
+
+class FileBase(ModelStored):
+    """The base of a run read back from its model file, tensor by tensor, as the loaded and
+    prepared weights were (cast to the loaded dtype, then to the training precision, then to the
+    stored dtype): the "unchanged" report and |delta| compare against it, so the job keeps no
+    second copy of the model (issue 30)."""
+
+    def __init__(self, model: torch.nn.Module, checkpoint: Any, base_dtype: str, precision: str):
+        super().__init__(model, precision)
+        self.ckpt, self.loaded = checkpoint, getattr(torch, base_dtype)
+        self.precision = precision
+
+    def get(self, name: str) -> torch.Tensor:
+        t = self.ckpt.get(name).to(self.loaded)
+        if self.precision == "bf16-mixed":
+            t = t.to(torch.bfloat16).to(torch.float32)
+        elif self.precision == "bf16":
+            t = t.to(torch.bfloat16)
+        else:
+            t = t.to(torch.float32)
+        return t.to(self.dt)
+
+
+def base_source(model: torch.nn.Module, model_ref: Any, base_dtype: str, precision: str) -> Any:
+    """The run's base in its stored dtype for the comparisons after training: a FileBase when the
+    model's checkpoint file gives back every parameter bit for bit (checked now, tensor by tensor,
+    before any step), else a copy in memory (compute.train.stored_state)."""
+    from compute.train import stored_state
+
+    try:
+        from compute.sparsity.diff import open_checkpoint
+
+        src = FileBase(model, open_checkpoint(model_ref, "model"), base_dtype, precision)
+        names = set(src.ckpt.names())
+        if all(n in names and src.ckpt.shape(n) == src.shape(n) for n in src.names()) and \
+                all(torch.equal(src.get(n), ModelStored.get(src, n)) for n in src.names()):
+            return src
+    except (ValueError, OSError, AttributeError, KeyError, TypeError):
+        pass  # no readable checkpoint of this model (e.g. built in memory): keep a copy
+    return stored_state(model, precision)
 
 
 def _headline_convention(us: dict[str, Any], base_dtype: str, stored_dtype: str) -> None:
@@ -231,7 +299,7 @@ def train_job(
     construction (compute.contract.specs.TrainSpec)."""
     import copy
 
-    from compute.train import save_checkpoint, save_output, stored_state, train
+    from compute.train import save_checkpoint, save_output, train
 
     run = _start(spec, progress, refs)
     out = Path(tempfile.mkdtemp(prefix="fisherlens-train-")) / "model"
@@ -245,8 +313,11 @@ def train_job(
     # float32 twin for the Fisher and the bound when the weights are bf16 (same values, exact)
     probe = copy.deepcopy(model).float() if spec.precision == "bf16" else model
     fisher, fisher_info = _initial_fisher(run, probe, fisher, fisher_info)
-    stored_base = stored_state(model, spec.precision)
-    master_base = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+    # the base as the checkpoint stores it, for "unchanged" and |delta|: read from the model's
+    # file tensor by tensor when that reproduces the loaded weights exactly, else a copy
+    stored_base = base_source(model, ref_of(refs, "model", spec.model), run.summary["base_dtype"],
+                              spec.precision)
+    run.summary["base_compared_from"] = "file" if isinstance(stored_base, FileBase) else "memory"
     if spec.algo == "grpo" and spec.bound:
         _bound(run, probe, fisher, fisher_info)
     del probe
@@ -255,7 +326,7 @@ def train_job(
     progress(0.92, "update sparsity")
     _record_run(run, res)
     construction = _construction(run, mask, fisher_info)
-    run.summary["update_sparsity"] = update_sparsity(stored_base, stored_state(model, spec.precision), fisher,
+    run.summary["update_sparsity"] = update_sparsity(stored_base, ModelStored(model, spec.precision), fisher,
                                                      within=mask)
     run.summary["update_sparsity"]["stored_dtype"] = res.settings["stored_dtype"]
     _headline_convention(run.summary["update_sparsity"], run.summary["base_dtype"], res.settings["stored_dtype"])
@@ -264,7 +335,7 @@ def train_job(
     run.summary["stored_dtype"] = res.settings["stored_dtype"]
     if spec.concentration and res.grad_sq_sum is not None and res.grad_abs_sum is not None:
         progress(0.95, "gradient concentration")
-        _concentration(run, res, fisher, master_base, mask)
+        _concentration(run, res, fisher, stored_base, mask)
     metrics = train_metrics(res.curve, run.summary, spec, refs)
     save_output(model, run.tok, out, metrics, precision=spec.precision)
     if mask is not None:  # the mask travels with the model and its checkpoints (diff, series)
@@ -491,21 +562,25 @@ def _record_run(run: _Run, res: Any) -> None:
     series.append(SeriesPoint("eval/accuracy", run.spec.steps, res.accuracy_after))
 
 
-def _concentration(run: _Run, res: Any, fisher: Any, master_base: dict[str, torch.Tensor],
+def _concentration(run: _Run, res: Any, fisher: Any, base: Any,
                    mask: Mapping[str, torch.Tensor] | None = None) -> None:
     """The gradient sums over the run, and (with an initial Fisher) how well it predicted them:
     inside the mask when the run trained inside one (compute.contract.construction), where the
     gradients were free to be nonzero; the all-coordinates numbers kept labelled."""
     from compute.sparsity.overlap import concentration, restrict
 
-    run.result.tensors["grad_sq_sum"] = res.grad_sq_sum
-    run.result.tensors["grad_abs_sum"] = res.grad_abs_sum
+    # the artifacts are dense files (0 off the mask): made here, in the report after training
+    run.result.tensors["grad_sq_sum"] = dict(res.grad_sq_sum)
+    run.result.tensors["grad_abs_sum"] = dict(res.grad_abs_sum)
     run.summary["gradient_updates"] = res.updates
     if fisher is None:
         return
-    abs_delta = {n: (p.detach().cpu().float() - master_base[n].float()).abs()
+    # the stored base is the master base exactly (fp32: the same; bf16-mixed: master weights hold
+    # bf16 values; bf16: the weights themselves)
+    abs_delta = {n: (p.detach().cpu().float() - base.get(n).float()).abs()
                  for n, p in run.model.named_parameters()}
-    targets = {"grad_sq_sum": res.grad_sq_sum, "grad_abs_sum": res.grad_abs_sum, "abs_delta": abs_delta}
+    targets = {"grad_sq_sum": run.result.tensors["grad_sq_sum"], "grad_abs_sum": run.result.tensors["grad_abs_sum"],
+               "abs_delta": abs_delta}
     frac = run.spec.topk_percent / 100.0
     sc = run.summary.get("construction") or {}
     if mask is not None:

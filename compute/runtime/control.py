@@ -14,7 +14,8 @@ model's modules are being built). It is a no-op unless the
 process runs with FISHERLENS_TESTING=1 *and* `name` is listed in FISHERLENS_FAULT_POINTS
 (comma-separated) *and* FISHERLENS_FAULT_DIR is set. Only the environment of the worker process
 turns it on: no job spec, API call or setting reaches it. When on, the first arrival at a point
-creates FAULT_DIR/<name>.reached (exclusively: later arrivals pass through) and blocks until the
+creates FAULT_DIR/<name>.reached (exclusively: later arrivals pass through; atomically with its
+text, publish_once) and blocks until the
 test creates FAULT_DIR/<name>.release, or the process is killed. After a release the next
 cancel_point checks at once (no throttle), so "cancel, then release" is deterministic.
 """
@@ -69,6 +70,25 @@ def _enabled(name: str) -> Path | None:
     return Path(folder)
 
 
+def publish_once(path: Path, text: str) -> bool:
+    """Create `path` holding `text`, atomically and exclusively: False if it exists already.
+
+    A reader that sees the file sees all of `text`: it is written to a private temporary file
+    first and then hard-linked into place (link fails if the name exists, so exactly one caller
+    wins). Creating the marker with O_EXCL and writing it afterwards left a window in which the
+    marker existed but was empty: a test polling for it read "" and its `re.search(r"job=(\\d+)")`
+    was None (the AttributeError of test_fanout_sweep on a loaded machine, issue 30)."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{time.monotonic_ns()}.tmp")
+    tmp.write_text(text)
+    try:
+        os.link(tmp, path)
+    except FileExistsError:
+        return False
+    finally:
+        tmp.unlink()
+    return True
+
+
 def fault_point(name: str, detail: str = "") -> bool:
     """Block at `name` until released (tests only; see the module docstring). True if it
     blocked."""
@@ -76,12 +96,8 @@ def fault_point(name: str, detail: str = "") -> bool:
     if folder is None:
         return False
     folder.mkdir(parents=True, exist_ok=True)
-    try:
-        fd = os.open(folder / f"{name}.reached", os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
-    except FileExistsError:
+    if not publish_once(folder / f"{name}.reached", f"pid={os.getpid()} {detail}\n"):
         return False  # one-shot: only the first arrival stops
-    with os.fdopen(fd, "w") as fh:
-        fh.write(f"pid={os.getpid()} {detail}\n")
     release = folder / f"{name}.release"
     while not release.exists():
         time.sleep(0.02)

@@ -164,8 +164,11 @@ class _DictSource:
 
 
 def as_source(x: Any, label: str) -> Any:
+    """A Checkpoint-like source (names, shape, dtype, get: read one tensor at a time) of x."""
     if isinstance(x, (Checkpoint, _DictSource)):
         return x
+    if not isinstance(x, Mapping) and all(hasattr(x, a) for a in ("names", "shape", "dtype", "get")):
+        return x  # another lazy source (e.g. compute.jobs.train_run's base read from its file)
     if isinstance(x, Mapping):
         return _DictSource(x, label)
     if isinstance(x, torch.nn.Module):
@@ -224,63 +227,91 @@ def half_ulp_bf16(w: torch.Tensor) -> torch.Tensor:
     return torch.where(w == 0, torch.full_like(w, 2.0**-134), half)
 
 
-def tensor_diff_stats(base: torch.Tensor, tuned: torch.Tensor, svd_max_numel: int = SVD_MAX_NUMEL
-                      ) -> tuple[dict[str, float], torch.Tensor]:
-    """Counts and statistics of delta = tuned - base for one tensor; returns (stats, delta fp32).
+DIFF_CHUNK = 1 << 22  # values per chunk of tensor_diff_stats' temporaries (16 MiB as float32)
+
+
+def tensor_diff_stats(base: torch.Tensor, tuned: torch.Tensor, svd_max_numel: int = SVD_MAX_NUMEL,
+                      need_delta: bool = True, chunk: int = DIFF_CHUNK,
+                      ) -> tuple[dict[str, float], torch.Tensor | None]:
+    """Counts and statistics of delta = tuned - base for one tensor; returns (stats, delta fp32,
+    or None when not `need_delta` and no SVD is taken).
 
     stats: numel, unchanged_<label> counts (see threshold_labels), sq_sum (sum delta^2),
     max_abs, base_rms, energy_top_<p>pct, and for 2-D tensors rank, svd_top<k>_energy.
+    Computed over flat chunks of `chunk` values, so the temporaries are a few chunks whatever the
+    tensor's size (issue 30: an embedding is a large share of a model); the counts are exact, the
+    sums float64.
     """
     if base.shape != tuned.shape:
         raise ValueError(f"tuned: shapes differ: {list(base.shape)} vs {list(tuned.shape)}")
     n = base.numel()
     s: dict[str, float] = {"numel": float(n)}
-    if base.dtype == tuned.dtype:
-        same = base == tuned
-        s["unchanged_exact"] = float(same.sum())
-        s["unchanged_common"] = s["unchanged_exact"]
-    else:
-        s["unchanged_exact"] = float((base.double() == tuned.double()).sum())
-        low = lower_precision(base.dtype, tuned.dtype)
-        same = base.to(low) == tuned.to(low)
-        s["unchanged_common"] = float(same.sum())
-    # weights exactly 0 in the base have no rounding slack: any nonzero update, however small,
-    # shows in any stored precision (the SGD finding of docs/reading-results.md)
-    zero = base == 0
-    s["zero_in_base"] = float(zero.sum())
-    s["changed_from_zero"] = float((zero & ~same).sum())
-    del same, zero
-    bb, tb = base.to(torch.bfloat16), tuned.to(torch.bfloat16)
-    s["unchanged_bf16"] = float((bb == tb).sum())
-    ad16 = (tb - bb).abs()  # bf16 arithmetic, as after loading both checkpoints in bf16
-    for a in ATOLS:
-        s[f"unchanged_bf16delta_atol_{a:g}"] = float((ad16 <= a).sum())
-    del bb, tb, ad16
-    b32 = base.to(torch.float32)
-    delta = tuned.to(torch.float32) - b32  # same shape as base
-    ad = delta.abs()
-    for a in ATOLS:
-        s[f"unchanged_atol_{a:g}"] = float((ad <= a).sum())
-    below = ad < half_ulp_bf16(b32)
-    s["unchanged_below_half_ulp"] = float(below.sum())
-    s["changed_below_half_ulp"] = float((below & (ad > 0)).sum())
-    del below
-    rms = math.sqrt(float(torch.sum(b32.square(), dtype=torch.float64)) / n) if n else 0.0
+    fb, ft = base.reshape(-1), tuned.reshape(-1)
+    spans = [(i, min(n, i + chunk)) for i in range(0, n, chunk)]
+    base_sq = sum(float(torch.sum(fb[i:j].to(torch.float32).square(), dtype=torch.float64)) for i, j in spans)
+    rms = math.sqrt(base_sq / n) if n else 0.0
+    keys = ["unchanged_exact", "unchanged_common", "zero_in_base", "changed_from_zero", "unchanged_bf16",
+            *(f"unchanged_bf16delta_atol_{a:g}" for a in ATOLS), *(f"unchanged_atol_{a:g}" for a in ATOLS),
+            "unchanged_below_half_ulp", "changed_below_half_ulp", *(f"unchanged_rel_{r:g}" for r in REL_TOLS)]
+    cnt = dict.fromkeys(keys, 0)
+    sq_sum, max_abs = 0.0, 0.0
+    kmax = max(1, int(math.floor(max(ENERGY_TOP_PERCENT) / 100 * n + 0.5))) if n else 0
+    top = torch.empty(0, dtype=torch.float32)
+    for i, j in spans:
+        b, t = fb[i:j], ft[i:j]
+        if b.dtype == t.dtype:
+            same = b == t
+            cnt["unchanged_exact"] += int(same.sum())
+            cnt["unchanged_common"] += int(same.sum())
+        else:
+            cnt["unchanged_exact"] += int((b.double() == t.double()).sum())
+            low = lower_precision(b.dtype, t.dtype)
+            same = b.to(low) == t.to(low)
+            cnt["unchanged_common"] += int(same.sum())
+        # weights exactly 0 in the base have no rounding slack: any nonzero update, however small,
+        # shows in any stored precision (the SGD finding of docs/reading-results.md)
+        zero = b == 0
+        cnt["zero_in_base"] += int(zero.sum())
+        cnt["changed_from_zero"] += int((zero & ~same).sum())
+        del same, zero
+        bb, tb = b.to(torch.bfloat16), t.to(torch.bfloat16)
+        cnt["unchanged_bf16"] += int((bb == tb).sum())
+        ad16 = (tb - bb).abs()  # bf16 arithmetic, as after loading both checkpoints in bf16
+        for a in ATOLS:
+            cnt[f"unchanged_bf16delta_atol_{a:g}"] += int((ad16 <= a).sum())
+        del bb, tb, ad16
+        b32 = b.to(torch.float32)
+        ad = (t.to(torch.float32) - b32).abs()
+        for a in ATOLS:
+            cnt[f"unchanged_atol_{a:g}"] += int((ad <= a).sum())
+        below = ad < half_ulp_bf16(b32)
+        cnt["unchanged_below_half_ulp"] += int(below.sum())
+        cnt["changed_below_half_ulp"] += int((below & (ad > 0)).sum())
+        del below, b32
+        for r in REL_TOLS:
+            cnt[f"unchanged_rel_{r:g}"] += int((ad <= r * rms).sum())
+        sq = ad.square()  # float32; sums in float64
+        sq_sum += float(torch.sum(sq, dtype=torch.float64))
+        max_abs = max(max_abs, float(ad.max()))
+        # the largest kmax squares so far: this chunk's top, merged with the running top
+        top = torch.topk(torch.cat([top, torch.topk(sq, min(kmax, sq.numel()), sorted=False).values]),
+                         min(kmax, top.numel() + min(kmax, sq.numel())), sorted=False).values
+        del sq, ad
+    s.update({k: float(v) for k, v in cnt.items()})
     s["base_rms"] = rms
-    for r in REL_TOLS:
-        s[f"unchanged_rel_{r:g}"] = float((ad <= r * rms).sum())
-    del b32
-    sq = ad.square()  # float32; sums below in float64
-    s["sq_sum"] = float(torch.sum(sq, dtype=torch.float64))
-    s["max_abs"] = float(ad.max()) if n else 0.0
+    s["sq_sum"] = sq_sum
+    s["max_abs"] = max_abs
     if n:
         ks = {p: max(1, int(math.floor(p / 100 * n + 0.5))) for p in ENERGY_TOP_PERCENT}
-        top = torch.topk(sq.flatten(), max(ks.values()), sorted=True).values  # largest first
-        cum = torch.cumsum(top.double(), 0)
+        cum = torch.cumsum(torch.sort(top, descending=True).values.double(), 0)  # largest first
         for p, k in ks.items():
             s[f"energy_top_{p:g}pct"] = float(cum[k - 1]) / s["sq_sum"] if s["sq_sum"] > 0 else float("nan")
         del top, cum
-    if delta.dim() == 2 and 0 < n <= svd_max_numel:
+    svd = base.dim() == 2 and 0 < n <= svd_max_numel
+    if not (need_delta or svd):
+        return s, None
+    delta = tuned.to(torch.float32) - base.to(torch.float32)  # same shape as base
+    if svd:
         s.update(svd_stats(delta))
     return s, delta
 
@@ -368,19 +399,20 @@ def diff_checkpoints(
             continue
         dtypes[0].add(str(tb.dtype).replace("torch.", ""))
         dtypes[1].add(str(tt.dtype).replace("torch.", ""))
-        stats, delta = tensor_diff_stats(tb, tt, svd_max_numel)
+        want = keep_delta or (fisher is not None and n in fisher and tb.dtype == tt.dtype)
+        stats, delta = tensor_diff_stats(tb, tt, svd_max_numel, need_delta=want)
         raw[n] = stats
         per_tensor[n] = {**_fractions(stats), **{k: v for k, v in stats.items()
                                                    if k.startswith(("energy_", "svd_", "rank"))}}
         per_tensor[n]["base_rms"] = stats["base_rms"]
         if fisher is not None and n in fisher:
-            if tb.dtype == tt.dtype:
+            if tb.dtype == tt.dtype and delta is not None:
                 abs_delta[n] = delta.abs()
             else:  # the precision policy: "changed" and |delta| in the lower stored precision
                 low = lower_precision(tb.dtype, tt.dtype)
                 abs_delta[n] = (tt.to(low).float() - tb.to(low).float()).abs()
             base_w[n] = tb
-        if keep_delta:
+        if keep_delta and delta is not None:
             deltas[n] = delta
     groups = _group_fractions(raw)
     fisher_res = None

@@ -12,7 +12,7 @@ import copy
 import json
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -23,15 +23,19 @@ from compute.contract.jobresult import Progress, null_progress
 from compute.train.config import TrainConfig
 from compute.train.objectives import Batch, Objective, make_objective
 from compute.train.optimizers import (
+    Coords,
     MaskedOptimizer,
+    Param,
     clip_grad_norm,
+    grads_of,
     mask_gradients,
     prepare_masked_params,
     prepare_precision,
     stored_dtype,
+    trainable_count,
 )
 
-Params = list[tuple[str, torch.nn.Parameter, torch.Tensor | None]]
+Params = list[Param]
 GradHook = Callable[[int, Params], None]
 StepHook = Callable[[int, torch.nn.Module, list[dict[str, float]]], None]
 
@@ -46,9 +50,10 @@ class TrainOutcome:
     trainable_fraction: float
     updates: int = 0  # optimizer updates taken (steps x inner steps, minus skipped steps)
     # with config.track_gradients: per coordinate sum over updates of g^2 and of |g|, where g is
-    # the masked, unclipped gradient of the training loss (float32, CPU)
-    grad_sq_sum: dict[str, torch.Tensor] | None = None
-    grad_abs_sum: dict[str, torch.Tensor] | None = None
+    # the masked, unclipped gradient of the training loss (float32, CPU; accumulated at the
+    # mask's coordinates only, each tensor made dense when read: 0 off the mask)
+    grad_sq_sum: Mapping[str, torch.Tensor] | None = None  # a SparseSums
+    grad_abs_sum: Mapping[str, torch.Tensor] | None = None
 
 
 class _Step:
@@ -64,23 +69,22 @@ class _Step:
         self.updates = 0
         self.sq: dict[str, torch.Tensor] | None = None
         self.abs: dict[str, torch.Tensor] | None = None
-        if c.track_gradients:  # one float32 buffer each, for every parameter (frozen ones stay 0)
-            self.sq = {n: torch.zeros(p.shape, dtype=torch.float32, device=p.device)
-                       for n, p in model.named_parameters()}
+        if c.track_gradients:  # float32 sums of the trained coordinates only (1-D at a Coords)
+            self.sq = {n: torch.zeros(p.shape if m is None else (m.count,), dtype=torch.float32,
+                                      device=p.device) for n, p, m in params}
             self.abs = {n: torch.zeros_like(t) for n, t in self.sq.items()}
 
     def __call__(self, objective: Objective, model: torch.nn.Module, batch: Batch, step: int) -> dict[str, float]:
         self.opt.zero_grad()
         loss, stats = objective.loss(model, batch)
-        loss.backward()
+        loss.backward()  # the optimizer's hooks fold a partly masked tensor's gradient as it arrives
         mask_gradients(self.params)
         if self.sq is not None and self.abs is not None:
             with torch.no_grad():
-                for n, p, _m in self.params:
-                    if p.grad is not None:
-                        g = p.grad.detach().float()
-                        self.sq[n].addcmul_(g, g)
-                        self.abs[n].add_(g.abs())
+                for n, g, _c in grads_of(self.params):
+                    g = g.detach().float()
+                    self.sq[n].addcmul_(g, g)
+                    self.abs[n].add_(g.abs())
         self.updates += 1
         if self.hook is not None:
             self.hook(step, self.params)
@@ -105,13 +109,15 @@ def train(
     """Train `model` in place on `task` with config.algo's objective; returns curves and accuracies.
 
     mask: name -> bool (True = trainable); frozen coordinates stay bit-identical. grad_hook(step,
-    params) sees the masked, unclipped gradients before each optimizer step; step_hook(step,
+    params) sees the masked, unclipped gradients before each optimizer step (a dense tensor's
+    .grad; a partly masked one's at its Coords, compute.train.optimizers.grads_of); step_hook(step,
     model, curve) runs after each step (1-based; e.g. to save a checkpoint). Each parameter's
     requires_grad is restored on return, also when training fails."""
     progress = progress or null_progress
     torch.manual_seed(config.seed)
     prepare_precision(model, config.precision)
     flags = {n: p.requires_grad for n, p in model.named_parameters()}
+    update: _Step | None = None
     try:
         objective = make_objective(config, model, tokenizer, task, teacher, teacher_tokenizer)
         params = prepare_masked_params(model, mask)
@@ -134,8 +140,12 @@ def train(
         model.eval()
         after = _accuracy(model, tokenizer, task, config) if evaluate else math.nan
     finally:
+        if update is not None:
+            update.opt.close()
+            update.opt.zero_grad()
         for n, p in model.named_parameters():
             p.requires_grad_(flags[n])
+    assert update is not None  # set before any step (an exception above propagates)
     return _result(model, config, mask, params, update, curve, before, after, time.perf_counter() - t0)
 
 
@@ -155,7 +165,7 @@ def _message(row: dict[str, float], step: int, steps: int, rows: int) -> str:
 def _result(model: torch.nn.Module, config: TrainConfig, mask: Any, params: Params, update: _Step,
             curve: list[dict[str, float]], before: float, after: float, seconds: float) -> TrainOutcome:
     n_total = sum(p.numel() for p in model.parameters())
-    n_train = sum(int(m.sum()) if m is not None else p.numel() for _, p, m in params)
+    n_train = trainable_count(params)
     settings = asdict(config)
     settings["masked"] = mask is not None
     settings["compute_dtype"] = "bfloat16" if config.precision == "bf16" else "float32"
@@ -163,9 +173,34 @@ def _result(model: torch.nn.Module, config: TrainConfig, mask: Any, params: Para
     settings["optimizer_state_dtype"] = "float32"
     res = TrainOutcome(curve, before, after, settings, seconds, n_train / max(1, n_total), update.updates)
     if update.sq is not None and update.abs is not None:
-        res.grad_sq_sum = {n: t.cpu() for n, t in update.sq.items()}
-        res.grad_abs_sum = {n: t.cpu() for n, t in update.abs.items()}
+        res.grad_sq_sum = SparseSums(model, params, update.sq)
+        res.grad_abs_sum = SparseSums(model, params, update.abs)
+        update.sq = update.abs = None
     return res
+
+
+class SparseSums(Mapping[str, torch.Tensor]):
+    """name -> dense float32 CPU tensor of a per-coordinate sum kept at the mask's coordinates
+    only (1-D at a Coords; 0 off the mask and for frozen parameters): each tensor is made dense
+    when it is read, so holding the sums costs the mask's size, not the model's."""
+
+    def __init__(self, model: torch.nn.Module, params: Params, sums: dict[str, torch.Tensor]):
+        self.shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+        self.coords: dict[str, Coords | None] = {n: c for n, _p, c in params}
+        self.sums = {n: t.cpu() for n, t in sums.items()}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        shape = self.shapes[name]  # KeyError for a name that is not a parameter
+        t, c = self.sums.get(name), self.coords.get(name)
+        if t is None:
+            return torch.zeros(shape, dtype=torch.float32)
+        return t if c is None else c.dense(t, shape)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.shapes)
+
+    def __len__(self) -> int:
+        return len(self.shapes)
 
 
 def save_output(
@@ -218,7 +253,7 @@ def objective_gradient(
     (for the 'gradient' mask selector). The model is not changed (a copy takes the step)."""
     captured: dict[str, torch.Tensor] = {}
 
-    def hook(step: int, params: list[tuple[str, torch.nn.Parameter, torch.Tensor | None]]) -> None:
+    def hook(step: int, params: Params) -> None:
         if step == 0 and not captured:
             for n, p, _m in params:
                 g = p.grad

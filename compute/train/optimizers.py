@@ -1,19 +1,21 @@
 """The mask-aware optimizer (AdamW, SGD) and training precision.
 
 A fixed mask (name -> bool tensor, True = trainable) freezes every excluded coordinate
-completely. `MaskedOptimizer` is our own AdamW/SGD step, written so that frozen coordinates stay
-bit-identical:
-- gradients are multiplied by the mask right after backward, before clipping (so the clip norm
-  only sees trainable coordinates) and before the optimizer;
-- Adam moments start at 0 and only ever receive masked gradients, so they stay exactly 0 off
-  the mask; the Adam update there is 0 / (sqrt(0) + eps) = 0 exactly;
-- decoupled weight decay is applied as lr * wd * p * mask (torch's AdamW multiplies the whole
-  tensor by 1 - lr * wd, which would shrink frozen weights); SGD's coupled decay wd * p is
-  likewise masked before it enters the momentum buffer;
-- the weight is changed by p -= update with update exactly 0 (+0.0) off the mask, and x - 0.0 == x
-  bit for bit for every finite x (including -0.0).
+completely. `MaskedOptimizer` is our own AdamW/SGD step whose memory is in proportion to the
+mask (issue 30) and whose frozen coordinates stay bit-identical:
+- a partly trainable tensor is described by `Coords`: the flat indices of its trainable
+  coordinates (int32 where the tensor has < 2^31 elements), nothing dense;
+- its gradient is folded as it arrives: a post-accumulate-grad hook gathers grad[idx] into a
+  float32 buffer of the mask's size (adding to it over micro-batches) and frees .grad, so at most
+  one dense gradient (the one being accumulated) is alive at a time;
+- optimizer state (Adam moments, SGD momentum) is 1-D at those indices; clipping uses the norm
+  of the folded buffers (the trainable coordinates only);
+- the step gathers the trainable weights, updates them (AdamW: torch.optim.AdamW's maths,
+  decoupled decay on the mask only; SGD: coupled decay, momentum b = mu * b + g) and writes them
+  back with index_put_: a frozen coordinate is never written, so it stays bit for bit what it
+  was (torch's AdamW multiplies the whole tensor by 1 - lr * wd, which would shrink it).
 Tensors entirely outside the mask get requires_grad = False (no gradient is computed for them);
-tensors entirely inside carry no mask (no extra work).
+tensors entirely inside carry no Coords and train densely (no extra work).
 """
 
 from __future__ import annotations
@@ -67,15 +69,63 @@ def stored_state(model: torch.nn.Module, precision: str) -> dict[str, torch.Tens
     return {n: p.detach().to(device="cpu", dtype=dt).clone() for n, p in model.named_parameters()}
 
 
+class Coords:
+    """The trainable coordinates of one partly masked tensor: `idx`, the sorted flat indices
+    (int32 when the tensor has < 2^31 elements, else int64), and `grad`, the tensor's gradient
+    at them (float32, 1-D; None until a backward reaches the tensor), summed over the backward
+    passes since the last zero_grad."""
+
+    __slots__ = ("idx", "grad", "numel")
+
+    def __init__(self, idx: torch.Tensor, numel: int):
+        self.idx, self.numel = idx, numel
+        self.grad: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, mask: torch.Tensor, device: torch.device | str | None = None) -> Coords:
+        """The Coords of a bool mask tensor (True = trainable)."""
+        flat = mask.reshape(-1)
+        dt = torch.int32 if flat.numel() < 2**31 else torch.int64
+        idx = torch.nonzero(flat).reshape(-1).to(dtype=dt, device=device or mask.device)
+        return cls(idx, flat.numel())
+
+    @property
+    def count(self) -> int:
+        return int(self.idx.numel())
+
+    def fold(self, grad: torch.Tensor) -> None:
+        """Add a dense gradient's values at idx into `grad` (the caller frees the dense one)."""
+        vals = grad.detach().reshape(-1).index_select(0, self.idx).float()
+        if self.grad is None:
+            self.grad = vals
+        else:
+            self.grad.add_(vals)
+
+    def dense(self, values: torch.Tensor, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
+        """A dense float32 tensor of `shape`: `values` at idx, 0 elsewhere."""
+        out = torch.zeros(self.numel, dtype=torch.float32, device=values.device)
+        out.index_put_((self.idx.to(values.device),), values.float())
+        return out.view(shape)
+
+    def mask(self, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
+        """The bool mask tensor these coordinates came from."""
+        out = torch.zeros(self.numel, dtype=torch.bool, device=self.idx.device)
+        out.index_put_((self.idx,), torch.ones((), dtype=torch.bool, device=out.device))
+        return out.view(shape)
+
+
+Param = tuple[str, torch.nn.Parameter, Coords | None]
+
+
 def prepare_masked_params(
     model: torch.nn.Module, mask: Mapping[str, torch.Tensor] | None
-) -> list[tuple[str, torch.nn.Parameter, torch.Tensor | None]]:
-    """(name, param, float mask or None) for each parameter that will train.
+) -> list[Param]:
+    """(name, param, Coords or None) for each parameter that will train.
 
     With a mask: names must be parameters of the model with matching shapes (ValueError naming the
     first mismatch); parameters absent from the mask or with an all-False mask are frozen by
-    requires_grad = False; an all-True mask is stored as None (dense). Without a mask: all
-    parameters, dense.
+    requires_grad = False; an all-True mask is stored as None (dense); a partial one as the Coords
+    of its trainable coordinates. Without a mask: all parameters, dense.
     """
     named = dict(model.named_parameters())
     if mask is None:
@@ -90,37 +140,59 @@ def prepare_masked_params(
                 f"mask: parameter {n!r} has shape {list(m.shape)} in the mask "
                 f"but {list(named[n].shape)} in the model"
             )
-    out = []
+    out: list[Param] = []
     for n, p in named.items():
         given = mask.get(n)
         if given is None or not bool(given.any()):
             p.requires_grad_(False)
             continue
         p.requires_grad_(True)
-        mf = None if bool(given.all()) else given.to(device=p.device, dtype=p.dtype)
-        out.append((n, p, mf))
+        if not p.is_contiguous():  # the step writes through a flat view
+            p.data = p.data.contiguous()
+        out.append((n, p, None if bool(given.all()) else Coords.of(given.bool(), p.device)))
     if not out:
         raise ValueError("mask: selects no coordinate of the model; nothing would train")
     return out
 
 
-def mask_gradients(params: list[tuple[str, torch.nn.Parameter, torch.Tensor | None]]) -> None:
-    """Zero the gradient off the mask, in place (call after backward, before clipping)."""
-    for _, p, m in params:
-        if m is not None and p.grad is not None:
-            p.grad.mul_(m)
+def trainable_count(params: list[Param]) -> int:
+    """Coordinates that train: the Coords' counts, the whole tensor where dense."""
+    return sum(c.count if c is not None else p.numel() for _, p, c in params)
+
+
+def mask_gradients(params: list[Param]) -> None:
+    """Fold any dense gradient still on a partly masked tensor onto its Coords and free it (the
+    optimizer's hooks do this as gradients arrive; call after backward, before clipping, for
+    gradients set by other means)."""
+    for _, p, c in params:
+        if c is not None and p.grad is not None:
+            c.fold(p.grad)
+            p.grad = None
+
+
+def grads_of(params: list[Param]) -> list[tuple[str, torch.Tensor, Coords | None]]:
+    """(name, gradient, Coords or None) of each parameter with one: the dense .grad of a dense
+    tensor, the folded 1-D gradient at the Coords of a partly masked one."""
+    out = []
+    for n, p, c in params:
+        g = p.grad if c is None else c.grad
+        if g is not None:
+            out.append((n, g, c))
+    return out
 
 
 class MaskedOptimizer:
     """AdamW or SGD whose step never changes a masked-out coordinate (see the module docstring).
 
     AdamW matches torch.optim.AdamW (decoupled decay, bias correction) on the mask; SGD matches
-    torch.optim.SGD (coupled decay, momentum buffer b = mu * b + g, no dampening).
+    torch.optim.SGD (coupled decay, momentum buffer b = mu * b + g, no dampening). State of a
+    dense tensor is dense; of a partly masked one, 1-D at its Coords. The gradient hooks it
+    registers on partly masked tensors live until `close()`.
     """
 
     def __init__(
         self,
-        params: list[tuple[str, torch.nn.Parameter, torch.Tensor | None]],
+        params: list[Param],
         kind: str = "adamw",
         lr: float = 1e-3,
         weight_decay: float = 0.0,
@@ -135,55 +207,69 @@ class MaskedOptimizer:
         self.betas, self.eps, self.momentum = betas, eps, momentum
         self.t = 0
         self.state: dict[str, dict[str, torch.Tensor]] = {}
+        self._hooks = [p.register_post_accumulate_grad_hook(_folder(c))
+                       for _, p, c in params if c is not None]
+
+    def close(self) -> None:
+        """Remove the gradient-folding hooks (the parameters are left as they are)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
 
     def zero_grad(self) -> None:
-        for _, p, _m in self.params:
+        for _, p, c in self.params:
             p.grad = None
+            if c is not None:
+                c.grad = None
 
     @torch.no_grad()
     def step(self) -> None:
         self.t += 1
-        live = [(n, p, g, m) for n, p, m in self.params if (g := p.grad) is not None]
-        full = [(n, p, g, m) for n, p, g, m in live if p.dtype == torch.float32]
-        low = [(n, p, g, m) for n, p, g, m in live if p.dtype != torch.float32]
+        mask_gradients(self.params)  # a gradient that reached .grad without the hook
+        dense = [(n, p, p.grad) for n, p, c in self.params if c is None and p.grad is not None]
+        full = [(n, p, g) for n, p, g in dense if p.dtype == torch.float32]
+        low = [(n, p, g) for n, p, g in dense if p.dtype != torch.float32]
         if self.kind == "adamw":
-            self._adamw_foreach([n for n, _p, _g, _m in full], [p for _, p, _g, _m in full],
-                                [g for _, _p, g, _m in full], [m for _, _p, _g, m in full])
+            self._adamw_foreach([n for n, _p, _g in full], [p for _, p, _g in full], [g for _, _p, g in full])
         else:
-            for name, p, g, m in full:
-                # re-mask: the invariant holds even if the caller forgot mask_gradients
-                self._sgd(name, p, g if m is None else g * m, m)
+            for name, p, g in full:
+                self._sgd(name, p, g)
         # Low-precision weights (precision 'bf16'): float32 optimizer state and update, then the
         # weight is written back rounded, round(w - update): an update below half an ULP of w is
-        # lost. Off the mask the update is exactly 0, and bf16 -> float32 -> bf16 is exact.
+        # lost.
         if low:
-            p32 = [p.detach().float() for _, p, _g, _m in low]
-            g32 = [g.float() for _, _p, g, _m in low]
-            m32 = [None if m is None else m.float() for _, _p, _g, m in low]
-            names = [n for n, _p, _g, _m in low]
+            p32 = [p.detach().float() for _, p, _g in low]
+            g32 = [g.float() for _, _p, g in low]
+            names = [n for n, _p, _g in low]
             if self.kind == "adamw":
-                self._adamw_foreach(names, p32, g32, m32)
+                self._adamw_foreach(names, p32, g32)
             else:
-                for name, w, g, m in zip(names, p32, g32, m32, strict=True):
-                    self._sgd(name, w, g if m is None else g * m, m)
-            for (_, p, _g, _m), w in zip(low, p32, strict=True):
+                for name, w, g in zip(names, p32, g32, strict=True):
+                    self._sgd(name, w, g)
+            for (_, p, _g), w in zip(low, p32, strict=True):
                 p.copy_(w)
+        # Partly masked tensors, one at a time: gather the trainable weights (float32), update,
+        # write back at idx only (rounded to the weight's dtype).
+        for name, p, c in self.params:
+            if c is None or c.grad is None:
+                continue
+            flat = p.data.view(-1)
+            w = flat.index_select(0, c.idx).float()
+            if self.kind == "adamw":
+                self._adamw_foreach([name], [w], [c.grad])
+            else:
+                self._sgd(name, w, c.grad)
+            flat.index_put_((c.idx,), w.to(p.dtype))
 
-    def _adamw_foreach(self, names: list[str], params: list[torch.Tensor], grads: list[torch.Tensor],
-                       masks: list[torch.Tensor | None]) -> None:
-        """AdamW over all tensors at once (torch._foreach_*); state created as zeros on first use."""
+    def _adamw_foreach(self, names: list[str], params: list[torch.Tensor], grads: list[torch.Tensor]) -> None:
+        """AdamW over the tensors at once (torch._foreach_*); state created as zeros on first use.
+        `params` are updated in place (the weights, or float32 gathers of them)."""
         if not params:
             return
         for n, p in zip(names, params, strict=True):
             if n not in self.state:
-                self.state[n] = {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
-        grads = list(grads)
-        masked = [i for i, m in enumerate(masks) if m is not None]
-        mask_of = [m for m in masks if m is not None]  # the masks of `masked`, in order
-        if masked:  # re-mask: the invariant holds even if the caller forgot mask_gradients
-            gm = torch._foreach_mul([grads[i] for i in masked], mask_of)
-            for i, g in zip(masked, gm, strict=True):
-                grads[i] = g
+                self.state[n] = {"exp_avg": torch.zeros_like(p, dtype=torch.float32),
+                                 "exp_avg_sq": torch.zeros_like(p, dtype=torch.float32)}
         m1 = [self.state[n]["exp_avg"] for n in names]
         m2 = [self.state[n]["exp_avg_sq"] for n in names]
         b1, b2 = self.betas
@@ -196,21 +282,16 @@ class MaskedOptimizer:
         denom = torch._foreach_sqrt(m2)
         torch._foreach_div_(denom, math.sqrt(bc2))
         torch._foreach_add_(denom, self.eps)
-        updates = torch._foreach_div(m1, denom)  # exactly 0 off the mask
+        updates = torch._foreach_div(m1, denom)
+        del denom
         torch._foreach_mul_(updates, self.lr / bc1)
-        if self.wd:
-            dense = [i for i, m in enumerate(masks) if m is None]
-            if dense:
-                torch._foreach_add_([updates[i] for i in dense], [params[i] for i in dense],
-                                    alpha=self.lr * self.wd)
-            if masked:  # decoupled decay only on the mask
-                torch._foreach_addcmul_([updates[i] for i in masked], [params[i] for i in masked],
-                                        mask_of, value=self.lr * self.wd)
+        if self.wd:  # decoupled decay, on the trained coordinates only
+            torch._foreach_add_(updates, params, alpha=self.lr * self.wd)
         torch._foreach_sub_(params, updates)
 
-    def _sgd(self, name: str, p: torch.Tensor, g: torch.Tensor, m: torch.Tensor | None) -> None:
+    def _sgd(self, name: str, p: torch.Tensor, g: torch.Tensor) -> None:
         if self.wd:
-            g = g.add(p if m is None else p * m, alpha=self.wd)
+            g = g.add(p, alpha=self.wd)
         if self.momentum:
             st = self.state.get(name)
             if st is None:
@@ -221,15 +302,27 @@ class MaskedOptimizer:
         p.sub_(g * self.lr)
 
 
-def clip_grad_norm(
-    params: list[tuple[str, torch.nn.Parameter, torch.Tensor | None]], max_norm: float | None
-) -> float:
-    """Global L2 norm of the (already masked) gradients; scaled down to max_norm if above."""
-    grads = [p.grad for _, p, _m in params if p.grad is not None]
+def _folder(c: Coords):  # type: ignore[no-untyped-def]
+    """The post-accumulate-grad hook of a partly masked tensor: fold .grad onto c, free it."""
+
+    def hook(p: torch.Tensor) -> None:
+        if p.grad is not None:
+            c.fold(p.grad)
+            p.grad = None
+
+    return hook
+
+
+def clip_grad_norm(params: list[Param], max_norm: float | None) -> float:
+    """Global L2 norm of the trainable coordinates' gradients (dense .grad of dense tensors, the
+    folded buffers of partly masked ones); all scaled down to max_norm if above."""
+    mask_gradients(params)
+    grads = [g for _, g, _c in grads_of(params)]
     if not grads:
         return 0.0
     norm = torch.linalg.vector_norm(torch.stack([n.float() for n in torch._foreach_norm(grads)]))
     if max_norm is not None:
         scale = (max_norm / (norm + 1e-6)).clamp(max=1.0)
-        torch._foreach_mul_(grads, scale.to(grads[0].dtype))
+        for dt in {g.dtype for g in grads}:
+            torch._foreach_mul_([g for g in grads if g.dtype == dt], scale.to(dt))
     return float(norm)

@@ -291,3 +291,28 @@ def test_fisher_auc_within_weight_binades() -> None:
     by_e = {b["exponent"]: b for b in res["bins"]}
     assert by_e[0]["n_changed"] == 0 and math.isnan(by_e[0]["auc"])
     assert by_e[-6]["auc"] == pytest.approx(1.0) and by_e[-6]["abs_w_lo"] == 2.0**-7
+
+
+def test_tensor_diff_stats_in_chunks_equals_one_pass() -> None:
+    """tensor_diff_stats bounds its temporaries by chunks (issue 30): the counts are the same
+    whatever the chunk, the sums and energy shares equal to float64 rounding."""
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(37, 29, generator=g)
+    base[0, :5] = 0.0
+    tuned = base.clone()
+    sel = torch.rand(base.shape, generator=g) < 0.3
+    tuned[sel] += 1e-3 * torch.randn(int(sel.sum()), generator=g)
+    tuned[0, 0] = 1e-30  # changed from zero
+    whole, d1 = tensor_diff_stats(base, tuned, chunk=1 << 22)
+    parts, d2 = tensor_diff_stats(base, tuned, chunk=7)
+    assert d1 is not None and d2 is not None and torch.equal(d1, d2)
+    assert whole.keys() == parts.keys()
+    for k, v in whole.items():
+        if k.startswith(("unchanged_", "changed_", "zero_", "numel", "rank")):
+            assert parts[k] == v, k
+        else:
+            assert parts[k] == pytest.approx(v, rel=1e-12), k
+    assert whole["unchanged_exact"] == float((base == tuned).sum())
+    assert whole["changed_from_zero"] == float(((base == 0) & (base != tuned)).sum()) >= 1
+    _, none = tensor_diff_stats(base, tuned, svd_max_numel=0, need_delta=False)
+    assert none is None
