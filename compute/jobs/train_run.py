@@ -315,7 +315,7 @@ def train_job(
     fisher, fisher_info = _initial_fisher(run, probe, fisher, fisher_info)
     # the base as the checkpoint stores it, for "unchanged" and |delta|: read from the model's
     # file tensor by tensor when that reproduces the loaded weights exactly, else a copy
-    stored_base = base_source(model, ref_of(refs, "model", spec.model), run.summary["base_dtype"],
+    stored_base = base_source(model, resolved_refs(spec, refs)["model"], run.summary["base_dtype"],
                               spec.precision)
     run.summary["base_compared_from"] = "file" if isinstance(stored_base, FileBase) else "memory"
     if spec.algo == "grpo" and spec.bound:
