@@ -35,6 +35,13 @@ DEFAULT_TEACHERS = {"arith-base": "arith-teacher"}
 # ---------------------------------------------------------------- spec
 
 
+def _nullable(schema: dict[str, Any]) -> None:
+    """The JSON schema of a field that null also fills (with its computed default): the API's
+    schema then says what the validator accepts (schemathesis checks both ways)."""
+    kept = {k: schema.pop(k) for k in ("type", "minimum", "maximum") if k in schema}
+    schema["anyOf"] = [kept, {"type": "null"}]
+
+
 class RetentionSpec(TrainingKnobs):
     """Defaults tuned on arith-base (GRPO, 100 steps: held-out greedy accuracy ~0.27 -> ~0.4) so the
     default grid runs in minutes on 2 CPU cores; statistics in compute.studies.retention."""
@@ -49,7 +56,8 @@ class RetentionSpec(TrainingKnobs):
     max_new_tokens: MaxNewTokens = Field(6, description="sampled completion length")
     eval_prompts: int = Field(
         2500, ge=2, le=100_000, description="held-out prompts (the same for every model); when not "
-        "given: ceil(0.25 / eval_se^2), so every model's mean reward has standard error <= eval_se")
+        "given (or null): ceil(0.25 / eval_se^2), so every model's mean reward has standard error "
+        "<= eval_se", json_schema_extra=lambda s: _nullable(s))
     fisher_prompts: FisherPrompts = Field(64, description="prompts of the initial Fisher")
     densities: list[Annotated[float, Field(gt=0.0, le=1.0)]] = Field(
         default_factory=lambda: [0.01, 0.05, 0.1], min_length=1, max_length=16, description="mask densities"
@@ -72,9 +80,9 @@ class RetentionSpec(TrainingKnobs):
     @model_validator(mode="before")
     @classmethod
     def _eval_size(cls, data: Any) -> Any:
-        # eval_prompts not given (or 0/None): the size that guarantees SE <= eval_se for any reward
+        # eval_prompts not given (or null): the size that guarantees SE <= eval_se for any reward
         # in [0, 1] (variance <= 1/4).
-        if isinstance(data, dict) and not data.get("eval_prompts"):
+        if isinstance(data, dict) and data.get("eval_prompts") is None:
             se = data.get("eval_se", 0.01)
             if isinstance(se, int | float) and not isinstance(se, bool) and 0 < se <= 0.5:
                 data = {**data, "eval_prompts": min(100_000, math.ceil(0.25 / se**2 - 1e-9))}
