@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from compute.contract.cost import CHECKPOINT_S_PER_PARAM, FILE_JOB_S, Sizing, file_memory
 from compute.contract.kinds import JobKind, KindForm, TensorView
 from compute.contract.results import Contract, Family, Summary, TypedResult
 from compute.contract.specs import (
@@ -94,9 +95,19 @@ def cost(s: DiffSpec) -> int:
     return 0  # reads two checkpoints, no forward passes (app/limits.py charges one pass over the weights)
 
 
+def timing(s: DiffSpec, z: Sizing) -> dict[str, float]:
+    """Opening both checkpoints and comparing them tensor by tensor (the rank of 2-D deltas
+    included), with the Fisher when given."""
+    return {"open": FILE_JOB_S + z.load_s(), "compare": 2 * CHECKPOINT_S_PER_PARAM * z.params}
+
+
+def memory(s: DiffSpec, z: Sizing) -> dict[str, float]:
+    return file_memory(z, models=2)
+
+
 KIND = JobKind(
     name="diff", title="Checkpoint diff", spec=DiffSpec, contract=CONTRACT, runner="compute.jobs.diff_run:run",
-    cost=cost, order=60,
+    cost=cost, order=60, timing=timing, memory=memory,
     refs={"base": "model", "tuned": "model", "fisher": "fisher"},
     form=KindForm(tab="Checkpoint diff", button="Diff", cost=False,
                   main=("base", "tuned", "fisher", "topk_percent")),
