@@ -57,7 +57,7 @@ MIB = 2**20
 # (compute/lm/calibrate.py: a x its 3 x 8 x 48 token-passes): what a tiny model's call costs, and
 # the unit the per-call overheads below are counted in, so they move with the machine.
 CALL_TOKEN_PASSES = 3 * 8 * 48
-MODEL_LOAD_S = 4.0  # from_pretrained + tokenizer + task set-up of a job, before any weight bytes
+MODEL_LOAD_S = 5.0  # from_pretrained + tokenizer + task set-up of a job, before any weight bytes
 LOAD_BYTES_PER_S = 400e6  # reading safetensors weights into the model (CPU, page cache warm)
 DECODE_STEP_CALLS = 2.0  # one generation step (sampling, logits processors, KV cache update)
 FISHER_ROW_CALLS = 1.0  # per-sample gradient of one row: its own backward's fixed part
@@ -68,12 +68,16 @@ TRAIN_STEP_CALLS = 2.0  # an optimizer step: objective, backward, clip, step, bo
 STATS_S_PER_PARAM = 1.5e-7  # a Fisher's statistics over all parameters (split-half, gini, ...)
 TRAIN_FINISH_S = 10.0  # a train's end: update sparsity, concentration, saving model and metrics
 TRAIN_FINISH_S_PER_PARAM = 3e-7
-FILE_JOB_S = 0.5  # a job over tensor files: opening, the result, its figures data
+FILE_JOB_S = 0.3  # a job over tensor files: opening, the result, its figures data
 CHECKPOINT_S_PER_PARAM = 2e-7  # diff / series: reading, comparing and summarising one checkpoint
-TOKEN_GRAD_CALLS = 1.0  # the token explorer: one backward per token it traces
+DIFF_S_PER_MATRIX = 0.17  # diff: the rank / spectrum of one 2-D delta (7 per block + embeddings)
+MASK_SELECT_S = 0.6  # mask: selecting from a Fisher (per-tensor thresholds, statistics)
+MASK_S_PER_ELEMENT = 2e-8
+TOKEN_GRAD_CALLS = 1.2  # the token explorer: one backward per token it traces
+TOKEN_SETUP_CALLS = 240.0  # its forward over the context and the factored-gradient check
 # Memory (bytes above the process's RSS before the job)
 RUNTIME_BASE_MB = 175.0  # a model-running job's first forward/backward/generate (allocator, kernels)
-FILE_JOB_BASE_MB = 12.0  # a job that only reads tensor files (mask from a Fisher, ...)
+FILE_JOB_BASE_MB = 11.0  # a job that only reads tensor files (mask from a Fisher, ...)
 # A Fisher job beyond its weights and temporaries: the gradient, the fp32 sum of squares (4 B),
 # the split-half sum (4 B) and the statistics' working copies (measured: bench_estimates.json)
 FISHER_BYTES_PER_PARAM = 10.0
@@ -88,6 +92,9 @@ CONCENTRATION_BYTES_PER_PARAM = 8.0
 OPTIMIZER_BYTES_PER_TRAINED_COORD = {"adamw": 8.0, "sgd": 4.0}
 # A tensor-file job (mask, diff, series): each tensor file element read, held and compared
 FILE_BYTES_PER_ELEMENT = 12.0
+# compute/fisher/estimators.py sizes its row chunks with a deliberately safe per-token formula
+# (Sizing.activation_bytes); what a forward+backward actually holds is about this share of it
+ACTIVATION_SHARE = 0.25
 
 
 @dataclass(frozen=True)
@@ -204,7 +211,7 @@ def fisher_memory(z: Sizing, prompts: int, samples: int, max_new_tokens: int,
         "runtime": RUNTIME_BASE_MB * MIB,
         "weights": z.weight_bytes(dtype_bytes),
         "accumulators": FISHER_BYTES_PER_PARAM * z.params,
-        "temporaries": min(budget, z.activation_bytes(rows * length)),
+        "temporaries": min(budget, ACTIVATION_SHARE * z.activation_bytes(rows * length)),
         "sampling cache": z.kv_cache_bytes(min(rows, sample_batch), length),
     }
 
@@ -224,7 +231,7 @@ def train_memory(z: Sizing, algo: str, batch: int, group: int, max_new_tokens: i
         "gradient and base copies": (TRAIN_BYTES_PER_PARAM
                                      + (CONCENTRATION_BYTES_PER_PARAM if concentration else 0.0)) * z.params,
         "optimizer state": state * z.params,
-        "activations": z.activation_bytes(rows * length),
+        "activations": ACTIVATION_SHARE * z.activation_bytes(rows * length),
     }
 
 

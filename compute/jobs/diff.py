@@ -10,7 +10,13 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from compute.contract.cost import CHECKPOINT_S_PER_PARAM, FILE_JOB_S, Sizing, file_memory
+from compute.contract.cost import (
+    CHECKPOINT_S_PER_PARAM,
+    DIFF_S_PER_MATRIX,
+    FILE_JOB_S,
+    Sizing,
+    file_memory,
+)
 from compute.contract.kinds import JobKind, KindForm, TensorView
 from compute.contract.results import Contract, Family, Summary, TypedResult
 from compute.contract.specs import (
@@ -98,11 +104,13 @@ def cost(s: DiffSpec) -> int:
 def timing(s: DiffSpec, z: Sizing) -> dict[str, float]:
     """Opening both checkpoints and comparing them tensor by tensor (the rank of 2-D deltas
     included), with the Fisher when given."""
-    return {"open": FILE_JOB_S + z.load_s(), "compare": 2 * CHECKPOINT_S_PER_PARAM * z.params}
+    return {"open": FILE_JOB_S, "compare": 2 * CHECKPOINT_S_PER_PARAM * z.params,
+            "spectra": DIFF_S_PER_MATRIX * (7 * z.layers + 2)}
 
 
 def memory(s: DiffSpec, z: Sizing) -> dict[str, float]:
-    return file_memory(z, models=2)
+    """The two checkpoints are read tensor by tensor (no model is built)."""
+    return file_memory(z, models=0) | {"tensors": 3 * 4.0 * z.params}
 
 
 KIND = JobKind(

@@ -10,7 +10,14 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from compute.contract.cost import COST_PROMPT_TOKENS, FILE_JOB_S, Sizing, file_memory
+from compute.contract.cost import (
+    COST_PROMPT_TOKENS,
+    FILE_JOB_S,
+    MASK_S_PER_ELEMENT,
+    MASK_SELECT_S,
+    Sizing,
+    file_memory,
+)
 from compute.contract.kinds import JobKind, KindForm, TensorView
 from compute.contract.results import Contract, Summary, TypedResult
 from compute.contract.specs import (
@@ -94,7 +101,7 @@ def cost(s: MaskSpec) -> int:
 def timing(s: MaskSpec, z: Sizing) -> dict[str, float]:
     """Reading the Fisher and selecting (a pass over its elements); the gradient selector also
     loads the model and runs one backward per prompt."""
-    out = {"select": FILE_JOB_S + z.b * max(z.data_elements, z.params) * 50}
+    out = {"select": FILE_JOB_S + MASK_SELECT_S + MASK_S_PER_ELEMENT * max(z.data_elements, z.params)}
     if s.select == "gradient":
         out["gradient"] = z.load_s() + z.calls_s(s.prompts) + z.passes_s(cost(s))
     return out
