@@ -169,13 +169,17 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         old = json.loads(OUT.read_text())
         calibration, load0, rows = old["calibration"], old["load_before_calibration"], old["rows"]
         cal.write(home / "throughput.json", calibration)
+        resumed = old.get("resumed", 0) + 1
     else:
         load0 = os.getloadavg()
         calibration = cal.calibrate(device="cpu")
         cal.write(home / "throughput.json", calibration)
+        resumed = 0
     done = {r["name"] for r in rows}
     data: dict[str, Any] = {
-        "benchmark": "bench_estimates", "command": " ".join(["python", *sys.argv]),
+        "benchmark": "bench_estimates",
+        "command": " ".join(["python", *(a for a in sys.argv if a != "--resume")]),
+        "resumed": resumed,  # times an interrupted run was continued (same home and calibration)
         "calibration": calibration, "load_before_calibration": load0, "rows": rows,
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(),
                     "python": platform.python_version()},
