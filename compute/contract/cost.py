@@ -68,6 +68,13 @@ TRAIN_STEP_CALLS = 2.0  # an optimizer step: objective, backward, clip, step, bo
 STATS_S_PER_PARAM = 1.5e-7  # a Fisher's statistics over all parameters (split-half, gini, ...)
 TRAIN_FINISH_S = 10.0  # a train's end: update sparsity, concentration, saving model and metrics
 TRAIN_FINISH_S_PER_PARAM = 3e-7
+# retention runs a model below 20M parameters on one torch thread (compute/jobs/retention_run.py
+# SMALL_MODEL_PARAMS): a call's fixed part is then this share of the calibration's (2 threads)
+ONE_THREAD_CALL_SHARE = 0.4
+ONE_THREAD_BELOW_PARAMS = 20_000_000
+# retention keeps the loaded models, the Fisher, the seed-independent masks and every arm's
+# curves and held-out rewards in one process
+RETENTION_STATE_MB = 200.0
 FILE_JOB_S = 0.3  # a job over tensor files: opening, the result, its figures data
 CHECKPOINT_S_PER_PARAM = 2e-7  # diff / series: reading, comparing and summarising one checkpoint
 DIFF_S_PER_MATRIX = 0.17  # diff: the rank / spectrum of one 2-D delta (7 per block + embeddings)

@@ -13,6 +13,10 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, model_validator
 
 from compute.contract.cost import (
+    MIB,
+    ONE_THREAD_BELOW_PARAMS,
+    ONE_THREAD_CALL_SHARE,
+    RETENTION_STATE_MB,
     Sizing,
     fisher_passes,
     fisher_seconds,
@@ -156,14 +160,16 @@ def timing(s: RetentionSpec, z: Sizing) -> dict[str, float]:
     one = train_seconds(z, s.algo, s.steps, s.batch, s.group, s.max_new_tokens, s.eval_prompts)
     fisher = sum(fisher_seconds(z, s.fisher_prompts, s.fisher_samples, s.max_new_tokens,
                                 statistics=False).values())
+    share = ONE_THREAD_CALL_SHARE if z.params < ONE_THREAD_BELOW_PARAMS else 1.0
     return {"load": z.load_s(), "initial Fisher": s.seeds * fisher,
-            "arms": runs * (one["steps"] + one["evaluation"] / 2 + train_finish_seconds(z)),
-            "base evaluation": one["evaluation"] / 2}
+            "arms": runs * share * (one["steps"] + one["evaluation"] / 2 + train_finish_seconds(z)),
+            "base evaluation": share * one["evaluation"] / 2}
 
 
 def memory(s: RetentionSpec, z: Sizing) -> dict[str, float]:
+    """One arm's training peak, and what the sweep keeps between arms."""
     return train_memory(z, s.algo, s.batch, s.group, s.max_new_tokens, s.optimizer,
-                        teacher=s.algo == "opd")
+                        teacher=s.algo == "opd") | {"kept between arms": RETENTION_STATE_MB * MIB}
 
 
 def implied_refs(s: RetentionSpec) -> dict[str, str]:
