@@ -230,7 +230,12 @@ def reestimate(home: str | None) -> dict[str, Any]:
     out.mkdir(exist_ok=True)
     # the references of the measured run are gone: rebuild the files the estimate reads (headers)
     specs = {c["name"]: c for c in cases(out, data.get("smollm2_prompts"))}
+    for row in data["rows"]:  # a case measured with its own spec (fewer SmolLM2 prompts)
+        if row["name"] in specs and row.get("calibration"):
+            specs[row["name"]] = {**specs[row["name"]], "spec": row["spec"]}
     for row in data["rows"]:
+        # a row measured in a later run carries the calibration taken just before it
+        cal.write(scratch / "throughput.json", row.get("calibration") or data["calibration"])
         case = specs.get(row["name"], {"kind": row["kind"], "spec": row["spec"]})
         if case.get("save") and not all(Path(p).exists() for p in case["save"].values()):
             subprocess.run([sys.executable, __file__, "--child", json.dumps(case)], env=_env(scratch),
@@ -239,6 +244,20 @@ def reestimate(home: str | None) -> dict[str, Any]:
         row["spec"] = case["spec"]
         _ratios(row)
     data["reestimated_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    return data
+
+
+def merge(later: Path) -> dict[str, Any]:
+    """The committed JSON with the rows of a later run (its own calibration, taken just before
+    them, kept in each row) replacing the rows of the same name."""
+    data, new = json.loads(OUT.read_text()), json.loads(later.read_text())
+    rows = {r["name"]: r for r in new["rows"]}
+    for r in rows.values():
+        r["calibration"] = new["calibration"]
+        r["load_before_calibration"] = new["load_before_calibration"]
+        r["command"] = new["command"]
+    data.setdefault("superseded_rows", []).extend(r for r in data["rows"] if r["name"] in rows)
+    data["rows"] = [rows.pop(r["name"], r) for r in data["rows"]] + list(rows.values())
     return data
 
 
@@ -261,13 +280,17 @@ def main() -> None:
     ap.add_argument("--only", nargs="*", help="only these case names")
     ap.add_argument("--resume", action="store_true",
                     help="continue the committed JSON's run in the same --home (skip measured cases)")
+    ap.add_argument("--merge", default=None,
+                    help="replace rows of the committed JSON by the rows of this later run's JSON")
     ap.add_argument("--reestimate", action="store_true",
                     help="recompute the estimates of the committed JSON; measure nothing")
     args = ap.parse_args()
     if args.child:
         print(json.dumps(child(json.loads(args.child))))
         return
-    if args.reestimate:
+    if args.merge:
+        write(merge(Path(args.merge)))
+    elif args.reestimate:
         write(reestimate(args.home))
     else:
         write(measure(args))

@@ -391,6 +391,20 @@ def render_bench_estimates(data: dict[str, Any]) -> str:
               "run (a shared 2-core machine: the estimate and the clock see the same load). Measured: "
               "the runner's `run(spec, progress)` in a fresh process, wall time and RSS high-water "
               "mark above the RSS before the job."]
+    for r in data["rows"]:
+        if r.get("calibration"):
+            c2 = r["calibration"]
+            lines += ["", f"{r['name']}: measured in a later run with its own calibration just before "
+                      f"it (a = {c2['seconds_per_token_pass']:.3g} s, b = "
+                      f"{c2['seconds_per_param_token_pass']:.3g} s, load average "
+                      f"{r['load']['before'][0]:.1f}), spec {_spec_text(r['spec'])}."]
+    for r in data.get("superseded_rows") or []:
+        lines += ["", f"Superseded: {r['name']} with {_spec_text(r['spec'])}, measured in the first run, "
+                  f"took {r['measured']['seconds']:.0f} s (peak {r['measured']['peak_mib']:,.0f} MiB) "
+                  f"at a load average of {r['load']['before'][0]:.1f} to {r['load']['after'][0]:.1f}, "
+                  f"against {data['load_before_calibration'][0]:.1f} when the calibration ran: the "
+                  "machine's other work doubled during it, so it was measured again, back to back with "
+                  "a fresh calibration."]
     if data.get("reestimated_at"):
         lines.append("")
         lines.append(f"Estimates recomputed from the same measurements and calibration with "

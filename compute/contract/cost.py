@@ -77,6 +77,7 @@ ONE_THREAD_BELOW_PARAMS = 20_000_000
 RETENTION_STATE_MB = 200.0
 FILE_JOB_S = 0.3  # a job over tensor files: opening, the result, its figures data
 CHECKPOINT_S_PER_PARAM = 2e-7  # diff / series: reading, comparing and summarising one checkpoint
+DIFF_SPECTRA_MB = 4.0  # diff: the linear-algebra workspace of the spectra (LAPACK, its first use)
 DIFF_S_PER_MATRIX = 0.17  # diff: the rank / spectrum of one 2-D delta (7 per block + embeddings)
 MASK_SELECT_S = 0.6  # mask: selecting from a Fisher (per-tensor thresholds, statistics)
 MASK_S_PER_ELEMENT = 2e-8
@@ -101,7 +102,7 @@ OPTIMIZER_BYTES_PER_TRAINED_COORD = {"adamw": 8.0, "sgd": 4.0}
 FILE_BYTES_PER_ELEMENT = 12.0
 # compute/fisher/estimators.py sizes its row chunks with a deliberately safe per-token formula
 # (Sizing.activation_bytes); what a forward+backward actually holds is about this share of it
-ACTIVATION_SHARE = 0.25
+ACTIVATION_SHARE = 0.1
 
 
 @dataclass(frozen=True)

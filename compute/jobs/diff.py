@@ -13,6 +13,7 @@ from pydantic import Field
 from compute.contract.cost import (
     CHECKPOINT_S_PER_PARAM,
     DIFF_S_PER_MATRIX,
+    DIFF_SPECTRA_MB,
     FILE_JOB_S,
     Sizing,
     file_memory,
@@ -110,7 +111,8 @@ def timing(s: DiffSpec, z: Sizing) -> dict[str, float]:
 
 def memory(s: DiffSpec, z: Sizing) -> dict[str, float]:
     """The two checkpoints are read tensor by tensor (no model is built)."""
-    return file_memory(z, models=0) | {"tensors": 3 * 4.0 * z.params}
+    return file_memory(z, models=0) | {"tensors": 3 * 4.0 * z.params,
+                                       "spectra": DIFF_SPECTRA_MB * 2**20}
 
 
 KIND = JobKind(
