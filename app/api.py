@@ -42,6 +42,10 @@ class JobRequest(BaseModel):
         default_factory=dict,
         description="the job spec; keys as the matching CLI flags (see `fisherlens submit`)",
     )
+    confirm: bool = Field(
+        False, description="queue it although its estimated run time is above the server's "
+        "confirmation threshold (CONFIRM_ABOVE_S, default 1 h): without it such a job is answered "
+        "422 with field `confirm` and the estimate")
 
     model_config = {"json_schema_extra": {"examples": [
         {"kind": "fisher", "spec": {"model": "arith-base", "task": "arithmetic", "prompts": 8, "samples": 2}}
@@ -291,9 +295,12 @@ def _add_job_routes(r: APIRouter, settings: Any) -> None:
             responses=responses(413, 429, 503))
     def submit_job(req: JobRequest) -> Any:
         """Validate and queue a job (or return the stored result of an identical one:
-        `reused: true`). 422 names each bad field and its accepted range; nothing is queued."""
+        `reused: true`). 422 names each bad field and its accepted range; nothing is queued. A
+        job estimated above the confirmation threshold is answered 422 with field `confirm` (its
+        `seconds` and the threshold `limit`) until resent with `"confirm": true`; one whose
+        predicted peak memory does not fit the worker's device, 422 with field `memory`."""
         try:
-            job = services.submit(settings, req.kind, req.spec)
+            job = services.submit(settings, req.kind, req.spec, confirm=req.confirm)
         except SpecError as exc:
             return spec_error_response(exc)
         except RuntimeError as exc:  # the broker or the artifact store away: a short message

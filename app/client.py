@@ -86,7 +86,7 @@ def request(method: str, url: str, token: str | None, path: str, body: Any = Non
 def _raise_for(status: int, payload: Any, job_id: int | None = None,
                server: tuple[str, str | None] | None = None) -> None:
     """`server`: the (URL, token) the request went to, for the hint of a refused credential."""
-    from app.limits import QuotaExceeded
+    from app.limits import ConfirmationRequired, QuotaExceeded
 
     detail = payload.get("detail") if isinstance(payload, dict) else payload
     if status < 400:
@@ -101,6 +101,8 @@ def _raise_for(status: int, payload: Any, job_id: int | None = None,
     if status == 429 and isinstance(detail, list):
         raise QuotaExceeded(detail)
     if status == 422 and isinstance(detail, list):
+        if any(isinstance(e, dict) and e.get("field") == "confirm" for e in detail):
+            raise ConfirmationRequired(detail)
         raise SpecError(detail)
     if status == 409:
         raise ValueError(str(detail))
@@ -124,17 +126,19 @@ def _local_user() -> Iterator[Any]:
         yield settings
 
 
-def submit(settings: Any, kind: str, data: dict[str, Any], *, reuse: bool = True) -> dict[str, Any]:
+def submit(settings: Any, kind: str, data: dict[str, Any], *, reuse: bool = True,
+           confirm: bool = False) -> dict[str, Any]:
     r = remote()
     if r is None:
         from app import services
 
         with _local_user() as s:
-            return services.submit(s, kind, data, reuse=reuse)
+            return services.submit(s, kind, data, reuse=reuse, confirm=confirm)
     if not reuse:
         raise NotRemote("--no-reuse: not available through the server's API; submit, then "
                         "`fisherlens rerun JOB_ID` to compute a stored result again")
-    status, payload = request("POST", r[0], r[1], "/api/jobs", {"kind": kind, "spec": data})
+    status, payload = request("POST", r[0], r[1], "/api/jobs",
+                              {"kind": kind, "spec": data, "confirm": confirm})
     _raise_for(status, payload, server=r)
     return dict(payload)
 

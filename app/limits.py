@@ -23,9 +23,9 @@ import math
 from pathlib import Path
 from typing import Any
 
-from app.ceiling import REPO_THROUGHPUT, duration, job_ceiling, seconds_of, throughput
+from app.ceiling import REPO_THROUGHPUT, calibration, duration, job_ceiling, seconds_of, throughput
 from app.services.compat import safetensors_header
-from compute.contract.cost import COST_PROMPT_TOKENS
+from compute.contract.cost import COST_PROMPT_TOKENS, MIB, Sizing
 from compute.contract.specs import SpecError
 from compute.jobs import registry
 
@@ -34,6 +34,12 @@ __all__ = ["REPO_THROUGHPUT", "job_ceiling", "throughput"]  # the ceiling's half
 
 class QuotaExceeded(SpecError):
     """Over a per-user limit (HTTP 429): `errors[0]` has field, message, limit and value."""
+
+
+class ConfirmationRequired(SpecError):
+    """The estimate is above CONFIRM_ABOVE_S and the request did not confirm (HTTP 422, field
+    `confirm`; `errors[0]` has the estimated `seconds` and the threshold `limit`): resend with
+    "confirm": true (API), --yes (CLI), the checkbox (form)."""
 
 
 def _errors(*items: dict[str, Any]) -> Any:
@@ -123,13 +129,91 @@ def token_passes(kind: str, spec: Any) -> int:
     return int(registry.get(kind).cost(spec))
 
 
+def model_shape(ref: Any) -> dict[str, int]:
+    """{"layers", "hidden", "vocab", "intermediate"} of a resolved model reference from its config.json (text
+    config of a multimodal one); {} when unreadable here."""
+    path = Path(ref.local) / "config.json" if getattr(ref, "local", None) else None
+    if path is None or not path.is_file() or path.stat().st_size > 1_000_000:
+        return {}
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    cfg = cfg.get("text_config", cfg) if isinstance(cfg, dict) else {}
+    out = {}
+    for key, names in (("layers", ("num_hidden_layers", "n_layer")), ("hidden", ("hidden_size", "n_embd")),
+                       ("vocab", ("vocab_size",)), ("intermediate", ("intermediate_size", "n_inner"))):
+        for n in names:
+            if isinstance(cfg.get(n), int) and cfg[n] > 0:
+                out[key] = int(cfg[n])
+                break
+    return out
+
+
+def free_memory(settings: Any, device: str = "auto") -> tuple[float | None, str]:
+    """(bytes a job may use on the device a job of this spec runs on, where the figure comes
+    from): MAX_JOB_MEMORY_MB when set; CUDA: torch.cuda.mem_get_info of the device (only where
+    torch is already imported: the web process does not import it for this); CPU: MemAvailable
+    of /proc/meminfo. (None, why) when unknown."""
+    if settings.max_job_memory_mb:
+        return float(settings.max_job_memory_mb) * MIB, "MAX_JOB_MEMORY_MB"
+    import sys
+
+    torch = sys.modules.get("torch")
+    if device != "cpu" and torch is not None:
+        try:
+            if torch.cuda.is_available():
+                index = int(device.split(":")[1]) if device.startswith("cuda:") else 0
+                free, _ = torch.cuda.mem_get_info(index)
+                return float(free), f"cuda:{index}"
+        except Exception:  # noqa: BLE001 - no usable GPU here: the CPU figure
+            pass
+    try:
+        with open("/proc/meminfo") as fh:
+            for line in fh:
+                if line.startswith("MemAvailable:"):
+                    return float(line.split()[1]) * 1024, "cpu"
+    except OSError:
+        pass
+    return None, "unknown"
+
+
+def sizing(settings: Any, kind: str, spec: Any, refs: dict[str, Any], params: int,
+           data: int) -> Sizing:
+    """The Sizing a kind's timing and memory read: the largest model's shape, the files read,
+    the calibration (seconds = token_passes x (a + b x params)) and the free memory."""
+    from app.services import refs as resolver
+
+    shape: dict[str, int] = {}
+    models = 0
+    for field, (_, target) in resolver.spec_values(kind, spec).items():
+        if target != "model" or field not in refs:
+            continue
+        models += 1
+        n = model_params(refs[field])
+        if n is not None and n >= params:
+            shape = model_shape(refs[field]) or shape
+    cal = calibration(settings)
+    if cal is not None:
+        a, b = cal[0], cal[1]
+    else:
+        tp = throughput(settings)
+        a, b = 0.0, (1.0 / tp[0] if tp else 0.0)
+    free, _ = free_memory(settings, str(getattr(spec, "device", "auto")))
+    return Sizing(params=params, data_elements=data, a=a, b=b, free_bytes=free,
+                  models=max(models, 1) if params else 0, **shape)
+
+
 def estimate(settings: Any, kind: str, spec: Any, refs: dict[str, Any]) -> dict[str, Any]:
-    """{"token_passes", "params", "cost", "prompt_tokens_assumed", "model"}. `params` is the
-    largest model the spec names (None if it cannot be counted); `cost` = token_passes x params
-    (at least one pass over the weights), None when params is None. `refs`: the spec's resolved
-    references, from the one resolver (submit's, or app.services.refs.model_refs for an estimate
-    alone); a model field missing from them (another user's job:N is never resolved) counts
-    exactly like one that does not exist: unknown."""
+    """{"token_passes", "params", "cost", "seconds", "seconds_parts", "memory_bytes",
+    "memory_parts", "needs_confirmation", ...}. `params` is the largest model the spec names
+    (None if it cannot be counted); `cost` = token_passes x params (at least one pass over the
+    weights), None when params is None. `seconds`: the kind's timing (compute/jobs/<kind>.py)
+    on the calibrated machine, else token-passes x (a + b x params); `memory_bytes`: the kind's
+    predicted peak. `refs`: the spec's resolved references, from the one resolver (submit's, or
+    app.services.refs.model_refs for an estimate alone); a model field missing from them
+    (another user's job:N is never resolved) counts exactly like one that does not exist:
+    unknown."""
     from app.services import refs as resolver
 
     values = {f: v for f, v in resolver.spec_values(kind, spec).items() if v[1] == "model"}
@@ -150,6 +234,18 @@ def estimate(settings: Any, kind: str, spec: Any, refs: dict[str, Any]) -> dict[
     cost = None if unknown or params is None else float(max(passes, 1) * max(params, data))
     tp = throughput(settings)
     timed = seconds_of(settings, passes, params) if cost is not None and params is not None else None
+    parts: dict[str, float] | None = None
+    mem_parts: dict[str, float] | None = None
+    k = registry.get(kind)
+    if cost is not None and params is not None:
+        z = sizing(settings, kind, spec, refs, params, data)
+        if k.timing is not None and timed is not None and timed[1].startswith("calibrated"):
+            parts = {p: float(v) for p, v in k.timing(spec, z).items()}
+            timed = (sum(parts.values()), timed[1])
+        if k.memory is not None:
+            mem_parts = {p: float(v) for p, v in k.memory(spec, z).items()}
+    seconds = timed[0] if timed else None
+    confirm_above = settings.confirm_above_s or None
     return {
         "kind": kind,
         "token_passes": passes,
@@ -158,8 +254,13 @@ def estimate(settings: Any, kind: str, spec: Any, refs: dict[str, Any]) -> dict[
         "unknown_models": unknown,
         "prompt_tokens_assumed": COST_PROMPT_TOKENS,
         "throughput": tp[0] if tp else None,
-        "seconds": timed[0] if timed else None,
+        "seconds": seconds,
         "seconds_from": timed[1] if timed else None,
+        "seconds_parts": parts,
+        "memory_bytes": sum(mem_parts.values()) if mem_parts else None,
+        "memory_parts": mem_parts,
+        "confirm_above_s": confirm_above,
+        "needs_confirmation": bool(confirm_above and seconds is not None and seconds > confirm_above),
     }
 
 
@@ -172,6 +273,54 @@ def refs_for_estimate(settings: Any, kind: str, spec: Any) -> dict[str, Any]:
     values = {f: v for f, v in resolver.spec_values(kind, spec).items() if v[1] == "model"}
     refs, _ = resolver.resolve_values(settings, values, auth.optional_user(settings), hash_models=False)
     return refs
+
+
+def size_text(n: float) -> str:
+    """Bytes for a person: 71 GB, 850 MB (decimal units, as device makers state them)."""
+    return f"{n / 1e9:.3g} GB" if n >= 1e9 else f"{n / 1e6:.3g} MB"
+
+
+def memory_text(est: dict[str, Any]) -> str:
+    """"needs about 1.2 GB of memory" (empty when not predicted)."""
+    if not est.get("memory_bytes"):
+        return ""
+    return f"needs about {size_text(est['memory_bytes'])} of memory"
+
+
+def check_confirm(est: dict[str, Any], confirm: bool) -> None:
+    """ConfirmationRequired when the estimate is above the confirmation threshold and the
+    caller did not confirm."""
+    if confirm or not est.get("needs_confirmation"):
+        return
+    took = duration(float(est["seconds"]))
+    raise ConfirmationRequired(_errors({
+        "field": "confirm",
+        "message": f"this job takes about {took} (estimated, {est.get('seconds_from')}), above the "
+                   f"confirmation threshold of {duration(float(est['confirm_above_s']))} "
+                   "(CONFIRM_ABOVE_S): resend it with \"confirm\": true (CLI: --yes) to queue it",
+        "limit": est["confirm_above_s"], "value": est["seconds"], "seconds": est["seconds"],
+    }))
+
+
+def check_memory(settings: Any, est: dict[str, Any], spec: Any) -> None:
+    """SpecError (422, field `memory`) when the predicted peak does not fit the memory the job's
+    device has free (or MAX_JOB_MEMORY_MB), with both figures: "needs 71 GB; cuda:0 has 62 GB
+    free"."""
+    need = est.get("memory_bytes")
+    if not need:
+        return
+    free, where = free_memory(settings, str(getattr(spec, "device", "auto")))
+    if free is None or need <= free:
+        return
+    has = (f"MAX_JOB_MEMORY_MB allows {size_text(free)}" if where == "MAX_JOB_MEMORY_MB"
+           else f"{where} has {size_text(free)} free")
+    raise SpecError(_errors({
+        "field": "memory",
+        "message": f"this job needs about {size_text(need)} of memory at its peak (estimated from "
+                   f"the model's size); {has}: use a smaller model, fewer prompts or samples, a "
+                   "smaller memory_budget_mb, or a device with more memory",
+        "limit": free, "value": need,
+    }))
 
 
 def _time_text(est: dict[str, Any]) -> str:
@@ -193,6 +342,8 @@ def describe(est: dict[str, Any], ceiling: float | None = None, seconds: float |
     line = (f"estimated cost: {est['cost']:.3g} parameter-token-passes "
             f"({est['token_passes']:.3g} token-passes x {est['params']:,} parameters)"
             + _time_text(est))
+    if est.get("memory_bytes"):
+        line += f"; {memory_text(est)}"
     if ceiling is not None:
         line += f"; your per-job ceiling: {_ceiling_text(ceiling, seconds)}"
     return line

@@ -355,6 +355,64 @@ def render_bench_scale(data: dict[str, Any]) -> str:
 
 
 register("bench_scale", "benchmarks/results/bench_scale.json", render_bench_scale)
+
+
+def _spec_text(spec: dict[str, Any]) -> str:
+    shown = {k: v for k, v in spec.items() if k not in ("fisher", "tuned", "run_dir")}
+    refs = [k for k in ("fisher", "tuned", "run_dir") if k in spec]
+    text = ", ".join(f"{k} {v}" for k, v in shown.items()) or "defaults"
+    return text + (f" ({', '.join(refs)}: an earlier case's output)" if refs else "")
+
+
+def render_bench_estimates(data: dict[str, Any]) -> str:
+    """Every kind's default spec: the calibrated estimate against the clock and the predicted peak
+    memory against the measured one (benchmarks/bench_estimates.py)."""
+    lines = ["| case | spec (else the defaults) | estimated | measured | estimate / measured | "
+             "predicted peak | measured peak | predicted / measured |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in data["rows"]:
+        if r.get("helper"):
+            continue
+        e, m = r["estimate"], r["measured"]
+        mem = e.get("memory_bytes")
+        lines.append(
+            f"| {r['name']} | {_spec_text(r['spec'])} | {e['seconds']:.1f} s | {m['seconds']:.1f} s | "
+            f"{r['ratio']:.2f} | {mem / 2**20:,.0f} MiB | {m['peak_mib']:,.0f} MiB | "
+            f"{r['memory_ratio']:.2f} |")
+    c = data["calibration"]
+    ratios = [r["ratio"] for r in data["rows"] if not r.get("helper")]
+    mems = [r["memory_ratio"] for r in data["rows"] if not r.get("helper")]
+    loads = [r["load"]["before"][0] for r in data["rows"]]
+    lines += ["", f"Time ratios {min(ratios):.2f} to {max(ratios):.2f} (goal: within 0.5 to 2); memory "
+              f"ratios {min(mems):.2f} to {max(mems):.2f} (goal: within 1/1.3 to 1.3). Calibration in "
+              f"the same process, just before: a = {c['seconds_per_token_pass']:.3g} s, b = "
+              f"{c['seconds_per_param_token_pass']:.3g} s ({c['device']}, {c['dtype']}, "
+              f"{c['threads']} threads); load average {min(loads):.1f} to {max(loads):.1f} during the "
+              "run (a shared 2-core machine: the estimate and the clock see the same load). Measured: "
+              "the runner's `run(spec, progress)` in a fresh process, wall time and RSS high-water "
+              "mark above the RSS before the job."]
+    for r in data["rows"]:
+        if r.get("calibration"):
+            c2 = r["calibration"]
+            lines += ["", f"{r['name']}: measured in a later run with its own calibration just before "
+                      f"it (a = {c2['seconds_per_token_pass']:.3g} s, b = "
+                      f"{c2['seconds_per_param_token_pass']:.3g} s, load average "
+                      f"{r['load']['before'][0]:.1f}), spec {_spec_text(r['spec'])}."]
+    for r in data.get("superseded_rows") or []:
+        lines += ["", f"Superseded: {r['name']} with {_spec_text(r['spec'])}, measured in the first run, "
+                  f"took {r['measured']['seconds']:.0f} s (peak {r['measured']['peak_mib']:,.0f} MiB) "
+                  f"at a load average of {r['load']['before'][0]:.1f} to {r['load']['after'][0]:.1f}, "
+                  f"against {data['load_before_calibration'][0]:.1f} when the calibration ran: the "
+                  "machine's other work doubled during it, so it was measured again, back to back with "
+                  "a fresh calibration."]
+    if data.get("reestimated_at"):
+        lines.append("")
+        lines.append(f"Estimates recomputed from the same measurements and calibration with "
+                     f"`--reestimate` at {data['reestimated_at']} (after a change to a cost model).")
+    return "\n".join(lines) + "\n"
+
+
+register("bench_estimates", "benchmarks/results/bench_estimates.json", render_bench_estimates)
 register("bench_fisher", "benchmarks/results/bench_fisher.json", render_bench_fisher)
 register("bench_masked", "benchmarks/results/bench_masked.json", render_bench_masked)
 register("sweep_bf16_mixed", "benchmarks/results/sweep_arith_base_bf16_mixed/sweep.json", render_sweep)

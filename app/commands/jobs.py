@@ -52,15 +52,40 @@ def _load_spec(text: str) -> dict[str, Any]:
 @click.option("--no-reuse", is_flag=True, help="Compute again even if an identical result exists.")
 @click.option("--wait", is_flag=True, help="Wait until the job ends (exit 1 unless it succeeded).")
 @click.option("--timeout", default=3600.0, show_default=True, help="Seconds to --wait at most.")
-def submit_cmd(kind: str, spec_text: str, no_reuse: bool, wait: bool, timeout: float) -> None:
+@click.option("--yes", "-y", is_flag=True,
+              help="queue it although its estimated run time is above CONFIRM_ABOVE_S (default 1 h)")
+@click.option("--dry-run", is_flag=True, help="print the estimated time and peak memory; queue nothing")
+def submit_cmd(kind: str, spec_text: str, no_reuse: bool, wait: bool, timeout: float, yes: bool,
+               dry_run: bool) -> None:
     """Queue a job of KIND (a registered job kind) for the workers."""
     from app import client as services  # HTTP with a token, or in-process (app/client.py)
+    from app.limits import ConfirmationRequired
     from compute.contract.specs import SpecError
 
     settings = get_settings()
     data = _load_spec(spec_text)
+    if dry_run:
+        from app.commands.kinds import estimate_lines
+        from compute.jobs.registry import parse_spec
+
+        try:
+            spec = parse_spec(kind, data)
+        except SpecError as exc:
+            fail("; ".join(f"{e['field']}: {e['message']}" for e in exc.errors))
+        for line in estimate_lines(kind, spec)[1]:
+            click.echo(line)
+        click.echo("dry run: nothing was submitted")
+        return
     try:
-        job = services.submit(settings, kind, data, reuse=not no_reuse)
+        try:
+            job = services.submit(settings, kind, data, reuse=not no_reuse, confirm=yes)
+        except ConfirmationRequired as exc:
+            message = exc.errors[0]["message"].split(": resend")[0]
+            if not sys.stdin.isatty():
+                fail(f"--yes: {message}; submit again with --yes to queue it (no terminal to ask)")
+            if not click.confirm(f"{message}. Queue it?", default=False):
+                fail("not confirmed: nothing was queued", code=1)
+            job = services.submit(settings, kind, data, reuse=not no_reuse, confirm=True)
     except SpecError as exc:
         fail("; ".join(f"{e['field']}: {e['message']}" for e in exc.errors))
     except RuntimeError as exc:

@@ -11,6 +11,7 @@ file or folder (a trained model), OUT/result.html with the figures, and prints t
 from __future__ import annotations
 
 import shutil
+import sys
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ import click
 from app.commands.common import fail, json_safe, run_job, spec_from_options, write_html, write_json
 from app.commands.options import spec_options
 from compute.contract.kinds import JobKind
+from compute.contract.specs import SpecError
 from compute.jobs.registry import KINDS
 
 
@@ -66,6 +68,87 @@ def generic_command(kind: JobKind) -> click.Command:
     return click.command(kind.name)(f)
 
 
+def estimate_lines(kind: str, spec: Any) -> tuple[dict[str, Any], list[str]]:
+    """(estimate, lines for a person): the time and memory a job of `spec` needs here, with
+    their parts, and what the device has free (what --dry-run prints)."""
+    from app import limits
+    from app.ceiling import duration
+    from compute.contract.settings import get_settings
+
+    settings = get_settings()
+    est = limits.estimate(settings, kind, spec, limits.refs_for_estimate(settings, kind, spec))
+    lines = [limits.describe(est)]
+    if est.get("seconds") is not None:
+        parts = ", ".join(f"{p} {duration(v)}" for p, v in (est.get("seconds_parts") or {}).items()
+                          if v >= 0.05)
+        lines.append(f"time: about {duration(est['seconds'])}" + (f" ({parts})" if parts else ""))
+    if est.get("memory_bytes"):
+        parts = ", ".join(f"{p} {limits.size_text(v)}" for p, v in (est.get("memory_parts") or {}).items()
+                          if v >= 1e5)
+        free, where = limits.free_memory(settings, str(getattr(spec, "device", "auto")))
+        has = f"; {where} has {limits.size_text(free)} free" if free is not None else ""
+        lines.append(f"memory: {limits.memory_text(est)} at the peak ({parts}){has}")
+    return est, lines
+
+
+def preflight(kind: str, options: dict[str, Any], dry_run: bool, yes: bool) -> None:
+    """Before a job command runs: --dry-run prints the time and memory estimate and exits 0
+    (nothing run, nothing submitted); a job that cannot fit the device's free memory exits 2 with
+    both figures; a job estimated above CONFIRM_ABOVE_S asks y/N on a terminal, and without one
+    exits 2 unless --yes."""
+    from app import limits
+    from compute.jobs.registry import parse_spec
+
+    data = {k: v for k, v in options.items() if v is not None and k in KINDS[kind].spec.model_fields}
+    try:
+        spec = parse_spec(kind, data)
+    except SpecError as exc:
+        if dry_run:
+            fail("; ".join(f"--{e['field'].replace('_', '-')}: {e['message']}" for e in exc.errors))
+        return  # the command reports it, flag by flag
+    est, lines = estimate_lines(kind, spec)
+    if dry_run:
+        for line in lines:
+            click.echo(line)
+        click.echo("dry run: nothing was run or submitted")
+        raise SystemExit(0)
+    from compute.contract.settings import get_settings
+
+    try:
+        limits.check_memory(get_settings(), est, spec)
+        limits.check_confirm(est, yes)
+    except limits.ConfirmationRequired as exc:
+        message = exc.errors[0]["message"].split(": resend")[0]
+        if not sys.stdin.isatty():
+            fail(f"--yes: {message}; rerun with --yes to run it (no terminal to ask)")
+        if not click.confirm(f"{message}. Run it?", default=False):
+            fail("not confirmed: nothing was run", code=1)
+    except SpecError as exc:
+        fail("; ".join(f"{e['field']}: {e['message']}" for e in exc.errors))
+
+
+def with_preflight(kind: str, command: click.Command) -> click.Command:
+    """`command` with --dry-run and --yes (app/commands/kinds.py preflight) before it runs."""
+    if any(p.name == "dry_run" for p in command.params):
+        return command
+    inner = command.callback
+    assert inner is not None
+
+    def callback(dry_run: bool, yes: bool, **options: Any) -> Any:
+        preflight(kind, options, dry_run, yes)
+        return inner(**options)
+
+    callback.__doc__ = inner.__doc__
+    command.callback = callback
+    command.params += [
+        click.Option(["--dry-run"], is_flag=True,
+                     help="print the estimated time and peak memory and exit; run nothing"),
+        click.Option(["--yes", "-y"], is_flag=True,
+                     help="run without asking although the estimate is above CONFIRM_ABOVE_S"),
+    ]
+    return command
+
+
 def kind_commands(custom: Iterable[click.Command]) -> list[click.Command]:
     """One command per registered kind, in the registry's order: the kind's own command (from
     `custom`, matched by name) or the generic one. A custom command named after no kind is an
@@ -75,4 +158,4 @@ def kind_commands(custom: Iterable[click.Command]) -> list[click.Command]:
     if stale:
         raise RuntimeError(f"CLI commands for unknown job kinds: {', '.join(stale)}; "
                            f"registered kinds: {', '.join(KINDS)}")
-    return [own.get(name) or generic_command(kind) for name, kind in KINDS.items()]
+    return [with_preflight(name, own.get(name) or generic_command(kind)) for name, kind in KINDS.items()]

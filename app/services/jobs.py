@@ -16,19 +16,25 @@ from storage.models import FINAL_STATUSES, revision_digest
 log = logging.getLogger("fisherlens.web")
 
 
-def submit(settings: Any, kind: str, data: dict[str, Any], *, reuse: bool = True) -> dict[str, Any]:
+def submit(settings: Any, kind: str, data: dict[str, Any], *, reuse: bool = True,
+           confirm: bool = False) -> dict[str, Any]:
     """Validate, reuse an identical succeeded job, or create a job row and queue it.
 
     Returns the job dict plus "share_url" and "reused" (True when an earlier result is returned
-    instead of computing again). Raises compute.contract.specs.SpecError (nothing queued) on bad input.
+    instead of computing again). Raises compute.contract.specs.SpecError (nothing queued) on bad
+    input, over the per-job ceiling, when the predicted peak memory does not fit the worker's
+    device (field `memory`), and app.limits.ConfirmationRequired (field `confirm`) when the
+    estimate is above CONFIRM_ABOVE_S and `confirm` is false.
     """
     from app import auth, limits
 
     user = auth.current_user(settings)  # accounts: owner, quotas and cost ceiling (app/limits.py)
     limits.check_spec_size(data, max_keys=settings.max_spec_keys, max_string=settings.max_spec_string)
     spec, parts, refs = validate(settings, kind, data, user)  # every reference resolved, owners too
-    limits.check_cost(limits.estimate(settings, kind, spec, refs=refs), user.max_job_cost,
-                      user.max_job_seconds)
+    est = limits.estimate(settings, kind, spec, refs=refs)
+    limits.check_cost(est, user.max_job_cost, user.max_job_seconds)
+    limits.check_memory(settings, est, spec)
+    limits.check_confirm(est, confirm)
     spec_hash = spec.spec_hash()
     revision = revision_digest(parts)
     with sessions(settings)() as s:

@@ -56,12 +56,18 @@ def ref_choices(settings: Any, kind: str) -> list[tuple[str, str]]:
     return [NONE_CHOICE] + [(job_label(j), f"job:{j['id']}") for j in jobs]
 
 
-def do_submit(settings: Any, kind: str, data: dict[str, Any]) -> tuple[dict[str, Any] | None, str]:
+def do_submit(settings: Any, kind: str, data: dict[str, Any],
+              confirm: bool = True) -> tuple[dict[str, Any] | None, str]:
     """Submit through the one validation path (services.submit); (job, message html). The
     message of a queued job is empty: its live status line says more (and never goes stale);
-    a reused result says so, which stays true."""
+    a reused result says so, which stays true. A job above the confirmation threshold is
+    app.limits.ConfirmationRequired (raised: the form shows its confirmation step)."""
+    from app.limits import ConfirmationRequired
+
     try:
-        job = services.submit(settings, kind, data)
+        job = services.submit(settings, kind, data, confirm=confirm)
+    except ConfirmationRequired:
+        raise
     except SpecError as exc:
         return None, errors_html(exc.errors)
     except Exception as exc:  # noqa: BLE001 - shown to the user, never a traceback
@@ -79,10 +85,12 @@ def submitted_html(job: dict[str, Any] | None) -> str:
     return f"<div class='fl-submitted'><span>Last submitted:</span>{progress_html(job)}{link}</div>"
 
 
-def submit_and_show(settings: Any, kind: str, data: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
+def submit_and_show(settings: Any, kind: str, data: dict[str, Any],
+                    confirm: bool = True) -> tuple[Any, Any, Any, Any]:
     """Updates for (message, view token, tabs, submitted token): the new job is shown in the
-    result tab, and followed by the live line above the forms."""
-    job, msg = do_submit(settings, kind, data)
+    result tab, and followed by the live line above the forms. `confirm` False: a job above the
+    confirmation threshold raises app.limits.ConfirmationRequired (the job forms' step)."""
+    job, msg = do_submit(settings, kind, data, confirm)
     if job is None:
         return msg, gr.skip(), gr.skip(), gr.skip()
     return msg, job["share_token"], gr.Tabs(selected="result"), job["share_token"]

@@ -11,9 +11,10 @@ from typing import Any
 import gradio as gr
 
 from app import limits
+from app.ceiling import duration
 from app.ui import forms
 from app.ui.common import MODEL_FIELDS, NONE_CHOICE, TASKS, submit_and_show
-from app.ui.snippets import errors_html, esc
+from app.ui.snippets import errors_html, esc, note_html
 from compute.contract.specs import SpecError
 from compute.jobs import registry
 
@@ -65,6 +66,7 @@ class Form:
     inputs: list[Any]
     button: Any
     msg: Any
+    confirm: Any  # the checkbox of a job above CONFIRM_ABOVE_S (shown when the submit asks)
     cost: Any | None
     models: list[tuple[Any, bool]]  # model dropdowns, optional?
     refs: list[tuple[Any, str]]  # reference dropdowns, the job kind they list
@@ -107,25 +109,40 @@ def build_form(d: FormDef) -> Form:
                     for name in rest[i:i + ROW]:
                         comps[name] = field_input(d.kind, name, blank=True)
     cost = gr.HTML(elem_id=f"{d.kind}-cost") if d.cost else None
+    confirm = gr.Checkbox(False, visible=False, elem_id=f"{d.kind}-confirm", interactive=True,
+                          label="I understand this job takes long")
     button = gr.Button(d.button, variant="primary", elem_id=f"{d.kind}-submit")
     msg = gr.HTML(elem_id=f"{d.kind}-msg")
     names = list(comps)
     models = [(comps[n], forms.describe(d.kind, n).optional) for n in names if n in MODEL_FIELDS]
     refs = [(comps[n], listed) for n in names
             if (listed := ref_kind(d.kind, n)) is not None and forms.describe(d.kind, n).widget == "text"]
-    return Form(d, names, [comps[n] for n in names], button, msg, cost, models, refs)
+    return Form(d, names, [comps[n] for n in names], button, msg, confirm, cost, models, refs)
 
 
 # ---------------------------------------------------------------- handlers
 
 
-def submit(settings: Any, kind: str, names: list[str], *values: Any) -> tuple[Any, Any, Any, Any]:
-    """Updates for (message, view token, tabs, submitted token) after the submit button."""
+def submit(settings: Any, kind: str, names: list[str], *values: Any) -> tuple[Any, ...]:
+    """Updates for (message, view token, tabs, submitted token, confirmation checkbox) after the
+    submit button; `values` are the form's inputs and, last, the confirmation checkbox. A job
+    estimated above CONFIRM_ABOVE_S is not queued until the box ("I understand this takes about
+    3.2 h") is ticked and the button clicked again."""
+    *fields, confirmed = values
     try:
-        data = forms.form_data(kind, names, values)
+        data = forms.form_data(kind, names, fields)
     except SpecError as exc:
-        return errors_html(exc.errors), gr.skip(), gr.skip(), gr.skip()
-    return submit_and_show(settings, kind, data)
+        return errors_html(exc.errors), gr.skip(), gr.skip(), gr.skip(), gr.skip()
+    try:
+        out = submit_and_show(settings, kind, data, confirm=bool(confirmed))
+    except limits.ConfirmationRequired as exc:
+        took = duration(float(exc.errors[0]["seconds"]))
+        text = (f"This job takes about {took} (estimated), above the confirmation threshold of "
+                f"{duration(float(exc.errors[0]['limit']))}. Tick \"I understand\" and click again "
+                "to queue it.")
+        return (note_html(esc(text), "warn"), gr.skip(), gr.skip(), gr.skip(),
+                gr.Checkbox(value=False, visible=True, label=f"I understand this takes about {took}"))
+    return (*out, gr.Checkbox(value=False, visible=False))
 
 
 def cost(settings: Any, kind: str, names: list[str], *values: Any) -> str:

@@ -128,8 +128,8 @@ def _wire_page(demo: gr.Blocks, settings: Any, p: Page, rt: result.ResultTab, ct
 def _wire_forms(demo: gr.Blocks, settings: Any, p: Page, built: list[Form], kt: tokens.TokensTab) -> None:
     """Submit buttons, cost lines, model and job-reference dropdowns of the job forms."""
     for f in built:
-        f.button.click(bind(submit, settings, f.d.kind, f.names), inputs=f.inputs,
-                       outputs=[f.msg, p.view_token, p.tabs, p.sub_token])
+        f.button.click(bind(submit, settings, f.d.kind, f.names), inputs=[*f.inputs, f.confirm],
+                       outputs=[f.msg, p.view_token, p.tabs, p.sub_token, f.confirm])
         if f.cost is not None:
             for widget in f.inputs:  # the estimate follows what the user changes
                 widget.input(bind(cost, settings, f.d.kind, f.names), inputs=f.inputs, outputs=f.cost, **FAST)

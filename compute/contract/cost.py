@@ -12,6 +12,8 @@ Pure: no imports beyond the standard library (the web process estimates with it)
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 COST_PROMPT_TOKENS = 64
 
 
@@ -37,3 +39,213 @@ def train_passes(algo: str, steps: int, batch: int, group: int, max_new_tokens: 
     per_seq = 3 + (0 if algo == "sft" else 1) + (1 if algo == "opd" else 0)  # grad, sample, teacher
     evals = 2 * eval_prompts * length  # greedy accuracy before and after
     return steps * seqs * length * per_seq + evals
+
+
+# ---------------------------------------------------------------- time and memory (issue 27, 30)
+#
+# The token-passes above price the arithmetic. What a job takes on the clock and in memory also
+# has parts that do not scale with token-passes: loading the model, generation being one call
+# per new token (a tiny model's decode step is all call overhead), the statistics and files a
+# job writes. Each kind's `timing` and `memory` (compute/jobs/<kind>.py) adds those parts up
+# from a `Sizing` (the model's config and this machine's calibration); app/limits.py calls them.
+# The constants below are named and measured (benchmarks/bench_estimates.py): change one when a
+# runner changes, and rerun the benchmark.
+
+MIB = 2**20
+
+# Wall time. A "call" is the fixed part of one forward+backward call of the calibration
+# (compute/lm/calibrate.py: a x its 3 x 8 x 48 token-passes): what a tiny model's call costs, and
+# the unit the per-call overheads below are counted in, so they move with the machine.
+CALL_TOKEN_PASSES = 3 * 8 * 48
+MODEL_LOAD_S = 5.0  # from_pretrained + tokenizer + task set-up of a job, before any weight bytes
+LOAD_BYTES_PER_S = 400e6  # reading safetensors weights into the model (CPU, page cache warm)
+DECODE_STEP_CALLS = 2.0  # one generation step (sampling, logits processors, KV cache update)
+FISHER_ROW_CALLS = 1.0  # per-sample gradient of one row: its own backward's fixed part
+FISHER_ROW_PASS_FACTOR = 2.0  # per-row backward arithmetic vs the calibration's batched one (SmolLM2-135M: ~2x, as issue 30 measured 1.69-2.20x; revisit when the engine reaches its 1.2x goal)
+EXACT_ROW_CALLS = 0.6  # exact output-layer Fisher of one row
+BOUND_ROW_CALLS = 15.0  # the bound check's per-sample gradient of one row (full gradient, kept)
+TRAIN_STEP_CALLS = 2.0  # an optimizer step: objective, backward, clip, step, bookkeeping
+STATS_S_PER_PARAM = 2.4e-7  # a Fisher's statistics over all parameters (split-half, gini, ...)
+TRAIN_FINISH_S = 10.0  # a train's end: update sparsity, concentration, saving model and metrics
+TRAIN_FINISH_S_PER_PARAM = 3e-7
+# retention runs a model below 20M parameters on one torch thread (compute/jobs/retention_run.py
+# SMALL_MODEL_PARAMS): a call's fixed part is then this share of the calibration's (2 threads)
+ONE_THREAD_CALL_SHARE = 0.4
+ONE_THREAD_BELOW_PARAMS = 20_000_000
+# retention keeps the loaded models, the Fisher, the seed-independent masks and every arm's
+# curves and held-out rewards in one process
+RETENTION_STATE_MB = 200.0
+FILE_JOB_S = 0.3  # a job over tensor files: opening, the result, its figures data
+CHECKPOINT_S_PER_PARAM = 2e-7  # diff / series: reading, comparing and summarising one checkpoint
+DIFF_SPECTRA_MB = 4.0  # diff: the linear-algebra workspace of the spectra (LAPACK, its first use)
+DIFF_S_PER_MATRIX = 0.17  # diff: the rank / spectrum of one 2-D delta (7 per block + embeddings)
+MASK_SELECT_S = 0.6  # mask: selecting from a Fisher (per-tensor thresholds, statistics)
+MASK_S_PER_ELEMENT = 2e-8
+TOKEN_GRAD_CALLS = 1.2  # the token explorer: one backward per token it traces
+TOKEN_SETUP_CALLS = 240.0  # its forward over the context and the factored-gradient check
+# Memory (bytes above the process's RSS before the job)
+RUNTIME_BASE_MB = 175.0  # a model-running job's first forward/backward/generate (allocator, kernels)
+FILE_JOB_BASE_MB = 11.0  # a job that only reads tensor files (mask from a Fisher, ...)
+# A Fisher job beyond its weights and temporaries: the gradient, the fp32 sum of squares (4 B),
+# the split-half sum (4 B) and the statistics' working copies (measured: bench_estimates.json)
+FISHER_BYTES_PER_PARAM = 10.0
+# Training, per parameter of the model: its gradient (4), the two base copies the update-sparsity
+# report compares with (stored and master precision: 8), the initial Fisher (4) and the
+# concentration sums (g^2 and |g|: 8, when concentration is on).
+TRAIN_BYTES_PER_PARAM = 16.0
+CONCENTRATION_BYTES_PER_PARAM = 8.0
+# The optimizer's state per *trained* coordinate (AdamW: two fp32 moments; SGD with momentum:
+# one): a masked run holds mask_fraction x this per parameter. The constant to revisit when
+# optimizer state only for the mask's coordinates (issue 30 item 4) lands.
+OPTIMIZER_BYTES_PER_TRAINED_COORD = {"adamw": 8.0, "sgd": 4.0}
+# A tensor-file job (mask, diff, series): each tensor file element read, held and compared
+FILE_BYTES_PER_ELEMENT = 12.0
+# compute/fisher/estimators.py sizes its row chunks with a deliberately safe per-token formula
+# (Sizing.activation_bytes); what a forward+backward actually holds is about this share of it
+ACTIVATION_SHARE = 0.1
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """What a kind's timing and memory read: the (largest) model's size and shape, the files it
+    reads, and this machine (calibration a, b of seconds = token_passes x (a + b x params); the
+    device's free memory, for a Fisher's default temporaries budget)."""
+
+    params: int
+    layers: int = 2
+    hidden: int = 64
+    vocab: int = 100
+    data_elements: int = 0
+    a: float = 0.0
+    b: float = 0.0
+    intermediate: int = 0
+    free_bytes: float | None = None
+    models: int = 1  # how many models the job holds at once (OPD's teacher, a diff's pair)
+
+    def passes_s(self, token_passes: float) -> float:
+        """Seconds of `token_passes` of forward/backward at the calibration."""
+        return max(token_passes, 0.0) * (self.a + self.b * self.params)
+
+    def calls_s(self, calls: float) -> float:
+        """Seconds of `calls` calls' fixed parts (CALL_TOKEN_PASSES x a each)."""
+        return max(calls, 0.0) * CALL_TOKEN_PASSES * self.a
+
+    def load_s(self) -> float:
+        return MODEL_LOAD_S + self.models * self.params * 4 / LOAD_BYTES_PER_S
+
+    def generate_s(self, seqs: int, new_tokens: int, batch: int, prompt: int = COST_PROMPT_TOKENS) -> float:
+        """Sampling `seqs` completions of `new_tokens` in batches of `batch`: the token-passes of
+        prompt and completion, plus a call's fixed part per decode step (one step after another)."""
+        steps = -(-max(seqs, 0) // max(batch, 1)) * new_tokens
+        return self.passes_s(seqs * (prompt + new_tokens)) + self.calls_s(steps * DECODE_STEP_CALLS)
+
+    def weight_bytes(self, dtype_bytes: float = 4.0) -> float:
+        return self.models * self.params * dtype_bytes
+
+    def activation_bytes(self, tokens: int) -> float:
+        """Saved activations of a forward+backward over `tokens` tokens, fp32 logits included
+        (compute/fisher/estimators.py sizes its row chunks with the same formula)."""
+        inter = self.intermediate or 4 * self.hidden
+        return 4.0 * tokens * (self.layers * (12 * self.hidden + 4 * inter) + 4 * self.vocab)
+
+    def kv_cache_bytes(self, rows: int, length: int) -> float:
+        """Generation's KV cache and logits of `rows` rows of `length` tokens (fp32)."""
+        return 4.0 * rows * (length * self.layers * 2 * self.hidden + 2 * self.vocab)
+
+
+def fisher_budget_bytes(memory_budget_mb: int | None, free_bytes: float | None) -> float:
+    """The per-sample temporaries budget a Fisher uses: the spec's, else a quarter of free memory
+    (compute/fisher), what that default is on this machine."""
+    if memory_budget_mb is not None:
+        return memory_budget_mb * MIB
+    return (free_bytes or 4 * 2**30) / 4
+
+
+# ---------------------------------------------------------------- the kinds' shared phases
+
+
+def fisher_seconds(z: Sizing, prompts: int, samples: int, max_new_tokens: int,
+                   estimator: str = "sequence", exact_output: bool = False,
+                   sample_batch: int = 64, statistics: bool = True) -> dict[str, float]:
+    """A Fisher estimate's phases: sampling, the per-row gradients, the exact output-layer check,
+    the statistics over every parameter."""
+    rows = prompts * samples
+    length = COST_PROMPT_TOKENS + max_new_tokens
+    per_row = max_new_tokens if estimator == "token" else 1
+    out = {
+        "sampling": 0.0 if estimator == "empirical" else z.generate_s(rows, max_new_tokens, sample_batch),
+        "gradients": (z.calls_s(rows * FISHER_ROW_CALLS)
+                      + FISHER_ROW_PASS_FACTOR * z.passes_s(rows * length * 3 * per_row)),
+    }
+    if exact_output:
+        out["exact output"] = z.calls_s(rows * EXACT_ROW_CALLS) + z.passes_s(rows * length)
+    if statistics:
+        out["statistics"] = STATS_S_PER_PARAM * z.params
+    return out
+
+
+def train_seconds(z: Sizing, algo: str, steps: int, batch: int, group: int, max_new_tokens: int,
+                  eval_prompts: int, eval_new_tokens: int = 8) -> dict[str, float]:
+    """One training run's phases: greedy accuracy before and after, and per step the sampling
+    (GRPO, OPD), the teacher (OPD) and one gradient step over every sequence."""
+    rows = batch * (1 if algo == "sft" else group)
+    length = COST_PROMPT_TOKENS + max_new_tokens
+    sample = 0.0 if algo == "sft" else z.generate_s(rows, max_new_tokens, rows)
+    teacher = z.passes_s(rows * length) if algo == "opd" else 0.0
+    step = sample + teacher + z.calls_s(TRAIN_STEP_CALLS) + z.passes_s(rows * length * 3)
+    evals = 2 * z.generate_s(eval_prompts, eval_new_tokens, 256)
+    return {"steps": steps * step, "evaluation": evals}
+
+
+def bound_seconds(z: Sizing, rows: int, max_new_tokens: int) -> float:
+    """GRPO's bound check: a per-sample gradient of every row of the first batch."""
+    length = COST_PROMPT_TOKENS + max_new_tokens
+    return z.calls_s(rows * BOUND_ROW_CALLS) + z.passes_s(rows * length * 3)
+
+
+def train_finish_seconds(z: Sizing) -> float:
+    return TRAIN_FINISH_S + TRAIN_FINISH_S_PER_PARAM * z.params
+
+
+def fisher_memory(z: Sizing, prompts: int, samples: int, max_new_tokens: int,
+                  memory_budget_mb: int | None, dtype_bytes: float = 4.0,
+                  sample_batch: int = 64) -> dict[str, float]:
+    """A Fisher job's peak: the weights in their dtype, the accumulators, the per-row temporaries
+    (at most the budget: the rows of one chunk at the job's row length) and sampling's cache."""
+    rows = prompts * samples
+    length = COST_PROMPT_TOKENS + max_new_tokens
+    budget = fisher_budget_bytes(memory_budget_mb, z.free_bytes)
+    return {
+        "runtime": RUNTIME_BASE_MB * MIB,
+        "weights": z.weight_bytes(dtype_bytes),
+        "accumulators": FISHER_BYTES_PER_PARAM * z.params,
+        "temporaries": min(budget, ACTIVATION_SHARE * z.activation_bytes(rows * length)),
+        "sampling cache": z.kv_cache_bytes(min(rows, sample_batch), length),
+    }
+
+
+def train_memory(z: Sizing, algo: str, batch: int, group: int, max_new_tokens: int,
+                 optimizer: str, mask_fraction: float = 1.0, concentration: bool = True,
+                 teacher: bool = False) -> dict[str, float]:
+    """One training run's peak: weights (a teacher's too), per-parameter gradient, base copies and
+    Fisher, the optimizer's state for the trained coordinates (mask_fraction of them), and the
+    activations of one step's rows at their length."""
+    rows = batch * (1 if algo == "sft" else group)
+    length = COST_PROMPT_TOKENS + max_new_tokens
+    state = OPTIMIZER_BYTES_PER_TRAINED_COORD.get(optimizer, 8.0) * mask_fraction
+    return {
+        "runtime": RUNTIME_BASE_MB * MIB,
+        "weights": z.params * 4.0 * (2 if teacher else 1),
+        "gradient and base copies": (TRAIN_BYTES_PER_PARAM
+                                     + (CONCENTRATION_BYTES_PER_PARAM if concentration else 0.0)) * z.params,
+        "optimizer state": state * z.params,
+        "activations": ACTIVATION_SHARE * z.activation_bytes(rows * length),
+    }
+
+
+def file_memory(z: Sizing, models: int = 0) -> dict[str, float]:
+    """A job over tensor files (and `models` models' weights read tensor by tensor)."""
+    return {
+        "runtime": (RUNTIME_BASE_MB if models else FILE_JOB_BASE_MB) * MIB,
+        "tensors": FILE_BYTES_PER_ELEMENT * max(z.data_elements, z.params * models),
+    }

@@ -140,6 +140,12 @@ class JobKind:
     cli_args    spec fields taken as positional CLI arguments, in order (diff BASE TUNED)
     example     a small valid spec (tests validate it and price it; docs may show it)
     tensors     how the explorer opens its tensors (TensorView), or None (nothing to open)
+    timing      (spec, compute.contract.cost.Sizing) -> {phase: seconds}: the run time on the
+                calibrated machine, parts that do not scale with token-passes included (model
+                load, decode steps, statistics); None: token-passes x (a + b x params) alone
+    memory      (spec, Sizing) -> {part: bytes}: the predicted peak above the process before the
+                job (weights, accumulators, temporaries, activations, optimizer state); None:
+                unknown (no refusal for memory)
     """
 
     name: str
@@ -156,6 +162,8 @@ class JobKind:
     cli_args: tuple[str, ...] = ()
     example: Mapping[str, Any] = field(default_factory=dict)
     tensors: TensorView | None = None
+    timing: Callable[[Any, Any], Mapping[str, float]] | None = None
+    memory: Callable[[Any, Any], Mapping[str, float]] | None = None
 
     def ref_fields(self, *targets: RefTarget) -> tuple[str, ...]:
         """The reference fields naming one of `targets` (all reference fields when none given)."""

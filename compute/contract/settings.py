@@ -195,6 +195,20 @@ class Settings(BaseSettings):
     max_job_cost_admin: float | None = Field(
         default=None, gt=0, description="The same for admins and the local user (none: no limit)."
     )
+    confirm_above_s: float | None = Field(
+        default=3600,
+        ge=0,
+        description="Jobs whose estimated run time is above this many seconds need a confirmation: "
+        "the API answers 422 (field `confirm`) unless the request has \"confirm\": true, the CLI "
+        "asks (or takes --yes), the form shows a checkbox. None or 0: never ask.",
+    )
+    max_job_memory_mb: float | None = Field(
+        default=None,
+        gt=0,
+        description="Memory (MiB) a job may use on the worker's device, checked at submit against "
+        "the estimated peak (HTTP 422, field `memory`). Default: what the device has free now "
+        "(CPU: MemAvailable of /proc/meminfo; CUDA: torch.cuda.mem_get_info).",
+    )
     share_by_default: bool | None = Field(
         default=None,
         description="Whether a new job's share link works from the start. Default: on in the "

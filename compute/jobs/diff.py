@@ -10,6 +10,14 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from compute.contract.cost import (
+    CHECKPOINT_S_PER_PARAM,
+    DIFF_S_PER_MATRIX,
+    DIFF_SPECTRA_MB,
+    FILE_JOB_S,
+    Sizing,
+    file_memory,
+)
 from compute.contract.kinds import JobKind, KindForm, TensorView
 from compute.contract.results import Contract, Family, Summary, TypedResult
 from compute.contract.specs import (
@@ -94,9 +102,22 @@ def cost(s: DiffSpec) -> int:
     return 0  # reads two checkpoints, no forward passes (app/limits.py charges one pass over the weights)
 
 
+def timing(s: DiffSpec, z: Sizing) -> dict[str, float]:
+    """Opening both checkpoints and comparing them tensor by tensor (the rank of 2-D deltas
+    included), with the Fisher when given."""
+    return {"open": FILE_JOB_S, "compare": 2 * CHECKPOINT_S_PER_PARAM * z.params,
+            "spectra": DIFF_S_PER_MATRIX * (7 * z.layers + 2)}
+
+
+def memory(s: DiffSpec, z: Sizing) -> dict[str, float]:
+    """The two checkpoints are read tensor by tensor (no model is built)."""
+    return file_memory(z, models=0) | {"tensors": 3 * 4.0 * z.params,
+                                       "spectra": DIFF_SPECTRA_MB * 2**20}
+
+
 KIND = JobKind(
     name="diff", title="Checkpoint diff", spec=DiffSpec, contract=CONTRACT, runner="compute.jobs.diff_run:run",
-    cost=cost, order=60,
+    cost=cost, order=60, timing=timing, memory=memory,
     refs={"base": "model", "tuned": "model", "fisher": "fisher"},
     form=KindForm(tab="Checkpoint diff", button="Diff", cost=False,
                   main=("base", "tuned", "fisher", "topk_percent")),

@@ -10,7 +10,7 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
-from compute.contract.cost import fisher_passes
+from compute.contract.cost import Sizing, fisher_memory, fisher_passes, fisher_seconds
 from compute.contract.kinds import JobKind, KindForm, TensorView
 from compute.contract.results import Contract, Row, Summary, TypedResult
 from compute.contract.specs import (
@@ -106,9 +106,26 @@ def cost(s: FisherSpec) -> int:
     return fisher_passes(prompts, s.samples, s.max_new_tokens, s.estimator, s.exact_output)
 
 
+def _prompts(s: FisherSpec) -> int:
+    return max(s.prompts, s.max_prompts) if s.until_reliable else s.prompts
+
+
+def timing(s: FisherSpec, z: Sizing) -> dict[str, float]:
+    """Load, sampling, the per-row gradients, the exact output-layer check and the statistics
+    (compute.contract.cost.fisher_seconds), for until_reliable's worst case."""
+    return {"load": z.load_s(), **fisher_seconds(z, _prompts(s), s.samples, s.max_new_tokens,
+                                                 s.estimator, s.exact_output)}
+
+
+def memory(s: FisherSpec, z: Sizing) -> dict[str, float]:
+    half = s.dtype in ("bfloat16", "float16") or (s.dtype == "auto" and s.device.startswith("cuda"))
+    return fisher_memory(z, _prompts(s), s.samples, s.max_new_tokens, s.memory_budget_mb,
+                         2.0 if half else 4.0)
+
+
 KIND = JobKind(
     name="fisher", title="Fisher", spec=FisherSpec, contract=CONTRACT, runner="compute.jobs.fisher_run:run",
-    cost=cost, order=10,
+    cost=cost, order=10, timing=timing, memory=memory,
     refs={"model": "model"},
     outputs={"fisher": "fisher"},
     form=KindForm(tab="Fisher", button="Compute Fisher",

@@ -10,7 +10,14 @@ from typing import Literal
 
 from pydantic import Field, model_validator
 
-from compute.contract.cost import COST_PROMPT_TOKENS
+from compute.contract.cost import (
+    COST_PROMPT_TOKENS,
+    FILE_JOB_S,
+    MASK_S_PER_ELEMENT,
+    MASK_SELECT_S,
+    Sizing,
+    file_memory,
+)
 from compute.contract.kinds import JobKind, KindForm, TensorView
 from compute.contract.results import Contract, Summary, TypedResult
 from compute.contract.specs import (
@@ -91,9 +98,22 @@ def cost(s: MaskSpec) -> int:
     return s.prompts * (COST_PROMPT_TOKENS + 16) * 3 if s.select == "gradient" else 0
 
 
+def timing(s: MaskSpec, z: Sizing) -> dict[str, float]:
+    """Reading the Fisher and selecting (a pass over its elements); the gradient selector also
+    loads the model and runs one backward per prompt."""
+    out = {"select": FILE_JOB_S + MASK_SELECT_S + MASK_S_PER_ELEMENT * max(z.data_elements, z.params)}
+    if s.select == "gradient":
+        out["gradient"] = z.load_s() + z.calls_s(s.prompts) + z.passes_s(cost(s))
+    return out
+
+
+def memory(s: MaskSpec, z: Sizing) -> dict[str, float]:
+    return file_memory(z, models=1 if s.select in ("gradient", "magnitude") else 0)
+
+
 KIND = JobKind(
     name="mask", title="Mask", spec=MaskSpec, contract=CONTRACT, runner="compute.jobs.mask_run:run",
-    cost=cost, order=20,
+    cost=cost, order=20, timing=timing, memory=memory,
     refs={"model": "model", "fisher": "fisher", "gradient": "gradient"},
     outputs={"mask": "mask"},
     form=KindForm(tab="Mask", button="Build mask", cost=False,

@@ -12,7 +12,19 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, model_validator
 
-from compute.contract.cost import fisher_passes, train_passes
+from compute.contract.cost import (
+    MIB,
+    ONE_THREAD_BELOW_PARAMS,
+    ONE_THREAD_CALL_SHARE,
+    RETENTION_STATE_MB,
+    Sizing,
+    fisher_passes,
+    fisher_seconds,
+    train_finish_seconds,
+    train_memory,
+    train_passes,
+    train_seconds,
+)
 from compute.contract.kinds import JobKind, KindForm
 from compute.contract.results import Contract, Family, Row, Summary, TypedResult
 from compute.contract.specs import (
@@ -149,6 +161,25 @@ def cost(s: RetentionSpec) -> int:
     return runs * one + s.seeds * fisher
 
 
+def timing(s: RetentionSpec, z: Sizing) -> dict[str, float]:
+    """In one process (queued, the arms run on as many workers at once): the base's evaluation,
+    the Fisher once per seed, and every arm's training run and evaluation."""
+    runs = s.seeds * (len(s.densities) * len(s.selectors) + 1)
+    one = train_seconds(z, s.algo, s.steps, s.batch, s.group, s.max_new_tokens, s.eval_prompts)
+    fisher = sum(fisher_seconds(z, s.fisher_prompts, s.fisher_samples, s.max_new_tokens,
+                                statistics=False).values())
+    share = ONE_THREAD_CALL_SHARE if z.params < ONE_THREAD_BELOW_PARAMS else 1.0
+    return {"load": z.load_s(), "initial Fisher": s.seeds * fisher,
+            "arms": runs * share * (one["steps"] + one["evaluation"] / 2 + train_finish_seconds(z)),
+            "base evaluation": share * one["evaluation"] / 2}
+
+
+def memory(s: RetentionSpec, z: Sizing) -> dict[str, float]:
+    """One arm's training peak, and what the sweep keeps between arms."""
+    return train_memory(z, s.algo, s.batch, s.group, s.max_new_tokens, s.optimizer,
+                        teacher=s.algo == "opd") | {"kept between arms": RETENTION_STATE_MB * MIB}
+
+
 def implied_refs(s: RetentionSpec) -> dict[str, str]:
     """The OPD teacher the runner loads when none is given."""
     if s.algo == "opd" and not s.teacher and s.model in DEFAULT_TEACHERS:
@@ -158,7 +189,7 @@ def implied_refs(s: RetentionSpec) -> dict[str, str]:
 
 KIND = JobKind(
     name="retention", title="Retention", spec=RetentionSpec, contract=CONTRACT,
-    runner="compute.jobs.retention_run:run", cost=cost, order=40,
+    runner="compute.jobs.retention_run:run", cost=cost, order=40, timing=timing, memory=memory,
     refs={"model": "model", "teacher": "model"},
     implied_refs=implied_refs,
     form=KindForm(tab="Retention sweep", button="Run retention sweep",

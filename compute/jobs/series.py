@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
+from compute.contract.cost import CHECKPOINT_S_PER_PARAM, FILE_JOB_S, Sizing, file_memory
 from compute.contract.kinds import JobKind, KindForm, TensorView
 from compute.contract.results import Contract, Family, Summary, TypedResult
 from compute.contract.specs import AllowOtherModel, ModelRef, Spec
@@ -100,9 +101,19 @@ def cost(s: SeriesSpec) -> int:
     return 0  # reads checkpoints, no forward passes (app/limits.py charges a pass over the weights)
 
 
+def timing(s: SeriesSpec, z: Sizing) -> dict[str, float]:
+    """Reading the base and each checkpoint tensor by tensor (their count is not known before
+    the folder is listed: priced as the base and one checkpoint, per parameter)."""
+    return {"open": FILE_JOB_S, "compare": 2 * CHECKPOINT_S_PER_PARAM * z.params}
+
+
+def memory(s: SeriesSpec, z: Sizing) -> dict[str, float]:
+    return file_memory(z, models=0) | {"tensors": 2 * 4.0 * z.params}
+
+
 KIND = JobKind(
     name="series", title="Run folder series", spec=SeriesSpec, contract=CONTRACT,
-    runner="compute.jobs.series:run", cost=cost, order=65,
+    runner="compute.jobs.series:run", cost=cost, order=65, timing=timing, memory=memory,
     refs={"base": "model", "run_dir": "run_dir", "fisher": "fisher"},
     form=KindForm(tab="Run series", button="Read run folder", cost=False,
                   main=("base", "run_dir", "fisher", "support_percent", "atol")),

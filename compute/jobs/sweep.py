@@ -11,7 +11,15 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from compute.contract.cost import fisher_passes, train_passes
+from compute.contract.cost import (
+    Sizing,
+    fisher_passes,
+    fisher_seconds,
+    train_finish_seconds,
+    train_memory,
+    train_passes,
+    train_seconds,
+)
 from compute.contract.kinds import JobKind, KindForm
 from compute.contract.results import PRECISIONS, Contract, Family, Row, Summary, TypedResult
 from compute.contract.specs import (
@@ -116,9 +124,26 @@ def cost(s: SweepSpec) -> int:
     return points * one + fisher
 
 
+def timing(s: SweepSpec, z: Sizing) -> dict[str, float]:
+    """Every point in one process (queued, the points run on as many workers at once): the
+    initial Fisher once, then per point a load, a training run and its end (diff, saving)."""
+    points = len(s.lrs) * len(s.optimizers) * len(s.precision)
+    one = train_seconds(z, s.algo, s.steps, s.batch, s.group, s.max_new_tokens, s.eval_prompts)
+    out = {"initial Fisher": 0.0 if s.fisher else sum(fisher_seconds(
+        z, s.fisher_prompts, s.fisher_samples, s.max_new_tokens, statistics=False).values()) + z.load_s()}
+    out["points"] = points * (z.load_s() + sum(one.values()) + train_finish_seconds(z))
+    return out
+
+
+def memory(s: SweepSpec, z: Sizing) -> dict[str, float]:
+    """One point at a time: a training run's peak (the largest optimizer state of the grid)."""
+    opt = "adamw" if "adamw" in s.optimizers else s.optimizers[0]
+    return train_memory(z, s.algo, s.batch, s.group, s.max_new_tokens, opt, teacher=s.algo == "opd")
+
+
 KIND = JobKind(
     name="sweep", title="LR x optimizer sweep", spec=SweepSpec, contract=CONTRACT,
-    runner="compute.jobs.sweep_run:run", cost=cost, order=50,
+    runner="compute.jobs.sweep_run:run", cost=cost, order=50, timing=timing, memory=memory,
     refs={"model": "model", "teacher": "model", "fisher": "fisher"},
     form=KindForm(tab="LR x optimizer sweep", button="Run sweep",
                   main=("model", "algo", "teacher", "lrs", "optimizers", "precision", "steps", "seed")),

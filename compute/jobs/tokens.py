@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator
 
+from compute.contract.cost import RUNTIME_BASE_MB, TOKEN_GRAD_CALLS, TOKEN_SETUP_CALLS, Sizing
 from compute.contract.kinds import JobKind
 from compute.contract.results import Contract, Row, Summary, TypedResult
 from compute.contract.specs import (
@@ -93,9 +94,22 @@ def cost(s: TokensSpec) -> int:
     return length * (1 + 3 * grads)
 
 
+def timing(s: TokensSpec, z: Sizing) -> dict[str, float]:
+    """Load, a forward over the context, one backward per traced token (its fixed part and its
+    arithmetic over the context)."""
+    grads = s.top_k + s.random_k + s.low_k + min(s.max_tokens, z.vocab)
+    return {"load": z.load_s(), "forward and check": z.calls_s(TOKEN_SETUP_CALLS),
+            "gradients": z.calls_s(grads * TOKEN_GRAD_CALLS) + z.passes_s(cost(s))}
+
+
+def memory(s: TokensSpec, z: Sizing) -> dict[str, float]:
+    return {"runtime": RUNTIME_BASE_MB * 2**20, "weights": 4.0 * z.params,
+            "gradients": 8.0 * z.params + z.activation_bytes(len(s.context))}
+
+
 KIND = JobKind(
     name="tokens", title="Token explorer", spec=TokensSpec, contract=CONTRACT, runner="compute.jobs.tokens_run:run",
-    cost=cost, order=70,
+    cost=cost, order=70, timing=timing, memory=memory,
     refs={"model": "model"},
     example={"model": "arith-base", "context": "12+34="},
 )

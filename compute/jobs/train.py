@@ -11,7 +11,17 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from compute.contract.cost import COST_PROMPT_TOKENS, fisher_passes, train_passes
+from compute.contract.cost import (
+    COST_PROMPT_TOKENS,
+    Sizing,
+    bound_seconds,
+    fisher_passes,
+    fisher_seconds,
+    train_finish_seconds,
+    train_memory,
+    train_passes,
+    train_seconds,
+)
 from compute.contract.kinds import JobKind, KindForm
 from compute.contract.results import Contract, Family, Summary, TypedResult
 from compute.contract.specs import (
@@ -136,9 +146,32 @@ def cost(s: TrainSpec) -> int:
     return n
 
 
+def timing(s: TrainSpec, z: Sizing) -> dict[str, float]:
+    """Load, the Fisher a mask or the concentration needs, the bound check, the steps, the
+    held-out accuracy before and after, and the run's end (update sparsity, saving)."""
+    out = {"load": z.load_s()}
+    fishers = int(bool(s.mask_select)) + int(not s.fisher and (s.concentration or (s.algo == "grpo" and s.bound)))
+    if fishers:
+        one = fisher_seconds(z, s.fisher_prompts, s.fisher_samples, s.max_new_tokens, statistics=False)
+        out["initial Fisher"] = fishers * sum(one.values())
+    if s.algo == "grpo" and s.bound:
+        out["bound check"] = bound_seconds(z, s.batch * s.group, s.max_new_tokens)
+    out.update(train_seconds(z, s.algo, s.steps, s.batch, s.group, s.max_new_tokens, s.eval_prompts))
+    out["finish"] = train_finish_seconds(z)
+    return out
+
+
+def memory(s: TrainSpec, z: Sizing) -> dict[str, float]:
+    """compute.contract.cost.train_memory; a mask chosen here trains mask_density of the
+    coordinates (a given mask file: counted as all of them, its density is not read here)."""
+    fraction = s.mask_density if s.mask_select and s.mask_density else 1.0
+    return train_memory(z, s.algo, s.batch, s.group, s.max_new_tokens, s.optimizer, fraction,
+                        s.concentration, teacher=s.algo == "opd")
+
+
 KIND = JobKind(
     name="train", title="Training run", spec=TrainSpec, contract=CONTRACT, runner="compute.jobs.train_run:run",
-    cost=cost, order=30,
+    cost=cost, order=30, timing=timing, memory=memory,
     refs={"model": "model", "teacher": "model", "mask": "mask", "fisher": "fisher"},
     outputs={"model": "model", "mask": "mask", "run_dir": "model"},  # run_dir: checkpoint-N with save_steps
     form=KindForm(tab="Train", button="Train",

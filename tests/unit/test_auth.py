@@ -355,7 +355,14 @@ def test_cost_ceiling_and_spec_size(env: Env) -> None:
     r = a.post("/api/jobs", json=_spec(52, task="x" * 5000))
     assert r.status_code == 422 and r.json()["detail"][0]["field"] == "task"
     # admins have no ceiling by default
-    assert env.client("root").post("/api/jobs", json=_spec(53, **huge)).status_code == 201
+    # no ceiling for admins; a 1 TB temporaries budget does not fit the device (issue 30: refused
+    # at submit with the figures), and above CONFIRM_ABOVE_S (1 h) a job needs the confirmation
+    r = env.client("root").post("/api/jobs", json=_spec(53, **huge))
+    assert r.status_code == 422 and r.json()["detail"][0]["field"] == "memory"
+    assert "needs about" in r.json()["detail"][0]["message"]
+    fits = {k: v for k, v in huge.items() if k != "memory_budget_mb"}
+    assert env.client("root").post("/api/jobs", json=_spec(53, **fits)).json()["detail"][0]["field"] == "confirm"
+    assert env.client("root").post("/api/jobs", json={**_spec(53, **fits), "confirm": True}).status_code == 201
     assert env.job_rows() == rows + 1 and env.queued_messages() == msgs + 1
 
 
@@ -385,7 +392,8 @@ def test_embedded_default_needs_no_login(embedded: Env) -> None:
     assert c.get("/login").status_code == 303
     # no cost ceiling or queue limit for the local user (an admin) unless the operator sets one
     huge = {"prompts": 4096, "samples": 64, "max_new_tokens": 1024}
-    assert c.post("/api/jobs", json=_spec(72, **huge)).status_code == 201
+    assert c.post("/api/jobs", json=_spec(72, **huge)).json()["detail"][0]["field"] == "confirm"  # > 1 h
+    assert c.post("/api/jobs", json={**_spec(72, **huge), "confirm": True}).status_code == 201
     # a bad body is still refused
     assert c.post("/api/jobs", content=b"x" * 200_000).status_code == 413
 

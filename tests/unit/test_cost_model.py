@@ -1,0 +1,221 @@
+"""The calibrated cost model's two doors (issue 27 item 3, issue 30 item 5): an estimate's time
+and memory parts are the formulas of compute/contract/cost.py on the model's own config (checked
+against numbers computed here by hand), a job above CONFIRM_ABOVE_S needs a confirmation (API
+422 field `confirm`, then 201 with "confirm": true; CLI --yes; the form's checkbox), and a job
+whose predicted peak does not fit the device is refused at submit with both figures. Real
+SQLite database, real filesystem queue, the real zoo model arith-base; no worker, no timing."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from fastapi.testclient import TestClient
+
+from compute.contract import cost as C
+from compute.contract.settings import Settings
+
+ROOT = Path(__file__).resolve().parents[2]
+A, B = 1e-5, 2e-11  # the calibration written for these tests: seconds = passes x (A + B x params)
+
+
+def _home(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(ROOT / "compute" / "zoo_weights" / "arith-base", path / "zoo" / "arith-base",
+                    dirs_exist_ok=True)
+    (path / "throughput.json").write_text(json.dumps(
+        {"seconds_per_token_pass": A, "seconds_per_param_token_pass": B}))
+    return path
+
+
+def _settings(home: Path, **over: object) -> Settings:
+    return Settings(fisherlens_home=home, database_url=None, redis_url=None,
+                    public_url="http://testserver", **over)
+
+
+def _arith() -> tuple[int, dict]:
+    cfg = json.loads((ROOT / "compute" / "zoo_weights" / "arith-base" / "config.json").read_text())
+    info = json.loads((ROOT / "compute" / "zoo_weights" / "arith-base" / "fisherlens.json").read_text())
+    return int(info.get("n_params") or info["params"]), cfg
+
+
+def test_fisher_estimate_parts_are_the_formulas_on_the_models_config(tmp_path: Path) -> None:
+    from app import limits
+    from compute.jobs.registry import parse_spec
+
+    settings = _settings(_home(tmp_path / "home"), max_job_memory_mb=1_000_000)
+    spec = parse_spec("fisher", {"model": "arith-base", "prompts": 8, "samples": 2,
+                                 "max_new_tokens": 16, "memory_budget_mb": 64})
+    est = limits.estimate(settings, "fisher", spec, limits.refs_for_estimate(settings, "fisher", spec))
+    p, cfg = _arith()
+    assert est["params"] == p
+    rows, length = 16, C.COST_PROMPT_TOKENS + 16
+    per = A + B * p
+    call = C.CALL_TOKEN_PASSES * A
+    parts = est["seconds_parts"]
+    assert parts["load"] == pytest.approx(C.MODEL_LOAD_S + p * 4 / C.LOAD_BYTES_PER_S)
+    # 16 rows sampled in one batch of <= 64: 16 decode steps, each a call's fixed part x 2
+    assert parts["sampling"] == pytest.approx(rows * length * per + 16 * C.DECODE_STEP_CALLS * call)
+    assert parts["gradients"] == pytest.approx(rows * C.FISHER_ROW_CALLS * call
+                                               + C.FISHER_ROW_PASS_FACTOR * rows * length * 3 * per)
+    assert parts["exact output"] == pytest.approx(rows * C.EXACT_ROW_CALLS * call + rows * length * per)
+    assert est["seconds"] == pytest.approx(sum(parts.values()))
+    assert est["seconds_from"].startswith("calibrated")
+
+    mem = est["memory_parts"]
+    assert mem["weights"] == 4 * p  # float32 weights
+    assert mem["accumulators"] == C.FISHER_BYTES_PER_PARAM * p
+    inter = cfg["intermediate_size"]
+    per_token = 4 * (cfg["num_hidden_layers"] * (12 * cfg["hidden_size"] + 4 * inter) + 4 * cfg["vocab_size"])
+    assert mem["temporaries"] == pytest.approx(min(64 * 2**20, C.ACTIVATION_SHARE * rows * length * per_token))
+    assert est["memory_bytes"] == pytest.approx(sum(mem.values()))
+
+    # bfloat16 weights are half the bytes; the accumulators stay fp32
+    half = limits.estimate(settings, "fisher", parse_spec("fisher", {**spec.model_dump(), "dtype": "bfloat16"}),
+                           limits.refs_for_estimate(settings, "fisher", spec))
+    assert half["memory_parts"]["weights"] == 2 * p
+    assert half["memory_parts"]["accumulators"] == mem["accumulators"]
+
+
+def test_masked_train_memory_scales_its_optimizer_state_with_the_mask(tmp_path: Path) -> None:
+    from app import limits
+    from compute.jobs.registry import parse_spec
+
+    settings = _settings(_home(tmp_path / "home"))
+    p, _ = _arith()
+
+    def state(**spec: object) -> float:
+        s = parse_spec("train", {"model": "arith-base", "steps": 2, **spec})
+        return limits.estimate(settings, "train", s, limits.refs_for_estimate(settings, "train", s))[
+            "memory_parts"]["optimizer state"]
+
+    assert state() == pytest.approx(C.OPTIMIZER_BYTES_PER_TRAINED_COORD["adamw"] * p)
+    assert state(mask_select="random", mask_density=0.01) == pytest.approx(
+        0.01 * C.OPTIMIZER_BYTES_PER_TRAINED_COORD["adamw"] * p)
+
+
+@pytest.fixture
+def api(tmp_path: Path):
+    from app.web import create_app
+
+    def make(**over: object) -> TestClient:
+        return TestClient(create_app(_settings(_home(tmp_path / "home"), **over)), follow_redirects=False)
+
+    return make
+
+
+def test_api_asks_for_confirmation_above_the_threshold_then_queues(api) -> None:
+    client = api(confirm_above_s=1.0)  # every job of a model takes longer than 1 s (its load)
+    body = {"kind": "fisher", "spec": {"model": "arith-base", "prompts": 4, "samples": 1}}
+    r = client.post("/api/jobs", json=body)
+    assert r.status_code == 422, r.text
+    (err,) = r.json()["detail"]
+    assert err["field"] == "confirm" and err["limit"] == 1.0 and err["seconds"] > 1.0
+    assert '"confirm": true' in err["message"] and "about" in err["message"]
+    assert client.get("/api/jobs").json() == []  # nothing queued
+    est = client.post("/api/estimate", json=body).json()
+    assert est["needs_confirmation"] is True and est["seconds"] == pytest.approx(err["seconds"])
+    assert est["memory_bytes"] > 0 and "memory" in est["text"]
+
+    r = client.post("/api/jobs", json={**body, "confirm": True})
+    assert r.status_code == 201, r.text
+    assert r.json()["status"] == "queued"
+
+
+def test_api_refuses_a_job_that_does_not_fit_the_device_with_both_figures(api) -> None:
+    client = api(max_job_memory_mb=50)  # a model-running job needs more than its runtime base
+    r = client.post("/api/jobs", json={"kind": "fisher", "spec": {"model": "arith-base", "prompts": 4}})
+    assert r.status_code == 422, r.text
+    (err,) = r.json()["detail"]
+    assert err["field"] == "memory"
+    assert err["limit"] == 50 * 2**20 and err["value"] > err["limit"]
+    need = f"{err['value'] / 1e6:.3g} MB"
+    assert f"needs about {need}" in err["message"]
+    assert "MAX_JOB_MEMORY_MB allows 52.4 MB" in err["message"]
+    assert client.get("/api/jobs").json() == []
+
+
+def _cli_env(monkeypatch: pytest.MonkeyPatch, home: Path, **env: str) -> None:
+    monkeypatch.setenv("FISHERLENS_HOME", str(home))
+    for k in ("FISHERLENS_URL", "FISHERLENS_TOKEN", "DATABASE_URL", "REDIS_URL", "CONFIRM_ABOVE_S",
+              "MAX_JOB_MEMORY_MB"):
+        monkeypatch.delenv(k, raising=False)
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+
+
+def test_cli_dry_run_prints_time_and_memory_and_runs_nothing(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    from app.cli import main
+
+    home = _home(tmp_path / "home")
+    _cli_env(monkeypatch, home)
+    out = tmp_path / "out"
+    res = CliRunner().invoke(main, ["fisher", "--model", "arith-base", "--prompts", "4", "--out", str(out),
+                                    "--dry-run"])
+    assert res.exit_code == 0, res.output
+    assert "time: about" in res.output and "memory: needs about" in res.output
+    assert "load" in res.output and "weights" in res.output and "has" in res.output
+    assert "nothing was run" in res.output and not out.exists()
+    res = CliRunner().invoke(main, ["submit", "fisher", "--spec", '{"model": "arith-base"}', "--dry-run"])
+    assert res.exit_code == 0 and "memory: needs about" in res.output, res.output
+    from app import services
+
+    assert services.list_jobs(_settings(home)) == []  # nothing submitted
+
+
+def test_cli_needs_yes_above_the_threshold_without_a_terminal(tmp_path: Path,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    from app.cli import main
+
+    home = _home(tmp_path / "home")
+    _cli_env(monkeypatch, home, CONFIRM_ABOVE_S="1")
+    spec = '{"model": "arith-base", "prompts": 4, "samples": 1}'
+    res = CliRunner().invoke(main, ["submit", "fisher", "--spec", spec])
+    assert res.exit_code == 2, res.output
+    assert "--yes" in res.output and "above the confirmation threshold of 1 s" in res.output
+    res = CliRunner().invoke(main, ["submit", "fisher", "--spec", spec, "--yes"])
+    assert res.exit_code == 0 and "queued" in res.output, res.output
+    # a direct command refuses the same way before it loads anything
+    res = CliRunner().invoke(main, ["fisher", "--model", "arith-base", "--out", str(tmp_path / "o")])
+    assert res.exit_code == 2 and "--yes" in res.output, res.output
+    assert not (tmp_path / "o").exists()
+    # and a device that cannot hold it: exit 2 with the figures
+    _cli_env(monkeypatch, home, MAX_JOB_MEMORY_MB="50")
+    res = CliRunner().invoke(main, ["fisher", "--model", "arith-base", "--out", str(tmp_path / "o")])
+    assert res.exit_code == 2 and "memory: this job needs about" in res.output, res.output
+
+
+def test_form_shows_a_confirmation_checkbox_before_queueing(tmp_path: Path) -> None:
+    import gradio as gr
+
+    from app import services
+    from app.ui import formtab
+
+    settings = _settings(_home(tmp_path / "home"), confirm_above_s=1.0)
+    services.sessions(settings)
+    names = ["model", "prompts", "samples"]
+    msg, token, _, _, box = formtab.submit(settings, "fisher", names, "arith-base", 4, 1, False)
+    assert isinstance(box, gr.Checkbox) and box.visible is True
+    assert re.search(r"I understand this takes about \d+ s", str(box.label))
+    assert "above the confirmation threshold" in msg and token is not None
+    assert services.list_jobs(settings) == []
+    msg, token, _, _, box = formtab.submit(settings, "fisher", names, "arith-base", 4, 1, True)
+    assert services.list_jobs(settings)[0]["kind"] == "fisher"
+    assert box.visible is False and isinstance(token, str)
+
+
+def test_every_kind_has_a_timing_and_a_memory_model() -> None:
+    from compute.jobs.registry import KINDS
+
+    missing = [k for k, v in KINDS.items() if v.timing is None or v.memory is None]
+    assert missing == []
+    assert not math.isnan(C.RUNTIME_BASE_MB)
+
+
+
