@@ -399,12 +399,11 @@ def render_bench_estimates(data: dict[str, Any]) -> str:
                       f"{c2['seconds_per_param_token_pass']:.3g} s, load average "
                       f"{r['load']['before'][0]:.1f}), spec {_spec_text(r['spec'])}."]
     for r in data.get("superseded_rows") or []:
-        lines += ["", f"Superseded: {r['name']} with {_spec_text(r['spec'])}, measured in the first run, "
+        lines += ["", f"Superseded: {r['name']} with {_spec_text(r['spec'])}, measured earlier, "
                   f"took {r['measured']['seconds']:.0f} s (peak {r['measured']['peak_mib']:,.0f} MiB) "
-                  f"at a load average of {r['load']['before'][0]:.1f} to {r['load']['after'][0]:.1f}, "
-                  f"against {data['load_before_calibration'][0]:.1f} when the calibration ran: the "
-                  "machine's other work doubled during it, so it was measured again, back to back with "
-                  "a fresh calibration."]
+                  f"at a load average of {r['load']['before'][0]:.1f} to {r['load']['after'][0]:.1f} "
+                  f"(the first run's calibration ran at {data['load_before_calibration'][0]:.1f}); "
+                  "replaced by the row in the table, measured back to back with its own calibration."]
     if data.get("reestimated_at"):
         lines.append("")
         lines.append(f"Estimates recomputed from the same measurements and calibration with "
