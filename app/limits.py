@@ -27,6 +27,7 @@ from app.ceiling import REPO_THROUGHPUT, calibration, duration, job_ceiling, sec
 from app.services.compat import safetensors_header
 from compute.contract.cost import COST_PROMPT_TOKENS, MIB, Sizing
 from compute.contract.specs import SpecError
+from compute.contract.tasknames import prompt_tokens
 from compute.jobs import registry
 
 __all__ = ["REPO_THROUGHPUT", "job_ceiling", "throughput"]  # the ceiling's half: app/ceiling.py
@@ -130,7 +131,7 @@ def token_passes(kind: str, spec: Any) -> int:
 
 
 def model_shape(ref: Any) -> dict[str, int]:
-    """{"layers", "hidden", "vocab", "intermediate"} of a resolved model reference from its config.json (text
+    """{"layers", "hidden", "vocab", "intermediate", "shared"} of a resolved model reference from its config.json (text
     config of a multimodal one); {} when unreadable here."""
     path = Path(ref.local) / "config.json" if getattr(ref, "local", None) else None
     if path is None or not path.is_file() or path.stat().st_size > 1_000_000:
@@ -147,6 +148,12 @@ def model_shape(ref: Any) -> dict[str, int]:
             if isinstance(cfg.get(n), int) and cfg[n] > 0:
                 out[key] = int(cfg[n])
                 break
+    # a tied input/output embedding gets a per-row gradient buffer in the Fisher engine
+    # (compute/fisher/estimators.py _shared_numel); configs that omit the key take their class's
+    # default (tied for GPT-2 and Gemma, untied for Llama-style ones)
+    tied = cfg.get("tie_word_embeddings", str(cfg.get("model_type", "")).startswith(("gpt2", "gemma")))
+    if tied is True and "vocab" in out and "hidden" in out:
+        out["shared"] = out["vocab"] * out["hidden"]
     return out
 
 
@@ -200,8 +207,10 @@ def sizing(settings: Any, kind: str, spec: Any, refs: dict[str, Any], params: in
         tp = throughput(settings)
         a, b = 0.0, (1.0 / tp[0] if tp else 0.0)
     free, _ = free_memory(settings, str(getattr(spec, "device", "auto")))
+    task = getattr(spec, "task", None)
+    prompt = prompt_tokens(task, COST_PROMPT_TOKENS) if isinstance(task, str) else COST_PROMPT_TOKENS
     return Sizing(params=params, data_elements=data, a=a, b=b, free_bytes=free,
-                  models=max(models, 1) if params else 0, **shape)
+                  models=max(models, 1) if params else 0, prompt_tokens=prompt, **shape)
 
 
 def estimate(settings: Any, kind: str, spec: Any, refs: dict[str, Any]) -> dict[str, Any]:
@@ -237,6 +246,7 @@ def estimate(settings: Any, kind: str, spec: Any, refs: dict[str, Any]) -> dict[
     parts: dict[str, float] | None = None
     mem_parts: dict[str, float] | None = None
     k = registry.get(kind)
+    z: Sizing | None = None
     if cost is not None and params is not None:
         z = sizing(settings, kind, spec, refs, params, data)
         if k.timing is not None and timed is not None and timed[1].startswith("calibrated"):
@@ -252,7 +262,7 @@ def estimate(settings: Any, kind: str, spec: Any, refs: dict[str, Any]) -> dict[
         "params": params,
         "cost": cost,
         "unknown_models": unknown,
-        "prompt_tokens_assumed": COST_PROMPT_TOKENS,
+        "prompt_tokens_assumed": (z.prompt_tokens if z is not None else COST_PROMPT_TOKENS),
         "throughput": tp[0] if tp else None,
         "seconds": seconds,
         "seconds_from": timed[1] if timed else None,

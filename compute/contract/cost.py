@@ -2,10 +2,13 @@
 
 Unit: a token-pass is one token through one forward pass; a backward pass counts as two forward
 passes (a gradient step over a sequence of L tokens is 3 L token-passes). app/limits.py
-multiplies a kind's token-passes by the parameters of the largest model the spec names. Prompts
-are counted as `COST_PROMPT_TOKENS` tokens (the arithmetic tasks use fewer, GSM8K-style jsonl
-prompts about that many) and every completion as `max_new_tokens` (sampling may stop early), so
-an estimate is an upper bound for that prompt length.
+multiplies a kind's token-passes by the parameters of the largest model the spec names. The
+token-pass counts (the cost ceiling's unit) count every prompt as `COST_PROMPT_TOKENS` tokens
+(GSM8K-style jsonl prompts are about that many: an upper bound for the arithmetic tasks); the
+time and memory estimates below count the task's own prompt length (`Sizing.prompt_tokens`,
+compute.contract.tasknames.prompt_tokens: "12+34=" is 7 tokens at most), because a 64-token
+guess made SmolLM2-135M's default Fisher estimate 2.8x its measured time. Every completion
+counts as `max_new_tokens` (sampling may stop early).
 
 Pure: no imports beyond the standard library (the web process estimates with it).
 """
@@ -69,8 +72,10 @@ STATS_S_PER_PARAM = 2.4e-7  # a Fisher's statistics over all parameters (split-h
 TRAIN_FINISH_S = 10.0  # a train's end: update sparsity, concentration, saving model and metrics
 TRAIN_FINISH_S_PER_PARAM = 3e-7
 # retention runs a model below 20M parameters on one torch thread (compute/jobs/retention_run.py
-# SMALL_MODEL_PARAMS): a call's fixed part is then this share of the calibration's (2 threads)
-ONE_THREAD_CALL_SHARE = 0.4
+# SMALL_MODEL_PARAMS): a call's fixed part is then this share of the calibration's (2 threads).
+# Fitted on the default retention sweep of arith-base (30 arms, 927 s measured), with prompts
+# counted at the task's length (7 tokens for arithmetic; 0.4 when every prompt counted as 64)
+ONE_THREAD_CALL_SHARE = 0.7
 ONE_THREAD_BELOW_PARAMS = 20_000_000
 # retention keeps the loaded models, the Fisher, the seed-independent masks and every arm's
 # curves and held-out rewards in one process
@@ -121,6 +126,10 @@ class Sizing:
     intermediate: int = 0
     free_bytes: float | None = None
     models: int = 1  # how many models the job holds at once (OPD's teacher, a diff's pair)
+    # tokens of one prompt: the task's (compute.contract.tasknames.prompt_tokens: an arithmetic
+    # prompt is about 7, a jsonl file counts as COST_PROMPT_TOKENS)
+    prompt_tokens: int = COST_PROMPT_TOKENS
+    shared: int = 0  # elements of parameters used twice (a tied embedding)
 
     def passes_s(self, token_passes: float) -> float:
         """Seconds of `token_passes` of forward/backward at the calibration."""
@@ -133,9 +142,10 @@ class Sizing:
     def load_s(self) -> float:
         return MODEL_LOAD_S + self.models * self.params * 4 / LOAD_BYTES_PER_S
 
-    def generate_s(self, seqs: int, new_tokens: int, batch: int, prompt: int = COST_PROMPT_TOKENS) -> float:
+    def generate_s(self, seqs: int, new_tokens: int, batch: int, prompt: int | None = None) -> float:
         """Sampling `seqs` completions of `new_tokens` in batches of `batch`: the token-passes of
         prompt and completion, plus a call's fixed part per decode step (one step after another)."""
+        prompt = self.prompt_tokens if prompt is None else prompt
         steps = -(-max(seqs, 0) // max(batch, 1)) * new_tokens
         return self.passes_s(seqs * (prompt + new_tokens)) + self.calls_s(steps * DECODE_STEP_CALLS)
 
@@ -170,7 +180,7 @@ def fisher_seconds(z: Sizing, prompts: int, samples: int, max_new_tokens: int,
     """A Fisher estimate's phases: sampling, the per-row gradients, the exact output-layer check,
     the statistics over every parameter."""
     rows = prompts * samples
-    length = COST_PROMPT_TOKENS + max_new_tokens
+    length = z.prompt_tokens + max_new_tokens
     per_row = max_new_tokens if estimator == "token" else 1
     out = {
         "sampling": 0.0 if estimator == "empirical" else z.generate_s(rows, max_new_tokens, sample_batch),
@@ -189,7 +199,7 @@ def train_seconds(z: Sizing, algo: str, steps: int, batch: int, group: int, max_
     """One training run's phases: greedy accuracy before and after, and per step the sampling
     (GRPO, OPD), the teacher (OPD) and one gradient step over every sequence."""
     rows = batch * (1 if algo == "sft" else group)
-    length = COST_PROMPT_TOKENS + max_new_tokens
+    length = z.prompt_tokens + max_new_tokens
     sample = 0.0 if algo == "sft" else z.generate_s(rows, max_new_tokens, rows)
     teacher = z.passes_s(rows * length) if algo == "opd" else 0.0
     step = sample + teacher + z.calls_s(TRAIN_STEP_CALLS) + z.passes_s(rows * length * 3)
@@ -199,12 +209,26 @@ def train_seconds(z: Sizing, algo: str, steps: int, batch: int, group: int, max_
 
 def bound_seconds(z: Sizing, rows: int, max_new_tokens: int) -> float:
     """GRPO's bound check: a per-sample gradient of every row of the first batch."""
-    length = COST_PROMPT_TOKENS + max_new_tokens
+    length = z.prompt_tokens + max_new_tokens
     return z.calls_s(rows * BOUND_ROW_CALLS) + z.passes_s(rows * length * 3)
 
 
 def train_finish_seconds(z: Sizing) -> float:
     return TRAIN_FINISH_S + TRAIN_FINISH_S_PER_PARAM * z.params
+
+
+def fisher_temporaries(z: Sizing, rows: int, length: int, budget: float) -> float:
+    """The per-sample engine's temporaries. It sizes its chunks of rows with a safe per-row
+    formula (activations + a per-row gradient buffer of each tied parameter:
+    compute/fisher/estimators.py _auto_batch). When every row fits in one chunk it holds about
+    ACTIVATION_SHARE of those activations (and the buffers); when the rows need several chunks,
+    each chunk fills the budget (SmolLM2-135M, 256 rows: 5.5 GiB held for a 5.1 GiB budget,
+    benchmarks/results/bench_estimates.json), so the budget is the figure."""
+    act_row = z.activation_bytes(length)
+    per_row = act_row + 4.0 * z.shared
+    if rows * per_row > budget:
+        return budget
+    return min(budget, rows * (ACTIVATION_SHARE * act_row + 4.0 * z.shared))
 
 
 def fisher_memory(z: Sizing, prompts: int, samples: int, max_new_tokens: int,
@@ -213,13 +237,13 @@ def fisher_memory(z: Sizing, prompts: int, samples: int, max_new_tokens: int,
     """A Fisher job's peak: the weights in their dtype, the accumulators, the per-row temporaries
     (at most the budget: the rows of one chunk at the job's row length) and sampling's cache."""
     rows = prompts * samples
-    length = COST_PROMPT_TOKENS + max_new_tokens
+    length = z.prompt_tokens + max_new_tokens
     budget = fisher_budget_bytes(memory_budget_mb, z.free_bytes)
     return {
         "runtime": RUNTIME_BASE_MB * MIB,
         "weights": z.weight_bytes(dtype_bytes),
         "accumulators": FISHER_BYTES_PER_PARAM * z.params,
-        "temporaries": min(budget, ACTIVATION_SHARE * z.activation_bytes(rows * length)),
+        "temporaries": fisher_temporaries(z, rows, length, budget),
         "sampling cache": z.kv_cache_bytes(min(rows, sample_batch), length),
     }
 
@@ -231,7 +255,7 @@ def train_memory(z: Sizing, algo: str, batch: int, group: int, max_new_tokens: i
     Fisher, the optimizer's state for the trained coordinates (mask_fraction of them), and the
     activations of one step's rows at their length."""
     rows = batch * (1 if algo == "sft" else group)
-    length = COST_PROMPT_TOKENS + max_new_tokens
+    length = z.prompt_tokens + max_new_tokens
     state = OPTIMIZER_BYTES_PER_TRAINED_COORD.get(optimizer, 8.0) * mask_fraction
     return {
         "runtime": RUNTIME_BASE_MB * MIB,

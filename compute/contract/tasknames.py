@@ -43,6 +43,22 @@ class JsonlName:
     match: str = "exact"
 
 
+def prompt_tokens(name: str, default: int) -> int:
+    """Tokens of one prompt of the task, for the cost model (compute.contract.cost.Sizing): an
+    arithmetic prompt ``"12+34="`` is at most its characters (every operand digit, the operation
+    and ``=``: a byte-level or digit-splitting tokenizer makes at most one token of each) plus one
+    special token; a jsonl file is not opened here (the web process estimates, and a path is the
+    user's): it counts as `default` tokens. An unknown name counts as `default` too."""
+    try:
+        parsed = parse_task_name(name)
+    except ValueError:
+        return default
+    if isinstance(parsed, JsonlName):
+        return default
+    second = max(parsed.digits if "+" in parsed.ops else 0, parsed.mul_digits if "*" in parsed.ops else 0)
+    return parsed.digits + 1 + second + 1 + 1
+
+
 def unknown_task(name: str) -> ValueError:
     return ValueError(f"task: unknown task {name!r}; accepted: {', '.join(TASK_NAMES)}")
 

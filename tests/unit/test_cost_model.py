@@ -54,7 +54,10 @@ def test_fisher_estimate_parts_are_the_formulas_on_the_models_config(tmp_path: P
     est = limits.estimate(settings, "fisher", spec, limits.refs_for_estimate(settings, "fisher", spec))
     p, cfg = _arith()
     assert est["params"] == p
-    rows, length = 16, C.COST_PROMPT_TOKENS + 16
+    # the task's prompt length, not COST_PROMPT_TOKENS: "12+34=" is 2 + 1 + 2 + 1 characters,
+    # at most one token each, and one special token
+    assert est["prompt_tokens_assumed"] == 7
+    rows, length = 16, 7 + 16
     per = A + B * p
     call = C.CALL_TOKEN_PASSES * A
     parts = est["seconds_parts"]
@@ -72,7 +75,9 @@ def test_fisher_estimate_parts_are_the_formulas_on_the_models_config(tmp_path: P
     assert mem["accumulators"] == C.FISHER_BYTES_PER_PARAM * p
     inter = cfg["intermediate_size"]
     per_token = 4 * (cfg["num_hidden_layers"] * (12 * cfg["hidden_size"] + 4 * inter) + 4 * cfg["vocab_size"])
-    assert mem["temporaries"] == pytest.approx(min(64 * 2**20, C.ACTIVATION_SHARE * rows * length * per_token))
+    assert cfg["tie_word_embeddings"] is False  # no per-row buffer of a shared embedding
+    assert rows * length * per_token < 64 * 2**20  # every row fits one chunk of the engine
+    assert mem["temporaries"] == pytest.approx(C.ACTIVATION_SHARE * rows * length * per_token)
     assert est["memory_bytes"] == pytest.approx(sum(mem.values()))
 
     # bfloat16 weights are half the bytes; the accumulators stay fp32
@@ -80,6 +85,45 @@ def test_fisher_estimate_parts_are_the_formulas_on_the_models_config(tmp_path: P
                            limits.refs_for_estimate(settings, "fisher", spec))
     assert half["memory_parts"]["weights"] == 2 * p
     assert half["memory_parts"]["accumulators"] == mem["accumulators"]
+
+
+def test_a_fisher_whose_rows_need_several_chunks_counts_its_whole_budget(tmp_path: Path) -> None:
+    """A tied embedding's per-row gradient buffer (vocab x hidden fp32 per row) makes the engine
+    chunk the rows to its budget and fill it (SmolLM2-135M: 5.5 GiB held for 5.1 GiB)."""
+    from app import limits
+    from compute.jobs.registry import parse_spec
+
+    home = _home(tmp_path / "home")
+    folder = home / "zoo" / "arith-base"
+    cfg = json.loads((folder / "config.json").read_text())
+    settings = _settings(home, max_job_memory_mb=1_000_000)
+    spec = parse_spec("fisher", {"model": "arith-base", "prompts": 8, "samples": 2, "memory_budget_mb": 64})
+    untied = limits.estimate(settings, "fisher", spec, limits.refs_for_estimate(settings, "fisher", spec))
+    # the same model, declared tied, with a vocabulary whose per-row buffer is 1/16 of the budget:
+    # its 16 rows (with their activations) need more than one budget, so the temporaries are the
+    # budget itself
+    cfg.update(tie_word_embeddings=True, vocab_size=(4 * 2**20) // (4 * cfg["hidden_size"]))
+    (folder / "config.json").write_text(json.dumps(cfg))
+    tied = limits.estimate(settings, "fisher", spec, limits.refs_for_estimate(settings, "fisher", spec))
+    assert untied["memory_parts"]["temporaries"] < 16 * 2**20
+    assert tied["memory_parts"]["temporaries"] == 64 * 2**20
+
+
+@pytest.mark.parametrize("task", ["arithmetic", "arithmetic-add?digits=5", "arithmetic-mul?digits=3&mul_digits=4"])
+def test_prompt_tokens_bound_the_tokenized_prompts(task: str) -> None:
+    """The estimate's prompt length is an upper bound of the real tokenizer's count (arith-base's
+    character-level tokenizer, with its special tokens), and tight: the longest prompt reaches it
+    within one token."""
+    from transformers import AutoTokenizer
+
+    from compute.contract.tasknames import prompt_tokens
+    from compute.lm.verifiable_tasks import get_task
+
+    tok = AutoTokenizer.from_pretrained(ROOT / "compute" / "zoo_weights" / "arith-base")
+    longest = max(len(tok(e.prompt)["input_ids"]) for e in get_task(task).examples(400, seed=1))
+    bound = prompt_tokens(task, C.COST_PROMPT_TOKENS)
+    assert longest <= bound <= longest + 1
+    assert prompt_tokens("jsonl:/data/x.jsonl", 64) == 64  # a user's file is not opened: the default
 
 
 def test_masked_train_memory_scales_its_optimizer_state_with_the_mask(tmp_path: Path) -> None:
