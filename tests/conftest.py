@@ -135,3 +135,26 @@ def zoo_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
     home = tmp_path_factory.mktemp("zoo_home")
     build_zoo(home / "zoo")
     return home
+
+
+def shared_real_home(tmp_path_factory: pytest.TempPathFactory, name: str, cached_env: str) -> Path:
+    """A FISHERLENS_HOME whose zoo holds real model `name`, converted once per test run: under
+    pytest-xdist the test processes share the run's temp root and take turns on a file lock, so
+    a module whose tests are spread over several processes still converts once (Gemma 3 270M:
+    a minute or two of CPU). The tests only read it. `cached_env` names a variable that may
+    point at a home where `fisherlens zoo add NAME` already ran."""
+    from filelock import FileLock
+
+    from compute.zoo import add_real_model
+    from compute.zoo.folders import is_built
+
+    cached = os.environ.get(cached_env)
+    if cached and is_built(Path(cached) / "zoo" / name):
+        return Path(cached)
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    home = root / f"real-{name}"
+    with FileLock(str(root / f"real-{name}.lock")):
+        if not is_built(home / "zoo" / name):
+            add_real_model(home / "zoo", name)
+    return home

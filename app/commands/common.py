@@ -144,3 +144,33 @@ def spec_command(kind: str, spec: Any, **extra: str) -> str:
 
 def _num(x: Any) -> str:
     return f"{x:g}" if isinstance(x, float) else str(x)
+
+
+def table_text(headers: list[str], rows: list[list[Any]]) -> str:
+    """A plain-text table, columns as wide as their widest cell."""
+    cells = [[str(h) for h in headers]] + [[str(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in cells if i < len(r)) for i in range(len(headers))]
+    return "\n".join("  ".join(c.ljust(widths[i]) for i, c in enumerate(r)).rstrip() for r in cells)
+
+
+def report(result: Any) -> None:
+    """Print a result's key numbers exactly as the browser and its share page show them
+    (app.figures.keynumbers: the kind's builder, the headline precision policy, the labels of
+    what holds by construction, the verdict and its thresholds, the SE beside every accuracy), so
+    the CLI cannot state a number more strongly than the pages do. The full summary is in the
+    command's JSON file."""
+    from app.figures.keynumbers import key_numbers
+
+    kn = key_numbers(json_safe(result.to_dict()))
+    verdict = kn.get("verdict")
+    if verdict and verdict.get("level") not in (None, "none"):
+        text = str(verdict.get("text") or "")
+        click.echo("verdict: " + (text if verdict["level"] in text else f"{verdict['level']}: {text}".rstrip(": ")))
+    for it in kn["items"]:
+        click.echo(f"{it['label']}: {it['value']}" + (f" ({it['note']})" if it.get("note") else ""))
+    for w in kn["warnings"]:
+        click.echo(f"warning: {w}")
+    table = kn.get("table")
+    if table and table.get("rows"):
+        click.echo(table.get("title") or "")
+        click.echo(table_text(list(table["headers"]), [list(r) for r in table["rows"]]))

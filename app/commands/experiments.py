@@ -1,12 +1,13 @@
 """Experiment commands: `mask`, `diff`, `tokens`, `retention` (`train` and `sweep` are in
-training.py). Options are generated from the spec models (app/commands/options.py).
+training.py). Options are generated from the spec models (app/commands/options.py). What each
+keeps of its own is its output layout (the files it writes); what it prints is the result's key
+numbers (app.commands.common.report), the same as the browser's.
 
 Compute is imported inside each command so `fisherlens --help` stays light.
 """
 
 from __future__ import annotations
 
-import math
 import os
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ import click
 
 from app.commands.common import (
     json_safe,
+    report,
     run_job,
     spec_command,
     spec_from_options,
@@ -26,25 +28,6 @@ from compute.jobs.diff import DiffSpec
 from compute.jobs.mask import MaskSpec
 from compute.jobs.retention import RetentionSpec
 from compute.jobs.tokens import TokensSpec
-
-
-def _num(x: Any, digits: int = 4) -> str:
-    if x is None or (isinstance(x, float) and not math.isfinite(x)):
-        return "-"
-    if isinstance(x, float):
-        return f"{x:.{digits}g}"
-    return str(x)
-
-
-def _table(headers: list[str], rows: list[list[Any]]) -> str:
-    cells = [headers] + [[_num(c) for c in r] for r in rows]
-    widths = [max(len(str(r[i])) for r in cells) for i in range(len(headers))]
-    return "\n".join("  ".join(str(c).rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells)
-
-
-# ---------------------------------------------------------------------------------------------
-# mask
-# ---------------------------------------------------------------------------------------------
 
 
 @click.command("mask")
@@ -62,15 +45,8 @@ def mask_cmd(out: str, **options: Any) -> None:
     meta = {"select": spec.select, "density": s["density"], "density_requested": spec.density,
             "seed": spec.seed, "fisher": spec.fisher or "", "model": spec.model or "", "scores": s["scores"]}
     path = save_mask(res.tensors["mask"], out, meta)
-    click.echo(f"{spec.select} mask: kept {s['kept']:,} of {s['total']:,} coordinates "
-               f"(density {s['density']:.6g}) in {s['tensors']} tensors -> {path}")
-    if "fisher_mass_kept" in s:
-        click.echo(f"Fisher mass kept: {s['fisher_mass_kept']:.4f}")
-    if "overlap_with_fisher_topk" in s:
-        o = s["overlap_with_fisher_topk"]
-        click.echo(f"vs Fisher top-k at the same density: Jaccard {o['jaccard']:.4f} "
-                   f"(random {o['jaccard_random']:.4f})")
-    click.echo(_table(["module", "density"], [[m, d] for m, d in s["by_module"].items()]))
+    report(res)
+    click.echo(f"wrote {path}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -87,7 +63,6 @@ def diff_cmd(base: str, tuned: str, out: str, **options: Any) -> None:
     """Update sparsity of TUNED relative to BASE (zoo names, local HF dirs, training outputs)."""
     spec, refs = spec_from_options("diff", {"base": base, "tuned": tuned, **options})
     res = run_job("diff", spec, refs, "diff")
-    s = res.summary
     out_dir = Path(out)
     result = json_safe(res.to_dict())
     write_json(out_dir / "diff.json", result)
@@ -96,26 +71,7 @@ def diff_cmd(base: str, tuned: str, out: str, **options: Any) -> None:
 
         save_file({n: t.contiguous() for n, t in res.tensors["delta"].items()}, str(out_dir / "delta.safetensors"))
     write_html(result, out_dir / "diff.html")
-    from app.figures.labels import layer_name
-    from compute.lm.cells import aggregate
-
-    by_layer = aggregate([r for r in res.layer_stats if r.group == "layer_module"], by=("layer",))
-    click.echo(_table(["layer", "params", f"unchanged ({s['comparison_dtype']})", "exact", "bf16-equal",
-                       "|d|<=1e-5"],
-                      [[layer_name(layer), int(c["numel"]), c["unchanged_common"], c["unchanged_exact"],
-                        c["unchanged_bf16"], c["unchanged_atol_1e-05"]] for (layer,), c in by_layer.items()]))
-    # issue 18: the first number in the convention the stored dtypes call for
-    click.echo(f"unchanged: {s['unchanged_common']:.4f} ({s['comparison']})")
-    click.echo(f"all: {s['n_params']:,} params; unchanged exactly {s['unchanged_exact']:.4f}, "
-               f"bf16-equal {s['unchanged_bf16']:.4f}, |delta_fp32|<=1e-5 {s['unchanged_atol_1e-05']:.4f}, "
-               f"|delta_bf16|<=1e-5 (published convention, both loaded in bf16) "
-               f"{s['unchanged_bf16delta_atol_1e-05']:.4f}")
-    click.echo(f"changed in float32 but by less than half a bf16 ULP of |w|: {s['changed_below_half_ulp']:.4f}")
-    if "precision_at_k" in s:
-        click.echo(f"Fisher vs |delta| at top {spec.topk_percent:g}%: precision@k {_num(s['precision_at_k'])}, "
-                   f"AUC {_num(s['auc'])}, Jaccard {_num(s['jaccard'])} (random {_num(s['jaccard_random'])}), "
-                   f"Spearman {_num(s['spearman'])}; AUC for 'changed' {_num(s['changed_auc'])} "
-                   f"(within |w| binades: {_num(s.get('changed_auc_within_weight_binades'))})")
+    report(res)
     click.echo(f"wrote {out_dir / 'diff.json'}")
 
 
@@ -131,29 +87,7 @@ def tokens_cmd(out: str | None, **options: Any) -> None:
     """Next tokens after CONTEXT: probabilities, sensitivity cosines, shares of the Fisher."""
     spec, refs = spec_from_options("tokens", options)
     res = run_job("tokens", spec, refs, "tokens")
-    s = res.summary
-    click.echo(f"context {spec.context!r} ({s['n_context_tokens']} tokens), scope: {s['scope']} "
-               f"({s['n_params']:,} params), entropy {s['entropy']:.4f} nats")
-    rows = [[i + 1, repr(r["token"]), r["prob"], r["share"], r["contrib"]] for i, r in enumerate(s["top_tokens"])]
-    click.echo(_table(["rank", "token", "prob", "share of F", "p*|g-gbar|^2"], rows))
-    click.echo(f"top-{len(s['top_tokens'])}: probability {s['top_prob_mass']:.4f}, "
-               f"share of the Fisher trace {_num(s['top_fisher_share'])}")
-    cov = "exact, whole vocabulary" if s["fisher_exact"] else (
-        f"over {s['covered_tokens']} tokens covering {s['covered_mass']:.4f} of the probability")
-    click.echo(f"Fisher trace at this position {s['fisher_trace']:.6g} ({cov})")
-    click.echo(f"mean off-diagonal cosine of sensitivities: top {_num(s['mean_cosine_top'])}, "
-               f"random {_num(s['mean_cosine_random'])}, low-probability {_num(s['mean_cosine_low'])}")
-    sim = s.get("similarity") or {}
-    if sim.get("exact"):
-        click.echo(f"trace F {_num(sim['trace_f'])} vs orthogonal sensitivities F_orth "
-                   f"{_num(sim['trace_f_orth'])}: similarity removes {_num(sim['removed'])} "
-                   f"({_num(sim['removed_share'])} of F_orth); top-{sim['top_k']} pairs alone remove "
-                   f"{_num(sim['removed_top'])} ({_num(sim['removed_top_share'])} of F + that)")
-    elif sim:
-        click.echo(f"vocabulary not enumerated, bounds: trace F >= {_num(sim['trace_f_lower'])}, F_orth >= "
-                   f"{_num(sim['trace_f_orth_lower'])}, removed by similarity <= {_num(sim['removed_upper'])} "
-                   f"(share <= {_num(sim['removed_share_upper'])}); top-{sim['top_k']} pairs remove "
-                   f"{_num(sim['removed_top'])} (exact)")
+    report(res)
     if out:
         write_json(Path(out), json_safe(res.to_dict()))
         click.echo(f"wrote {out}")
@@ -238,14 +172,7 @@ def retention_cmd(out: str, **options: Any) -> None:
         from safetensors.torch import save_file
 
         save_file({k: v.contiguous() for k, v in res.tensors["rewards"].items()}, str(out_dir / "rewards.safetensors"))
-    click.echo(s["markdown"])
-    if not s["retention_valid"]:
-        click.secho(f"WARNING: {s['warning']}", fg="red", bold=True, err=True)
-    us = s.get("full_update_sparsity", {})
-    click.echo(f"full runs: unchanged exact {_num(us.get('unchanged_exact'))}, |delta|<=1e-5 "
-               f"{_num(us.get('unchanged_atol_1e-05'))}; initial Fisher precision@changed "
-               f"{_num(us.get('fisher_precision_at_changed'))}, precision@top1%|delta| "
-               f"{_num(us.get('fisher_precision_at_top1pct_delta'))}")
+    report(res)
     click.echo(f"{s['runs']} runs in {s['seconds']:.0f} s ({cpu:.0f} CPU-seconds); wrote "
                f"{out_dir / 'retention.json'} and {out_dir / 'retention.md'}")
 

@@ -5,7 +5,8 @@ generated from its spec (app/commands/options.py) and its `cli_args` as position
 A kind may bring its own command with a tailored report (app/commands/fisher.py, training.py,
 experiments.py, named like the kind); every other kind gets the generic one here, which writes
 OUT/result.json, one OUT/<artifact>.safetensors per stored tensor set, OUT/<name> for each stored
-file or folder (a trained model), OUT/result.html with the figures, and prints the summary.
+file or folder (a trained model), OUT/result.html with the figures, and prints the key numbers
+(app.commands.common.report: the browser's). A tailored command keeps only its output layout.
 """
 
 from __future__ import annotations
@@ -18,17 +19,19 @@ from typing import Any
 
 import click
 
-from app.commands.common import fail, json_safe, run_job, spec_from_options, write_html, write_json
+from app.commands.common import (
+    fail,
+    json_safe,
+    report,
+    run_job,
+    spec_from_options,
+    write_html,
+    write_json,
+)
 from app.commands.options import spec_options
 from compute.contract.kinds import JobKind
 from compute.contract.specs import SpecError
 from compute.jobs.registry import KINDS
-
-
-def _summary_lines(summary: dict[str, Any]) -> list[str]:
-    """`key: value` for the summary's scalar values (nested ones are in result.json)."""
-    return [f"{k}: {v:.6g}" if isinstance(v, float) else f"{k}: {v}"
-            for k, v in summary.items() if isinstance(v, str | int | float | bool) or v is None]
 
 
 def generic_command(kind: JobKind) -> click.Command:
@@ -53,8 +56,7 @@ def generic_command(kind: JobKind) -> click.Command:
             suffix = Path(path).suffix if Path(path).is_file() else ""
             shutil.move(str(path), str(out_dir / f"{name}{suffix}"))
         write_html(data, out_dir / "result.html")
-        for line in _summary_lines(result.summary):
-            click.echo(line)
+        report(result)
         click.echo(f"wrote {out_dir / 'result.json'}")
 
     doc = (kind.spec.__doc__ or "").strip().split("\n\n")[0]

@@ -3,7 +3,6 @@ runs over lr x optimizer x precision). Options are generated from TrainSpec / Sw
 
 from __future__ import annotations
 
-import math
 import shutil
 from pathlib import Path
 from typing import Any
@@ -13,6 +12,7 @@ import click
 from app.commands.common import (
     fail,
     json_safe,
+    report,
     run_job,
     spec_command,
     spec_from_options,
@@ -22,10 +22,6 @@ from app.commands.common import (
 from app.commands.options import spec_options
 from compute.jobs.sweep import SweepSpec
 from compute.jobs.train import TrainSpec
-
-
-def _fmt(x: Any) -> str:
-    return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.3f}"
 
 
 @click.command("train")
@@ -55,39 +51,7 @@ def train_cmd(out: str, **options: Any) -> None:
         if kind in result.tensors:
             save_file({n: t.contiguous() for n, t in result.tensors[kind].items()},
                       str(out_dir / f"{kind}.safetensors"))
-    s = result.summary
-    click.echo(f"{spec.algo} on {spec.task}: held-out accuracy {_fmt(s['accuracy_before'])} -> "
-               f"{_fmt(s['accuracy_after'])} ({s['settings']['steps']} steps, {s['seconds']:.1f} s, "
-               f"trainable {s['trainable_fraction']:.2%})")
-    us = s.get("update_sparsity", {})
-    if us:
-        click.echo(f"precision {s.get('precision', 'fp32')} (checkpoint stored in {us.get('stored_dtype')}): "
-                   f"unchanged exact {_fmt(us.get('unchanged_exact'))}, bf16-equal "
-                   f"{_fmt(us.get('unchanged_bf16'))}, |delta_bf16|<=1e-5 (published convention) "
-                   f"{_fmt(us.get('unchanged_bf16delta_atol_1e-05'))}, |delta_fp32|<=1e-5 "
-                   f"{_fmt(us.get('unchanged_atol_1e-05'))}")
-        if us.get("fisher_auc_changed") is not None:
-            click.echo(f"initial Fisher AUC for 'changed': {_fmt(us.get('fisher_auc_changed'))} (within |w| "
-                       f"binades {_fmt(us.get('fisher_auc_changed_within_binades'))})")
-    conc = s.get("concentration")
-    if conc:
-        for label, name in (("grad_sq_sum", "sum g^2"), ("grad_abs_sum", "sum |g|"), ("abs_delta", "|delta|")):
-            g = conc.get(label, {}).get("global")
-            if g:
-                click.echo(f"initial Fisher vs {name} over the run (top {100 * conc['fraction']:g}%): "
-                           f"precision@k {_fmt(g['precision_at_k'])}, AUC {_fmt(g['auc'])}, "
-                           f"Spearman {_fmt(g['spearman'])}")
-    if "bound" in s:
-        b = s["bound"]
-        if b.get("bound_independent"):
-            q = b.get("bound_ratio_quantiles", {})
-            click.echo(f"bound |g| <= sqrt(E A^2) sqrt(F_indep): {b['bound_violations']:,} violations of "
-                       f"{b['bound_coordinates']:,} coordinates; ratio median {_fmt(q.get('p50'))}, p99 "
-                       f"{_fmt(q.get('p99'))}, max {_fmt(b.get('bound_max_ratio'))}; training gradient = "
-                       f"N/T x g with N/T {_fmt(b.get('bound_n_over_t'))}")
-        else:
-            click.echo("bound: no independent Fisher, so no check was made (the same-sample identity "
-                       "holds by construction)")
+    report(result)
     click.echo(f"wrote {out_dir} (model, tokenizer, metrics.json)")
 
 
@@ -134,7 +98,7 @@ def sweep_cmd(out: str, **options: Any) -> None:
     write_json(out_dir / "sweep.json", data)
     (out_dir / "sweep.md").write_text(s["markdown"])
     write_html(data, out_dir / "sweep.html")
-    click.echo(s["markdown"])
+    report(result)
     click.echo(f"{len(s['points'])} points in {s['seconds']:.0f} s; wrote {out_dir / 'sweep.json'}, "
                f"{out_dir / 'sweep.md'} and {out_dir / 'sweep.html'}")
 

@@ -149,3 +149,37 @@ def key_numbers_tokens(r: TokensResult, out: dict[str, Any]) -> None:
         out["items"].append(kn.item("Most likely next token", repr(best.token), f"p = {kn.fmt(best.prob)}"))
     if finite(s.entropy) is not None:
         out["items"].append(kn.item("Next-token entropy", kn.fmt(s.entropy), "nats"))
+    raw = r.raw_summary
+    if s.scope:
+        n = raw.get("n_params")
+        out["items"].append(kn.item("Scope", s.scope, f"{int(n):,} parameters" if isinstance(n, int | float) else ""))
+    if finite(s.fisher_trace) is not None:
+        how = ("exact, whole vocabulary" if s.fisher_exact else
+               f"over {raw.get('covered_tokens')} tokens covering {kn.pct(raw.get('covered_mass'))} of the probability")
+        out["items"].append(kn.item("Fisher trace at this position", kn.fmt(s.fisher_trace), how))
+    if finite(raw.get("top_prob_mass")) is not None:
+        out["items"].append(kn.item(
+            f"Top {len(s.top_tokens)} tokens", f"probability {kn.pct(raw.get('top_prob_mass'))}",
+            f"share of the Fisher trace {kn.pct(raw.get('top_fisher_share'))}"))
+    cos = [(name, raw.get(f"mean_cosine_{key}")) for name, key in (("top", "top"), ("random", "random"),
+                                                                  ("low-probability", "low"))]
+    if any(finite(v) is not None for _, v in cos):
+        out["items"].append(kn.item("Mean off-diagonal cosine of sensitivities",
+                                    ", ".join(f"{name} {kn.fmt(v)}" for name, v in cos if finite(v) is not None),
+                                    "cosine of the per-token gradients g_i - g_bar within each set"))
+    sim = s.similarity or {}
+    if sim.get("exact"):
+        out["items"].append(kn.item(
+            "Similarity of the sensitivities", _change(sim.get("removed"), sim.get("removed_share")),
+            f"trace F {kn.fmt(sim.get('trace_f'))} vs orthogonal sensitivities F_orth {kn.fmt(sim.get('trace_f_orth'))}; "
+            f"the top-{sim.get('top_k')} pairs alone: {_change(sim.get('removed_top'), sim.get('removed_top_share'))}"))
+    elif sim:
+        out["items"].append(kn.item(
+            "Similarity of the sensitivities", f"removes <= {kn.fmt(sim.get('removed_upper'))} (share <= {kn.pct(sim.get('removed_share_upper'))})",
+            f"vocabulary not enumerated: bounds; trace F >= {kn.fmt(sim.get('trace_f_lower'))}, "
+            f"F_orth >= {kn.fmt(sim.get('trace_f_orth_lower'))}"))
+    if s.top_tokens:
+        out["table"] = {"title": "Most likely next tokens",
+                        "headers": ["rank", "token", "probability", "share of F", "p x |g - g_bar|^2"],
+                        "rows": [[i + 1, repr(t.token), kn.fmt(t.prob), kn.pct(t.share), kn.fmt(t.contrib)]
+                                 for i, t in enumerate(s.top_tokens)]}

@@ -75,7 +75,7 @@ def test_cli_fisher_writes_outputs(home, tmp_path):
     stats = json.loads((out / "stats.json").read_text())
     assert stats["kind"] == "fisher" and stats["summary"]["estimator"] == "token"
     assert stats["summary"]["n_samples"] == stats["summary"]["n_tokens"]
-    assert "share" in r.output and "wrote" in r.output
+    assert "Fisher mass in the top 1% of coordinates" in r.output and "wrote" in r.output, r.output
 
 
 @pytest.mark.parametrize("args,flag", [

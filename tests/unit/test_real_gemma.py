@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from compute.zoo import INFO_FILE, REAL_INSTALL_HINT, add_real_model
+from compute.zoo import INFO_FILE, REAL_INSTALL_HINT
+from tests.conftest import shared_real_home
 from tests.unit.fisher_tiny import check_sequence_fisher_per_row
 
 NAME = "gemma3-270m"
@@ -32,12 +33,7 @@ def gemma_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
         if os.environ.get("CI"):
             pytest.fail(f"gemma3-270m is not installed under CI; {REAL_INSTALL_HINT}")
         pytest.skip(f"gemma3-270m not installed; {REAL_INSTALL_HINT}")
-    cached = os.environ.get("FISHERLENS_TEST_GEMMA_HOME")
-    if cached and (Path(cached) / "zoo" / NAME / INFO_FILE).is_file():
-        return Path(cached)
-    home = tmp_path_factory.mktemp("gemma_home")
-    add_real_model(home / "zoo", NAME)
-    return home
+    return shared_real_home(tmp_path_factory, NAME, "FISHERLENS_TEST_GEMMA_HOME")
 
 
 @pytest.fixture(scope="module")

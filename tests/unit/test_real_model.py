@@ -28,6 +28,7 @@ from compute.zoo import (
     real_gguf_path,
     zoo_list,
 )
+from tests.conftest import shared_real_home
 from tests.unit.fisher_tiny import check_sequence_fisher_per_row
 
 NAME = "smollm2-135m"
@@ -45,12 +46,7 @@ def real_home(tmp_path_factory: pytest.TempPathFactory) -> Path:
         if os.environ.get("CI"):
             pytest.fail(f"the real model is not installed under CI; {REAL_INSTALL_HINT}")
         pytest.skip(f"real model not installed; {REAL_INSTALL_HINT}")
-    cached = os.environ.get("FISHERLENS_TEST_REAL_HOME")
-    if cached and (Path(cached) / "zoo" / NAME / INFO_FILE).is_file():
-        return Path(cached)
-    home = tmp_path_factory.mktemp("real_home")
-    add_real_model(home / "zoo", NAME)
-    return home
+    return shared_real_home(tmp_path_factory, NAME, "FISHERLENS_TEST_REAL_HOME")
 
 
 @pytest.fixture

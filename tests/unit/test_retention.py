@@ -307,7 +307,7 @@ def test_retention_cli_on_the_zoo_records_provenance(zoo_home, tmp_path, monkeyp
     if s["retention_valid"]:
         assert row["retention_ci"] is not None
     else:
-        assert row["retention"] is None and "WARNING" in res.output
+        assert row["retention"] is None and "warning: No retention reported" in res.output
     assert (out / "retention.md").read_text() == s["markdown"]
 
 

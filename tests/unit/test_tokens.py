@@ -258,8 +258,8 @@ def test_run_tokens_job_and_cli(model_dir, tmp_path) -> None:
     r = CliRunner().invoke(main, ["tokens", "--model", str(path), "--context", "12+3", "--top-k", "4",
                                   "--layer", "0", "--out", str(out)])
     assert r.exit_code == 0, r.output
-    assert "scope: layer 0" in r.output and "mean off-diagonal cosine" in r.output
-    assert "vs orthogonal sensitivities F_orth" in r.output
+    assert "Scope: layer 0" in r.output and "Mean off-diagonal cosine" in r.output, r.output
+    assert "vs orthogonal sensitivities F_orth" in r.output and "Most likely next tokens" in r.output
     # trace F against orthogonal sensitivities: in the summary, the CLI and the view
     sim = s["similarity"]
     assert sim["exact"] and sim["trace_f"] == pytest.approx(s["fisher_trace"], rel=1e-5)
