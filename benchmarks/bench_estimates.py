@@ -68,6 +68,9 @@ def cases(out: Path, smollm2_prompts: int | None) -> list[dict[str, Any]]:
         {"name": "sweep", "kind": "sweep", "spec": {"model": "arith-base"}},
         {"name": "retention", "kind": "retention", "spec": {}},
         {"name": "fisher smollm2-135m", "kind": "fisher", "spec": smol, "real": True},
+        # held out: no constant was set from it (twice the samples, twice the completion length)
+        {"name": "fisher smollm2-135m, held out", "kind": "fisher", "real": True, "held_out": True,
+         "spec": {"model": "smollm2-135m", "prompts": 16, "samples": 8, "max_new_tokens": 32}},
     ]
 
 
@@ -198,7 +201,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             raise SystemExit(f"{case['name']} failed:\n{proc.stderr[-4000:]}")
         meas = json.loads(proc.stdout.strip().splitlines()[-1])
         row = {"name": case["name"], "kind": case["kind"], "spec": case["spec"],
-               "helper": bool(case.get("helper")), "estimate": est, "measured": meas,
+               "helper": bool(case.get("helper")), "held_out": bool(case.get("held_out")),
+               "estimate": est, "measured": meas,
                "load": {"before": load_before, "after": os.getloadavg()}}
         _ratios(row)
         rows.append(row)
