@@ -1,7 +1,7 @@
 """Per-group sums of squared per-row gradients, fed by captured module calls.
 
-`Store` keeps, across forward passes, name -> per-group sums of squares (each group's first
-square is adopted as is: no zero-fill, no copy) and, while the engine verifies a model, the plain
+`Store` keeps, across forward passes, name -> per-group sums of squares (one (n_groups, *shape)
+tensor per parameter) and, while the engine verifies a model, the plain
 sum of the per-row gradients (== autograd's batch gradient when the maths is right).
 `Accumulator` is one forward pass: its rows' groups and the uses of each parameter. A parameter
 used by several module calls (tied embeddings) keeps a (B, *shape) buffer of per-row gradients
@@ -49,31 +49,30 @@ class Store:
         less while it runs)."""
         self.shapes, self.n_groups, self.dtype, self.device = shapes, n_groups, dtype, device
         self.squares = squares
-        self.sums: dict[str, list[torch.Tensor | None]] = {}
+        # name -> (n_groups, *shape), allocated (zeros) when the parameter's first square arrives:
+        # the groups live in one tensor from the start, so finish() hands it over without the
+        # stack that held every group twice (a 16-byte/param moment on the largest tensor)
+        self.sums: dict[str, torch.Tensor] = {}
         self.check: dict[str, torch.Tensor] | None = {} if check else None
 
-    def _slots(self, name: str) -> list[torch.Tensor | None]:
-        return self.sums.setdefault(name, [None] * self.n_groups)
+    def _groups(self, name: str) -> torch.Tensor:
+        cur = self.sums.get(name)
+        if cur is None:
+            cur = self.sums[name] = torch.zeros((self.n_groups, *self.shapes[name]), dtype=self.dtype,
+                                                device=self.device)
+        return cur
 
     def add(self, name: str, k: int, sq: torch.Tensor) -> None:
-        """Add sq (*shape) to group k; a fresh tensor the store may keep (first square)."""
+        """Add sq (*shape) to group k."""
         if not self.squares:
             return
-        slots = self._slots(name)
-        cur = slots[k]
-        if cur is None:
-            slots[k] = sq.to(self.dtype)
-        else:
-            cur.add_(sq)
+        self._groups(name)[k].add_(sq)
 
     def index_add(self, name: str, k: int, index: torch.Tensor, rows: torch.Tensor) -> None:
         """Add rows (U, d) at positions index (U,) of group k's (V, d) sums."""
         if not self.squares:
             return
-        slots = self._slots(name)
-        if slots[k] is None:
-            slots[k] = torch.zeros(self.shapes[name], dtype=self.dtype, device=self.device)
-        slots[k].index_add_(0, index, rows.to(self.dtype))  # type: ignore[union-attr]
+        self._groups(name)[k].index_add_(0, index, rows.to(self.dtype))
 
     def add_check(self, name: str, grad_sum: torch.Tensor) -> None:
         if self.check is not None:
@@ -84,10 +83,9 @@ class Store:
         """name -> (n_groups, *shape); groups (or parameters) no row reached are zero."""
         out = {}
         for name, shape in self.shapes.items():
-            slots = self.sums.pop(name, [None] * self.n_groups)
-            full = [s if s is not None else torch.zeros(shape, dtype=self.dtype, device=self.device)
-                    for s in slots]
-            out[name] = full[0].unsqueeze(0) if len(full) == 1 else torch.stack(full)
+            cur = self.sums.pop(name, None)
+            out[name] = cur if cur is not None else torch.zeros((self.n_groups, *shape), dtype=self.dtype,
+                                                                 device=self.device)
         return out
 
 

@@ -29,11 +29,14 @@ def tensor_stats(fisher: dict[str, torch.Tensor]) -> list[dict]:
     """Per tensor: name, layer, module, numel, mean, max, mass (sum), share (mass / total mass)."""
     rows: list[dict[str, Any]] = []
     for name, f in fisher.items():
-        f64 = f.detach().double()
+        # float64 sums over chunks: a float64 copy of the largest tensor (a 49k-row embedding is
+        # half of a 50M model) was the job's peak (issue 30, benchmarks/peak_stacks.py)
+        v = f.detach().reshape(-1)
+        mass = sum(float(v[o:o + CHUNK].double().sum()) for o in range(0, v.numel(), CHUNK))
         rows.append({
             "name": name, "layer": layer_index(name), "module": module_type(name),
-            "numel": f.numel(), "mass": float(f64.sum()),
-            "max": float(f64.max()) if f.numel() else 0.0,
+            "numel": f.numel(), "mass": mass,
+            "max": float(v.max()) if f.numel() else 0.0,
         })
     total = sum(r["mass"] for r in rows)
     for r in rows:
@@ -144,18 +147,57 @@ def topk_indices(fisher: dict[str, torch.Tensor], percent: float) -> torch.Tenso
     return flat.topk(k, sorted=False).indices
 
 
-def topk_threshold(fisher: Mapping[str, Any], k: int) -> tuple[float, int]:
-    """(t, g): the k-th largest value t over all coordinates and the number g of values > t, by
-    an in-place partition of one float32 copy (no sort, no indices)."""
-    import numpy as np
+_SIGN = 1 << 31
 
-    flat = flat_values(fisher)
-    n = len(flat)
+
+def _order_keys(chunk: torch.Tensor) -> torch.Tensor:
+    """float32 values -> int64 keys in [0, 2^32) with the same order (IEEE bits, the negative
+    ones' magnitude bits flipped; -0.0 counted as 0.0)."""
+    import torch
+
+    bits = (chunk.float() + 0.0).contiguous().view(torch.int32).to(torch.int64)
+    return torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF) + _SIGN
+
+
+def _chunks(fisher: Mapping[str, Any]) -> Iterable[torch.Tensor]:
+    for f in fisher.values():
+        v = f.detach().reshape(-1)
+        for o in range(0, v.numel(), CHUNK):
+            yield v[o:o + CHUNK]
+
+
+def topk_threshold(fisher: Mapping[str, Any], k: int) -> tuple[float, int]:
+    """(t, g): the k-th largest value t over all coordinates and the number g of values > t.
+
+    Streaming radix select (issue 30): two passes over the tensors in chunks of CHUNK values, a
+    65,536-bin histogram of the high 16 bits of an order-preserving integer key, then of the low
+    16 bits inside the bin that holds the k-th largest. Exact, and no copy of all the values
+    (a float32 copy of every coordinate was 4 bytes/param on top of the two half sums)."""
+    import struct
+
+    import torch
+
+    n = sum(int(f.numel()) for f in fisher.values())
     k = min(max(k, 1), n)
-    flat.partition(n - k)
-    t = float(flat[n - k])
-    g = int(np.count_nonzero(flat[n - k + 1:] > t))
-    return t, g
+    hist = torch.zeros(1 << 16, dtype=torch.int64)
+    for c in _chunks(fisher):
+        hist += torch.bincount((_order_keys(c) >> 16).cpu(), minlength=1 << 16)
+    above_hi = torch.flip(torch.cumsum(torch.flip(hist, (0,)), 0), (0,))  # count with high bits >= b
+    hi = int((above_hi >= k).nonzero().max())
+    above = int(above_hi[hi] - hist[hi])  # strictly higher bins
+    low = torch.zeros(1 << 16, dtype=torch.int64)
+    for c in _chunks(fisher):
+        key = _order_keys(c)
+        sel = key[(key >> 16) == hi]
+        if sel.numel():
+            low += torch.bincount((sel & 0xFFFF).cpu(), minlength=1 << 16)
+    above_lo = torch.flip(torch.cumsum(torch.flip(low, (0,)), 0), (0,)) + above
+    lo = int((above_lo >= k).nonzero().max())
+    g = int(above_lo[lo] - low[lo])
+    key = ((hi << 16) | lo) - _SIGN
+    bits = key if key >= 0 else key ^ 0x7FFFFFFF
+    t = struct.unpack("<f", struct.pack("<i", bits))[0]
+    return float(t), g
 
 
 def topk_masks(fisher: Mapping[str, Any], percent: float) -> Iterable[tuple[str, torch.Tensor]]:

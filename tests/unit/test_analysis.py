@@ -87,3 +87,30 @@ def test_results_rows():
     assert [p.value for p in pts] == sorted(p.value for p in pts)  # monotone
     s = summary(F)
     assert s["n_params"] == 16 and s["total_mass"] == 10 and s["max"] == 4
+
+
+@pytest.mark.parametrize("kind", ["uniform", "signed", "ties", "tiny"])
+def test_topk_threshold_streaming_select_equals_a_full_sort(kind: str) -> None:
+    """The radix select (two histogram passes, no copy of all values: issue 30) gives the k-th
+    largest value and the count above it exactly as a sort of the concatenation does, across
+    tensors, with ties, negative values, -0.0 and values near the float32 subnormal range."""
+    import numpy as np
+
+    from compute.fisher.statistics import topk_threshold
+
+    gen = torch.Generator().manual_seed(7)
+    for trial in range(40):
+        sizes = torch.randint(1, 4000, (1 + trial % 4,), generator=gen).tolist()
+        d = {}
+        for i, n in enumerate(sizes):
+            v = {"uniform": lambda n: torch.rand(n, generator=gen),
+                 "signed": lambda n: torch.randn(n, generator=gen),
+                 "ties": lambda n: torch.randint(0, 4, (n,), generator=gen).float(),
+                 "tiny": lambda n: torch.randn(n, generator=gen) * 1e-37}[kind](n)
+            if kind == "signed":
+                v[: n // 3] = -0.0
+            d[f"t{i}"] = v.reshape(-1, 1) if i % 2 else v
+        flat = np.concatenate([t.reshape(-1).numpy() for t in d.values()]) + 0.0
+        for k in (1, int(torch.randint(1, flat.size + 1, (1,), generator=gen)), flat.size):
+            want_t = float(np.sort(flat)[::-1][k - 1])
+            assert topk_threshold(d, k) == (want_t, int((flat > want_t).sum())), (kind, trial, k)

@@ -264,7 +264,19 @@ def _scoped(label: str, s: dict[str, Any]) -> str:
 def expected_tokens(d: dict[str, Any]) -> dict[str, str]:
     s = d["summary"]
     best = max(s["top_tokens"], key=lambda t: t["prob"] or 0.0)
+    sim = s["similarity"]
+    assert sim["exact"] and s["fisher_exact"]  # arith-base's vocabulary is enumerated
+
+    def change(removed: float, share: float) -> str:  # a sign in words, never "removes -136"
+        return f"{'removes' if removed >= 0 else 'adds'} {fmt(abs(removed))} = {fmt(abs(share))} of F_orth"
+
     return {"Most likely next token": repr(best["token"]), "Next-token entropy": fmt(s["entropy"]),
+            "Scope": s["scope"], "Fisher trace at this position": fmt(s["fisher_trace"]),
+            f"Top {len(s['top_tokens'])} tokens": f"probability {pct(s['top_prob_mass'])}",
+            "Mean off-diagonal cosine of sensitivities": (
+                f"top {fmt(s['mean_cosine_top'])}, random {fmt(s['mean_cosine_random'])}, "
+                f"low-probability {fmt(s['mean_cosine_low'])}"),
+            "Similarity of the sensitivities": change(sim["removed"], sim["removed_share"]),
             "Precision": f"computed in {s['compute_dtype']}"}
 
 
