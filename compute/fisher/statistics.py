@@ -194,8 +194,8 @@ def topk_threshold(fisher: Mapping[str, Any], k: int) -> tuple[float, int]:
     above_lo = torch.flip(torch.cumsum(torch.flip(low, (0,)), 0), (0,)) + above
     lo = int((above_lo >= k).nonzero().max())
     g = int(above_lo[lo] - low[lo])
-    key = ((hi << 16) | lo) - _SIGN
-    bits = key if key >= 0 else key ^ 0x7FFFFFFF
+    kth = ((hi << 16) | lo) - _SIGN
+    bits = kth if kth >= 0 else kth ^ 0x7FFFFFFF
     t = struct.unpack("<f", struct.pack("<i", bits))[0]
     return float(t), g
 
