@@ -73,8 +73,9 @@ READ_SUFFIX = "#read"  # the key of a URL's read engine in _engines
 
 
 def read_engine(url: str) -> Engine:
-    """A second shared engine for `url` without pre-ping, for the reads a page or a client polls
-    (a job listing): pre-ping is one more round trip per checkout. A connection that died (the
+    """A second shared engine for `url` without pre-ping and in autocommit, for the one-statement
+    reads a page or a client polls (a job listing): pre-ping is one more round trip per
+    checkout, a transaction two more. A connection that died (the
     database restarted) is retried once on a fresh one by `read`."""
     key = url + READ_SUFFIX
     engine = _engines.get(key)
@@ -84,7 +85,9 @@ def read_engine(url: str) -> Engine:
         if make_url(url).get_backend_name() == "sqlite":  # no round trip to save (and :memory:)
             engine = _get_engine_unlocked(url)
         else:
-            engine = _engines.get(key) or make_engine(url, pool_pre_ping=False)
+            # autocommit: a listing is one SELECT (its own snapshot), so no BEGIN before it and
+            # no ROLLBACK when the connection goes back to the pool: two round trips fewer
+            engine = _engines.get(key) or make_engine(url, pool_pre_ping=False, isolation_level="AUTOCOMMIT")
         _engines[key] = engine
         return engine
 
