@@ -103,6 +103,9 @@ def key_numbers_fisher(r: FisherResult, out: dict[str, Any]) -> None:
             f"(worst tensor {kn.fmt(perr.get('worst_tensor_relative_l1'))}, "
             f"top-{kn.fmt(perr.get('topk_percent'))}% overlap {kn.fmt(perr.get('topk_jaccard'))}) on the same "
             f"{perr.get('rows')} completions; rerun with dtype float32 for the exact Fisher.")
+    skipped = s.precision_error_skipped
+    if skipped:
+        out["warnings"].append(f"Computed in {s.compute_dtype}: its error against float32 was {skipped}.")
     errs = [e for v in (s.exact_output or {}).values() if (e := finite(v.relative_l1_error)) is not None]
     if errs:
         items.append(kn.item("Output layer: relative L1 error vs exact", kn.fmt(max(errs)),

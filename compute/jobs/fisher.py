@@ -10,7 +10,13 @@ from typing import Any, Literal
 
 from pydantic import ConfigDict, Field, model_validator
 
-from compute.contract.cost import Sizing, fisher_memory, fisher_passes, fisher_seconds
+from compute.contract.cost import (
+    PRECISION_CHECK_FREE_SHARE,
+    Sizing,
+    fisher_memory,
+    fisher_passes,
+    fisher_seconds,
+)
 from compute.contract.kinds import JobKind, KindForm, TensorView
 from compute.contract.results import Contract, Row, Summary, TypedResult
 from compute.contract.specs import (
@@ -85,6 +91,7 @@ class FisherSummary(Summary):
     # issue 18: sums are float32; a half-precision forward/backward states its measured error
     accumulate_dtype: str | None = None
     precision_error: dict[str, Any] | None = None
+    precision_error_skipped: str | None = None  # issue 30: no float32 copy of a model too large for it
     model_config = ConfigDict(populate_by_name=True)
 
 
@@ -119,8 +126,14 @@ def timing(s: FisherSpec, z: Sizing) -> dict[str, float]:
 
 def memory(s: FisherSpec, z: Sizing) -> dict[str, float]:
     half = s.dtype in ("bfloat16", "float16") or (s.dtype == "auto" and s.device.startswith("cuda"))
-    return fisher_memory(z, _prompts(s), s.samples, s.max_new_tokens, s.memory_budget_mb,
-                         2.0 if half else 4.0)
+    out = fisher_memory(z, _prompts(s), s.samples, s.max_new_tokens, s.memory_budget_mb,
+                        2.0 if half else 4.0)
+    # the float32 reference of a half-precision Fisher (fisher_run.precision_check_skipped): a
+    # second copy of the model, loaded only when it takes at most half of the free memory
+    ref = 4.0 * z.params
+    if half and s.estimator != "batch" and (z.free_bytes is None or ref <= PRECISION_CHECK_FREE_SHARE * z.free_bytes):
+        out["float32 reference"] = ref
+    return out
 
 
 KIND = JobKind(

@@ -93,6 +93,25 @@ def precision_error(model: Any, roll: Any, estimator: str, memory_budget_mb: int
                           "a float32 copy of the model") + ", on the same sampled completions"}
 
 
+def precision_check_skipped(model: Any) -> str | None:
+    """Why the float32 reference check of a half-precision model is skipped, or None to run it.
+    Issue 30: the reference is the whole checkpoint loaded again in float32 (4 bytes/param beside
+    the job: 32 GB for an 8B model); it runs only when that copy takes at most
+    PRECISION_CHECK_FREE_SHARE of the memory free on the device now. The Fisher itself is not
+    affected (its sums are float32)."""
+    from compute.contract.cost import PRECISION_CHECK_FREE_SHARE
+    from compute.lm.device import free_memory_bytes, model_device
+
+    need = 4 * sum(p.numel() for p in model.parameters())
+    free = free_memory_bytes(model_device(model))
+    if need <= PRECISION_CHECK_FREE_SHARE * free:
+        return None
+    return (f"not measured: the float32 reference is a second copy of the model ({need / 2**30:.1f} GiB), "
+            f"more than {PRECISION_CHECK_FREE_SHARE:.0%} of the {free / 2**30:.1f} GiB free on the device; "
+            "the weights stay in their half precision only (the sums are float32). Rerun a few prompts with "
+            "dtype float32 to measure the error")
+
+
 def _shard(spec: FisherSpec, shard_index: int, progress: Progress, loaded: tuple | None,
            refs: Refs | None = None) -> dict:
     from compute.lm.verifiable_tasks import get_task
@@ -137,7 +156,10 @@ def _shard(spec: FisherSpec, shard_index: int, progress: Progress, loaded: tuple
                exact_skipped=skipped, seconds=round(time.perf_counter() - t0, 3),
                compute_dtype=str(next(model.parameters()).dtype).replace("torch.", ""))
     half = next(model.parameters()).dtype in (torch.bfloat16, torch.float16)
-    if half and shard_index == 0 and res.rollout is not None and spec.estimator != "batch":
+    skip = precision_check_skipped(model) if half else None
+    if skip and shard_index == 0 and spec.estimator != "batch":
+        out["precision_error_skipped"] = skip
+    elif half and shard_index == 0 and res.rollout is not None and spec.estimator != "batch":
         # issue 18: a half-precision Fisher states its error against the checkpoint in float32,
         # measured on the first rows
         ref_model, _ = _load(spec.model_copy(update={"dtype": "float32"}), refs)
@@ -244,6 +266,9 @@ def finish(spec: FisherSpec, shard_outputs: list[dict], progress: Progress = nul
     perr = next((o["precision_error"] for o in outs if o.get("precision_error")), None)
     if perr:
         summary["precision_error"] = perr
+    pskip = next((o["precision_error_skipped"] for o in outs if o.get("precision_error_skipped")), None)
+    if pskip:
+        summary["precision_error_skipped"] = pskip
     progress(0.98, "statistics: concentration and Gini")
     ordered = analysis.sorted_values(fisher)  # one sort for the summary and the curve
     summary.update(analysis.summary(fisher, sorted_=ordered))

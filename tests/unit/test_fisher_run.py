@@ -108,3 +108,41 @@ def test_finish_reports_why_the_exact_output_check_was_skipped():
     res = finish(spec, [out])
     assert res.summary["exact_output_skipped"] == reason
     assert "exact_output" not in res.summary
+
+
+def test_bf16_fisher_loads_no_float32_copy_when_it_would_not_fit(home, monkeypatch):
+    """Issue 30 item 3: a half-precision Fisher's error check loads the checkpoint again in float32
+    (4 bytes/param beside the job). With room for it, it runs (two loads, the error stated); when
+    the copy would take more than PRECISION_CHECK_FREE_SHARE of the free memory, the job loads the
+    model once, in bfloat16, and the result says the check was skipped and why. The Fisher is the
+    same bit for bit either way (its sums are float32, the check only reads)."""
+    from app.figures.keynumbers import key_numbers
+    from compute.jobs import fisher_run
+    from compute.lm import device
+
+    spec = FisherSpec(model="arith-base", prompts=4, samples=2, max_new_tokens=4, dtype="bfloat16",
+                      device="cpu", memory_budget_mb=64, exact_output=False)
+    loads: list[str] = []
+    real_load = fisher_run._load
+
+    def counting_load(s, refs):
+        loads.append(s.dtype)
+        return real_load(s, refs)
+
+    monkeypatch.setattr(fisher_run, "_load", counting_load)
+    checked = fisher_run.run(spec)
+    assert loads == ["bfloat16", "float32"]
+    assert checked.summary["precision_error"]["relative_l1"] >= 0
+    assert "precision_error_skipped" not in checked.summary
+
+    loads.clear()
+    n = sum(t.numel() for t in checked.tensors["fisher"].values())
+    monkeypatch.setattr(device, "free_memory_bytes", lambda _dev: 4 * n)  # the copy would take it all
+    skipped = fisher_run.run(spec)
+    assert loads == ["bfloat16"]  # no float32 copy of the model
+    assert "precision_error" not in skipped.summary
+    why = skipped.summary["precision_error_skipped"]
+    assert why.startswith("not measured: the float32 reference is a second copy of the model"), why
+    assert any("its error against float32 was not measured" in w for w in key_numbers(skipped.to_dict())["warnings"])
+    a, b = checked.tensors["fisher"], skipped.tensors["fisher"]
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
