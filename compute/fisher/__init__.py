@@ -35,6 +35,7 @@ from torch import nn
 
 from compute.contract.jobresult import Progress, null_progress
 from compute.contract.specs import Estimator, FisherKnobs, SpecError, friendly_error
+from compute.fisher.accumulate import HalfSums
 from compute.fisher.estimators import (
     batch_fisher,
     expand_tokens,
@@ -82,9 +83,9 @@ class FisherEstimate:
     """fisher: name -> float32 (param shape). n_rows sequences, n_tokens counted tokens.
 
     halves: per-parameter sums over two independent halves of the samples (even / odd prompt
-    index), (2, *shape) float32, with half_denoms: their denominators (for split-half stability).
-    With halves, `fisher` is made from them on first use (their sum over the total denominator),
-    so a caller that needs only the halves (the fisher job) never holds both (issue 30).
+    index) as HalfSums (their exact float32 total and their difference), with half_denoms: their
+    denominators (for split-half stability). With halves, `fisher` is made from the total on first
+    use, so a caller that needs only the sums (the fisher job) never holds both (issue 30).
     """
 
     fisher_: dict[str, torch.Tensor] | None
@@ -92,7 +93,7 @@ class FisherEstimate:
     n_tokens: int
     estimator: str
     settings: dict[str, Any]
-    halves: dict[str, torch.Tensor] | None = None
+    halves: HalfSums | None = None
     half_denoms: tuple[float, float] | None = None
     rollout: Rollout | None = None
 
@@ -102,7 +103,7 @@ class FisherEstimate:
             if self.halves is None or self.half_denoms is None:
                 raise ValueError("fisher: this estimate has neither a Fisher nor half sums")
             total = sum(self.half_denoms)
-            self.fisher_ = {n: s.sum(0).div_(total) for n, s in self.halves.items()}
+            self.fisher_ = {n: s / total for n, s in self.halves.total.items()}
         return self.fisher_
 
     @property
@@ -114,7 +115,7 @@ class FisherEstimate:
         if self.halves is None or self.half_denoms is None:
             raise ValueError("halves: this result has no half-split sums")
         d = max(self.half_denoms[k], 1e-30)
-        return {n: h[k] / d for n, h in self.halves.items()}
+        return {n: self.halves.half(n, k).div_(d) for n in self.halves.total}
 
 
 def _prompts_and_answers(task_or_prompts: Any, config: FisherConfig) -> tuple[list[str], list[str] | None]:
@@ -129,9 +130,9 @@ def _prompts_and_answers(task_or_prompts: Any, config: FisherConfig) -> tuple[li
 
 
 def _half_sums(model: nn.Module, roll: Rollout, n_prompts: int, est: str, config: FisherConfig,
-               prog: Progress) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
-    """(name -> (2, *shape) sums over the even / odd prompt halves, (2,) denominators), in
-    chunks of prompts so progress is reported and the expanded token rows stay bounded."""
+               prog: Progress) -> tuple[HalfSums, torch.Tensor]:
+    """(the sums over the even / odd prompt halves, (2,) denominators), in chunks of prompts so
+    progress is reported and the expanded token rows stay bounded."""
     groups = ((roll.prompt_index + config.prompt_start) % 2).cpu()
     store = new_store(model, 2)  # one set of accumulators for every chunk (issue 30)
     denom = torch.zeros(2, dtype=torch.float64)
@@ -148,7 +149,7 @@ def _half_sums(model: nn.Module, roll: Rollout, n_prompts: int, est: str, config
                            config.batch_size, into=store)
         denom += d
         prog(0.3 + 0.7 * (c + 1) / n_chunks, f"fisher {c + 1}/{n_chunks}")
-    return store.finish(), denom
+    return store.finish_halves(), denom
 
 
 def estimate_fisher(
@@ -189,7 +190,11 @@ def estimate_fisher(
         dsum = float(denom.sum())
         if dsum <= 0:
             raise ValueError("completion_mask: no counted tokens")
-        halves = {n: s.float().cpu() for n, s in total.items()}
+        halves = total if total.compact else HalfSums(
+            {n: t.float() for n, t in total.total.items()}, {n: d.float() for n, d in total.diff.items()})
+        if next(iter(halves.total.values())).device.type != "cpu":
+            halves = HalfSums({n: t.cpu() for n, t in halves.total.items()},
+                              {n: d.cpu() for n, d in halves.diff.items()}, halves.roundings)
         fisher = None  # FisherEstimate.fisher: made from the halves on first use
         half_denoms = (float(denom[0]), float(denom[1]))
     settings = config.model_dump()

@@ -12,6 +12,7 @@ until every use arrived, then squares it: squares of sums, not sums of squares.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -39,21 +40,145 @@ class Call:
     lookup: tuple[torch.Tensor, float] | None = None
 
 
+# The half difference of a compact split (HalfSums) as a signed 16-bit fraction of the total:
+# q = round(FRAC_SCALE * (A - B) / (A + B)), |A - B| <= A + B because every square is >= 0.
+FRAC_SCALE = 32767.0
+# values per slice of a dense update (temporaries of a few MB, whatever the tensor's size)
+UPDATE_CHUNK = 1 << 20
+# values per block of a large linear weight's squares (a block of its rows: 64 MB in float32)
+BLOCK_VALUES = 1 << 24
+
+
+class HalfSums:
+    """Per-parameter sums over two halves A, B of the samples, held as their exact total
+    T = A + B and their difference D = A - B (issue 30: 6 bytes/param instead of 8 for A and B).
+
+    `diff[name]` is either the difference itself (a float tensor: exact up to the accumulator's
+    rounding, as for float64 accumulation) or, compact, an int16 fraction q of the total,
+    D = q / FRAC_SCALE * T. Each time a compact difference is re-encoded (`roundings`: at most
+    that many times per coordinate) D moves by at most T / (2 FRAC_SCALE) of the final total, so
+    a half (T +- D) / 2 is within `half_error_bound()` x T of its exact value. The total, and so
+    the Fisher, is exact (float32 sums, as before)."""
+
+    def __init__(self, total: dict[str, torch.Tensor], diff: dict[str, torch.Tensor], roundings: int = 0):
+        self.total, self.diff, self.roundings = total, diff, roundings
+
+    @property
+    def compact(self) -> bool:
+        return any(d.dtype == torch.int16 for d in self.diff.values())
+
+    def half_error_bound(self) -> float:
+        """Largest |computed half - exact half| over T, from the compact difference's roundings
+        (0 when the difference is held exactly)."""
+        return self.roundings / (4 * FRAC_SCALE) if self.compact else 0.0
+
+    def difference(self, name: str) -> torch.Tensor:
+        """A - B of one parameter, float (a tensor-sized temporary)."""
+        d = self.diff[name]
+        if d.dtype != torch.int16:
+            return d
+        return d.float().mul_(self.total[name]).div_(FRAC_SCALE)
+
+    def half(self, name: str, k: int) -> torch.Tensor:
+        """A (k=0) or B (k=1) of one parameter, un-normalised (a new tensor)."""
+        t, d = self.total[name], self.difference(name)
+        return (t + d).div_(2) if k == 0 else (t - d).div_(2)
+
+    def view(self, k: int) -> HalfView:
+        return HalfView(self, k)
+
+    def stacked(self) -> dict[str, torch.Tensor]:
+        """name -> (2, *shape) [A, B] (materialised: 8 bytes/param, for small models and tests)."""
+        return {n: torch.stack([self.half(n, 0), self.half(n, 1)]) for n in self.total}
+
+    @staticmethod
+    def encode(total: torch.Tensor, diff: torch.Tensor) -> torch.Tensor:
+        """The int16 fraction of `diff` in `total` (0 where the total is 0)."""
+        q = torch.empty(total.shape, dtype=torch.int16, device=total.device)
+        t, d, o_ = total.reshape(-1), diff.reshape(-1), q.view(-1)
+        for o in range(0, t.numel(), UPDATE_CHUNK):
+            r = d[o:o + UPDATE_CHUNK].float().div(t[o:o + UPDATE_CHUNK]).mul_(FRAC_SCALE).round_()
+            o_[o:o + UPDATE_CHUNK] = r.nan_to_num_(0.0).clamp_(-FRAC_SCALE, FRAC_SCALE)
+        return q
+
+    @classmethod
+    def merged(cls, parts: list[HalfSums]) -> HalfSums:
+        """The sums of several HalfSums over the same parameters (shards of one job): totals
+        add, differences add (compact ones decoded, summed, re-encoded once: one more rounding)."""
+        parts = [p for p in parts if p.total]
+        if len(parts) == 1:
+            return parts[0]
+        names = list(dict.fromkeys(n for p in parts for n in p.total))
+        total, diff = {}, {}
+        compact = any(p.compact for p in parts)
+        for n in names:
+            have = [p for p in parts if n in p.total]
+            t = have[0].total[n].clone()
+            d = have[0].difference(n).clone()
+            for p in have[1:]:
+                t += p.total[n]
+                d += p.difference(n)
+            total[n] = t
+            diff[n] = cls.encode(t, d) if compact else d
+        rounds = sum(p.roundings for p in parts) + (1 if compact else 0)
+        return cls(total, diff, rounds)
+
+
+class HalfView(Mapping):
+    """name -> half k's un-normalised sums, computed one tensor at a time on access (for the
+    split-half statistics, which read a tensor at a time: no copy of all the values)."""
+
+    def __init__(self, sums: HalfSums, k: int):
+        self.sums, self.k = sums, k
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.sums.half(name, self.k)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.sums.total)
+
+    def __len__(self) -> int:
+        return len(self.sums.total)
+
+    def numel(self) -> int:
+        return sum(t.numel() for t in self.sums.total.values())
+
+    def chunks(self, size: int) -> Iterator[torch.Tensor]:
+        """Half k's values in slices of at most `size`, tensor by tensor (temporaries of a
+        slice: compute.fisher.statistics reads a HalfView this way)."""
+        for name, t in self.sums.total.items():
+            tf, d = t.reshape(-1), self.sums.diff[name].reshape(-1)
+            for o in range(0, tf.numel(), size):
+                tc, dc = tf[o:o + size], d[o:o + size]
+                dv = dc.float().mul(tc).div_(FRAC_SCALE) if dc.dtype == torch.int16 else dc
+                yield (tc + dv).div_(2) if self.k == 0 else (tc - dv).div_(2)
+
+
 class Store:
-    """name -> (n_groups, *shape) sums of squared per-row gradients, kept across passes."""
+    """name -> sums of squared per-row gradients per group, kept across passes.
+
+    n_groups groups are kept as one (n_groups, *shape) tensor per parameter, except two groups
+    accumulated in float32 (`compact`, the split halves of every Fisher job): then the exact
+    float32 total and an int16 fraction for the half difference (HalfSums: 6 bytes/param, not 8)."""
 
     def __init__(self, shapes: dict[str, torch.Size], n_groups: int, dtype: torch.dtype,
-                 device: torch.device, check: bool = False, squares: bool = True):
-        """check: also keep the plain sum of per-row gradients (the engine's self-check);
-        squares=False keeps only that (the check pass needs no squares: 4 bytes per parameter
-        less while it runs)."""
+                 device: torch.device, check: bool = False, squares: bool = True,
+                 check_names: set[str] | None = None):
+        """check: also keep the plain sum of per-row gradients (the engine's self-check), for
+        the parameters in check_names (None: all); squares=False keeps only that (the check pass
+        needs no squares: 4 bytes per parameter less while it runs)."""
         self.shapes, self.n_groups, self.dtype, self.device = shapes, n_groups, dtype, device
         self.squares = squares
+        self.compact = n_groups == 2 and dtype == torch.float32
         # name -> (n_groups, *shape), allocated (zeros) when the parameter's first square arrives:
         # the groups live in one tensor from the start, so finish() hands it over without the
-        # stack that held every group twice (a 16-byte/param moment on the largest tensor)
+        # stack that held every group twice (a 16-byte/param moment on the largest tensor).
+        # Compact: name -> the total (*shape) float32, and self.frac name -> int16 (*shape).
         self.sums: dict[str, torch.Tensor] = {}
+        self.frac: dict[str, torch.Tensor] = {}
+        self.rounds: dict[str, int] = {}
         self.check: dict[str, torch.Tensor] | None = {} if check else None
+        self.check_names = check_names
 
     def _groups(self, name: str) -> torch.Tensor:
         cur = self.sums.get(name)
@@ -62,31 +187,172 @@ class Store:
                                                 device=self.device)
         return cur
 
+    def _compact(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        t = self.sums.get(name)
+        if t is None:
+            t = self.sums[name] = torch.zeros(self.shapes[name], dtype=self.dtype, device=self.device)
+            self.frac[name] = torch.zeros(self.shapes[name], dtype=torch.int16, device=self.device)
+        return t, self.frac[name]
+
     def add(self, name: str, k: int, sq: torch.Tensor) -> None:
         """Add sq (*shape) to group k."""
+        self.add_groups(name, [(k, sq)])
+
+    def add_groups(self, name: str, parts: list[tuple[int, torch.Tensor]]) -> None:
+        """Add each sq (*shape) of parts [(group k, sq)] to its group (one pass's squares: a
+        compact difference is re-encoded once for all of them)."""
+        if not self.squares or not parts:
+            return
+        if not self.compact:
+            g = self._groups(name)
+            for k, sq in parts:
+                g[k].add_(sq)
+            return
+        t, q = self._compact(name)
+        _update(t.view(-1), q.view(-1), [(k, sq.reshape(-1)) for k, sq in parts])
+        self.rounds[name] = self.rounds.get(name, 0) + 1
+
+    def add_row_squares(self, name: str, grads: torch.Tensor,
+                        selections: list[tuple[int, torch.Tensor | None]]) -> None:
+        """Add the squares of per-row gradients grads (B, *shape), summed over the rows of each
+        selection [(group k, row indices or None = all rows)]. A compact store squares them slice
+        by slice straight into its sums (no tensor-sized square sum, no copy of a group's rows)."""
         if not self.squares:
             return
-        self._groups(name)[k].add_(sq)
+        if not self.compact:
+            from compute.fisher import persample as ps_
+
+            self.add_groups(name, [(k, ps_.square_sum(grads if sel is None else grads[sel]))
+                                   for k, sel in selections])
+            return
+        t, q = self._compact(name)
+        flat = grads.reshape(grads.shape[0], -1)
+        for k, sel in selections:  # one group at a time: only its rows are read, a slice at a time
+            rows: Any = flat if sel is None else _RowsOf(flat, sel)
+            _update(t.view(-1), q.view(-1), [(k, rows)], rows=True)
+            self.rounds[name] = self.rounds.get(name, 0) + 1
+
+    def add_block(self, name: str, block: slice, parts: list[tuple[int, torch.Tensor]]) -> None:
+        """add_groups for the rows `block` of the parameter's first dimension only (parts hold
+        (group k, sq of those rows)): a large weight's squares a block of rows at a time."""
+        if not self.squares or not parts:
+            return
+        if not self.compact:
+            g = self._groups(name)
+            for k, sq in parts:
+                g[k][block].add_(sq)
+            return
+        t, q = self._compact(name)
+        _update(t[block].reshape(-1), q[block].view(-1), [(k, sq.reshape(-1)) for k, sq in parts])
+
+    def block_done(self, name: str) -> None:
+        """One pass's blocks of a parameter are all added (one rounding of each coordinate)."""
+        if self.compact and self.squares:
+            self.rounds[name] = self.rounds.get(name, 0) + 1
 
     def index_add(self, name: str, k: int, index: torch.Tensor, rows: torch.Tensor) -> None:
         """Add rows (U, d) at positions index (U,) of group k's (V, d) sums."""
-        if not self.squares:
+        self.index_add_groups(name, [(k, index, rows)])
+
+    def index_add_groups(self, name: str, parts: list[tuple[int, torch.Tensor, torch.Tensor]]) -> None:
+        """index_add for several groups at once: parts [(k, index (U,), rows (U, d))]."""
+        if not self.squares or not parts:
             return
-        self._groups(name)[k].index_add_(0, index, rows.to(self.dtype))
+        if not self.compact:
+            g = self._groups(name)
+            for k, index, rows in parts:
+                g[k].index_add_(0, index, rows.to(self.dtype))
+            return
+        t, q = self._compact(name)
+        uniq, inv = torch.unique(torch.cat([ix for _, ix, _ in parts]), return_inverse=True)
+        d = t.shape[-1]
+        agg = {k: torch.zeros((uniq.numel(), d), dtype=self.dtype, device=t.device) for k, _, _ in parts}
+        o = 0
+        for k, ix, rows in parts:
+            agg[k].index_add_(0, inv[o:o + ix.numel()], rows.to(self.dtype))
+            o += ix.numel()
+        tr, qr = t[uniq], q[uniq]  # the touched rows only
+        _update(tr.view(-1), qr.view(-1), [(k, a.view(-1)) for k, a in agg.items()])
+        t[uniq], q[uniq] = tr, qr
+        self.rounds[name] = self.rounds.get(name, 0) + 1
 
     def add_check(self, name: str, grad_sum: torch.Tensor) -> None:
-        if self.check is not None:
+        if self.check is not None and (self.check_names is None or name in self.check_names):
             c = self.check.get(name)
             self.check[name] = grad_sum.to(self.dtype, copy=True) if c is None else c + grad_sum
 
+    def wants_check(self, name: str) -> bool:
+        return self.check is not None and (self.check_names is None or name in self.check_names)
+
+    def needs(self, name: str) -> bool:
+        """Whether this store keeps anything of the parameter (a check pass over a group of the
+        parameters skips the others' per-row work)."""
+        return self.squares or self.wants_check(name)
+
     def finish(self) -> dict[str, torch.Tensor]:
-        """name -> (n_groups, *shape); groups (or parameters) no row reached are zero."""
+        """name -> (n_groups, *shape); groups (or parameters) no row reached are zero. A compact
+        store's halves are materialised here (finish_halves hands them over without that)."""
+        if self.compact:
+            return self.finish_halves().stacked()
         out = {}
         for name, shape in self.shapes.items():
             cur = self.sums.pop(name, None)
             out[name] = cur if cur is not None else torch.zeros((self.n_groups, *shape), dtype=self.dtype,
                                                                  device=self.device)
         return out
+
+    def finish_halves(self) -> HalfSums:
+        """The two groups as HalfSums (n_groups == 2), handed over without copies."""
+        if self.n_groups != 2:
+            raise ValueError(f"n_groups: finish_halves needs 2 groups, got {self.n_groups}")
+        total, diff = {}, {}
+        for name, shape in self.shapes.items():
+            if self.compact:
+                t, q = self.sums.pop(name, None), self.frac.pop(name, None)
+                total[name] = t if t is not None else torch.zeros(shape, dtype=self.dtype, device=self.device)
+                diff[name] = q if q is not None else torch.zeros(shape, dtype=torch.int16, device=self.device)
+            else:
+                g = self.sums.pop(name, None)
+                if g is None:
+                    g = torch.zeros((2, *shape), dtype=self.dtype, device=self.device)
+                total[name], diff[name] = g[0] + g[1], g[0] - g[1]
+        rounds = max(self.rounds.values(), default=0) if self.compact else 0
+        self.rounds.clear()
+        return HalfSums(total, diff, rounds)
+
+
+class _RowsOf:
+    """flat[sel] sliced by columns without copying every selected row at once: _RowsOf(f, sel)[:, sl]
+    is f[sel][:, sl] (the rows of a group, read a slice at a time)."""
+
+    def __init__(self, flat: torch.Tensor, sel: torch.Tensor):
+        self.flat, self.sel = flat, sel
+        self.shape = (sel.numel(), flat.shape[1])
+
+    def __getitem__(self, key: tuple[slice, slice]) -> torch.Tensor:
+        return self.flat[:, key[1]][self.sel]
+
+
+def _update(t: torch.Tensor, q: torch.Tensor, parts: list[tuple[int, torch.Tensor]],
+            rows: bool = False) -> None:
+    """Add parts [(group k, sq)] (flat, like t) to the compact sums: the float32 total t and the
+    int16 fraction q of the difference A - B (group 0 counts +, group 1 -), one slice of
+    UPDATE_CHUNK values at a time (temporaries of a slice, never of the whole tensor).
+    rows=True: each part is (group k, per-row gradients (b, numel)), squared and summed over its
+    rows slice by slice (no (numel,) square sum, no copy of the rows)."""
+    step = UPDATE_CHUNK if not rows else max(1, UPDATE_CHUNK // max(1, max(p.shape[0] for _, p in parts)))
+    for o in range(0, t.numel(), step):
+        sl = slice(o, o + step)
+        tc = t[sl]
+        d = q[sl].float().mul_(tc).div_(FRAC_SCALE)  # the difference so far
+        for k, sq in parts:
+            s = sq[sl].to(t.dtype) if not rows else sq[:, sl].square().sum(0, dtype=t.dtype)
+            tc.add_(s)
+            if k == 0:
+                d.add_(s)
+            else:
+                d.sub_(s)
+        q[sl] = d.div_(tc).mul_(FRAC_SCALE).round_().nan_to_num_(0.0).clamp_(-FRAC_SCALE, FRAC_SCALE)
 
 
 class Accumulator:
@@ -127,20 +393,27 @@ class Accumulator:
 
     def add_row_grads(self, name: str, rows: slice, grads: torch.Tensor) -> None:
         """Per-row gradients (b, *shape) of one use of a parameter for rows `rows`."""
+        if not self.store.needs(name):
+            return
         if self.shared(name):
             self.row_buffer(name)[rows] += grads
             return
         self._add_squares(name, rows, grads, in_place=False)
 
     def _add_squares(self, name: str, rows: slice, grads: torch.Tensor, in_place: bool) -> None:
-        if self.store.check is not None:
+        if self.store.wants_check(name):
             self.store.add_check(name, grads.sum(0))
+        if self.store.compact:  # squared slice by slice into the sums
+            grp = self.groups[rows]
+            sels = [(k, None if len(self.selections) == 1 else (grp == k).nonzero().squeeze(1))
+                    for k in sorted(set(grp.tolist()))]
+            self.store.add_row_squares(name, grads, sels)
+            return
         if len(self.selections) == 1:
             self.store.add(name, self.selections[0][0], ps.square_sum(grads, in_place=in_place))
             return
         grp = self.groups[rows]
-        for k in sorted(set(grp.tolist())):
-            self.store.add(name, k, ps.square_sum(grads[grp == k]))
+        self.store.add_groups(name, [(k, ps.square_sum(grads[grp == k])) for k in sorted(set(grp.tolist()))])
 
     def use_done(self, name: str) -> None:
         self.arrived[name] = self.arrived.get(name, 0) + 1
@@ -198,23 +471,45 @@ def _linear(acc: Accumulator, call: Call) -> None:
         if key == "bias":
             acc.add_row_grads(name, slice(0, B), ps.bias_row_grads(g=gf))
             continue
+        if not acc.store.needs(name):
+            continue
         pos = ps.single_positions(gf)
         if acc.shared(name):  # per-row gradients until every use arrived
             # the first use writes the buffer (no zero-fill), later ones add into it
             rows = ps.linear_row_grads(x=xf, g=gf, conv1d=conv, pos=pos, out=acc.rows.get(name))
             acc.rows[name] = rows.to(acc.store.dtype)
             continue
-        if acc.store.check is not None:
+        if acc.store.wants_check(name):
             acc.store.add_check(name, ps.linear_grad_sum(x=xf, g=gf, conv1d=conv))
-        for k, sel in acc.selections:
-            acc.store.add(name, k, ps.linear_square_sum(x=_pick(xf, sel), g=_pick(gf, sel),
-                                                        conv1d=conv, pos=_pick(pos, sel)))
+        if not acc.store.squares:
+            continue
+        rows_out = xf.shape[-1] if conv else gf.shape[-1]  # the weight's first dimension
+        width = gf.shape[-1] if conv else xf.shape[-1]
+        per_block = max(1, BLOCK_VALUES // max(1, width))
+        if not acc.store.compact or per_block >= rows_out:
+            acc.store.add_groups(name, [(k, ps.linear_square_sum(x=_pick(xf, sel), g=_pick(gf, sel),
+                                                                 conv1d=conv, pos=_pick(pos, sel)))
+                                        for k, sel in acc.selections])
+            continue
+        # a large weight (an untied lm_head: vocab x hidden): its squares a block of rows at a
+        # time, so the temporaries are a block's, not the weight's (issue 30)
+        for r0 in range(0, rows_out, per_block):
+            blk = slice(r0, min(rows_out, r0 + per_block))
+            parts = []
+            for k, sel in acc.selections:
+                xs, gs = _pick(xf, sel), _pick(gf, sel)
+                xs, gs = (xs[..., blk], gs) if conv else (xs, gs[..., blk])
+                parts.append((k, ps.linear_square_sum(x=xs, g=gs, conv1d=conv, pos=_pick(pos, sel))))
+            acc.store.add_block(name, blk, parts)
+        acc.store.block_done(name)
 
 
 def _embedding(acc: Accumulator, call: Call) -> None:
     mod = call.module
     assert isinstance(mod, nn.Embedding) and call.lookup is not None
     (_, name), = call.names
+    if not acc.store.needs(name):
+        return
     ids, scale = call.lookup
     V = mod.num_embeddings
     row, vocab, grad = ps.embedding_row_grads(ids=ids, g=wide(call.g), num_embeddings=V,
@@ -223,17 +518,17 @@ def _embedding(acc: Accumulator, call: Call) -> None:
     if acc.shared(name):
         acc.row_buffer(name).view(-1, grad.shape[-1]).index_add_(0, row * V + vocab, grad)
         return
-    if st.check is not None:
+    if st.wants_check(name):
         c = torch.zeros(st.shapes[name], dtype=st.dtype, device=grad.device)
         st.add_check(name, c.index_add_(0, vocab, grad.to(st.dtype)))
+    if not st.squares:
+        return
     sq = grad.square()  # (U, d)
     if len(acc.selections) == 1:
         st.index_add(name, acc.selections[0][0], vocab, sq)
         return
     grp = acc.groups[row]
-    for k, _ in acc.selections:
-        m = grp == k
-        st.index_add(name, k, vocab[m], sq[m])
+    st.index_add_groups(name, [(k, vocab[grp == k], sq[grp == k]) for k, _ in acc.selections])
 
 
 def _generic(acc: Accumulator, call: Call, sink: Any) -> None:

@@ -156,30 +156,53 @@ def _check_positions(model: nn.Module, ids: torch.Tensor, am: torch.Tensor, tol:
             "token ids and a padding index), so the engine would compute another model's Fisher")
 
 
+def check_groups(params: dict[str, nn.Parameter], budget: int) -> list[list[str]]:
+    """The parameters in consecutive groups whose self-check fits the temporaries budget: the
+    check holds, per parameter, the engine's gradient sum (in the accumulator's dtype) and
+    autograd's gradient (8 bytes per float32 coordinate); one group when the whole model fits (issue 30: the check of all
+    parameters at once was 8 bytes/param above the weights, more than the accumulators)."""
+    acc_bytes = torch.empty(0, dtype=accumulator_dtype([p.dtype for p in params.values()])).element_size()
+    groups: list[list[str]] = [[]]
+    size = 0
+    for n, p in params.items():
+        need = p.numel() * (acc_bytes + p.element_size())
+        if groups[-1] and size + need > budget:
+            groups.append([])
+            size = 0
+        groups[-1].append(n)
+        size += need
+    return groups
+
+
 def _verify(model: nn.Module, params: dict[str, nn.Parameter], chunk: tuple, budget: int) -> None:
     """Once per model: the engine's inputs give the model's own outputs (positions), and per-row
-    gradients of a few rows must add up to autograd's gradient."""
+    gradients of a few rows must add up to autograd's gradient. Parameters are checked in groups
+    that fit the temporaries budget (check_groups), each with its own forward and backward."""
     ids, am, cm, scale, grp = (t[:_VERIFY_ROWS] for t in chunk)
     dtypes = [p.dtype for p in params.values()]
     _check_positions(model, ids, am, check_tolerance(dtypes))
-    store = Store({n: p.shape for n, p in params.items()}, 1, accumulator_dtype(dtypes),
-                  ids.device, check=True, squares=False)
-    _one_pass(model, store, params, (ids, am, cm, scale, torch.zeros_like(grp)), budget, True)
-    loss = _row_loss(model, ids, am, cm, scale)
-    if not loss.requires_grad:
-        return
-    grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
-    errs: dict[str, float] = {}
-    total = sum(_l1_diff(None, g, g.numel())[1] for g in grads if g is not None)
-    floor = 1e-6 * total / max(1, len(params))
-    grads_left: list[torch.Tensor | None] = list(grads)
-    for i, (n, p) in enumerate(params.items()):
-        ref, grads_left[i] = grads_left[i], None  # released as it is compared
-        got = store.check.pop(n, None) if store.check is not None else None
-        diff, norm = _l1_diff(got, ref, p.numel())
-        if diff > floor:
-            errs[n] = diff / max(norm, 1e-300)
-    bad = {n: e for n, e in errs.items() if e > check_tolerance(dtypes)}
+    diffs: dict[str, float] = {}
+    norms: dict[str, float] = {}
+    for gi, names in enumerate(check_groups(params, budget)):
+        store = Store({n: p.shape for n, p in params.items()}, 1, accumulator_dtype(dtypes),
+                      ids.device, check=True, squares=False, check_names=set(names))
+        # autograd's own backward, apart: the engine's pass detaches what it captures (an
+        # embedding lookup's output is a leaf there), so its graph does not reach every use
+        _one_pass(model, store, params, (ids, am, cm, scale, torch.zeros_like(grp)), budget, gi == 0)
+        loss = _row_loss(model, ids, am, cm, scale)
+        if not loss.requires_grad:
+            return
+        grads_left: list[torch.Tensor | None] = list(
+            torch.autograd.grad(loss, [params[n] for n in names], allow_unused=True))
+        del loss
+        for i, n in enumerate(names):
+            ref, grads_left[i] = grads_left[i], None  # released as it is compared
+            got = store.check.pop(n, None) if store.check is not None else None
+            diffs[n], norms[n] = _l1_diff(got, ref, params[n].numel())
+            del ref, got
+    floor = 1e-6 * sum(norms.values()) / max(1, len(params))
+    rel = {n: d / max(norms[n], 1e-300) for n, d in diffs.items() if d > floor}
+    bad = {n: e for n, e in rel.items() if e > check_tolerance(dtypes)}
     if bad:
         shown = ", ".join(f"{n} ({e:.3g})" for n, e in list(bad.items())[:6])
         raise UnsupportedModel(
@@ -198,15 +221,14 @@ def _l1_diff(got: torch.Tensor | None, ref: torch.Tensor | None, numel: int,
     g = None if got is None else got.detach().reshape(-1)
     r = None if ref is None else ref.detach().reshape(-1)
     diff = norm = 0.0
-    for o in range(0, numel, chunk):
-        gc = torch.zeros(0) if g is None else g[o:o + chunk].double().cpu()
-        rc = torch.zeros(0) if r is None else r[o:o + chunk].double().cpu()
-        if g is None:
-            gc = torch.zeros_like(rc)
-        if r is None:
-            rc = torch.zeros_like(gc)
-        diff += float((gc - rc).abs().sum())
-        norm += float(rc.abs().sum())
+    for o in range(0, numel, chunk):  # sums in float64 (sum's dtype), no float64 copies
+        gc = None if g is None else g[o:o + chunk]
+        rc = None if r is None else r[o:o + chunk]
+        if rc is not None:
+            norm += float(rc.abs().sum(dtype=torch.float64))
+        d = gc if rc is None else (-rc if gc is None else gc - rc.to(gc.dtype))
+        if d is not None:
+            diff += float(d.abs().sum(dtype=torch.float64))
     return diff, norm
 
 

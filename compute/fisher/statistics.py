@@ -54,11 +54,12 @@ def layer_module_stats(fisher: dict[str, torch.Tensor]) -> list[dict]:
     return [{"layer": layer, "module": module, **c} for (layer, module), c in aggregate(rows).items()]
 
 
-# Memory (issue 30): a Fisher is as large as the model, so every statistic over all coordinates
-# holds at most ONE float32 copy of the values (4 bytes per parameter: a numpy array sorted or
-# partitioned in place, no int64 indices) plus chunk- or tensor-sized temporaries; sums are float64
-# over chunks of CHUNK values. Measured before: a full torch sort (values + int64 indices) and
-# float64 copies of the sorted values, cumsum and ranks, about 40 bytes per parameter at the peak.
+# Memory (issue 30): a Fisher is as large as the model, so no statistic over all coordinates
+# copies the values: sums are float64 over chunks of CHUNK values, the top-k threshold is a
+# streaming radix select, the Gini and the concentration curve come from a streaming histogram
+# (ValueHistogram). Measured before: a full torch sort (values + int64 indices) and float64
+# copies of the sorted values, cumsum and ranks, about 40 bytes per parameter at the peak; then
+# one sorted float32 copy (4 bytes per parameter).
 CHUNK = 1 << 20
 
 
@@ -68,74 +69,149 @@ def _flat(fisher: dict[str, torch.Tensor]) -> torch.Tensor:
     return torch.cat([f.detach().reshape(-1).float().cpu() for f in fisher.values()])
 
 
-def flat_values(fisher: Mapping[str, Any]) -> Any:
-    """All values as one float32 numpy array (dict order): the single full-size copy."""
-    import numpy as np
+class ValueHistogram:
+    """Counts and float64 sums of all values in 65,536 bins of the high 16 bits of their
+    order-preserving key (_order_keys): one streaming pass, no copy of the values (issue 30: the
+    sorted float32 copy the Gini and the concentration curve needed was 4 bytes/param).
 
-    n = sum(int(f.numel()) for f in fisher.values())
-    out = np.empty(n, dtype=np.float32)
-    o = 0
-    for f in fisher.values():
-        k = int(f.numel())
-        out[o:o + k] = f.detach().reshape(-1).float().cpu().numpy()
-        o += k
-    return out
+    A bin holds the values between two floats whose bits differ in the low 16 only (7 of the 23
+    mantissa bits fixed: a relative width of at most 2^-7); its smallest and largest value are
+    kept too. The concentration shares are exact
+    (a second pass resolves the bins that hold a cut to single values); the Gini coefficient is
+    bracketed: within a bin the rank-weighted sum is between its value with equal values and that
+    plus (bin width) x c^2 / 8 (Chebyshev's sum inequality), so gini_bounds() holds the exact Gini."""
+
+    def __init__(self, fisher: Mapping[str, Any], counts: Any, sums: Any, lows: Any, highs: Any):
+        self.fisher, self.counts, self.sums = fisher, counts, sums
+        self.lows, self.highs = lows, highs  # smallest and largest value in each bin
+        self.n = int(counts.sum())
+        self.total = float(sums.sum())
+
+    @classmethod
+    def of(cls, fisher: Mapping[str, Any]) -> ValueHistogram:
+        import torch
+
+        nb = 1 << 16
+        counts = torch.zeros(nb, dtype=torch.int64)
+        sums = torch.zeros(nb, dtype=torch.float64)
+        lows = torch.full((nb,), math.inf, dtype=torch.float64)
+        highs = torch.full((nb,), -math.inf, dtype=torch.float64)
+        for c in _chunks(fisher):
+            hi = (_order_keys(c) >> 16).cpu()
+            v = c.detach().double().cpu()
+            counts += torch.bincount(hi, minlength=nb)
+            sums += torch.bincount(hi, weights=v, minlength=nb)
+            lows.scatter_reduce_(0, hi, v, "amin")
+            highs.scatter_reduce_(0, hi, v, "amax")
+        return cls(fisher, counts, sums, lows, highs)
+
+    @staticmethod
+    def _values(keys: Any) -> Any:
+        """float64 values of int64 order keys (the inverse of _order_keys)."""
+        import torch
+
+        k = keys - _SIGN
+        bits = torch.where(k >= 0, k, k ^ 0x7FFFFFFF).to(torch.int32)
+        return bits.view(torch.float32).double()
+
+    def top_sums(self, ks: Iterable[int]) -> dict[int, float]:
+        """k -> exact sum of the k largest values, for every k (one more pass over the values,
+        for the bins that hold a cut)."""
+        import torch
+
+        counts = self.counts.tolist()
+        # values in bins strictly above each bin, and their sum
+        above = torch.flip(torch.cumsum(torch.flip(self.counts, (0,)), 0), (0,)) - self.counts
+        above_sum = torch.flip(torch.cumsum(torch.flip(self.sums, (0,)), 0), (0,)) - self.sums
+        cuts: dict[int, tuple[int, int]] = {}  # k -> (bin of the k-th largest, values to take from it)
+        for k in set(ks):
+            kk = min(max(k, 0), self.n)
+            if kk == 0:
+                cuts[k] = (-1, 0)
+                continue
+            b = int(((self.counts > 0) & (above < kk)).nonzero().min())
+            cuts[k] = (b, kk - int(above[b]))
+        need = sorted({b for b, j in cuts.values() if b >= 0 and j < counts[b]})
+        low: dict[int, Any] = {b: torch.zeros(1 << 16, dtype=torch.int64) for b in need}
+        if need:
+            want = torch.tensor(need, dtype=torch.int64)
+            for c in _chunks(self.fisher):
+                key = _order_keys(c).cpu()
+                hi = key >> 16
+                sel = torch.isin(hi, want)
+                if not bool(sel.any()):
+                    continue
+                key, hi = key[sel], hi[sel]
+                for b in need:
+                    m = hi == b
+                    if bool(m.any()):
+                        low[b] += torch.bincount(key[m] & 0xFFFF, minlength=1 << 16)
+        out: dict[int, float] = {}
+        for k, (b, j) in cuts.items():
+            if b < 0:
+                out[k] = 0.0
+                continue
+            s = float(above_sum[b])
+            if j >= counts[b]:
+                out[k] = s + float(self.sums[b])
+                continue
+            vals = self._values((b << 16) | torch.arange(1 << 16, dtype=torch.int64))
+            cnt = low[b]
+            take = torch.clamp(j - (torch.flip(torch.cumsum(torch.flip(cnt, (0,)), 0), (0,)) - cnt), min=0)
+            take = torch.minimum(take, cnt)
+            out[k] = s + float((take.double() * vals).sum())
+        return out
+
+    def gini_bounds(self) -> tuple[float, float]:
+        """(lower, upper) bound of the Gini coefficient G = 2 sum_i i x_(i) / (n S) - (n+1)/n: a
+        bin of c values between lo and hi adds between 0 and (hi - lo) floor(c^2 / 8) to the
+        rank-weighted sum beyond its value with all c values equal."""
+        import torch
+
+        n, S = self.n, self.total
+        if n == 0 or S <= 0:
+            return 0.0, 0.0
+        c = self.counts.double()
+        r = torch.cumsum(c, 0) - c  # values in lower bins
+        base = float(((r + (c + 1) / 2) * self.sums).sum())
+        width = torch.where(self.counts > 1, self.highs - self.lows, 0.0)
+        slack = float((width * torch.floor(c * c / 8)).sum())
+        g = lambda ix: 2 * ix / (n * S) - (n + 1) / n  # noqa: E731
+        return g(base), g(base + slack)
 
 
-def sorted_values(fisher: Mapping[str, Any] | Any) -> Any:
-    """The values in ascending order (float32 numpy, sorted in place: 4 bytes per parameter).
-    Pass it to concentration_curve / gini / summary to sort once."""
-    if isinstance(fisher, Mapping):
-        x = flat_values(fisher)
-    else:
-        x = fisher.detach().reshape(-1).float().cpu().numpy().copy()
-    x.sort()
-    return x
-
-
-def _sum64(x: Any) -> float:
-    import numpy as np
-
-    return float(sum(np.sum(x[o:o + CHUNK], dtype=np.float64) for o in range(0, len(x), CHUNK)))
+def _hist(values: Any) -> ValueHistogram:
+    return ValueHistogram.of(values if isinstance(values, Mapping) else {"": values})
 
 
 def concentration_curve(
-    fisher: dict[str, torch.Tensor] | None = None, grid: tuple[float, ...] = CONCENTRATION_GRID,
-    sorted_: Any = None,
+    fisher: Mapping[str, Any] | None = None, grid: tuple[float, ...] = CONCENTRATION_GRID,
+    hist: ValueHistogram | None = None,
 ) -> list[tuple[float, float]]:
     """[(x, share of total mass in the top x fraction of all coordinates)] for x in grid.
 
     The top ceil(x * n) coordinates count (at least one). share is 0 when the total mass is 0.
-    `sorted_`: sorted_values(fisher), when the caller already has it."""
-    s = sorted_values(fisher) if sorted_ is None else sorted_
-    n = len(s)
-    total = _sum64(s)
+    `hist`: ValueHistogram.of(fisher), when the caller already has it. Exact (streaming)."""
+    h = hist if hist is not None else _hist(fisher)
+    n, total = h.n, h.total
     ks = {x: min(n, max(1, math.ceil(x * n - 1e-9))) for x in grid}
-    top: dict[int, float] = {}
-    acc, done = 0.0, 0  # sum of the largest `done` values
-    for k in sorted(set(ks.values())):
-        acc += _sum64(s[n - k:n - done])
-        done = k
-        top[k] = acc
+    top = h.top_sums(ks.values())
     return [(float(x), top[ks[x]] / total if total > 0 else 0.0) for x in grid]
 
 
-def gini(values: torch.Tensor | dict[str, torch.Tensor] | None = None, sorted_: Any = None) -> float:
+def gini(values: Any = None, hist: ValueHistogram | None = None) -> float:
     """Gini coefficient of non-negative values: 0 = all equal, -> 1 = all mass on one coordinate.
 
-    G = 2 sum_i i x_(i) / (n sum x) - (n + 1) / n, with x sorted ascending, i = 1..n."""
-    import numpy as np
+    G = 2 sum_i i x_(i) / (n sum x) - (n + 1) / n, with x sorted ascending, i = 1..n; from a
+    streaming histogram: the middle of gini_bounds (within gini_error of the exact value)."""
+    lo, hi = (hist if hist is not None else _hist(values)).gini_bounds()
+    return (lo + hi) / 2
 
-    x = sorted_values(values) if sorted_ is None else sorted_
-    n = len(x)
-    s = _sum64(x)
-    if n == 0 or s <= 0:
-        return 0.0
-    ix = 0.0
-    for o in range(0, n, CHUNK):
-        c = x[o:o + CHUNK]
-        ix += float(np.dot(np.arange(o + 1, o + 1 + len(c), dtype=np.float64), c.astype(np.float64)))
-    return float(2 * ix / (n * s) - (n + 1) / n)
+
+def gini_error(hist: ValueHistogram) -> float:
+    """Half the width of the Gini bracket: |gini(...) - exact Gini| is at most this."""
+    lo, hi = hist.gini_bounds()
+    return (hi - lo) / 2
 
 
 def topk_indices(fisher: dict[str, torch.Tensor], percent: float) -> torch.Tensor:
@@ -160,10 +236,21 @@ def _order_keys(chunk: torch.Tensor) -> torch.Tensor:
 
 
 def _chunks(fisher: Mapping[str, Any]) -> Iterable[torch.Tensor]:
+    """The values in slices of at most CHUNK, tensor by tensor in dict order. A mapping with a
+    `chunks()` method (compute.fisher.accumulate.HalfView: values made on the fly) gives its own."""
+    own = getattr(fisher, "chunks", None)
+    if own is not None:
+        yield from own(CHUNK)
+        return
     for f in fisher.values():
         v = f.detach().reshape(-1)
         for o in range(0, v.numel(), CHUNK):
             yield v[o:o + CHUNK]
+
+
+def _numel(fisher: Mapping[str, Any]) -> int:
+    own = getattr(fisher, "numel", None)
+    return int(own()) if own is not None else sum(int(f.numel()) for f in fisher.values())
 
 
 def topk_threshold(fisher: Mapping[str, Any], k: int) -> tuple[float, int]:
@@ -177,7 +264,7 @@ def topk_threshold(fisher: Mapping[str, Any], k: int) -> tuple[float, int]:
 
     import torch
 
-    n = sum(int(f.numel()) for f in fisher.values())
+    n = _numel(fisher)
     k = min(max(k, 1), n)
     hist = torch.zeros(1 << 16, dtype=torch.int64)
     for c in _chunks(fisher):
@@ -228,33 +315,60 @@ def topk_masks(fisher: Mapping[str, Any], percent: float) -> Iterable[tuple[str,
         yield name, m.reshape(f.shape)
 
 
+def _topk_chunk_masks(fisher: Mapping[str, Any], percent: float) -> Iterable[torch.Tensor]:
+    """topk_masks' selection, one bool mask per slice of _chunks(fisher) (flat, in order)."""
+    import torch
+
+    if not 0 < percent <= 100:
+        raise ValueError(f"topk_percent: got {percent!r}; accepted range: (0, 100]")
+    n = _numel(fisher)
+    k = max(1, math.ceil(n * percent / 100 - 1e-9))
+    t, g = topk_threshold(fisher, k)
+    ties = k - g  # values equal to t still to take, in order
+    for c in _chunks(fisher):
+        v = c.float()
+        m = v > t
+        if ties > 0:
+            eq = v == t
+            ne = int(eq.sum())
+            if ne <= ties:
+                m |= eq
+                ties -= ne
+            elif ne:
+                m |= eq & (torch.cumsum(eq, 0, dtype=torch.int32) <= ties)
+                ties = 0
+        yield m
+
+
 def topk_jaccard(a: Mapping[str, Any], b: Mapping[str, Any], percent: float) -> float:
     """Jaccard overlap |A ∩ B| / |A ∪ B| of the top-`percent`% coordinates of two Fishers.
 
     With a and b estimated from two independent halves of the samples, values near 1 mean the
     selected coordinates are stable (enough samples); near percent/100 means chance level.
     A positive scale of either side does not change its top-k set, so un-normalised sums serve.
-    Memory: one float32 copy at a time plus tensor-sized masks."""
-    if list(a) != list(b) or any(a[n].shape != b[n].shape for n in a):
+    Memory: slices of CHUNK values (a or b may make theirs on the fly: HalfView), no copy."""
+    if list(a) != list(b) or any(a[n].shape != b[n].shape for n in a) if not hasattr(a, "chunks") \
+            else list(a) != list(b):
         raise ValueError("fisher: the two Fishers must have the same parameter names and shapes")
     inter = union = 0
-    for (_, ma), (_, mb) in zip(topk_masks(a, percent), topk_masks(b, percent), strict=True):
+    for ma, mb in zip(_topk_chunk_masks(a, percent), _topk_chunk_masks(b, percent), strict=True):
         inter += int((ma & mb).sum())
         union += int((ma | mb).sum())
     return inter / union if union else 1.0
 
 
-def summary(fisher: dict[str, torch.Tensor], sorted_: Any = None) -> dict:
-    """Headline numbers: n_params, total mass, mean, max, gini, share of mass in top 1% / 10%.
-    `sorted_`: sorted_values(fisher), when the caller already has it."""
-    s = sorted_values(fisher) if sorted_ is None else sorted_
+def summary(fisher: dict[str, torch.Tensor], hist: ValueHistogram | None = None) -> dict:
+    """Headline numbers: n_params, total mass, mean, max, gini (and its error bound), share of mass
+    in the top 0.1% / 1% / 10%. `hist`: ValueHistogram.of(fisher), when the caller has it."""
+    h = hist if hist is not None else ValueHistogram.of(fisher)
     rows = tensor_stats(fisher)
     n = sum(r["numel"] for r in rows)
     mass = sum(r["mass"] for r in rows)
-    curve = dict(concentration_curve(grid=(0.001, 0.01, 0.1), sorted_=s))
+    curve = dict(concentration_curve(grid=(0.001, 0.01, 0.1), hist=h))
     return {
         "n_params": n, "total_mass": mass, "mean": mass / n if n else 0.0,
-        "max": max((r["max"] for r in rows), default=0.0), "gini": gini(sorted_=s),
+        "max": max((r["max"] for r in rows), default=0.0), "gini": gini(hist=h),
+        "gini_error_bound": gini_error(h),
         "top0.1%_share": curve[0.001], "top1%_share": curve[0.01], "top10%_share": curve[0.1],
     }
 
@@ -288,6 +402,6 @@ def to_heatmaps(fisher: dict[str, torch.Tensor], prefix: str = "fisher") -> list
 
 
 def to_series(fisher: dict[str, torch.Tensor], name: str = "concentration",
-              sorted_: Any = None) -> list[SeriesPoint]:
+              hist: ValueHistogram | None = None) -> list[SeriesPoint]:
     """The concentration curve as SeriesPoint(name, x = top fraction, value = share of mass)."""
-    return [SeriesPoint(name, x, s) for x, s in concentration_curve(fisher, sorted_=sorted_)]
+    return [SeriesPoint(name, x, s) for x, s in concentration_curve(fisher, hist=hist)]

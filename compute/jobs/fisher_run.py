@@ -25,6 +25,7 @@ from compute.fisher import (
     relative_error,
 )
 from compute.fisher import statistics as analysis
+from compute.fisher.accumulate import HalfSums
 from compute.jobs.fisher import FisherSpec
 
 
@@ -128,10 +129,13 @@ def _shard(spec: FisherSpec, shard_index: int, progress: Progress, loaded: tuple
     examples = task.examples(hi - lo, seed=spec.seed, split="train", start=spec.prompt_start + lo)
     cfg = _config(spec, hi - lo, spec.prompt_start + lo)
     res = estimate_fisher(model, tok, examples, cfg, progress=progress)
-    if res.halves is not None:
-        sums, denoms = res.halves, list(res.half_denoms or (0.0, 0.0))
+    diffs: dict[str, torch.Tensor] | None = None
+    roundings = 0
+    if res.halves is not None:  # the halves' total, and their difference (HalfSums)
+        sums, diffs, roundings = res.halves.total, res.halves.diff, res.halves.roundings
+        denoms = list(res.half_denoms or (0.0, 0.0))
     else:  # batch estimator: a plain sum over minibatches, no normalisation
-        sums, denoms = {n: f.unsqueeze(0) for n, f in res.fisher.items()}, None
+        sums, denoms = dict(res.fisher), None
     exact = None
     head, emb = model.get_output_embeddings(), model.get_input_embeddings()
     tied = head is not None and emb is not None and head.weight is emb.weight
@@ -152,7 +156,7 @@ def _shard(spec: FisherSpec, shard_index: int, progress: Progress, loaded: tuple
         except ExactOutputUnsupported as exc:  # logit scaling / soft-capping: not head(h)
             skipped = str(exc)
     out = dict(empty)
-    out.update(sums=sums, denoms=denoms, n_rows=res.n_rows, n_tokens=res.n_tokens, exact=exact,
+    out.update(sums=sums, diffs=diffs, diff_roundings=roundings, denoms=denoms, n_rows=res.n_rows, n_tokens=res.n_tokens, exact=exact,
                exact_skipped=skipped, seconds=round(time.perf_counter() - t0, 3),
                compute_dtype=str(next(model.parameters()).dtype).replace("torch.", ""))
     half = next(model.parameters()).dtype in (torch.bfloat16, torch.float16)
@@ -201,7 +205,9 @@ def run_shard(spec: FisherSpec, shard_index: int, progress: Progress = null_prog
               refs: Refs | None = None) -> dict:
     """Un-normalised Fisher sums of one shard's prompts (tensors + JSON-able numbers).
 
-    {"sums": {name: (2 halves | 1, *shape) float32}, "denoms": [d_even, d_odd] | None (batch),
+    {"sums": {name: (*shape) float32}: the sum over both halves (batch: over minibatches),
+     "diffs": {name: (*shape)}: the halves' difference, an int16 fraction of the sum (HalfSums)
+     | None (batch), "diff_roundings": int, "denoms": [d_even, d_odd] | None (batch),
      "n_rows", "n_tokens", "exact": {"sums": {name: tensor}, "count"} | None, ...}"""
     return _shard(spec, shard_index, progress, None, refs)
 
@@ -218,37 +224,38 @@ def finish(spec: FisherSpec, shard_outputs: list[dict], progress: Progress = nul
     built."""
     progress(0.97, "statistics")
     outs = sorted(shard_outputs, key=lambda o: o["shard"])
-    sums: dict[str, torch.Tensor] = {}
     exact: dict[str, torch.Tensor] = {}
     exact_count = 0.0
-    denoms = [0.0, 0.0]
     for o in outs:
-        sums = _add(sums, o["sums"])
-        if o["denoms"] is not None:
-            denoms = [denoms[0] + o["denoms"][0], denoms[1] + o["denoms"][1]]
         if o.get("exact"):
             exact = _add(exact, o["exact"]["sums"])
             exact_count += o["exact"]["count"]
-    if not sums:
+    batch = spec.estimator == "batch"
+    halves, denoms = _merged(outs)
+    if halves is None:
         raise ValueError("prompts: no prompts were processed")
     # keep the model's parameter order (the first non-empty shard's dict order)
-    order = next(list(o["sums"]) for o in outs if o["sums"])
-    batch = spec.estimator == "batch"
+    order = list(halves.total)
     total = 1.0 if batch else denoms[0] + denoms[1]
     if total <= 0:
         raise ValueError("max_new_tokens: no completion tokens were sampled")
-    # issue 30: the split-half Jaccard from the raw half sums (a half's top-k set does not depend
-    # on its denominator), then the Fisher one tensor at a time, releasing each tensor's sums as
-    # it goes (here and in the shard outputs), so the halves and the Fisher are never all alive.
+    # issue 30: the split-half Jaccard from the halves' raw sums, computed a tensor at a time from
+    # the total and the difference (a half's top-k set does not depend on its denominator), then
+    # the differences are released and the Fisher is the total over the denominator, divided in
+    # place when the sums are this job's own (consume): the halves and the Fisher are never all
+    # alive, and the job holds 6 bytes/param at most (4 after the split-half statistics).
     split_jaccard = None
     if not batch and denoms[0] > 0 and denoms[1] > 0:
         progress(0.97, "statistics: split-half overlap")
-        split_jaccard = topk_jaccard_of_halves(sums, order, spec.topk_percent)
+        split_jaccard = topk_jaccard_of_halves(halves, spec.topk_percent)
+    own = consume or len([o for o in outs if o["sums"]]) > 1  # merged sums are new tensors
+    halves.diff.clear()
+    if consume:
+        for o in outs:
+            (o.get("diffs") or {}).clear()
     fisher: dict[str, torch.Tensor] = {}
     for n in order:
-        s = sums.pop(n)
-        fisher[n] = mean_of_groups(s, total)
-        del s
+        fisher[n] = divide(halves.total.pop(n), total, in_place=own)
         if consume:
             for o in outs:
                 o["sums"].pop(n, None)
@@ -270,13 +277,17 @@ def finish(spec: FisherSpec, shard_outputs: list[dict], progress: Progress = nul
     if pskip:
         summary["precision_error_skipped"] = pskip
     progress(0.98, "statistics: concentration and Gini")
-    ordered = analysis.sorted_values(fisher)  # one sort for the summary and the curve
-    summary.update(analysis.summary(fisher, sorted_=ordered))
-    series = analysis.to_series(fisher, sorted_=ordered)
-    del ordered
+    hist = analysis.ValueHistogram.of(fisher)  # one pass for the summary and the curve
+    summary.update(analysis.summary(fisher, hist=hist))
+    series = analysis.to_series(fisher, hist=hist)
+    del hist
     summary["split_half_jaccard"] = split_jaccard
     if split_jaccard is not None:
         summary["split_half_topk_percent"] = spec.topk_percent
+        if halves.compact:  # what the compact difference costs the halves, stated
+            summary["split_half_precision"] = {
+                "halves": "float32 total + int16 fraction of it for the difference",
+                "roundings": halves.roundings, "half_error_bound": halves.half_error_bound()}
     if exact and exact_count > 0:
         progress(0.985, "statistics: exact output-layer Fisher vs the estimate")
         rows = {}
@@ -318,35 +329,45 @@ def run(spec: FisherSpec, progress: Progress = null_progress, refs: Refs | None 
 
 
 # -- until_reliable (issue 18): more prompts until the split-half verdict is at least "fair" ----
-def split_half(outs: list[dict], topk_percent: float) -> float | None:
-    """The split-half top-k Jaccard of the Fisher the shard outputs sum to (None: batch)."""
-    sums: dict[str, torch.Tensor] = {}
+def _merged(outs: list[dict]) -> tuple[HalfSums | None, list[float]]:
+    """The shard outputs' sums as one HalfSums (batch: differences all zero, unused) and the
+    summed denominators; None when no shard has sums. One shard's tensors are handed over."""
+    parts = [HalfSums(dict(o["sums"]),
+                      dict(o.get("diffs") or {n: torch.zeros_like(t, dtype=torch.int16) for n, t in o["sums"].items()}),
+                      int(o.get("diff_roundings") or 0)) for o in outs if o["sums"]]
     denoms = [0.0, 0.0]
     for o in outs:
-        if o["denoms"] is None:
-            return None
-        sums = _add(sums, o["sums"])
-        denoms = [denoms[0] + o["denoms"][0], denoms[1] + o["denoms"][1]]
-    if not sums or denoms[0] <= 0 or denoms[1] <= 0:
+        if o["denoms"] is not None:
+            denoms = [denoms[0] + o["denoms"][0], denoms[1] + o["denoms"][1]]
+    if not parts:
+        return None, denoms
+    return HalfSums.merged(parts), denoms
+
+
+def split_half(outs: list[dict], topk_percent: float) -> float | None:
+    """The split-half top-k Jaccard of the Fisher the shard outputs sum to (None: batch)."""
+    if any(o["denoms"] is None for o in outs):
         return None
-    order = next(list(o["sums"]) for o in outs if o["sums"])
-    return topk_jaccard_of_halves(sums, order, topk_percent)
+    halves, denoms = _merged(outs)
+    if halves is None or denoms[0] <= 0 or denoms[1] <= 0:
+        return None
+    return topk_jaccard_of_halves(halves, topk_percent)
 
 
-def mean_of_groups(s: torch.Tensor, total: float, chunk: int = 1 << 20) -> torch.Tensor:
-    """sum over groups of s (groups, *shape) / total as float32, summed in float64 over chunks of
-    `chunk` values (no float64 copy of the whole tensor)."""
-    flat = s.reshape(s.shape[0], -1)
-    out = torch.empty(flat.shape[1], dtype=torch.float32, device=s.device)
-    for o in range(0, flat.shape[1], chunk):
-        out[o:o + chunk] = (flat[:, o:o + chunk].double().sum(0) / total).float()
-    return out.reshape(s.shape[1:])
+def divide(s: torch.Tensor, total: float, in_place: bool = False, chunk: int = 1 << 20) -> torch.Tensor:
+    """s / total as float32, each value divided in float64 (over chunks of `chunk` values: no
+    float64 copy of the whole tensor); in place when the caller owns s."""
+    out = s if in_place and s.dtype == torch.float32 else torch.empty(s.shape, dtype=torch.float32,
+                                                                        device=s.device)
+    src, dst = s.reshape(-1), out.view(-1)
+    for o in range(0, src.numel(), chunk):
+        dst[o:o + chunk] = (src[o:o + chunk].double() / total).float()
+    return out
 
 
-def topk_jaccard_of_halves(sums: dict[str, torch.Tensor], order: list[str], topk_percent: float) -> float:
-    """Top-k% Jaccard of the two halves' Fishers from their (2, *shape) sums: views, no copies."""
-    return analysis.topk_jaccard({n: sums[n][0] for n in order}, {n: sums[n][1] for n in order},
-                                 topk_percent)
+def topk_jaccard_of_halves(halves: HalfSums, topk_percent: float) -> float:
+    """Top-k% Jaccard of the two halves' Fishers, each half made a tensor at a time."""
+    return analysis.topk_jaccard(halves.view(0), halves.view(1), topk_percent)
 
 
 def extend_until_reliable(spec: FisherSpec, outs: list[dict], progress: Any = null_progress,
