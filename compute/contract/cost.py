@@ -95,9 +95,11 @@ PRECISION_CHECK_FREE_SHARE = 0.5
 # Memory (bytes above the process's RSS before the job)
 RUNTIME_BASE_MB = 175.0  # a model-running job's first forward/backward/generate (allocator, kernels)
 FILE_JOB_BASE_MB = 11.0  # a job that only reads tensor files (mask from a Fisher, ...)
-# A Fisher job beyond its weights and temporaries: the gradient, the fp32 sum of squares (4 B),
-# the split-half sum (4 B) and the statistics' working copies (measured: bench_estimates.json)
-FISHER_BYTES_PER_PARAM = 10.0
+# A Fisher job beyond its weights and temporaries: the exact float32 sum of squares over both
+# halves (4 B) and the int16 fraction of it that holds the half difference (2 B); the self-check,
+# the per-row buffers and the statistics stream within the temporaries budget (issue 30; measured
+# 4.0 B/param beyond the budget at 50M, 0.7 at 7M: benchmarks/bench_scale.py, test_fisher_memory)
+FISHER_BYTES_PER_PARAM = 6.0
 # Training, per parameter of the model: its gradient (4), the two base copies the update-sparsity
 # report compares with (stored and master precision: 8), the initial Fisher (4) and the
 # concentration sums (g^2 and |g|: 8, when concentration is on).

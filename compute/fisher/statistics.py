@@ -86,6 +86,7 @@ class ValueHistogram:
         self.lows, self.highs = lows, highs  # smallest and largest value in each bin
         self.n = int(counts.sum())
         self.total = float(sums.sum())
+        self._top: dict[int, float] = {}  # k -> sum of the k largest, once computed
 
     @classmethod
     def of(cls, fisher: Mapping[str, Any]) -> ValueHistogram:
@@ -116,7 +117,14 @@ class ValueHistogram:
 
     def top_sums(self, ks: Iterable[int]) -> dict[int, float]:
         """k -> exact sum of the k largest values, for every k (one more pass over the values,
-        for the bins that hold a cut)."""
+        for the bins that hold a cut; remembered, so a later call for the same k makes none)."""
+        ks = list(ks)
+        todo = [k for k in ks if k not in self._top]
+        if todo:
+            self._top.update(self._top_sums(todo))
+        return {k: self._top[k] for k in ks}
+
+    def _top_sums(self, ks: Iterable[int]) -> dict[int, float]:
         import torch
 
         counts = self.counts.tolist()
@@ -260,70 +268,55 @@ def topk_threshold(fisher: Mapping[str, Any], k: int) -> tuple[float, int]:
     65,536-bin histogram of the high 16 bits of an order-preserving integer key, then of the low
     16 bits inside the bin that holds the k-th largest. Exact, and no copy of all the values
     (a float32 copy of every coordinate was 4 bytes/param on top of the two half sums)."""
+    return topk_thresholds([fisher], k)[0]
+
+
+def topk_thresholds(fishers: list[Mapping[str, Any]], k: int) -> list[tuple[float, int]]:
+    """topk_threshold of several Fishers of the same shapes, their chunks read side by side (two
+    passes in all: the split halves, made on the fly, are each made twice, not four times)."""
     import struct
 
     import torch
 
-    n = _numel(fisher)
+    n = _numel(fishers[0])
     k = min(max(k, 1), n)
-    hist = torch.zeros(1 << 16, dtype=torch.int64)
-    for c in _chunks(fisher):
-        hist += torch.bincount((_order_keys(c) >> 16).cpu(), minlength=1 << 16)
-    above_hi = torch.flip(torch.cumsum(torch.flip(hist, (0,)), 0), (0,))  # count with high bits >= b
-    hi = int((above_hi >= k).nonzero().max())
-    above = int(above_hi[hi] - hist[hi])  # strictly higher bins
-    low = torch.zeros(1 << 16, dtype=torch.int64)
-    for c in _chunks(fisher):
-        key = _order_keys(c)
-        sel = key[(key >> 16) == hi]
-        if sel.numel():
-            low += torch.bincount((sel & 0xFFFF).cpu(), minlength=1 << 16)
-    above_lo = torch.flip(torch.cumsum(torch.flip(low, (0,)), 0), (0,)) + above
-    lo = int((above_lo >= k).nonzero().max())
-    g = int(above_lo[lo] - low[lo])
-    kth = ((hi << 16) | lo) - _SIGN
-    bits = kth if kth >= 0 else kth ^ 0x7FFFFFFF
-    t = struct.unpack("<f", struct.pack("<i", bits))[0]
-    return float(t), g
+    nb = 1 << 16
+    hist = [torch.zeros(nb, dtype=torch.int64) for _ in fishers]
+    for cs in zip(*[_chunks(f) for f in fishers], strict=True):
+        for h, c in zip(hist, cs, strict=True):
+            h += torch.bincount((_order_keys(c) >> 16).cpu(), minlength=nb)
+    his, aboves = [], []
+    for h in hist:
+        above_hi = torch.flip(torch.cumsum(torch.flip(h, (0,)), 0), (0,))  # count with high bits >= b
+        hi = int((above_hi >= k).nonzero().max())
+        his.append(hi)
+        aboves.append(int(above_hi[hi] - h[hi]))  # strictly higher bins
+    lows = [torch.zeros(nb, dtype=torch.int64) for _ in fishers]
+    for cs in zip(*[_chunks(f) for f in fishers], strict=True):
+        for low, hi, c in zip(lows, his, cs, strict=True):
+            key = _order_keys(c)
+            sel = key[(key >> 16) == hi]
+            if sel.numel():
+                low += torch.bincount((sel & 0xFFFF).cpu(), minlength=nb)
+    out = []
+    for low, hi, above in zip(lows, his, aboves, strict=True):
+        above_lo = torch.flip(torch.cumsum(torch.flip(low, (0,)), 0), (0,)) + above
+        lo = int((above_lo >= k).nonzero().max())
+        g = int(above_lo[lo] - low[lo])
+        kth = ((hi << 16) | lo) - _SIGN
+        bits = kth if kth >= 0 else kth ^ 0x7FFFFFFF
+        out.append((float(struct.unpack("<f", struct.pack("<i", bits))[0]), g))
+    return out
 
 
-def topk_masks(fisher: Mapping[str, Any], percent: float) -> Iterable[tuple[str, torch.Tensor]]:
-    """(name, bool mask) of the top `percent`% coordinates, one tensor at a time: the values
-    above the k-th largest, and of the values equal to it the first ones in dict order, so
-    exactly k coordinates are selected."""
+def _topk_chunk_masks(fisher: Mapping[str, Any], percent: float,
+                      threshold: tuple[float, int] | None = None) -> Iterable[torch.Tensor]:
+    """topk_masks' selection, one bool mask per slice of _chunks(fisher) (flat, in order).
+    threshold: topk_threshold(fisher, k) when the caller has it."""
     import torch
 
-    if not 0 < percent <= 100:
-        raise ValueError(f"topk_percent: got {percent!r}; accepted range: (0, 100]")
-    n = sum(int(f.numel()) for f in fisher.values())
-    k = max(1, math.ceil(n * percent / 100 - 1e-9))
-    t, g = topk_threshold(fisher, k)
-    ties = k - g  # values equal to t still to take, in order
-    for name, f in fisher.items():
-        v = f.detach().reshape(-1).float()
-        m = v > t
-        if ties > 0:
-            eq = v == t
-            ne = int(eq.sum())
-            if ne <= ties:
-                m |= eq
-                ties -= ne
-            elif ne:
-                take = eq & (torch.cumsum(eq, 0, dtype=torch.int32) <= ties)
-                m |= take
-                ties = 0
-        yield name, m.reshape(f.shape)
-
-
-def _topk_chunk_masks(fisher: Mapping[str, Any], percent: float) -> Iterable[torch.Tensor]:
-    """topk_masks' selection, one bool mask per slice of _chunks(fisher) (flat, in order)."""
-    import torch
-
-    if not 0 < percent <= 100:
-        raise ValueError(f"topk_percent: got {percent!r}; accepted range: (0, 100]")
-    n = _numel(fisher)
-    k = max(1, math.ceil(n * percent / 100 - 1e-9))
-    t, g = topk_threshold(fisher, k)
+    k = _topk_count(fisher, percent)
+    t, g = threshold if threshold is not None else topk_threshold(fisher, k)
     ties = k - g  # values equal to t still to take, in order
     for c in _chunks(fisher):
         v = c.float()
@@ -340,6 +333,12 @@ def _topk_chunk_masks(fisher: Mapping[str, Any], percent: float) -> Iterable[tor
         yield m
 
 
+def _topk_count(fisher: Mapping[str, Any], percent: float) -> int:
+    if not 0 < percent <= 100:
+        raise ValueError(f"topk_percent: got {percent!r}; accepted range: (0, 100]")
+    return max(1, math.ceil(_numel(fisher) * percent / 100 - 1e-9))
+
+
 def topk_jaccard(a: Mapping[str, Any], b: Mapping[str, Any], percent: float) -> float:
     """Jaccard overlap |A ∩ B| / |A ∪ B| of the top-`percent`% coordinates of two Fishers.
 
@@ -347,11 +346,13 @@ def topk_jaccard(a: Mapping[str, Any], b: Mapping[str, Any], percent: float) -> 
     selected coordinates are stable (enough samples); near percent/100 means chance level.
     A positive scale of either side does not change its top-k set, so un-normalised sums serve.
     Memory: slices of CHUNK values (a or b may make theirs on the fly: HalfView), no copy."""
-    if list(a) != list(b) or any(a[n].shape != b[n].shape for n in a) if not hasattr(a, "chunks") \
-            else list(a) != list(b):
+    if list(a) != list(b) or _numel(a) != _numel(b) or (
+            not hasattr(a, "chunks") and any(a[n].shape != b[n].shape for n in a)):
         raise ValueError("fisher: the two Fishers must have the same parameter names and shapes")
+    k = _topk_count(a, percent)
+    ta, tb = topk_thresholds([a, b], k)
     inter = union = 0
-    for ma, mb in zip(_topk_chunk_masks(a, percent), _topk_chunk_masks(b, percent), strict=True):
+    for ma, mb in zip(_topk_chunk_masks(a, percent, ta), _topk_chunk_masks(b, percent, tb), strict=True):
         inter += int((ma & mb).sum())
         union += int((ma | mb).sum())
     return inter / union if union else 1.0

@@ -278,8 +278,8 @@ def finish(spec: FisherSpec, shard_outputs: list[dict], progress: Progress = nul
         summary["precision_error_skipped"] = pskip
     progress(0.98, "statistics: concentration and Gini")
     hist = analysis.ValueHistogram.of(fisher)  # one pass for the summary and the curve
+    series = analysis.to_series(fisher, hist=hist)  # its grid holds the summary's shares
     summary.update(analysis.summary(fisher, hist=hist))
-    series = analysis.to_series(fisher, hist=hist)
     del hist
     summary["split_half_jaccard"] = split_jaccard
     if split_jaccard is not None:
