@@ -98,7 +98,7 @@ class ValueHistogram:
         lows = torch.full((nb,), math.inf, dtype=torch.float64)
         highs = torch.full((nb,), -math.inf, dtype=torch.float64)
         for c in _chunks(fisher):
-            hi = (_order_keys(c) >> 16).cpu()
+            hi = _high(_order_keys(c)).cpu()
             v = c.detach().double().cpu()
             counts += torch.bincount(hi, minlength=nb)
             sums += torch.bincount(hi, weights=v, minlength=nb)
@@ -142,18 +142,19 @@ class ValueHistogram:
         need = sorted({b for b, j in cuts.values() if b >= 0 and j < counts[b]})
         low: dict[int, Any] = {b: torch.zeros(1 << 16, dtype=torch.int64) for b in need}
         if need:
-            want = torch.tensor(need, dtype=torch.int64)
+            want = torch.zeros(1 << 16, dtype=torch.bool)
+            want[need] = True
             for c in _chunks(self.fisher):
                 key = _order_keys(c).cpu()
-                hi = key >> 16
-                sel = torch.isin(hi, want)
+                hi = _high(key)
+                sel = want[hi]
                 if not bool(sel.any()):
                     continue
                 key, hi = key[sel], hi[sel]
                 for b in need:
                     m = hi == b
                     if bool(m.any()):
-                        low[b] += torch.bincount(key[m] & 0xFFFF, minlength=1 << 16)
+                        low[b] += torch.bincount(_low(key[m]), minlength=1 << 16)
         out: dict[int, float] = {}
         for k, (b, j) in cuts.items():
             if b < 0:
@@ -235,12 +236,22 @@ _SIGN = 1 << 31
 
 
 def _order_keys(chunk: torch.Tensor) -> torch.Tensor:
-    """float32 values -> int64 keys in [0, 2^32) with the same order (IEEE bits, the negative
-    ones' magnitude bits flipped; -0.0 counted as 0.0)."""
+    """float32 values -> int32 keys with the same (signed) order: the IEEE bits, the negative
+    ones' magnitude bits flipped; -0.0 counted as 0.0. The unsigned key of the docs is this
+    plus 2^31 (int32 arithmetic: half the memory traffic of int64 keys)."""
     import torch
 
-    bits = (chunk.float() + 0.0).contiguous().view(torch.int32).to(torch.int64)
-    return torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF) + _SIGN
+    bits = (chunk.float() + 0.0).contiguous().view(torch.int32)
+    return torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+
+
+def _high(keys: torch.Tensor) -> torch.Tensor:
+    """The unsigned key's high 16 bits (0..65535) of int32 order keys, int64 for bincount."""
+    return ((keys >> 16) + (1 << 15)).long()
+
+
+def _low(keys: torch.Tensor) -> torch.Tensor:
+    return (keys & 0xFFFF).long()
 
 
 def _chunks(fisher: Mapping[str, Any]) -> Iterable[torch.Tensor]:
@@ -284,7 +295,7 @@ def topk_thresholds(fishers: list[Mapping[str, Any]], k: int) -> list[tuple[floa
     hist = [torch.zeros(nb, dtype=torch.int64) for _ in fishers]
     for cs in zip(*[_chunks(f) for f in fishers], strict=True):
         for h, c in zip(hist, cs, strict=True):
-            h += torch.bincount((_order_keys(c) >> 16).cpu(), minlength=nb)
+            h += torch.bincount(_high(_order_keys(c)).cpu(), minlength=nb)
     his, aboves = [], []
     for h in hist:
         above_hi = torch.flip(torch.cumsum(torch.flip(h, (0,)), 0), (0,))  # count with high bits >= b
@@ -295,9 +306,9 @@ def topk_thresholds(fishers: list[Mapping[str, Any]], k: int) -> list[tuple[floa
     for cs in zip(*[_chunks(f) for f in fishers], strict=True):
         for low, hi, c in zip(lows, his, cs, strict=True):
             key = _order_keys(c)
-            sel = key[(key >> 16) == hi]
+            sel = key[(key >> 16) == hi - (1 << 15)]
             if sel.numel():
-                low += torch.bincount((sel & 0xFFFF).cpu(), minlength=nb)
+                low += torch.bincount(_low(sel).cpu(), minlength=nb)
     out = []
     for low, hi, above in zip(lows, his, aboves, strict=True):
         above_lo = torch.flip(torch.cumsum(torch.flip(low, (0,)), 0), (0,)) + above

@@ -119,3 +119,47 @@ def test_token_mechanism_factored_path_on_device(device):
     half = token_mechanism(model16.eval(), ids, cfg)
     assert half.settings["mode"] == "factored", half.settings.get("fast_path_skipped")
     assert half.fisher_trace == pytest.approx(loop.fisher_trace, rel=BF16_GLOBAL_TOL)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_fisher_job_device_memory_per_parameter(tmp_path, zoo_home, monkeypatch, dtype):
+    """Issue 30 on a GPU: the Fisher job's peak device memory above its loaded weights stays within
+    6 bytes/param beyond its temporaries budget (and a fixed part for the CUDA context's kernels and
+    sampling), on a 50M-parameter random Llama with tied embeddings, split-half and the self-check
+    on. The CPU twin is tests/unit/test_fisher_memory.py."""
+    import shutil
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from compute.jobs import fisher_run
+    from compute.jobs.fisher import FisherSpec
+
+    folder = tmp_path / "m50"
+    cfg = LlamaConfig(vocab_size=49152, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+                      num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=True,
+                      max_position_embeddings=512)
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+    tok = zoo_home / "zoo" / "arith-base"
+    for f in tok.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, folder)
+    monkeypatch.setenv("ALLOWED_MODEL_ROOTS", str(tmp_path))
+    budget_mb = 256
+    spec = FisherSpec(model=str(folder), prompts=8, samples=4, max_new_tokens=16, device="cuda",
+                      dtype=dtype, memory_budget_mb=budget_mb)
+    loaded = fisher_run._load(spec, None)
+    n = sum(p.numel() for p in loaded[0].parameters())
+    monkeypatch.setattr(fisher_run, "_load", lambda s, r: loaded)
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    res = fisher_run.run(spec)
+    peak = torch.cuda.max_memory_allocated() - base
+    per_param = (peak - (budget_mb + 64) * 2**20) / n
+    print(f"{dtype}: peak {peak / 2**20:.0f} MiB above the weights for {n:,} parameters: "
+          f"{per_param:.2f} bytes/param beyond the budget + 64 MiB")
+    assert res.summary["split_half_jaccard"] is not None
+    assert per_param <= 6.0

@@ -10,9 +10,8 @@ import copy
 import pytest
 import torch
 
-from compute.fisher import UnsupportedModel, fisher_from_samples, fisher_sums
+from compute.fisher import UnsupportedModel, estimators, fisher_from_samples, fisher_sums
 from compute.fisher import accumulate as acc_mod
-from compute.fisher import estimators
 from compute.fisher.accumulate import FRAC_SCALE, HalfSums, Store
 from compute.fisher.estimators import check_groups, new_store, trainable_parameters
 from compute.fisher.statistics import topk_jaccard
