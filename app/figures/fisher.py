@@ -88,10 +88,15 @@ def key_numbers_fisher(r: FisherResult, out: dict[str, Any]) -> None:
     if finite(s.top10_share) is not None:
         items.append(kn.item("Fisher mass in the top 10%", kn.pct(s.top10_share)))
     if finite(s.gini) is not None:
-        items.append(kn.item("Gini coefficient", kn.fmt(s.gini), "0 = uniform, 1 = one coordinate"))
+        gerr = finite(s.gini_error_bound)
+        items.append(kn.item("Gini coefficient", kn.fmt(s.gini), "0 = uniform, 1 = one coordinate"
+                             + (f"; within {gerr:.1g} (streaming histogram)" if gerr else "")))
     k, jac = finite(s.split_half_topk_percent), finite(s.split_half_jaccard)
     if jac is not None:
-        items.append(kn.item(f"Split-half top-{kn.fmt(k)}% Jaccard", kn.fmt(jac), "two independent halves of the samples"))
+        hb = finite((s.split_half_precision or {}).get("half_error_bound"))
+        items.append(kn.item(f"Split-half top-{kn.fmt(k)}% Jaccard", kn.fmt(jac), "two independent halves of the samples"
+                             + (f"; each half within {hb:.1g} of a coordinate's total (16-bit difference)"
+                                if hb else "")))
     if "split_half_jaccard" in s.model_fields_set:
         out["verdict"] = kn.jaccard_verdict(jac, k)
     if s.n_samples is not None:

@@ -81,11 +81,14 @@ class FisherSummary(Summary):
     n_params: int | None = None
     total_mass: float | None = None
     gini: float | None = None
+    gini_error_bound: float | None = None  # issue 30: the Gini of a streaming histogram, bracketed
     top0_1_share: float | None = Field(None, alias="top0.1%_share")
     top1_share: float | None = Field(None, alias="top1%_share")
     top10_share: float | None = Field(None, alias="top10%_share")
     split_half_jaccard: float | None = None
     split_half_topk_percent: float | None = None
+    # issue 30: the halves as a float32 total + int16 difference: their stated rounding bound
+    split_half_precision: dict[str, Any] | None = None
     exact_output: dict[str, ExactOutputRow] | None = None
     exact_output_skipped: str | None = None
     # issue 18: sums are float32; a half-precision forward/backward states its measured error

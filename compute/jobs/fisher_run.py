@@ -128,7 +128,9 @@ def _shard(spec: FisherSpec, shard_index: int, progress: Progress, loaded: tuple
     model, tok = loaded or _load(spec, refs)
     examples = task.examples(hi - lo, seed=spec.seed, split="train", start=spec.prompt_start + lo)
     cfg = _config(spec, hi - lo, spec.prompt_start + lo)
-    res = estimate_fisher(model, tok, examples, cfg, progress=progress)
+    after = 0.9 if spec.exact_output or next(model.parameters()).dtype != torch.float32 else 1.0
+    res = estimate_fisher(model, tok, examples, cfg,
+                          progress=lambda f, m="": progress(after * f, m))  # then the checks
     diffs: dict[str, torch.Tensor] | None = None
     roundings = 0
     if res.halves is not None:  # the halves' total, and their difference (HalfSums)
@@ -148,6 +150,7 @@ def _shard(spec: FisherSpec, shard_index: int, progress: Progress, loaded: tuple
     if spec.exact_output and spec.estimator != "batch" and res.rollout is not None and not tied:
         roll = res.rollout
         norm = "token" if spec.estimator == "token" else "sequence"
+        progress(0.9, "exact output-layer Fisher (closed form, every row)")
         try:
             ex = exact_output_fisher(model, roll.input_ids, roll.attention_mask,
                                      roll.completion_mask, normalize=norm)
@@ -156,8 +159,8 @@ def _shard(spec: FisherSpec, shard_index: int, progress: Progress, loaded: tuple
         except ExactOutputUnsupported as exc:  # logit scaling / soft-capping: not head(h)
             skipped = str(exc)
     out = dict(empty)
-    out.update(sums=sums, diffs=diffs, diff_roundings=roundings, denoms=denoms, n_rows=res.n_rows, n_tokens=res.n_tokens, exact=exact,
-               exact_skipped=skipped, seconds=round(time.perf_counter() - t0, 3),
+    out.update(sums=sums, diffs=diffs, diff_roundings=roundings, denoms=denoms, n_rows=res.n_rows,
+               n_tokens=res.n_tokens, exact=exact, exact_skipped=skipped, seconds=round(time.perf_counter() - t0, 3),
                compute_dtype=str(next(model.parameters()).dtype).replace("torch.", ""))
     half = next(model.parameters()).dtype in (torch.bfloat16, torch.float16)
     skip = precision_check_skipped(model) if half else None
@@ -166,6 +169,7 @@ def _shard(spec: FisherSpec, shard_index: int, progress: Progress, loaded: tuple
     elif half and shard_index == 0 and res.rollout is not None and spec.estimator != "batch":
         # issue 18: a half-precision Fisher states its error against the checkpoint in float32,
         # measured on the first rows
+        progress(0.95, "error against float32 (the checkpoint loaded again in float32)")
         ref_model, _ = _load(spec.model_copy(update={"dtype": "float32"}), refs)
         out["precision_error"] = precision_error(model, res.rollout, spec.estimator,
                                                  spec.memory_budget_mb, topk_percent=spec.topk_percent,
@@ -222,7 +226,7 @@ def finish(spec: FisherSpec, shard_outputs: list[dict], progress: Progress = nul
     by label and sha256 in the file's metadata). `consume=True` (run, combine: the outputs are
     theirs) empties the outputs' sums tensor by tensor, so memory is released as the Fisher is
     built."""
-    progress(0.97, "statistics")
+    progress(0.9, "statistics")
     outs = sorted(shard_outputs, key=lambda o: o["shard"])
     exact: dict[str, torch.Tensor] = {}
     exact_count = 0.0
@@ -246,13 +250,15 @@ def finish(spec: FisherSpec, shard_outputs: list[dict], progress: Progress = nul
     # alive, and the job holds 6 bytes/param at most (4 after the split-half statistics).
     split_jaccard = None
     if not batch and denoms[0] > 0 and denoms[1] > 0:
-        progress(0.97, "statistics: split-half overlap")
+        progress(0.9, "statistics: split-half overlap (two passes over both halves)")
         split_jaccard = topk_jaccard_of_halves(halves, spec.topk_percent)
     own = consume or len([o for o in outs if o["sums"]]) > 1  # merged sums are new tensors
+    compact, roundings, bound = halves.compact, halves.roundings, halves.half_error_bound()
     halves.diff.clear()
     if consume:
         for o in outs:
             (o.get("diffs") or {}).clear()
+    progress(0.94, "statistics: the Fisher from the sums")
     fisher: dict[str, torch.Tensor] = {}
     for n in order:
         fisher[n] = divide(halves.total.pop(n), total, in_place=own)
@@ -276,20 +282,21 @@ def finish(spec: FisherSpec, shard_outputs: list[dict], progress: Progress = nul
     pskip = next((o["precision_error_skipped"] for o in outs if o.get("precision_error_skipped")), None)
     if pskip:
         summary["precision_error_skipped"] = pskip
-    progress(0.98, "statistics: concentration and Gini")
+    progress(0.95, "statistics: histogram of the values")
     hist = analysis.ValueHistogram.of(fisher)  # one pass for the summary and the curve
+    progress(0.96, "statistics: concentration and Gini")
     series = analysis.to_series(fisher, hist=hist)  # its grid holds the summary's shares
     summary.update(analysis.summary(fisher, hist=hist))
     del hist
     summary["split_half_jaccard"] = split_jaccard
     if split_jaccard is not None:
         summary["split_half_topk_percent"] = spec.topk_percent
-        if halves.compact:  # what the compact difference costs the halves, stated
+        if compact:  # what the compact difference costs the halves, stated
             summary["split_half_precision"] = {
                 "halves": "float32 total + int16 fraction of it for the difference",
-                "roundings": halves.roundings, "half_error_bound": halves.half_error_bound()}
+                "roundings": roundings, "half_error_bound": bound}
     if exact and exact_count > 0:
-        progress(0.985, "statistics: exact output-layer Fisher vs the estimate")
+        progress(0.97, "statistics: exact output-layer Fisher vs the estimate")
         rows = {}
         for n, s in exact.items():
             ref = s / exact_count
@@ -301,7 +308,7 @@ def finish(spec: FisherSpec, shard_outputs: list[dict], progress: Progress = nul
     if skipped:
         summary["exact_output_skipped"] = skipped
     summary.update(extra or {})
-    progress(0.99, "statistics: layers and modules")
+    progress(0.98, "statistics: layers and modules")
     result = JobResult(
         kind="fisher", summary=summary, layer_stats=analysis.to_layer_stats(fisher),
         heatmaps=analysis.to_heatmaps(fisher), series=series, tensors={"fisher": fisher},
@@ -321,7 +328,7 @@ def run(spec: FisherSpec, progress: Progress = null_progress, refs: Refs | None 
     outs = []
     for i in range(spec.shards):
         def sub(f: float, m: str = "", i: int = i) -> None:
-            progress(0.02 + 0.95 * (i + f) / spec.shards, m)
+            progress(0.02 + 0.88 * (i + f) / spec.shards, m)
 
         outs.append(_shard(spec, i, sub, loaded, refs))
     spec, outs, rounds = extend_until_reliable(spec, outs, progress, loaded, refs)

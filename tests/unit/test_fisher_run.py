@@ -146,3 +146,20 @@ def test_bf16_fisher_loads_no_float32_copy_when_it_would_not_fit(home, monkeypat
     assert any("its error against float32 was not measured" in w for w in key_numbers(skipped.to_dict())["warnings"])
     a, b = checked.tensors["fisher"], skipped.tensors["fisher"]
     assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+
+
+def test_progress_names_every_phase_after_the_sums(home):
+    """Issue 30: nothing after the Fisher's sums sits silently at one fraction: the exact
+    output-layer check, the split-half overlap, the Fisher, the histogram, the curve and the layer
+    tables each report their own step, in order, with fractions that never go back."""
+    trace: list[tuple[float, str]] = []
+    spec = FisherSpec(model="arith-base", prompts=4, samples=2, max_new_tokens=4)
+    res = run(spec, lambda f, m="": trace.append((f, m)))
+    fr = [f for f, _ in trace]
+    assert fr == sorted(fr) and fr[-1] == 1.0
+    after = [m for f, m in trace if f >= 0.9]
+    for phase in ("exact output-layer Fisher", "split-half overlap", "the Fisher from the sums",
+                  "histogram", "concentration and Gini", "layers and modules"):
+        assert any(phase in m for m in after), (phase, after)
+    assert res.summary["split_half_precision"]["half_error_bound"] > 0
+    assert res.summary["gini_error_bound"] < 1e-3
