@@ -10,8 +10,11 @@ built into a scratch folder and measured in a FRESH process (so no allocator sta
 - floor: sampling the job's completions plus one batched forward + backward over them (what any
   Fisher of those samples must do at least), timed in the same process, then the job itself
   (`fisherlens fisher`'s runner with the model already loaded): ratio = job / floor.
-The job runs with the same settings at every size: 4 prompts x 2 samples, 8 new tokens, a 256 MiB
-temporaries budget, float32, CPU, torch threads as given (--threads, default 2).
+The job runs with the same settings at every size: by default 4 prompts x 2 samples, 8 new tokens
+(--prompts, --samples, --max-new-tokens), a 256 MiB temporaries budget (--budget-mb), float32,
+CPU, torch threads as given (--threads, default 2). "Fisher / one forward+backward" is the
+per-sample passes alone (the job's `seconds_parts`: not sampling, the one-time self-check or the
+statistics) against one batched forward + backward over the same rows.
 """
 
 from __future__ import annotations
@@ -59,7 +62,9 @@ from compute.jobs import fisher_run
 from compute.jobs.fisher import FisherSpec
 from compute.lm.sampling import sample_completions
 from compute.lm.verifiable_tasks import get_task
-spec = FisherSpec(model=folder, prompts=4, samples=2, max_new_tokens=8, memory_budget_mb=int(os.environ["BUDGET"]))
+W = json.loads(os.environ["WORKLOAD"])
+spec = FisherSpec(model=folder, prompts=W["prompts"], samples=W["samples"], max_new_tokens=W["max_new_tokens"],
+                  memory_budget_mb=int(os.environ["BUDGET"]))
 model, tok = fisher_run._load(spec, None)
 n = sum(p.numel() for p in model.parameters())
 ex = get_task(spec.task).examples(spec.prompts, seed=spec.seed, split="train", start=0)
@@ -88,7 +93,8 @@ t_job = time.perf_counter() - t0
 r = box["r"]
 print(json.dumps({"n_params": n, "peak_above_weights_mb": peak, "sample_s": t_sample,
                   "forward_backward_s": t_fb, "job_s": t_job, "fisher_s": r.summary["seconds"],
-                  "rows": r.summary["n_rows"], "tokens": r.summary["n_tokens"]}))
+                  "rows": r.summary["n_rows"], "tokens": r.summary["n_tokens"],
+                  "seconds_parts": r.summary.get("seconds_parts")}))
 """
 
 
@@ -98,7 +104,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench_scale.json"))
     ap.add_argument("--tokenizer", default=None, help="folder with a tokenizer (default: the zoo's)")
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--samples", type=int, default=2)
+    ap.add_argument("--max-new-tokens", type=int, default=8)
+    ap.add_argument("--budget-mb", type=int, default=BUDGET_MB)
     args = ap.parse_args(argv)
+    workload = {"prompts": args.prompts, "samples": args.samples, "max_new_tokens": args.max_new_tokens}
+    budget_mb = args.budget_mb
     from compute.contract.settings import Settings
 
     tok = args.tokenizer or str(Path(Settings().zoo_dir).expanduser() / "arith-base")
@@ -108,24 +120,30 @@ def main(argv: list[str] | None = None) -> int:
         for size in args.sizes.split(","):
             env = {**os.environ, "ROOT": str(ROOT), "SHAPE": json.dumps(SHAPES[size]),
                    "FOLDER": str(Path(scratch) / size), "TOK": tok, "THREADS": str(args.threads),
-                   "BUDGET": str(BUDGET_MB), "ALLOWED_MODEL_ROOTS": scratch, "PYTHONPATH": str(ROOT)}
+                   "BUDGET": str(budget_mb), "ALLOWED_MODEL_ROOTS": scratch, "PYTHONPATH": str(ROOT),
+                   "WORKLOAD": json.dumps(workload)}
             p = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True)
             if p.returncode:
                 print(p.stderr[-3000:], file=sys.stderr)
                 return 1
             r = json.loads(p.stdout.strip().splitlines()[-1])
             floor = r["sample_s"] + r["forward_backward_s"]
+            passes = (r.get("seconds_parts") or {}).get("per-sample passes", r["fisher_s"])
             r.update(size=size, shape=SHAPES[size],
                      bytes_per_param_above_weights=r["peak_above_weights_mb"] * 2**20 / r["n_params"],
-                     bytes_per_param_beyond_budget=(r["peak_above_weights_mb"] - BUDGET_MB) * 2**20 / r["n_params"],
+                     bytes_per_param_beyond_budget=(r["peak_above_weights_mb"] - budget_mb) * 2**20 / r["n_params"],
                      floor_s=floor, job_over_floor=r["job_s"] / floor,
-                     fisher_over_forward_backward=r["fisher_s"] / max(r["forward_backward_s"], 1e-9))
+                     # the Fisher itself: the per-sample passes (not sampling, the one-time
+                     # self-check or the statistics) against one batched forward + backward
+                     fisher_over_forward_backward=passes / max(r["forward_backward_s"], 1e-9))
             rows.append(r)
             print(f"{size}: {r['n_params']:,} params, {r['bytes_per_param_above_weights']:.1f} B/param above the "
-                  f"weights ({r['bytes_per_param_beyond_budget']:.1f} beyond the {BUDGET_MB} MiB budget), "
+                  f"weights ({r['bytes_per_param_beyond_budget']:.1f} beyond the {budget_mb} MiB budget), "
                   f"job {r['job_s']:.1f} s = {r['job_over_floor']:.2f}x the floor {floor:.1f} s", flush=True)
     load = os.getloadavg()
-    out = {"rows": rows, "budget_mb": BUDGET_MB, "settings": "4 prompts x 2 samples, 8 new tokens, float32, CPU",
+    out = {"rows": rows, "budget_mb": budget_mb,
+           "settings": f"{args.prompts} prompts x {args.samples} samples, {args.max_new_tokens} new tokens, "
+                       "float32, CPU",
            "meta": {"command": "python benchmarks/bench_scale.py " + " ".join(argv or sys.argv[1:]),
                     "threads": args.threads, "cpus": os.cpu_count(), "load_avg_after": load,
                     "machine": platform.machine(), "wall_seconds": time.time() - t_all}}

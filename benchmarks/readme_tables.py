@@ -337,14 +337,18 @@ def render_bench_scale(data: dict[str, Any]) -> str:
     """The Fisher job at growing size (benchmarks/bench_scale.py)."""
     budget = data["budget_mb"]
     lines = ["| model | params | peak above the weights | bytes/param above the weights | "
-             f"bytes/param beyond the {budget} MiB budget | job / floor | Fisher / one forward+backward |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+             f"bytes/param beyond the {budget} MiB budget | job / floor | Fisher / one forward+backward | "
+             "where the job's time went |",
+             "|---|---:|---:|---:|---:|---:|---:|---|"]
     for r in data["rows"]:
         h, layers = r["shape"][0], r["shape"][1]
+        parts = r.get("seconds_parts") or {}
+        went = ", ".join(f"{k} {v:.1f} s" for k, v in parts.items() if v >= 0.05) or "-"
         lines.append(f"| random Llama {r['size']} (hidden {h}, {layers} layers) | {r['n_params']:,} | "
                      f"{r['peak_above_weights_mb']:.0f} MiB | {r['bytes_per_param_above_weights']:.1f} | "
                      f"{r['bytes_per_param_beyond_budget']:.1f} | {r['job_over_floor']:.2f}x "
-                     f"({r['job_s']:.0f} s / {r['floor_s']:.0f} s) | {r['fisher_over_forward_backward']:.2f}x |")
+                     f"({r['job_s']:.1f} s / {r['floor_s']:.1f} s) | {r['fisher_over_forward_backward']:.2f}x | "
+                     f"{went} |")
     m = data["meta"]
     load = ", ".join(f"{x:.1f}" for x in m.get("load_avg_after", []))
     lines += ["", f"Settings: {data['settings']}, {budget} MiB temporaries budget, {m['threads']} torch "
@@ -355,6 +359,7 @@ def render_bench_scale(data: dict[str, Any]) -> str:
 
 
 register("bench_scale", "benchmarks/results/bench_scale.json", render_bench_scale)
+register("bench_scale_workload", "benchmarks/results/bench_scale_workload.json", render_bench_scale)
 
 
 def _spec_text(spec: dict[str, Any]) -> str:

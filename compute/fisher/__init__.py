@@ -149,7 +149,9 @@ def _half_sums(model: nn.Module, roll: Rollout, n_prompts: int, est: str, config
                            config.batch_size, into=store)
         denom += d
         prog(0.3 + 0.7 * (c + 1) / n_chunks, f"fisher {c + 1}/{n_chunks}")
-    return store.finish_halves(), denom
+    halves = store.finish_halves()
+    halves.check_seconds = store.check_seconds
+    return halves, denom
 
 
 def estimate_fisher(
@@ -182,6 +184,7 @@ def estimate_fisher(
     est = "sequence" if config.estimator == "empirical" else config.estimator
     n_tokens = int(roll.completion_mask.sum())
     halves = half_denoms = None
+    check_s = 0.0
     if est == "batch":
         fisher = batch_fisher(model, roll.input_ids, roll.attention_mask, roll.completion_mask,
                               config.batch_size or 8)
@@ -190,6 +193,7 @@ def estimate_fisher(
         dsum = float(denom.sum())
         if dsum <= 0:
             raise ValueError("completion_mask: no counted tokens")
+        check_s = total.check_seconds
         halves = total if total.compact else HalfSums(
             {n: t.float() for n, t in total.total.items()}, {n: d.float() for n, d in total.diff.items()})
         if next(iter(halves.total.values())).device.type != "cpu":
@@ -200,6 +204,7 @@ def estimate_fisher(
     settings = config.model_dump()
     settings.update(n_prompts=len(prompts), estimator_used=est,
                     sample_seconds=round(t_sample, 3),
+                    check_seconds=round(check_s, 3),
                     total_seconds=round(time.perf_counter() - t0, 3))
     prog(1.0, "done")
     return FisherEstimate(fisher, len(roll), n_tokens, config.estimator, settings, halves,

@@ -62,6 +62,7 @@ class HalfSums:
 
     def __init__(self, total: dict[str, torch.Tensor], diff: dict[str, torch.Tensor], roundings: int = 0):
         self.total, self.diff, self.roundings = total, diff, roundings
+        self.check_seconds = 0.0  # the engine's self-check while these were summed
 
     @property
     def compact(self) -> bool:
@@ -184,6 +185,7 @@ class Store:
         self.rounds: dict[str, int] = {}
         self.check: dict[str, torch.Tensor] | None = {} if check else None
         self.check_names = check_names
+        self.check_seconds = 0.0  # time in the engine's self-check (estimators._verify)
 
     def _groups(self, name: str) -> torch.Tensor:
         cur = self.sums.get(name)
@@ -288,6 +290,13 @@ class Store:
 
     def wants_check(self, name: str) -> bool:
         return self.check is not None and (self.check_names is None or name in self.check_names)
+
+    def unallocated_bytes(self) -> int:
+        """What the sums will take once every parameter's first square arrived (compact: a
+        float32 total and an int16 fraction, 6 bytes per coordinate)."""
+        per = 6 if self.compact else self.n_groups * torch.empty(0, dtype=self.dtype).element_size()
+        return per * sum(int(torch.Size(s).numel()) for n, s in self.shapes.items() if n not in self.sums) \
+            if self.squares else 0
 
     def needs(self, name: str) -> bool:
         """Whether this store keeps anything of the parameter (a check pass over a group of the

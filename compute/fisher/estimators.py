@@ -11,6 +11,7 @@ covered. Either failure raises `UnsupportedModel` naming the parameters; nothing
 from __future__ import annotations
 
 import contextlib
+import time
 import weakref
 from collections.abc import Iterator
 
@@ -177,7 +178,8 @@ def check_groups(params: dict[str, nn.Parameter], budget: int) -> list[list[str]
 def _verify(model: nn.Module, params: dict[str, nn.Parameter], chunk: tuple, budget: int) -> None:
     """Once per model: the engine's inputs give the model's own outputs (positions), and per-row
     gradients of a few rows must add up to autograd's gradient. Parameters are checked in groups
-    that fit the temporaries budget (check_groups), each with its own forward and backward."""
+    that fit `budget` (check_groups: the temporaries budget plus the room of the accumulators not
+    yet allocated), each with its own forward and backward."""
     ids, am, cm, scale, grp = (t[:_VERIFY_ROWS] for t in chunk)
     dtypes = [p.dtype for p in params.values()]
     _check_positions(model, ids, am, check_tolerance(dtypes))
@@ -266,7 +268,11 @@ def per_sample_square_sums(
             if i == 0 and model not in _VERIFIED:
                 # before the first squares reach the store (its sums are allocated lazily), so
                 # the check's gradients and the accumulators are never alive together (issue 30)
-                _verify(model, params, chunk, budget)
+                t_check = time.perf_counter()
+                # the accumulators are not allocated yet: the check may use their room too, so
+                # the job's peak stays within accumulators + budget with fewer check groups
+                _verify(model, params, chunk, budget + (store.unallocated_bytes() if not store.sums else 0))
+                store.check_seconds += time.perf_counter() - t_check
             _one_pass(model, store, params, chunk, budget, coverage=i == 0)
     return store.finish() if into is None else {}
 

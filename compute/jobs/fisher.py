@@ -89,6 +89,7 @@ class FisherSummary(Summary):
     split_half_topk_percent: float | None = None
     # issue 30: the halves as a float32 total + int16 difference: their stated rounding bound
     split_half_precision: dict[str, Any] | None = None
+    seconds_parts: dict[str, float] | None = None  # where the job's time went (issue 30)
     exact_output: dict[str, ExactOutputRow] | None = None
     exact_output_skipped: str | None = None
     # issue 18: sums are float32; a half-precision forward/backward states its measured error

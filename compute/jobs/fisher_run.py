@@ -159,8 +159,16 @@ def _shard(spec: FisherSpec, shard_index: int, progress: Progress, loaded: tuple
         except ExactOutputUnsupported as exc:  # logit scaling / soft-capping: not head(h)
             skipped = str(exc)
     out = dict(empty)
+    st = res.settings
+    est_s, sample_s, check_s = (float(st.get(k) or 0.0) for k in ("total_seconds", "sample_seconds", "check_seconds"))
+    # where the shard's time went (issue 30: time against the floor is profiled, not guessed)
+    parts = {"sampling": sample_s, "self-check": check_s,
+             "per-sample passes": max(0.0, est_s - sample_s - check_s),
+             "exact output check": max(0.0, time.perf_counter() - t0 - est_s)}
+    out["seconds_parts"] = parts
+    t_shard = time.perf_counter() - t0
     out.update(sums=sums, diffs=diffs, diff_roundings=roundings, denoms=denoms, n_rows=res.n_rows,
-               n_tokens=res.n_tokens, exact=exact, exact_skipped=skipped, seconds=round(time.perf_counter() - t0, 3),
+               n_tokens=res.n_tokens, exact=exact, exact_skipped=skipped, seconds=round(t_shard, 3),
                compute_dtype=str(next(model.parameters()).dtype).replace("torch.", ""))
     half = next(model.parameters()).dtype in (torch.bfloat16, torch.float16)
     skip = precision_check_skipped(model) if half else None
@@ -175,6 +183,7 @@ def _shard(spec: FisherSpec, shard_index: int, progress: Progress, loaded: tuple
                                                  spec.memory_budget_mb, topk_percent=spec.topk_percent,
                                                  reference=ref_model)
         del ref_model
+        parts["float32 error check"] = round(time.perf_counter() - t0 - t_shard, 3)
     return out
 
 
@@ -227,6 +236,7 @@ def finish(spec: FisherSpec, shard_outputs: list[dict], progress: Progress = nul
     theirs) empties the outputs' sums tensor by tensor, so memory is released as the Fisher is
     built."""
     progress(0.9, "statistics")
+    t_stats = time.perf_counter()
     outs = sorted(shard_outputs, key=lambda o: o["shard"])
     exact: dict[str, torch.Tensor] = {}
     exact_count = 0.0
@@ -271,6 +281,11 @@ def finish(spec: FisherSpec, shard_outputs: list[dict], progress: Progress = nul
         "n_tokens": sum(o["n_tokens"] for o in outs), "shards": len(outs),
         "seconds": round(sum(o["seconds"] for o in outs), 3), "settings": spec.model_dump(),
     }
+    parts: dict[str, float] = {}
+    for o in outs:
+        for k, v in (o.get("seconds_parts") or {}).items():
+            parts[k] = round(parts.get(k, 0.0) + v, 3)
+    summary["seconds_parts"] = parts
     summary["n_samples"] = summary["n_tokens"] if spec.estimator == "token" else summary["n_rows"]
     # issue 18: the precision the Fisher was computed, accumulated and stored in
     summary["compute_dtype"] = next((o["compute_dtype"] for o in outs if o.get("compute_dtype")), None)
@@ -309,9 +324,11 @@ def finish(spec: FisherSpec, shard_outputs: list[dict], progress: Progress = nul
         summary["exact_output_skipped"] = skipped
     summary.update(extra or {})
     progress(0.98, "statistics: layers and modules")
+    layer_stats, heatmaps = analysis.to_layer_stats(fisher), analysis.to_heatmaps(fisher)
+    summary["seconds_parts"]["statistics"] = round(time.perf_counter() - t_stats, 3)
     result = JobResult(
-        kind="fisher", summary=summary, layer_stats=analysis.to_layer_stats(fisher),
-        heatmaps=analysis.to_heatmaps(fisher), series=series, tensors={"fisher": fisher},
+        kind="fisher", summary=summary, layer_stats=layer_stats,
+        heatmaps=heatmaps, series=series, tensors={"fisher": fisher},
         metadata={"fisher": fisher_metadata(summary, (refs or {}).get("model"))},
     )
     progress(1.0, "done")
