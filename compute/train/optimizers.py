@@ -22,10 +22,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import torch
 
 from compute.train.config import OPTIMIZERS, PRECISIONS
+
+if TYPE_CHECKING:
+    from compute.sparsity.masks import CompactMask
 
 # Precision of training (TrainSpec.precision; docs/science.md section 6):
 # - fp32: float32 weights, float32 checkpoint;
@@ -127,32 +131,52 @@ def prepare_masked_params(
     requires_grad = False; an all-True mask is stored as None (dense); a partial one as the Coords
     of its trainable coordinates. Without a mask: all parameters, dense.
     """
+    from compute.sparsity.masks import CompactMask
+
     named = dict(model.named_parameters())
     if mask is None:
         for p in named.values():
             p.requires_grad_(True)
         return [(n, p, None) for n, p in named.items()]
-    for n, m in mask.items():
+    compact = mask if isinstance(mask, CompactMask) else None
+    for n in mask:
+        shape = compact.shape_of(n) if compact is not None else tuple(mask[n].shape)
         if n not in named:
             raise ValueError(f"mask: parameter {n!r} is not a parameter of the model")
-        if tuple(m.shape) != tuple(named[n].shape):
+        if shape != tuple(named[n].shape):
             raise ValueError(
-                f"mask: parameter {n!r} has shape {list(m.shape)} in the mask "
+                f"mask: parameter {n!r} has shape {list(shape)} in the mask "
                 f"but {list(named[n].shape)} in the model"
             )
     out: list[Param] = []
     for n, p in named.items():
-        given = mask.get(n)
-        if given is None or not bool(given.any()):
+        c = _coords(mask, compact, n, p.device)
+        if c is False:
             p.requires_grad_(False)
             continue
         p.requires_grad_(True)
         if not p.is_contiguous():  # the step writes through a flat view
             p.data = p.data.contiguous()
-        out.append((n, p, None if bool(given.all()) else Coords.of(given.bool(), p.device)))
+        out.append((n, p, None if c is True else c))
     if not out:
         raise ValueError("mask: selects no coordinate of the model; nothing would train")
     return out
+
+
+def _coords(mask: Mapping[str, torch.Tensor], compact: CompactMask | None, name: str,
+            device: torch.device) -> Coords | bool:
+    """True (train densely), False (frozen) or the Coords of one parameter under `mask`; a
+    CompactMask (compute.sparsity.masks) gives its indices as they are, never a dense tensor."""
+    if compact is not None:
+        part = compact.part(name) if name in compact else False
+        if isinstance(part, bool):
+            return part
+        idx = part.to(device)
+        return Coords(idx, math.prod(compact.shape_of(name)))
+    given = mask.get(name)
+    if given is None or not bool(given.any()):
+        return False
+    return True if bool(given.all()) else Coords.of(given.bool(), device)
 
 
 def trainable_count(params: list[Param]) -> int:
