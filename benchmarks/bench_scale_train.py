@@ -71,6 +71,11 @@ def rss():
         for line in f:
             if line.startswith("VmRSS"):
                 return int(line.split()[1]) / 1024
+def rss_file():  # the part of the RSS that is file pages (a safetensors file read through mmap)
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssFile"):
+                return int(line.split()[1]) / 1024
 phases = {}
 def sample():
     best = 0.0
@@ -86,11 +91,11 @@ def sample():
             frame = sys._current_frames().get(main_id)
             stack = [f"{os.path.basename(f.filename)}:{f.lineno} {f.name}"
                      for f in traceback.extract_stack(frame)][-6:]
-            peaks.append((m, stack))
+            peaks.append((m, [f"(file pages {rss_file() - file0:+.0f} MiB)"] + stack))
             best = m
         time.sleep(0.01)
 box = {}
-start = rss()
+start, file0 = rss(), rss_file()
 th = threading.Thread(target=sample, daemon=True)
 if int(os.environ["STACKS"]):
     th.start()

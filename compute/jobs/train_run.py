@@ -302,6 +302,7 @@ def train_job(
 
     from compute.train import save_checkpoint, save_output, train
 
+    fixed_mmap_threshold()
     run = _start(spec, progress, refs)
     out = Path(tempfile.mkdtemp(prefix="fisherlens-train-")) / "model"
 
@@ -325,6 +326,7 @@ def train_job(
     del probe
     res = train(model, run.tok, run.task, run.config, mask=mask, teacher=run.teacher,
                 progress=lambda f, m="": progress(0.15 + 0.75 * f, m), step_hook=save_every if spec.save_steps else None)
+    release_freed_memory()  # the run's activations and temporaries, before the diff
     progress(0.92, "update sparsity")
     _record_run(run, res)
     construction = _construction(run, mask, fisher_info)
@@ -351,22 +353,44 @@ def train_job(
     return run.result
 
 
+def _glibc() -> Any:
+    """The process's C library when it is glibc on Linux (it has malloc_trim), else None."""
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None)  # the C library already loaded (no ldconfig subprocess)
+        libc.malloc_trim  # noqa: B018 (glibc only: musl has none)
+        libc.mallopt  # noqa: B018
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
 def release_freed_memory() -> None:
     """Give the C allocator's free memory back to the system (glibc's malloc_trim; a no-op
     elsewhere): after per-tensor reads (the base check, the diff) glibc keeps freed chunks in
     the process, which counts as resident memory until the next phase reuses it (issue 30)."""
-    import ctypes
-    import ctypes.util
-    import sys
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
 
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):  # not glibc (e.g. musl has no malloc_trim)
-        return
-    trim(0)
+
+M_MMAP_THRESHOLD = -3  # glibc mallopt parameter (malloc.h)
+
+
+def fixed_mmap_threshold(nbytes: int = 1 << 20) -> None:
+    """Fix glibc's mmap threshold at `nbytes` (a no-op elsewhere). By default glibc raises the
+    threshold to the size of each large block freed (up to 32 MiB), after which tensors of a
+    few MiB come from the heap and, freed, stay in the process; with a fixed threshold every
+    block of `nbytes` or more is its own mapping, returned to the system when freed."""
+    import os
+
+    libc = _glibc()
+    if libc is not None and os.environ.get("FISHERLENS_MMAP_THRESHOLD", "1") != "0":
+        libc.mallopt(M_MMAP_THRESHOLD, nbytes)
 
 
 def train_metrics(curve: list[dict[str, float]], summary: Mapping[str, Any], spec: TrainSpec,

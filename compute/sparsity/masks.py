@@ -397,7 +397,7 @@ class CompactMask(Mapping[str, torch.Tensor]):
     def add(self, name: str, m: torch.Tensor) -> None:
         """Add (or replace) one tensor of the mask from its dense bool form."""
         m = m.bool()
-        kept = int(m.sum())
+        kept = int(torch.count_nonzero(m))  # (a bool sum makes an int64 copy: 8 B/coordinate)
         self._shape[name] = tuple(m.shape)
         if kept == m.numel():
             self._part[name] = True

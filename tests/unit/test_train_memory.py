@@ -152,9 +152,6 @@ def measure_job(root: Path = ROOT, layers: int = 12, vocab: int = 0) -> dict:
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=False, reason="the job's peak varies run to run on this model: 36-44 MiB in some "
-                   "runs, 81-125 MiB in others (peak in FileBase.get's read of the base during the diff); "
-                   "not yet explained, see docs/scale.md")
 def test_masked_one_percent_train_job_peak_is_bounded_per_parameter() -> None:
     got = measure_job(vocab=JOB_VOCAB)
     assert got["n_params"] > 10_000_000
