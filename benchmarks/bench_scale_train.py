@@ -62,6 +62,8 @@ spec = TrainSpec(model=folder, mask=mask_file, algo="sft", optimizer="adamw", st
                  batch=2, max_new_tokens=8, eval_prompts=4, concentration=False, bound=False)
 loaded = train_run._load(spec.model, spec)
 n = sum(p.numel() for p in loaded[0].parameters())
+for w in loaded[0].parameters():  # resident before the mark: a safetensors load maps the weights
+    float(w.detach().sum())      # lazily, and the pages the job touches would count as its own
 train_run._load = lambda ref, s: loaded  # the job's own work, weights already loaded
 peaks = []
 stop = threading.Event()

@@ -125,6 +125,8 @@ spec = TrainSpec(model=folder, mask=os.path.join(folder, "mask.safetensors"), ta
                  concentration=False, bound=False)
 loaded = train_run._load(spec.model, spec)
 n = sum(p.numel() for p in loaded[0].parameters())
+for w in loaded[0].parameters():  # resident before the mark: a safetensors load maps the weights
+    float(w.detach().sum())      # lazily, and the pages the job touches would count as its own
 train_run._load = lambda ref, s: loaded  # the job's own work, weights already loaded
 import compute.lm.sampling, compute.train.objectives.sft, compute.sparsity.diff  # imported before the mark
 box = {}
