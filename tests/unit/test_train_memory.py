@@ -85,17 +85,16 @@ def test_masked_one_percent_adamw_step_peak_is_bounded_per_parameter(algo: str) 
 # The whole `train` JOB (compute.jobs.train_run.train_job), not only the loop: the mask loaded from
 # its file, the base check against the model's file, training, the diff for the "unchanged"
 # report, the checkpoint and mask.safetensors written. The loop's model with an 8,192-row tied
-# embedding (13.9M parameters: the tied embedding's gradient and the largest tensor's diff are
-# part of what the job pays), 1% random mask, SFT, AdamW, 2 steps, concentration off; fixed part
-# FIXED_MB, the loop's. Measured (MiB above the weights, one run each, this machine):
-# main before this change (d35a685): 122.6 (7.4 bytes/param beyond the fixed part: the mask dense,
-# 1 B/param, the tied embedding's 2-3 dense gradients, the diff's 4M-value chunks); now 44.3 (1.5)
-# in the first run, but 81, 99, 121 and 125 MiB (4.3-7.7) in four later runs of the same code:
-# xfail until that variance is found.
-# With the arith tokenizer's own vocabulary (11.8M): main 58.5 (3.06), now 36.3 (1.05). At 4
-# layers (6.0M) the job measured 56.5 now and 132.4 on main: below ~10M parameters the job's peak
-# is not monotone in size (allocator arenas, generation), so the bound is asserted at this size.
-JOB_MEASURED = {"main (d35a685)": 122.6, "now": 44.3}
+# embedding (13.9M parameters: the tied embedding's gradients and the largest tensor's diff are
+# part of what the job pays), 1% random mask, SFT, AdamW, 2 steps, concentration off, weights
+# made resident before the mark (a safetensors load maps them lazily: untouched, the job's first
+# read of them counted as its memory, 53 MiB here). Fixed part: the loop's FIXED_MB. Measured
+# (MiB above the weights, two runs each, this machine):
+# main before this change (d35a685): 120.5, 136.4 (6.9-8.1 bytes/param beyond the fixed part:
+# the mask dense, 1 B/param, for the whole job and 8 B/param while it was counted, the tied
+# embedding's 2-3 dense gradients, the diff's 4M-value chunks); now 16.7, 14.2 (below the fixed
+# part). Without making the weights resident first: main 122.6, now 44-50.
+JOB_MEASURED = {"main (d35a685)": (120.5, 136.4), "now": (16.7, 14.2)}
 JOB_VOCAB = 8192
 
 JOB_SCRIPT = r"""
