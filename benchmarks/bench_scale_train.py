@@ -62,6 +62,8 @@ spec = TrainSpec(model=folder, mask=mask_file, algo="sft", optimizer="adamw", st
                  batch=2, max_new_tokens=8, eval_prompts=4, concentration=False, bound=False)
 loaded = train_run._load(spec.model, spec)
 n = sum(p.numel() for p in loaded[0].parameters())
+for w in loaded[0].parameters():  # resident before the mark: a safetensors load maps the weights
+    float(w.detach().sum())      # lazily, and the pages the job touches would count as its own
 train_run._load = lambda ref, s: loaded  # the job's own work, weights already loaded
 peaks = []
 stop = threading.Event()
@@ -70,6 +72,11 @@ def rss():
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith("VmRSS"):
+                return int(line.split()[1]) / 1024
+def rss_file():  # the part of the RSS that is file pages (a safetensors file read through mmap)
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("RssFile"):
                 return int(line.split()[1]) / 1024
 phases = {}
 def sample():
@@ -86,11 +93,11 @@ def sample():
             frame = sys._current_frames().get(main_id)
             stack = [f"{os.path.basename(f.filename)}:{f.lineno} {f.name}"
                      for f in traceback.extract_stack(frame)][-6:]
-            peaks.append((m, stack))
+            peaks.append((m, [f"(file pages {rss_file() - file0:+.0f} MiB)"] + stack))
             best = m
         time.sleep(0.01)
 box = {}
-start = rss()
+start, file0 = rss(), rss_file()
 th = threading.Thread(target=sample, daemon=True)
 if int(os.environ["STACKS"]):
     th.start()

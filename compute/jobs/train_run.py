@@ -19,6 +19,7 @@ from compute.contract.jobresult import JobResult, SeriesPoint, null_progress
 from compute.contract.kinds import Ref, Refs
 from compute.jobs.artifact_files import resolved_refs
 from compute.jobs.train import TrainSpec
+from compute.sparsity.masks import CompactMask
 
 FISHER_SELECTORS = ("fisher", "fisher-tensor", "fisher-bottom")
 
@@ -301,6 +302,7 @@ def train_job(
 
     from compute.train import save_checkpoint, save_output, train
 
+    fixed_mmap_threshold()
     run = _start(spec, progress, refs)
     out = Path(tempfile.mkdtemp(prefix="fisherlens-train-")) / "model"
 
@@ -317,17 +319,20 @@ def train_job(
     # file tensor by tensor when that reproduces the loaded weights exactly, else a copy
     stored_base = base_source(model, resolved_refs(spec, refs)["model"], run.summary["base_dtype"],
                               spec.precision)
+    release_freed_memory()  # the per-tensor reads of the base check
     run.summary["base_compared_from"] = "file" if isinstance(stored_base, FileBase) else "memory"
     if spec.algo == "grpo" and spec.bound:
         _bound(run, probe, fisher, fisher_info)
     del probe
     res = train(model, run.tok, run.task, run.config, mask=mask, teacher=run.teacher,
                 progress=lambda f, m="": progress(0.15 + 0.75 * f, m), step_hook=save_every if spec.save_steps else None)
+    release_freed_memory()  # the run's activations and temporaries, before the diff
     progress(0.92, "update sparsity")
     _record_run(run, res)
     construction = _construction(run, mask, fisher_info)
     run.summary["update_sparsity"] = update_sparsity(stored_base, ModelStored(model, spec.precision), fisher,
                                                      within=mask)
+    release_freed_memory()  # the diff's per-tensor reads and temporaries
     run.summary["update_sparsity"]["stored_dtype"] = res.settings["stored_dtype"]
     _headline_convention(run.summary["update_sparsity"], run.summary["base_dtype"], res.settings["stored_dtype"])
     # issue 18: the precision the run computed in and its checkpoint is stored in
@@ -340,9 +345,52 @@ def train_job(
     save_output(model, run.tok, out, metrics, precision=spec.precision)
     if mask is not None:  # the mask travels with the model and its checkpoints (diff, series)
         _save_trained_mask(run, mask, out, construction)
+    if mask is not None and spec.mask_select:  # the mask built here is an artifact of the job:
+        # made dense now, after the run (the job held it compact until here)
+        run.result.tensors["mask"] = {n: mask[n].cpu() for n in mask}
     run.result.files["model"] = str(out)
     progress(1.0, f"accuracy {res.accuracy_before:.3f} -> {res.accuracy_after:.3f}")
     return run.result
+
+
+def _glibc() -> Any:
+    """The process's C library when it is glibc on Linux (it has malloc_trim), else None."""
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None)  # the C library already loaded (no ldconfig subprocess)
+        libc.malloc_trim  # noqa: B018 (glibc only: musl has none)
+        libc.mallopt  # noqa: B018
+    except (OSError, AttributeError):
+        return None
+    return libc
+
+
+def release_freed_memory() -> None:
+    """Give the C allocator's free memory back to the system (glibc's malloc_trim; a no-op
+    elsewhere): after per-tensor reads (the base check, the diff) glibc keeps freed chunks in
+    the process, which counts as resident memory until the next phase reuses it (issue 30)."""
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+M_MMAP_THRESHOLD = -3  # glibc mallopt parameter (malloc.h)
+
+
+def fixed_mmap_threshold(nbytes: int = 1 << 20) -> None:
+    """Fix glibc's mmap threshold at `nbytes` (a no-op elsewhere). By default glibc raises the
+    threshold to the size of each large block freed (up to 32 MiB), after which tensors of a
+    few MiB come from the heap and, freed, stay in the process; with a fixed threshold every
+    block of `nbytes` or more is its own mapping, returned to the system when freed. Process-wide
+    (a worker's later jobs keep it). Measured with release_freed_memory on bench_scale_train
+    (docs/scale.md): 50m 140-141 MiB above the weights with both, 192-211 without either."""
+    libc = _glibc()
+    if libc is not None:
+        libc.mallopt(M_MMAP_THRESHOLD, nbytes)
 
 
 def train_metrics(curve: list[dict[str, float]], summary: Mapping[str, Any], spec: TrainSpec,
@@ -405,19 +453,21 @@ def _start(spec: TrainSpec, progress: Any, refs: Refs | None = None) -> _Run:
                 refs)
 
 
-def _mask(run: _Run) -> dict[str, torch.Tensor] | None:
-    """The given mask file, or one built in the job (spec.mask_select), or None (full training)."""
+def _mask(run: _Run) -> CompactMask | None:
+    """The given mask file, or one built in the job (spec.mask_select), or None (full training);
+    held compact (compute.sparsity.masks.CompactMask: the indices of the kept coordinates, not a
+    bool per parameter), each tensor made dense only where it is read (issue 30)."""
     from compute.fisher import FisherConfig
     from compute.jobs.artifact_files import local_file
-    from compute.sparsity.masks import load_mask
+    from compute.sparsity.masks import CompactMask, load_compact_mask
 
     spec = run.spec
     mask_ref = resolved_refs(run.spec, run.refs).get("mask")
     if mask_ref is not None:
         run.summary["mask"] = {"file": spec.mask}
         _mask_fisher_reliability(run, mask_ref)
-        return load_mask(local_file(mask_ref, "mask"), model=run.model,
-                         device=next(run.model.parameters()).device)
+        return load_compact_mask(local_file(mask_ref, "mask"), model=run.model,
+                                 device=next(run.model.parameters()).device)
     if not spec.mask_select:
         return None
     fcfg = FisherConfig(prompts=spec.fisher_prompts, samples=spec.fisher_samples,
@@ -433,8 +483,7 @@ def _mask(run: _Run) -> dict[str, torch.Tensor] | None:
         run.summary["fisher_reliability"] = {
             "source": f"the mask's Fisher, estimated in this job ({f['prompts']} prompts x {f['samples']} samples)",
             **{k: f[k] for k in ("split_half_jaccard", "split_half_topk_percent", "reliability")}}
-    run.result.tensors["mask"] = {n: m.cpu() for n, m in mask.items()}
-    return mask
+    return CompactMask.of(mask, next(run.model.parameters()).device)  # the dense one is freed
 
 
 def _construction(run: _Run, mask: Mapping[str, torch.Tensor] | None,
@@ -477,7 +526,7 @@ def _save_trained_mask(run: _Run, mask: Mapping[str, torch.Tensor], out: Path, c
     rel = run.summary.get("fisher_reliability")
     if rel and run.spec.mask:
         meta["fisher_reliability"] = json.dumps(rel, default=str)
-    save_mask({n: m.cpu() for n, m in mask.items()}, out / MASK_FILE, metadata=meta)
+    save_mask(mask, out / MASK_FILE, metadata=meta)  # written a tensor at a time
 
 
 def _mask_fisher_reliability(run: _Run, mask_ref: Ref) -> None:
@@ -584,7 +633,7 @@ def _concentration(run: _Run, res: Any, fisher: Any, base: Any,
     frac = run.spec.topk_percent / 100.0
     sc = run.summary.get("construction") or {}
     if mask is not None:
-        m = {n: t.cpu() for n, t in mask.items()}
+        m = CompactMask.of(mask, "cpu")  # each tensor made dense when restrict reads it
         every = concentration(fisher, targets, frac)
         run.summary["concentration_all_coordinates"] = {**concentration_summary(every),
                                                         "label": sc.get("all_coordinates")}

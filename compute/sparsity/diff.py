@@ -227,7 +227,7 @@ def half_ulp_bf16(w: torch.Tensor) -> torch.Tensor:
     return torch.where(w == 0, torch.full_like(w, 2.0**-134), half)
 
 
-DIFF_CHUNK = 1 << 22  # values per chunk of tensor_diff_stats' temporaries (16 MiB as float32)
+DIFF_CHUNK = 1 << 20  # values per chunk of tensor_diff_stats' temporaries (4 MiB as float32)
 
 
 def tensor_diff_stats(base: torch.Tensor, tuned: torch.Tensor, svd_max_numel: int = SVD_MAX_NUMEL,

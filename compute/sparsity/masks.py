@@ -290,18 +290,41 @@ def check_same_shapes(
 
 def save_mask(mask: Mapping[str, torch.Tensor], path: str | Path,
               metadata: Mapping[str, Any] | None = None) -> Path:
-    """Write a boolean safetensors file (atomically: temp file + rename)."""
-    from safetensors.torch import save_file
+    """Write a boolean safetensors file (atomically: temp file + rename), one tensor at a time:
+    a CompactMask is made dense a tensor at a time as it is written (issue 30: the job never holds
+    the whole mask dense). Read back by safetensors' load_file / safe_open like any file."""
+    import json
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tensors = {n: m.detach().to("cpu", torch.bool).contiguous() for n, m in mask.items()}
+    names = sorted(mask)  # safetensors' own order for tensors of one dtype
+    shapes = {n: _mask_shape(mask, n) for n in names}
     meta = {"format": "fisherlens-mask", "density": repr(mask_density(mask))}
     meta.update({k: str(v) for k, v in (metadata or {}).items()})
+    header: dict[str, Any] = {"__metadata__": meta}
+    offset = 0
+    for n in names:
+        size = math.prod(shapes[n])
+        header[n] = {"dtype": "BOOL", "shape": list(shapes[n]), "data_offsets": [offset, offset + size]}
+        offset += size
+    head = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    head += b" " * (-len(head) % 8)  # the data starts 8-byte aligned, as safetensors writes it
     tmp = path.with_name(path.name + ".tmp")
-    save_file(tensors, str(tmp), metadata=meta)
+    with open(tmp, "wb") as f:
+        f.write(len(head).to_bytes(8, "little"))
+        f.write(head)
+        for n in names:
+            t = mask[n].detach().to("cpu", torch.bool).contiguous().reshape(-1)
+            if tuple(mask[n].shape) != shapes[n]:
+                raise ValueError(f"mask: tensor {n!r} changed shape while being written")
+            f.write(t.view(torch.uint8).numpy().tobytes())
+            del t
     tmp.replace(path)
     return path
+
+
+def _mask_shape(mask: Mapping[str, torch.Tensor], name: str) -> tuple[int, ...]:
+    return mask.shape_of(name) if isinstance(mask, CompactMask) else tuple(mask[name].shape)
 
 
 def load_mask(path: str | Path, model: Any = None, device: torch.device | str | None = None) -> Mask:
@@ -321,6 +344,109 @@ def load_mask(path: str | Path, model: Any = None, device: torch.device | str | 
     return mask
 
 
+def load_compact_mask(path: str | Path, model: Any = None,
+                      device: torch.device | str | None = None) -> CompactMask:
+    """load_mask's file as a CompactMask, read one tensor at a time (safe_open): no dense copy of
+    the whole mask is ever alive. Same checks and errors as load_mask."""
+    from safetensors import safe_open
+
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"mask: file not found: {path}")
+    out = CompactMask(device)
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        shapes = {}
+        for n in f.keys():  # noqa: SIM118 (safe_open has keys(), no __iter__)
+            sl = f.get_slice(n)
+            if sl.get_dtype() != "BOOL":
+                dt = f.get_tensor(n).dtype
+                raise ValueError(f"mask: tensor {n!r} in {path} has dtype {dt}, expected bool")
+            shapes[n] = tuple(sl.get_shape())
+        if model is not None:
+            check_same_shapes({n: torch.empty(s, device="meta") for n, s in shapes.items()},
+                              trainable_params(model), "mask", "model")
+        for n in shapes:
+            out.add(n, f.get_tensor(n))
+    return out
+
+
+class CompactMask(Mapping[str, torch.Tensor]):
+    """A mask held in its compact form (issue 30: memory in proportion to the mask): per tensor,
+    True (every coordinate kept), False (none) or the sorted flat indices of the kept coordinates
+    (int32 below 2^31 elements, else int64; the `Coords` of compute.train.optimizers). Reading a
+    tensor (`mask[name]`, items()) builds its dense bool tensor, one at a time, on `device`; so
+    any code that reads a mask tensor by tensor (restrict, mask_density, save_mask) works on it
+    unchanged without the whole mask ever being dense."""
+
+    def __init__(self, device: torch.device | str | None = None):
+        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self._shape: dict[str, tuple[int, ...]] = {}
+        self._part: dict[str, bool | torch.Tensor] = {}
+
+    @classmethod
+    def of(cls, mask: Mapping[str, torch.Tensor], device: torch.device | str | None = None) -> CompactMask:
+        """The compact form of a mask (bool tensors, or a CompactMask moved to `device`)."""
+        if isinstance(mask, CompactMask) and (device is None or torch.device(device) == mask.device):
+            return mask
+        out = cls(device if device is not None else
+                  (mask.device if isinstance(mask, CompactMask) else None))
+        for n in mask:
+            out.add(n, mask[n])
+        return out
+
+    def add(self, name: str, m: torch.Tensor) -> None:
+        """Add (or replace) one tensor of the mask from its dense bool form."""
+        m = m.bool()
+        kept = int(torch.count_nonzero(m))  # (a bool sum makes an int64 copy: 8 B/coordinate)
+        self._shape[name] = tuple(m.shape)
+        if kept == m.numel():
+            self._part[name] = True
+        elif kept == 0:
+            self._part[name] = False
+        else:
+            flat = m.reshape(-1)
+            dt = torch.int32 if flat.numel() < 2**31 else torch.int64
+            self._part[name] = torch.nonzero(flat).reshape(-1).to(dtype=dt, device=self.device)
+
+    def part(self, name: str) -> bool | torch.Tensor:
+        """True (all kept), False (none) or the sorted flat indices of the kept coordinates."""
+        return self._part[name]
+
+    def shape_of(self, name: str) -> tuple[int, ...]:
+        return self._shape[name]
+
+    def kept(self, name: str) -> int:
+        p = self._part[name]
+        if isinstance(p, bool):
+            return math.prod(self._shape[name]) if p else 0
+        return int(p.numel())
+
+    def density(self) -> float:
+        total = sum(math.prod(s) for s in self._shape.values())
+        return sum(self.kept(n) for n in self._shape) / total if total else 0.0
+
+    def nbytes(self) -> int:
+        """Bytes of the index tensors (what holding this mask costs)."""
+        return sum(p.numel() * p.element_size() for p in self._part.values() if isinstance(p, torch.Tensor))
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        shape, p = self._shape[name], self._part[name]
+        if isinstance(p, bool):
+            return (torch.ones if p else torch.zeros)(shape, dtype=torch.bool, device=self.device)
+        out = torch.zeros(math.prod(shape), dtype=torch.bool, device=self.device)
+        out.index_put_((p,), torch.ones((), dtype=torch.bool, device=self.device))
+        return out.view(shape)
+
+    def __iter__(self) -> Any:
+        return iter(self._shape)
+
+    def __len__(self) -> int:
+        return len(self._shape)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._shape
+
+
 def mask_metadata(path: str | Path) -> dict[str, str]:
     from safetensors import safe_open
 
@@ -334,6 +460,8 @@ def mask_metadata(path: str | Path) -> dict[str, str]:
 
 
 def mask_density(mask: Mapping[str, torch.Tensor]) -> float:
+    if isinstance(mask, CompactMask):
+        return mask.density()
     total = sum(m.numel() for m in mask.values())
     return sum(int(m.sum()) for m in mask.values()) / total if total else 0.0
 

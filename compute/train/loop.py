@@ -65,7 +65,7 @@ class _Step:
         c = config
         self.params, self.clip, self.hook = params, c.grad_clip, grad_hook
         self.opt = MaskedOptimizer(params, c.optimizer, c.lr, c.weight_decay, (c.beta1, c.beta2),
-                                   c.adam_eps, c.momentum)
+                                   c.adam_eps, c.momentum, model=model)
         self.updates = 0
         self.sq: dict[str, torch.Tensor] | None = None
         self.abs: dict[str, torch.Tensor] | None = None

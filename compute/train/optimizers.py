@@ -22,10 +22,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 import torch
 
 from compute.train.config import OPTIMIZERS, PRECISIONS
+
+if TYPE_CHECKING:
+    from compute.sparsity.masks import CompactMask
 
 # Precision of training (TrainSpec.precision; docs/science.md section 6):
 # - fp32: float32 weights, float32 checkpoint;
@@ -127,32 +131,52 @@ def prepare_masked_params(
     requires_grad = False; an all-True mask is stored as None (dense); a partial one as the Coords
     of its trainable coordinates. Without a mask: all parameters, dense.
     """
+    from compute.sparsity.masks import CompactMask
+
     named = dict(model.named_parameters())
     if mask is None:
         for p in named.values():
             p.requires_grad_(True)
         return [(n, p, None) for n, p in named.items()]
-    for n, m in mask.items():
+    compact = mask if isinstance(mask, CompactMask) else None
+    for n in mask:
+        shape = compact.shape_of(n) if compact is not None else tuple(mask[n].shape)
         if n not in named:
             raise ValueError(f"mask: parameter {n!r} is not a parameter of the model")
-        if tuple(m.shape) != tuple(named[n].shape):
+        if shape != tuple(named[n].shape):
             raise ValueError(
-                f"mask: parameter {n!r} has shape {list(m.shape)} in the mask "
+                f"mask: parameter {n!r} has shape {list(shape)} in the mask "
                 f"but {list(named[n].shape)} in the model"
             )
     out: list[Param] = []
     for n, p in named.items():
-        given = mask.get(n)
-        if given is None or not bool(given.any()):
+        c = _coords(mask, compact, n, p.device)
+        if c is False:
             p.requires_grad_(False)
             continue
         p.requires_grad_(True)
         if not p.is_contiguous():  # the step writes through a flat view
             p.data = p.data.contiguous()
-        out.append((n, p, None if bool(given.all()) else Coords.of(given.bool(), p.device)))
+        out.append((n, p, None if c is True else c))
     if not out:
         raise ValueError("mask: selects no coordinate of the model; nothing would train")
     return out
+
+
+def _coords(mask: Mapping[str, torch.Tensor], compact: CompactMask | None, name: str,
+            device: torch.device) -> Coords | bool:
+    """True (train densely), False (frozen) or the Coords of one parameter under `mask`; a
+    CompactMask (compute.sparsity.masks) gives its indices as they are, never a dense tensor."""
+    if compact is not None:
+        part = compact.part(name) if name in compact else False
+        if isinstance(part, bool):
+            return part
+        idx = part.to(device)
+        return Coords(idx, math.prod(compact.shape_of(name)))
+    given = mask.get(name)
+    if given is None or not bool(given.any()):
+        return False
+    return True if bool(given.all()) else Coords.of(given.bool(), device)
 
 
 def trainable_count(params: list[Param]) -> int:
@@ -187,7 +211,9 @@ class MaskedOptimizer:
     AdamW matches torch.optim.AdamW (decoupled decay, bias correction) on the mask; SGD matches
     torch.optim.SGD (coupled decay, momentum buffer b = mu * b + g, no dampening). State of a
     dense tensor is dense; of a partly masked one, 1-D at its Coords. The gradient hooks it
-    registers on partly masked tensors live until `close()`.
+    registers on partly masked tensors live until `close()`. With `model`, a partly masked weight
+    that several nn.Linear / nn.Embedding modules share (a tied embedding) has each use folded as
+    its gradient is computed (_fold_shared_uses), also until `close()`.
     """
 
     def __init__(
@@ -199,6 +225,7 @@ class MaskedOptimizer:
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         momentum: float = 0.0,
+        model: torch.nn.Module | None = None,
     ):
         if kind not in OPTIMIZERS:
             raise ValueError(f"optimizer: got {kind!r}; accepted: {', '.join(OPTIMIZERS)}")
@@ -209,12 +236,17 @@ class MaskedOptimizer:
         self.state: dict[str, dict[str, torch.Tensor]] = {}
         self._hooks = [p.register_post_accumulate_grad_hook(_folder(c))
                        for _, p, c in params if c is not None]
+        self._patched = _fold_shared_uses(params, model)
 
     def close(self) -> None:
-        """Remove the gradient-folding hooks (the parameters are left as they are)."""
+        """Remove the gradient-folding hooks and the shared-weight patches (the parameters are
+        left as they are)."""
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        for m in self._patched:
+            del m.forward  # back to the class's forward
+        self._patched = []
 
     def zero_grad(self) -> None:
         for _, p, c in self.params:
@@ -311,6 +343,68 @@ def _folder(c: Coords):  # type: ignore[no-untyped-def]
             p.grad = None
 
     return hook
+
+
+class _FoldUse(torch.autograd.Function):
+    """Identity on a weight in one of its uses; the backward folds that use's gradient onto the
+    Coords and passes nothing on (the weight's .grad is never built from this use)."""
+
+    @staticmethod
+    def forward(ctx, w: torch.Tensor, c: Coords) -> torch.Tensor:  # type: ignore[override]
+        ctx.coords = c
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[None, None]:  # type: ignore[override]
+        ctx.coords.fold(grad)
+        return None, None
+
+
+def _fold_shared_uses(params: list[Param], model: torch.nn.Module | None) -> list[torch.nn.Module]:
+    """A partly masked weight shared by several modules (a tied input/output embedding) gets its
+    gradient from each use; autograd keeps the first use's dense gradient until the last one
+    arrives and adds them, so two or three dense copies are alive before the post-accumulate hook
+    can fold them (issue 30: 6 bytes/param of a small model with a 49,152-row vocabulary). Each use
+    by an nn.Linear or nn.Embedding is patched to fold its own gradient as soon as it is computed
+    (_FoldUse); returns the patched modules (MaskedOptimizer.close restores them). A weight with
+    another kind of user, or a module whose forward is already patched, is left to the hook."""
+    coords = {id(p): c for _, p, c in params if c is not None}
+    if not coords or model is None:
+        return []
+    users: dict[int, list[torch.nn.Module]] = {}
+    for _, mod in model.named_modules(remove_duplicate=False):
+        for p in mod._parameters.values():
+            if p is not None and id(p) in coords and all(u is not mod for u in users.get(id(p), [])):
+                users.setdefault(id(p), []).append(mod)
+    out: list[torch.nn.Module] = []
+    for pid, mods in users.items():
+        if len(mods) < 2 or not all(type(m) in (torch.nn.Linear, torch.nn.Embedding) and "forward" not in vars(m)
+                                    for m in mods):
+            continue
+        for m in mods:
+            m.forward = _folding_forward(m, coords[pid])  # type: ignore[method-assign]
+            out.append(m)
+    return out
+
+
+def _folding_forward(m: torch.nn.Module, c: Coords):  # type: ignore[no-untyped-def]
+    import torch.nn.functional as F
+
+    if isinstance(m, torch.nn.Linear):
+        lin = m
+
+        def linear(x: torch.Tensor) -> torch.Tensor:
+            return F.linear(x, _FoldUse.apply(lin.weight, c), lin.bias)
+
+        return linear
+    emb = m
+    assert isinstance(emb, torch.nn.Embedding)
+
+    def embedding(ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, _FoldUse.apply(emb.weight, c), emb.padding_idx, emb.max_norm,
+                           emb.norm_type, emb.scale_grad_by_freq, emb.sparse)
+
+    return embedding
 
 
 def clip_grad_norm(params: list[Param], max_norm: float | None) -> float:

@@ -521,3 +521,52 @@ def test_clip_norm_is_over_the_trainable_coordinates_only() -> None:
     clipped = torch.linalg.vector_norm(torch.cat([g.double().flatten() for _, g, _c in grads_of(params)]))
     assert float(clipped) == pytest.approx(1e-3, rel=1e-4)
     opt.close()
+
+
+class _Tied(torch.nn.Module):
+    """An input embedding and an output layer sharing one weight (a tied LM head)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(40, 8)
+        self.mid = torch.nn.Linear(8, 8)
+        self.head = torch.nn.Linear(8, 40, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.mid(self.emb(ids))))
+
+
+@pytest.mark.parametrize("kind", ["adamw", "sgd"])
+def test_tied_weight_uses_fold_their_own_gradients(kind: str) -> None:
+    """With the model given, each use of a partly masked tied weight folds its gradient as it is
+    computed (no dense .grad summed from both uses): the same folded gradient and step as the
+    post-accumulate hook's path, frozen coordinates bit for bit, the modules restored by close()."""
+    torch.manual_seed(0)
+    a = _Tied()
+    b = copy.deepcopy(a)
+    b.head.weight = b.emb.weight
+    g = torch.Generator().manual_seed(3)
+    mask = {"emb.weight": torch.rand(40, 8, generator=g) < 0.3, "mid.weight": torch.ones(8, 8, dtype=torch.bool)}
+    before = a.emb.weight.detach().clone()
+    out = []
+    for model, given in ((a, a), (b, None)):
+        params = prepare_masked_params(model, mask)
+        opt = MaskedOptimizer(params, kind, lr=1e-2, weight_decay=0.1, model=given)
+        assert ("forward" in vars(model.head)) == (given is not None)
+        for step in range(2):
+            for micro in range(2):  # two backward passes make one step
+                ids = torch.randint(0, 40, (3, 5), generator=torch.Generator().manual_seed(10 * step + micro))
+                torch.nn.functional.cross_entropy(model(ids).reshape(-1, 40), ids.reshape(-1)).backward()
+                assert model.emb.weight.grad is None  # folded, never dense on the weight
+            out.append([c.grad.clone() for _, _, c in params if c is not None])
+            opt.step()
+            opt.zero_grad()
+        opt.close()
+        assert "forward" not in vars(model.head) and "forward" not in vars(model.emb)
+    for ga, gb in zip(out[:2], out[2:], strict=True):
+        assert_close(ga, gb)
+    assert_close(a.emb.weight, b.emb.weight)
+    frozen = ~mask["emb.weight"]
+    assert torch.equal(a.emb.weight.detach()[frozen], before[frozen])
+    assert not torch.equal(a.emb.weight.detach()[~frozen], before[~frozen])
