@@ -8,8 +8,9 @@ built into a scratch folder and measured in a FRESH process (so no allocator sta
 - peak: the process's RSS high-water mark during the job minus its RSS with the weights loaded
   (/proc/self/clear_refs, benchmarks/peakmem.py), over the parameter count;
 - floor: sampling the job's completions plus one batched forward + backward over them (what any
-  Fisher of those samples must do at least), timed in the same process, then the job itself
-  (`fisherlens fisher`'s runner with the model already loaded): ratio = job / floor.
+  Fisher of those samples must do at least), timed in the same process after the job itself
+  (`fisherlens fisher`'s runner with the model already loaded; both after one warm-up call):
+  ratio = job / floor.
 The job runs with the same settings at every size: by default 4 prompts x 2 samples, 8 new tokens
 (--prompts, --samples, --max-new-tokens), a 256 MiB temporaries budget (--budget-mb), float32,
 CPU, torch threads as given (--threads, default 2). "Fisher / one forward+backward" is the
@@ -68,12 +69,19 @@ spec = FisherSpec(model=folder, prompts=W["prompts"], samples=W["samples"], max_
 model, tok = fisher_run._load(spec, None)
 n = sum(p.numel() for p in model.parameters())
 ex = get_task(spec.task).examples(spec.prompts, seed=spec.seed, split="train", start=0)
-# warm-up (one-time kernel and allocator setup, paid by whichever runs first), then the floor:
-# the same completions, then one batched forward + backward over them
+# warm-up (one-time kernel and allocator setup, paid by whichever runs first)
 _w = sample_completions(model, tok, [ex[0].prompt], 1, 2, 1.0, None, None, 0, 64)
 model(input_ids=_w.input_ids, attention_mask=_w.attention_mask).logits.float().sum().backward()
 model.zero_grad(set_to_none=True)
 del _w
+fisher_run._load = lambda s, r: (model, tok)  # the job's work beyond loading
+# the job first, so its peak is measured from a process that has not yet held the floor's
+# activations (freed heap memory stays resident and would hide the job's own)
+box = {}
+t0 = time.perf_counter()
+peak = rss_peak_of(lambda: box.setdefault("r", fisher_run.run(spec)))
+t_job = time.perf_counter() - t0
+# the floor: the same number of completions, then one batched forward + backward over them
 t0 = time.perf_counter()
 roll = sample_completions(model, tok, [e.prompt for e in ex], spec.samples, spec.max_new_tokens, 1.0,
                           None, None, spec.seed, 64)
@@ -85,11 +93,6 @@ lp = torch.log_softmax(logits[:, :-1], -1).gather(-1, roll.input_ids[:, 1:, None
 t_fb = time.perf_counter() - t0
 model.zero_grad(set_to_none=True)
 del logits, lp
-fisher_run._load = lambda s, r: (model, tok)  # the job's work beyond loading
-box = {}
-t0 = time.perf_counter()
-peak = rss_peak_of(lambda: box.setdefault("r", fisher_run.run(spec)))
-t_job = time.perf_counter() - t0
 r = box["r"]
 print(json.dumps({"n_params": n, "peak_above_weights_mb": peak, "sample_s": t_sample,
                   "forward_backward_s": t_fb, "job_s": t_job, "fisher_s": r.summary["seconds"],

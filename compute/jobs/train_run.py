@@ -62,7 +62,7 @@ def build_mask_in_memory(
                 from compute.contract.results import reliability_level
                 from compute.fisher.statistics import topk_jaccard
 
-                jac = topk_jaccard(est.half(0), est.half(1), 1.0)
+                jac = topk_jaccard(est.halves.view(0), est.halves.view(1), 1.0)  # a slice at a time
                 info["fisher"].update(split_half_jaccard=jac, split_half_topk_percent=1.0,
                                       reliability=reliability_level(jac))
         mask = select_mask(selector, density, scores=dict(fisher), params=model, seed=seed)
