@@ -175,17 +175,18 @@ def check_groups(params: dict[str, nn.Parameter], budget: int) -> list[list[str]
     return groups
 
 
-def _verify(model: nn.Module, params: dict[str, nn.Parameter], chunk: tuple, budget: int) -> None:
+def _verify(model: nn.Module, params: dict[str, nn.Parameter], chunk: tuple, budget: int,
+            check_bytes: int | None = None) -> None:
     """Once per model: the engine's inputs give the model's own outputs (positions), and per-row
     gradients of a few rows must add up to autograd's gradient. Parameters are checked in groups
-    that fit `budget` (check_groups: the temporaries budget plus the room of the accumulators not
-    yet allocated), each with its own forward and backward."""
+    whose sums and gradients fit check_bytes (check_groups: the room of the accumulators not yet
+    allocated, else the budget), each with its own forward and backward within the budget."""
     ids, am, cm, scale, grp = (t[:_VERIFY_ROWS] for t in chunk)
     dtypes = [p.dtype for p in params.values()]
     _check_positions(model, ids, am, check_tolerance(dtypes))
     diffs: dict[str, float] = {}
     norms: dict[str, float] = {}
-    for gi, names in enumerate(check_groups(params, budget)):
+    for gi, names in enumerate(check_groups(params, check_bytes or budget)):
         store = Store({n: p.shape for n, p in params.items()}, 1, accumulator_dtype(dtypes),
                       ids.device, check=True, squares=False, check_names=set(names))
         # autograd's own backward, apart: the engine's pass detaches what it captures (an
@@ -269,9 +270,11 @@ def per_sample_square_sums(
                 # before the first squares reach the store (its sums are allocated lazily), so
                 # the check's gradients and the accumulators are never alive together (issue 30)
                 t_check = time.perf_counter()
-                # the accumulators are not allocated yet: the check may use their room too, so
-                # the job's peak stays within accumulators + budget with fewer check groups
-                _verify(model, params, chunk, budget + (store.unallocated_bytes() if not store.sums else 0))
+                # the accumulators are not allocated yet: the check's sums and gradients may use
+                # their room (the budget stays for the check pass's own temporaries), so the
+                # job's peak stays within accumulators + budget with fewer check groups
+                room = store.unallocated_bytes() if not store.sums else 0
+                _verify(model, params, chunk, budget, check_bytes=max(room, budget))
                 store.check_seconds += time.perf_counter() - t_check
             _one_pass(model, store, params, chunk, budget, coverage=i == 0)
     return store.finish() if into is None else {}
