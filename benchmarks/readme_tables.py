@@ -352,7 +352,7 @@ def render_bench_scale(data: dict[str, Any]) -> str:
     m = data["meta"]
     load = ", ".join(f"{x:.1f}" for x in m.get("load_avg_after", []))
     lines += ["", f"Settings: {data['settings']}, {budget} MiB temporaries budget, {m['threads']} torch "
-              f"threads; floor = sampling the job's completions + one batched forward+backward over them, "
+              f"thread{'s' if m['threads'] != 1 else ''}; floor = sampling the job's completions + one batched forward+backward over them, "
               f"timed in the same process. Load average after the run: {load} (a shared machine: ratios, "
               "not absolute times)."]
     return "\n".join(lines) + "\n"

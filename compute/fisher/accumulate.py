@@ -358,15 +358,14 @@ def _update(t: torch.Tensor, q: torch.Tensor, parts: list[tuple[int, torch.Tenso
     for o in range(0, t.numel(), step):
         sl = slice(o, o + step)
         tc = t[sl]
-        d = q[sl].float().mul_(tc).div_(FRAC_SCALE)  # the difference so far
+        # q' = round((q T + S (A' - B')) / T'), with T' = T + A' + B': eight operations a value
+        num = q[sl].float().mul_(tc)  # S x the difference so far
         for k, sq in parts:
             s = sq[sl].to(t.dtype) if not rows else sq[:, sl].square().sum(0, dtype=t.dtype)
             tc.add_(s)
-            if k == 0:
-                d.add_(s)
-            else:
-                d.sub_(s)
-        q[sl] = d.div_(tc).mul_(FRAC_SCALE).round_().nan_to_num_(0.0).clamp_(-FRAC_SCALE, FRAC_SCALE)
+            num.add_(s, alpha=FRAC_SCALE if k == 0 else -FRAC_SCALE)
+        # |num| <= S T' (every square >= 0), so the quotient fits int16; 0 / 0 (no mass yet) -> 0
+        q[sl] = num.div_(tc).round_().nan_to_num_(0.0)
 
 
 class Accumulator:
