@@ -5,6 +5,7 @@ Only `worker` and `up` (zoo build) import compute code that needs torch, inside 
 
 from __future__ import annotations
 
+import _thread
 import json
 import os
 import signal
@@ -265,10 +266,25 @@ def up_cmd(host: str | None, port: int | None, no_worker: bool) -> None:
         None if no_worker else WorkerSupervisor(f"embedded-{os.getpid()}@{socket.gethostname()}")
     )
 
+    # SIGTERM and Ctrl-C stop `up` by raising KeyboardInterrupt in the main thread. Python runs a
+    # signal handler between any two bytecodes, also inside a finalizer (an event loop's __del__),
+    # where the exception is printed and dropped, and `up` kept serving (seen under load, CI).
+    # So the first signal also starts a thread that interrupts the main thread again every 2 s
+    # until the shutdown has begun.
+    stop_requested, shutting_down = threading.Event(), threading.Event()
+
+    def _redeliver() -> None:
+        while not shutting_down.wait(2.0):
+            _thread.interrupt_main()
+
     def _term(signum: int, frame: Any) -> None:
+        if not stop_requested.is_set():
+            stop_requested.set()
+            threading.Thread(target=_redeliver, name="up-stop", daemon=True).start()
         raise KeyboardInterrupt
 
     old = signal.signal(signal.SIGTERM, _term)
+    old_int = signal.signal(signal.SIGINT, _term)
     try:
         if supervisor is not None:
             supervisor.start()
@@ -288,7 +304,9 @@ def up_cmd(host: str | None, port: int | None, no_worker: bool) -> None:
     except KeyboardInterrupt:
         pass
     finally:
+        shutting_down.set()
         signal.signal(signal.SIGTERM, old)
+        signal.signal(signal.SIGINT, old_int)
         if supervisor is not None:
             supervisor.stop()
         if calibrating is not None and calibrating.poll() is None:
