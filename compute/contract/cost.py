@@ -60,7 +60,11 @@ MIB = 2**20
 # (compute/lm/calibrate.py: a x its 3 x 8 x 48 token-passes): what a tiny model's call costs, and
 # the unit the per-call overheads below are counted in, so they move with the machine.
 CALL_TOKEN_PASSES = 3 * 8 * 48
-MODEL_LOAD_S = 5.0  # from_pretrained + tokenizer + task set-up of a job, before any weight bytes
+# from_pretrained + tokenizer + task set-up of a job, before any weight bytes, in calls (so it moves
+# with the machine like the other fixed parts; it was 5.0 s, fitted at a load average of 7): 370
+# calls = 5.5 s under that run's calibration, 1.8 s under the quiet one of issue 30's re-measurement
+# (measured 1.95 s for arith-base, 2.3 s for SmolLM2-135M with its 540 MB of weights)
+MODEL_LOAD_CALLS = 370.0
 LOAD_BYTES_PER_S = 400e6  # reading safetensors weights into the model (CPU, page cache warm)
 DECODE_STEP_CALLS = 2.0  # one generation step (sampling, logits processors, KV cache update)
 FISHER_ROW_CALLS = 1.0  # per-sample gradient of one row: its own backward's fixed part
@@ -68,7 +72,9 @@ FISHER_ROW_PASS_FACTOR = 2.0  # per-row backward arithmetic vs the calibration's
 EXACT_ROW_CALLS = 0.6  # exact output-layer Fisher of one row
 BOUND_ROW_CALLS = 15.0  # the bound check's per-sample gradient of one row (full gradient, kept)
 TRAIN_STEP_CALLS = 2.0  # an optimizer step: objective, backward, clip, step, bookkeeping
-STATS_S_PER_PARAM = 2.4e-7  # a Fisher's statistics over all parameters (split-half, gini, ...)
+# a Fisher's statistics over all parameters (split-half, Gini, curve, tables), in calls per
+# parameter: streaming since issue 30, 5.2 s for SmolLM2-135M (was 2.4e-7 s/param, ~32 s)
+STATS_CALLS_PER_PARAM = 7.9e-6
 TRAIN_FINISH_S = 10.0  # a train's end: update sparsity, concentration, saving model and metrics
 TRAIN_FINISH_S_PER_PARAM = 3e-7
 # retention runs a model below 20M parameters on one torch thread (compute/jobs/retention_run.py
@@ -146,7 +152,7 @@ class Sizing:
         return max(calls, 0.0) * CALL_TOKEN_PASSES * self.a
 
     def load_s(self) -> float:
-        return MODEL_LOAD_S + self.models * self.params * 4 / LOAD_BYTES_PER_S
+        return self.calls_s(MODEL_LOAD_CALLS) + self.models * self.params * 4 / LOAD_BYTES_PER_S
 
     def generate_s(self, seqs: int, new_tokens: int, batch: int, prompt: int | None = None) -> float:
         """Sampling `seqs` completions of `new_tokens` in batches of `batch`: the token-passes of
@@ -196,7 +202,7 @@ def fisher_seconds(z: Sizing, prompts: int, samples: int, max_new_tokens: int,
     if exact_output:
         out["exact output"] = z.calls_s(rows * EXACT_ROW_CALLS) + z.passes_s(rows * length)
     if statistics:
-        out["statistics"] = STATS_S_PER_PARAM * z.params
+        out["statistics"] = z.calls_s(STATS_CALLS_PER_PARAM * z.params)
     return out
 
 
@@ -228,13 +234,16 @@ def fisher_temporaries(z: Sizing, rows: int, length: int, budget: float) -> floa
     formula (activations + a per-row gradient buffer of each tied parameter:
     compute/fisher/estimators.py _auto_batch). When every row fits in one chunk it holds about
     ACTIVATION_SHARE of those activations (and the buffers); when the rows need several chunks,
-    each chunk fills the budget (SmolLM2-135M, 256 rows: 5.5 GiB held for a 5.1 GiB budget,
-    benchmarks/results/bench_estimates.json), so the budget is the figure."""
+    each chunk holds the rows the engine's formula lets into the budget, at that same share (the
+    engine's squares stream into the sums since issue 30, so a chunk no longer overfills the
+    budget: SmolLM2-135M's held-out case, 128 rows of 39 tokens, held ~3.5 of a 5 GiB budget)."""
     act_row = z.activation_bytes(length)
     per_row = act_row + 4.0 * z.shared
+    held_row = ACTIVATION_SHARE * act_row + 4.0 * z.shared
     if rows * per_row > budget:
-        return budget
-    return min(budget, rows * (ACTIVATION_SHARE * act_row + 4.0 * z.shared))
+        chunk_rows = max(1, int(budget // max(per_row, 1.0)))  # estimators._auto_batch
+        return min(budget, chunk_rows * held_row)
+    return min(budget, rows * held_row)
 
 
 def fisher_memory(z: Sizing, prompts: int, samples: int, max_new_tokens: int,

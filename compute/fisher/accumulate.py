@@ -1,8 +1,10 @@
 """Per-group sums of squared per-row gradients, fed by captured module calls.
 
 `Store` keeps, across forward passes, name -> per-group sums of squares (one (n_groups, *shape)
-tensor per parameter) and, while the engine verifies a model, the plain
-sum of the per-row gradients (== autograd's batch gradient when the maths is right).
+tensor per parameter; the two split halves of a float32 Fisher as `HalfSums`: an exact total and
+an int16 fraction of it for the difference, 6 bytes per parameter) and, while the engine verifies
+a model, the plain sum of the per-row gradients (== autograd's batch gradient when the maths is
+right), for a group of the parameters at a time.
 `Accumulator` is one forward pass: its rows' groups and the uses of each parameter. A parameter
 used by several module calls (tied embeddings) keeps a (B, *shape) buffer of per-row gradients
 until every use arrived, then squares it: squares of sums, not sums of squares.

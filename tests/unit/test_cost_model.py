@@ -14,6 +14,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 from click.testing import CliRunner
 from fastapi.testclient import TestClient
 
@@ -61,7 +62,7 @@ def test_fisher_estimate_parts_are_the_formulas_on_the_models_config(tmp_path: P
     per = A + B * p
     call = C.CALL_TOKEN_PASSES * A
     parts = est["seconds_parts"]
-    assert parts["load"] == pytest.approx(C.MODEL_LOAD_S + p * 4 / C.LOAD_BYTES_PER_S)
+    assert parts["load"] == pytest.approx(C.MODEL_LOAD_CALLS * call + p * 4 / C.LOAD_BYTES_PER_S)
     # 16 rows sampled in one batch of <= 64: 16 decode steps, each a call's fixed part x 2
     assert parts["sampling"] == pytest.approx(rows * length * per + 16 * C.DECODE_STEP_CALLS * call)
     assert parts["gradients"] == pytest.approx(rows * C.FISHER_ROW_CALLS * call
@@ -87,10 +88,14 @@ def test_fisher_estimate_parts_are_the_formulas_on_the_models_config(tmp_path: P
     assert half["memory_parts"]["accumulators"] == mem["accumulators"]
 
 
-def test_a_fisher_whose_rows_need_several_chunks_counts_its_whole_budget(tmp_path: Path) -> None:
+def test_a_fisher_whose_rows_need_several_chunks_counts_the_rows_the_engine_lets_in(tmp_path: Path) -> None:
     """A tied embedding's per-row gradient buffer (vocab x hidden fp32 per row) makes the engine
-    chunk the rows to its budget and fill it (SmolLM2-135M: 5.5 GiB held for 5.1 GiB)."""
+    chunk the rows to its budget (estimators._auto_batch's formula): the estimate counts the rows
+    of one chunk, each holding its buffer and the measured share of its activations (issue 30:
+    the squares stream into the sums, so a chunk no longer overfills the budget)."""
     from app import limits
+    from compute.contract import cost as C
+    from compute.fisher.estimators import _auto_batch
     from compute.jobs.registry import parse_spec
 
     home = _home(tmp_path / "home")
@@ -100,13 +105,26 @@ def test_a_fisher_whose_rows_need_several_chunks_counts_its_whole_budget(tmp_pat
     spec = parse_spec("fisher", {"model": "arith-base", "prompts": 8, "samples": 2, "memory_budget_mb": 64})
     untied = limits.estimate(settings, "fisher", spec, limits.refs_for_estimate(settings, "fisher", spec))
     # the same model, declared tied, with a vocabulary whose per-row buffer is 1/16 of the budget:
-    # its 16 rows (with their activations) need more than one budget, so the temporaries are the
-    # budget itself
-    cfg.update(tie_word_embeddings=True, vocab_size=(4 * 2**20) // (4 * cfg["hidden_size"]))
+    # its 16 rows (with their activations) need more than one budget
+    vocab = (4 * 2**20) // (4 * cfg["hidden_size"])
+    cfg.update(tie_word_embeddings=True, vocab_size=vocab)
     (folder / "config.json").write_text(json.dumps(cfg))
     tied = limits.estimate(settings, "fisher", spec, limits.refs_for_estimate(settings, "fisher", spec))
     assert untied["memory_parts"]["temporaries"] < 16 * 2**20
-    assert tied["memory_parts"]["temporaries"] == 64 * 2**20
+    budget = 64 * 2**20
+    length = tied["prompt_tokens_assumed"] + spec.max_new_tokens
+    shared = vocab * cfg["hidden_size"]
+    z = C.Sizing(params=0, layers=cfg["num_hidden_layers"], hidden=cfg["hidden_size"], vocab=vocab,
+                 intermediate=cfg.get("intermediate_size") or 0, shared=shared)
+
+    class _Model(torch.nn.Module):  # what _auto_batch reads of a model: its config
+        config = type("cfg", (), {"hidden_size": cfg["hidden_size"], "num_hidden_layers": cfg["num_hidden_layers"],
+                                  "vocab_size": vocab, "intermediate_size": cfg.get("intermediate_size")})()
+    rows = _auto_batch(_Model(), length, budget, shared)  # the engine's own chunk
+    assert 1 <= rows < 16
+    want = rows * (C.ACTIVATION_SHARE * z.activation_bytes(length) + 4.0 * shared)
+    assert tied["memory_parts"]["temporaries"] == pytest.approx(min(budget, want))
+    assert tied["memory_parts"]["temporaries"] <= budget
 
 
 @pytest.mark.parametrize("task", ["arithmetic", "arithmetic-add?digits=5", "arithmetic-mul?digits=3&mul_digits=4"])
