@@ -130,9 +130,10 @@ def _prompts_and_answers(task_or_prompts: Any, config: FisherConfig) -> tuple[li
 
 
 def _half_sums(model: nn.Module, roll: Rollout, n_prompts: int, est: str, config: FisherConfig,
-               prog: Progress) -> tuple[HalfSums, torch.Tensor]:
-    """(the sums over the even / odd prompt halves, (2,) denominators), in chunks of prompts so
-    progress is reported and the expanded token rows stay bounded."""
+               prog: Progress) -> tuple[HalfSums, torch.Tensor, float]:
+    """(the sums over the even / odd prompt halves, (2,) denominators, seconds of the engine's
+    self-check), in chunks of prompts so progress is reported and the expanded token rows stay
+    bounded."""
     groups = ((roll.prompt_index + config.prompt_start) % 2).cpu()
     store = new_store(model, 2)  # one set of accumulators for every chunk (issue 30)
     denom = torch.zeros(2, dtype=torch.float64)
@@ -149,9 +150,7 @@ def _half_sums(model: nn.Module, roll: Rollout, n_prompts: int, est: str, config
                            config.batch_size, into=store)
         denom += d
         prog(0.3 + 0.7 * (c + 1) / n_chunks, f"fisher {c + 1}/{n_chunks}")
-    halves = store.finish_halves()
-    halves.check_seconds = store.check_seconds
-    return halves, denom
+    return store.finish_halves(), denom, store.check_seconds
 
 
 def estimate_fisher(
@@ -189,16 +188,10 @@ def estimate_fisher(
         fisher = batch_fisher(model, roll.input_ids, roll.attention_mask, roll.completion_mask,
                               config.batch_size or 8)
     else:
-        total, denom = _half_sums(model, roll, len(prompts), est, config, prog)
-        dsum = float(denom.sum())
-        if dsum <= 0:
+        sums, denom, check_s = _half_sums(model, roll, len(prompts), est, config, prog)
+        if float(denom.sum()) <= 0:
             raise ValueError("completion_mask: no counted tokens")
-        check_s = total.check_seconds
-        halves = total if total.compact else HalfSums(
-            {n: t.float() for n, t in total.total.items()}, {n: d.float() for n, d in total.diff.items()})
-        if next(iter(halves.total.values())).device.type != "cpu":
-            halves = HalfSums({n: t.cpu() for n, t in halves.total.items()},
-                              {n: d.cpu() for n, d in halves.diff.items()}, halves.roundings)
+        halves = sums.to_cpu_float32()
         fisher = None  # FisherEstimate.fisher: made from the halves on first use
         half_denoms = (float(denom[0]), float(denom[1]))
     settings = config.model_dump()

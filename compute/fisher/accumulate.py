@@ -64,7 +64,6 @@ class HalfSums:
 
     def __init__(self, total: dict[str, torch.Tensor], diff: dict[str, torch.Tensor], roundings: int = 0):
         self.total, self.diff, self.roundings = total, diff, roundings
-        self.check_seconds = 0.0  # the engine's self-check while these were summed
 
     @property
     def compact(self) -> bool:
@@ -86,6 +85,16 @@ class HalfSums:
         """A (k=0) or B (k=1) of one parameter, un-normalised (a new tensor)."""
         t, d = self.total[name], self.difference(name)
         return (t + d).div_(2) if k == 0 else (t - d).div_(2)
+
+    def to_cpu_float32(self) -> HalfSums:
+        """These sums on the CPU with float32 totals (a float difference in float32 too; an int16
+        fraction as it is): what a Fisher estimate hands over. Itself when already so."""
+        if all(t.device.type == "cpu" and t.dtype == torch.float32 for t in self.total.values()) and \
+                all(d.device.type == "cpu" and d.dtype in (torch.float32, torch.int16) for d in self.diff.values()):
+            return self
+        return HalfSums({n: t.float().cpu() for n, t in self.total.items()},
+                        {n: (d if d.dtype == torch.int16 else d.float()).cpu() for n, d in self.diff.items()},
+                        self.roundings)
 
     def view(self, k: int) -> HalfView:
         return HalfView(self, k)
@@ -286,7 +295,7 @@ class Store:
         self.rounds[name] = self.rounds.get(name, 0) + 1
 
     def add_check(self, name: str, grad_sum: torch.Tensor) -> None:
-        if self.check is not None and (self.check_names is None or name in self.check_names):
+        if self.check is not None and self.wants_check(name):
             c = self.check.get(name)
             self.check[name] = grad_sum.to(self.dtype, copy=True) if c is None else c + grad_sum
 
@@ -296,7 +305,7 @@ class Store:
     def unallocated_bytes(self) -> int:
         """What the sums will take once every parameter's first square arrived (compact: a
         float32 total and an int16 fraction, 6 bytes per coordinate)."""
-        per = 6 if self.compact else self.n_groups * torch.empty(0, dtype=self.dtype).element_size()
+        per = 6 if self.compact else self.n_groups * self.dtype.itemsize
         return per * sum(int(torch.Size(s).numel()) for n, s in self.shapes.items() if n not in self.sums) \
             if self.squares else 0
 

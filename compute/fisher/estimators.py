@@ -162,7 +162,7 @@ def check_groups(params: dict[str, nn.Parameter], budget: int) -> list[list[str]
     check holds, per parameter, the engine's gradient sum (in the accumulator's dtype) and
     autograd's gradient (8 bytes per float32 coordinate); one group when the whole model fits (issue 30: the check of all
     parameters at once was 8 bytes/param above the weights, more than the accumulators)."""
-    acc_bytes = torch.empty(0, dtype=accumulator_dtype([p.dtype for p in params.values()])).element_size()
+    acc_bytes = accumulator_dtype([p.dtype for p in params.values()]).itemsize
     groups: list[list[str]] = [[]]
     size = 0
     for n, p in params.items():

@@ -63,12 +63,6 @@ def layer_module_stats(fisher: dict[str, torch.Tensor]) -> list[dict]:
 CHUNK = 1 << 20
 
 
-def _flat(fisher: dict[str, torch.Tensor]) -> torch.Tensor:
-    import torch
-
-    return torch.cat([f.detach().reshape(-1).float().cpu() for f in fisher.values()])
-
-
 class ValueHistogram:
     """Counts and float64 sums of all values in 65,536 bins of the high 16 bits of their
     order-preserving key (_order_keys): one streaming pass, no copy of the values (issue 30: the
@@ -223,15 +217,6 @@ def gini_error(hist: ValueHistogram) -> float:
     return (hi - lo) / 2
 
 
-def topk_indices(fisher: dict[str, torch.Tensor], percent: float) -> torch.Tensor:
-    """Flat indices (over the concatenation in dict order) of the top `percent`% coordinates."""
-    if not 0 < percent <= 100:
-        raise ValueError(f"topk_percent: got {percent!r}; accepted range: (0, 100]")
-    flat = _flat(fisher)
-    k = max(1, math.ceil(flat.numel() * percent / 100 - 1e-9))
-    return flat.topk(k, sorted=False).indices
-
-
 _SIGN = 1 << 31
 
 
@@ -357,8 +342,8 @@ def topk_jaccard(a: Mapping[str, Any], b: Mapping[str, Any], percent: float) -> 
     selected coordinates are stable (enough samples); near percent/100 means chance level.
     A positive scale of either side does not change its top-k set, so un-normalised sums serve.
     Memory: slices of CHUNK values (a or b may make theirs on the fly: HalfView), no copy."""
-    if list(a) != list(b) or _numel(a) != _numel(b) or (
-            not hasattr(a, "chunks") and any(a[n].shape != b[n].shape for n in a)):
+    same_shapes = hasattr(a, "chunks") or all(a[n].shape == b[n].shape for n in a)  # a HalfView pair: one shape
+    if list(a) != list(b) or not same_shapes:
         raise ValueError("fisher: the two Fishers must have the same parameter names and shapes")
     k = _topk_count(a, percent)
     ta, tb = topk_thresholds([a, b], k)
