@@ -220,6 +220,7 @@ def token_mechanism(
     n_params = sum(p.numel() for p in params.values())
     probs, covered, exact, (top, rnd, low), m = _measure(
         model, input_ids, params, cfg, budget, keep_fisher, progress, method == "auto")
+    probs = probs.cpu()  # the measurements (m) are on the CPU; the model may be on a GPU
     p_cov = probs[covered].to(torch.float64)  # (C,)
     gram, row = m.gram, {v: i for i, v in enumerate(m.rows)}
     gbar_sq = float(gram[-1, -1])

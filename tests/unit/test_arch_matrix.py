@@ -55,7 +55,7 @@ def reference(model, ids, am, cm) -> dict[str, dict[str, torch.Tensor]]:
     except RuntimeError:  # e.g. XGLM's eager attention cannot run in float64
         ref_model = model.float()
     params = trainable_parameters(ref_model)
-    out = {e: {n: torch.zeros(p.shape, dtype=torch.float64) for n, p in params.items()}
+    out = {e: {n: torch.zeros(p.shape, dtype=torch.float64, device=dev) for n, p in params.items()}
            for e in ("sequence", "token")}
     counts = {"sequence": 0, "token": 0}
     for r in range(ids.shape[0]):
