@@ -14,10 +14,8 @@ a FRESH process:
 - floor: sampling the job's completions plus one batched forward + backward over them, timed
   after the job in the same process (both after one warm-up): ratio = job / floor; "passes / one
   forward+backward" is the per-sample passes alone (the job's seconds_parts).
-A half-precision job's float32 error check loads "the checkpoint again in float32": here that is
-the device model cast to float32 (what loading the bf16 checkpoint in float32 would give), so its
-memory is counted as the real job's would be, and the check is skipped by the job itself when the
-copy would not fit (precision_check_skipped).
+A half-precision job's float32 error check makes the job's own model float32 in place when what
+the job's allowance leaves has room for it (compute.fisher.precision; the result says when not).
 A size that fails or runs past --timeout is recorded with its error and the next one runs.
 Writes --out (default benchmarks/results/bench_scale_gpu.json) after every size.
 """
@@ -46,7 +44,7 @@ SHAPES = {
 }
 
 CHILD = r"""
-import copy, json, os, shutil, sys, time
+import json, os, shutil, sys, time
 sys.path.insert(0, os.environ["ROOT"]); sys.path.insert(0, os.path.join(os.environ["ROOT"], "benchmarks"))
 import torch
 from peakmem import rss_peak_of
@@ -93,13 +91,7 @@ _w = sample_completions(model, tok, [ex[0].prompt], 1, 2, 1.0, None, None, 0, 64
 model(input_ids=_w.input_ids, attention_mask=_w.attention_mask).logits.float().sum().backward()
 model.zero_grad(set_to_none=True)
 del _w
-refs = []
-def load(s, r):
-    if s.dtype == "float32" and dtype != torch.float32:  # the precision check's float32 reference
-        refs.append(1)
-        return copy.deepcopy(model).float(), tok
-    return model, tok
-fisher_run._load = load
+fisher_run._load = lambda s, r: (model, tok)  # the job's work beyond loading
 sync()
 if cuda:
     torch.cuda.empty_cache()
@@ -134,7 +126,7 @@ print(json.dumps({"n_params": n, "weights_mb": sum(p.numel() * p.element_size() 
                   "split_half_jaccard": summary.get("split_half_jaccard"),
                   "precision_relative_l1": pe.get("relative_l1"),
                   "precision_error_skipped": summary.get("precision_error_skipped"),
-                  "float32_reference_loaded": bool(refs), "float32_error_check_s": (summary.get("seconds_parts") or {}).get("float32 error check"),
+"float32_error_check_s": (summary.get("seconds_parts") or {}).get("float32 error check"),
                   "device_name": torch.cuda.get_device_name() if cuda else "cpu",
                   "torch": torch.__version__}))
 """

@@ -94,10 +94,10 @@ MASK_SELECT_S = 0.6  # mask: selecting from a Fisher (per-tensor thresholds, sta
 MASK_S_PER_ELEMENT = 2e-8
 TOKEN_GRAD_CALLS = 1.2  # the token explorer: one backward per token it traces
 TOKEN_SETUP_CALLS = 240.0  # its forward over the context and the factored-gradient check
-# A half-precision Fisher's float32 reference (compute/jobs/fisher_run.py precision_check_skipped)
-# is a second copy of the model in float32: loaded only when it takes at most this share of the
-# memory free on the device, else the result says the check was skipped (issue 30)
-PRECISION_CHECK_FREE_SHARE = 0.5
+# A half-precision Fisher's float32 check (compute/jobs/fisher_run.py precision_check_plan) runs
+# within what the job's allowance leaves, with at least this temporaries budget, else it is
+# skipped and the result says why (issue 30)
+PRECISION_CHECK_MIN_TEMPORARIES_MB = 32
 # Memory (bytes above the process's RSS before the job)
 RUNTIME_BASE_MB = 175.0  # a model-running job's first forward/backward/generate (allocator, kernels)
 FILE_JOB_BASE_MB = 11.0  # a job that only reads tensor files (mask from a Fisher, ...)

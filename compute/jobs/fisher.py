@@ -11,11 +11,14 @@ from typing import Any, Literal
 from pydantic import ConfigDict, Field, model_validator
 
 from compute.contract.cost import (
-    PRECISION_CHECK_FREE_SHARE,
+    FISHER_BYTES_PER_PARAM,
+    PRECISION_CHECK_MIN_TEMPORARIES_MB,
     Sizing,
+    fisher_budget_bytes,
     fisher_memory,
     fisher_passes,
     fisher_seconds,
+    fisher_temporaries,
 )
 from compute.contract.kinds import JobKind, KindForm, TensorView
 from compute.contract.results import Contract, Row, Summary, TypedResult
@@ -132,11 +135,19 @@ def memory(s: FisherSpec, z: Sizing) -> dict[str, float]:
     half = s.dtype in ("bfloat16", "float16") or (s.dtype == "auto" and s.device.startswith("cuda"))
     out = fisher_memory(z, _prompts(s), s.samples, s.max_new_tokens, s.memory_budget_mb,
                         2.0 if half else 4.0)
-    # the float32 reference of a half-precision Fisher (fisher_run.precision_check_skipped): a
-    # second copy of the model, loaded only when it takes at most half of the free memory
-    ref = 4.0 * z.params
-    if half and s.estimator != "batch" and (z.free_bytes is None or ref <= PRECISION_CHECK_FREE_SHARE * z.free_bytes):
-        out["float32 reference"] = ref
+    # the float32 check of a half-precision Fisher (fisher_run.precision_check_plan): the model
+    # widened in place (2 bytes/param) and two float32 sums on a CPU (one on a GPU, where the
+    # Fisher's own sums have left the device), its temporaries from what the allowance leaves
+    if half and s.estimator != "batch":
+        n, cpu = z.params, not s.device.startswith("cuda")
+        budget = fisher_budget_bytes(s.memory_budget_mb, z.free_bytes)
+        fixed = (2.0 + (8.0 if cpu else 4.0)) * n
+        temps = min(budget, (budget if cpu else FISHER_BYTES_PER_PARAM * n + budget) - fixed)
+        if temps >= PRECISION_CHECK_MIN_TEMPORARIES_MB * 2**20:
+            length = z.prompt_tokens + s.max_new_tokens
+            check = (fixed - (0.0 if cpu else FISHER_BYTES_PER_PARAM * n)
+                     + fisher_temporaries(z, min(16, _prompts(s) * s.samples), length, int(temps)))
+            out["float32 check"] = max(0.0, check - out["temporaries"])
     return out
 
 

@@ -55,62 +55,41 @@ PRECISION_CHECK_ROWS = 16  # rows of the first shard scored again in float32 (ha
 
 
 def precision_error(model: Any, roll: Any, estimator: str, memory_budget_mb: int | None = None,
-                    rows: int = PRECISION_CHECK_ROWS, topk_percent: float = 1.0,
-                    reference: Any = None) -> dict[str, Any] | None:
-    """The error of a half-precision Fisher, measured: the first `rows` sampled completions
-    scored by the model as it is and by `reference`, the same checkpoint loaded in float32 (default:
-    a float32 copy of `model`, which leaves out the rounding of the weights). The same completions,
-    so the difference is the precision alone. None for a float32/float64 model.
+                    rows: int = PRECISION_CHECK_ROWS, topk_percent: float = 1.0) -> dict[str, Any] | None:
+    """compute.fisher.precision.precision_error (the model made float32 in place, restored)."""
+    from compute.fisher.precision import precision_error as measure
 
-    -> {relative_l1 (whole model), worst_tensor_relative_l1, worst_tensor, topk_jaccard (top-k%
-    sets), topk_percent, rows, dtype, reference}."""
-    import copy
-
-    from compute.fisher import fisher_from_samples
-
-    dtype = next(model.parameters()).dtype
-    if dtype not in (torch.bfloat16, torch.float16):
-        return None
-    n = min(rows, roll.input_ids.shape[0])
-    ids, am, cm = (t[:n] for t in (roll.input_ids, roll.attention_mask, roll.completion_mask))
-    est = "sequence" if estimator == "empirical" else estimator
-    # one forward batch of all n rows: a half-precision result depends on the batch's padding
-    # width, so the check must not depend on the automatic batch size (free memory)
-    low = fisher_from_samples(model, ids, am, cm, est, memory_budget_mb=memory_budget_mb, batch_size=n)
-    ref_model = reference if reference is not None else copy.deepcopy(model).float()
-    try:
-        ref = fisher_from_samples(ref_model, ids, am, cm, est, memory_budget_mb=memory_budget_mb,
-                                  batch_size=n)
-    finally:
-        del ref_model
-    per = {name: relative_error(low[name], ref[name]) for name in ref}
-    worst = max(per, key=lambda k: per[k])
-    num = sum(float((low[k].double() - ref[k].double()).abs().sum()) for k in ref)
-    den = sum(float(ref[k].double().abs().sum()) for k in ref)
-    return {"relative_l1": num / den if den > 0 else 0.0, "worst_tensor_relative_l1": per[worst],
-            "worst_tensor": worst, "topk_jaccard": analysis.topk_jaccard(low, ref, topk_percent),
-            "topk_percent": topk_percent, "rows": n, "dtype": str(dtype).replace("torch.", ""),
-            "reference": ("the checkpoint loaded in float32" if reference is not None else
-                          "a float32 copy of the model") + ", on the same sampled completions"}
+    return measure(model, roll, estimator, memory_budget_mb, rows, topk_percent)
 
 
-def precision_check_skipped(model: Any) -> str | None:
-    """Why the float32 reference check of a half-precision model is skipped, or None to run it.
-    Issue 30: the reference is the whole checkpoint loaded again in float32 (4 bytes/param beside
-    the job: 32 GB for an 8B model); it runs only when that copy takes at most
-    PRECISION_CHECK_FREE_SHARE of the memory free on the device now. The Fisher itself is not
-    affected (its sums are float32)."""
-    from compute.contract.cost import PRECISION_CHECK_FREE_SHARE
-    from compute.lm.device import free_memory_bytes, model_device
+def precision_check_plan(model: Any, held_bytes: int, memory_budget_mb: int | None) -> tuple[str | None, int]:
+    """(why the float32 check of a half-precision model is skipped or None, the temporaries budget
+    in MiB it runs with).
 
-    need = 4 * sum(p.numel() for p in model.parameters())
-    free = free_memory_bytes(model_device(model))
-    if need <= PRECISION_CHECK_FREE_SHARE * free:
-        return None
-    return (f"not measured: the float32 reference is a second copy of the model ({need / 2**30:.1f} GiB), "
-            f"more than {PRECISION_CHECK_FREE_SHARE:.0%} of the {free / 2**30:.1f} GiB free on the device; "
-            "the weights stay in their half precision only (the sums are float32). Rerun a few prompts with "
-            "dtype float32 to measure the error")
+    Issue 30, one rule with the Fisher itself: the check may use what the job's allowance (6
+    bytes/param of sums + the temporaries budget, above the loaded weights) leaves on the model's
+    device once the Fisher's own sums are held there (`held_bytes`: all of them on a CPU, none on a
+    GPU, where they have gone to the host), and no more than the memory free there now: its sums
+    and the widened weights (compute.fisher.precision.check_bytes) first, its temporaries get the
+    rest. The Fisher is not affected either way (its sums are float32)."""
+    from compute.contract.cost import FISHER_BYTES_PER_PARAM, PRECISION_CHECK_MIN_TEMPORARIES_MB
+    from compute.fisher.precision import check_bytes
+    from compute.lm.device import default_budget_mb, free_memory_bytes, model_device
+
+    dev = model_device(model)
+    n = sum(p.numel() for p in model.parameters())
+    budget = int((memory_budget_mb if memory_budget_mb is not None else default_budget_mb(dev)) * 2**20)
+    room = min(FISHER_BYTES_PER_PARAM * n + budget - held_bytes, free_memory_bytes(dev))
+    need = check_bytes(model)
+    temporaries = min(budget, room - need) // 2**20
+    if temporaries >= PRECISION_CHECK_MIN_TEMPORARIES_MB:
+        return None, int(temporaries)
+    where = "the CPU" if dev.type == "cpu" else str(dev)
+    return (f"not measured: scoring the first rows again in float32 needs {need / 2**30:.2f} GiB + "
+            f"{PRECISION_CHECK_MIN_TEMPORARIES_MB} MiB of temporaries, more than the {max(room, 0) / 2**30:.2f} GiB "
+            f"left on {where} within the job's allowance (6 bytes/param of sums + the {budget / 2**20:.0f} MiB "
+            "temporaries budget, less the Fisher's sums held there) or free; the sums are float32 either way. "
+            "A larger --memory-budget-mb, or a rerun of a few prompts in float32, measures it"), 0
 
 
 def _shard(spec: FisherSpec, shard_index: int, progress: Progress, loaded: tuple | None,
@@ -171,19 +150,20 @@ def _shard(spec: FisherSpec, shard_index: int, progress: Progress, loaded: tuple
                n_tokens=res.n_tokens, exact=exact, exact_skipped=skipped, seconds=round(t_shard, 3),
                compute_dtype=str(next(model.parameters()).dtype).replace("torch.", ""))
     half = next(model.parameters()).dtype in (torch.bfloat16, torch.float16)
-    skip = precision_check_skipped(model) if half else None
-    if skip and shard_index == 0 and spec.estimator != "batch":
-        out["precision_error_skipped"] = skip
-    elif half and shard_index == 0 and res.rollout is not None and spec.estimator != "batch":
-        # issue 18: a half-precision Fisher states its error against the checkpoint in float32,
-        # measured on the first rows
-        progress(0.95, "error against float32 (the checkpoint loaded again in float32)")
-        ref_model, _ = _load(spec.model_copy(update={"dtype": "float32"}), refs)
-        out["precision_error"] = precision_error(model, res.rollout, spec.estimator,
-                                                 spec.memory_budget_mb, topk_percent=spec.topk_percent,
-                                                 reference=ref_model)
-        del ref_model
-        parts["float32 error check"] = round(time.perf_counter() - t0 - t_shard, 3)
+    if half and shard_index == 0 and res.rollout is not None and spec.estimator != "batch":
+        # issue 18: a half-precision Fisher states its error against float32, measured on the
+        # first rows; issue 30: within what the job's memory allowance leaves
+        dev = next(model.parameters()).device
+        held = sum(t.numel() * t.element_size() for d in (sums, diffs or {}) for t in d.values()
+                   if t.device == dev)
+        skip, check_budget_mb = precision_check_plan(model, held, spec.memory_budget_mb)
+        if skip:
+            out["precision_error_skipped"] = skip
+        else:
+            progress(0.95, "error against float32 (the model made float32 in place, the first rows)")
+            out["precision_error"] = precision_error(model, res.rollout, spec.estimator, check_budget_mb,
+                                                     topk_percent=spec.topk_percent)
+            parts["float32 error check"] = round(time.perf_counter() - t0 - t_shard, 3)
     return out
 
 
