@@ -82,6 +82,14 @@ def _shared_numel(model: nn.Module, params: dict[str, nn.Parameter]) -> int:
     return sum(p.numel() for p in params.values() if count.get(id(p), 0) > 1)
 
 
+def rows_per_forward(model: nn.Module, length: int, memory_budget_mb: int | None) -> int:
+    """The engine's own choice of rows per forward at row length `length` within the budget
+    (the automatic batch of fisher_sums): activations + per-row buffers of tied weights."""
+    params = trainable_parameters(model)
+    dev = next(model.parameters()).device
+    return _auto_batch(model, length, budget_bytes(memory_budget_mb, dev), _shared_numel(model, params))
+
+
 def budget_bytes(memory_budget_mb: int | None, device: torch.device) -> int:
     """The memory budget in bytes; None = a quarter of the device's free memory (see device)."""
     mb = default_budget_mb(device) if memory_budget_mb is None else int(memory_budget_mb)

@@ -128,16 +128,9 @@ def precision_error(model: nn.Module, roll: Any, estimator: str, memory_budget_m
     # the same rows per forward on both sides (a half-precision result depends on the batch's
     # shape), as many as the temporaries budget holds (the engine's own sizing: a tied embedding's
     # per-row buffer is vocab x hidden a row)
-    from compute.fisher.estimators import (
-        _auto_batch,
-        _shared_numel,
-        budget_bytes,
-        trainable_parameters,
-    )
+    from compute.fisher.estimators import rows_per_forward
 
-    dev = next(model.parameters()).device
-    bs = min(n, _auto_batch(model, int(ids.shape[1]), budget_bytes(memory_budget_mb, dev),
-                            _shared_numel(model, trainable_parameters(model))))
+    bs = min(n, rows_per_forward(model, int(ids.shape[1]), memory_budget_mb))
     low = fisher_from_samples(model, ids, am, cm, est, memory_budget_mb=memory_budget_mb, batch_size=bs)
     with float32_weights(model) as counts:
         ref = fisher_from_samples(model, ids, am, cm, est, memory_budget_mb=memory_budget_mb, batch_size=bs)
