@@ -131,7 +131,7 @@ def token_passes(kind: str, spec: Any) -> int:
 
 
 def model_shape(ref: Any) -> dict[str, int]:
-    """{"layers", "hidden", "vocab", "intermediate", "shared"} of a resolved model reference from its config.json (text
+    """{"layers", "hidden", "vocab", "intermediate"} of a resolved model reference from its config.json (text
     config of a multimodal one); {} when unreadable here."""
     path = Path(ref.local) / "config.json" if getattr(ref, "local", None) else None
     if path is None or not path.is_file() or path.stat().st_size > 1_000_000:
@@ -148,12 +148,9 @@ def model_shape(ref: Any) -> dict[str, int]:
             if isinstance(cfg.get(n), int) and cfg[n] > 0:
                 out[key] = int(cfg[n])
                 break
-    # a tied input/output embedding gets a per-row gradient buffer in the Fisher engine
-    # (compute/fisher/estimators.py _shared_numel); configs that omit the key take their class's
-    # default (tied for GPT-2 and Gemma, untied for Llama-style ones)
-    tied = cfg.get("tie_word_embeddings", str(cfg.get("model_type", "")).startswith(("gpt2", "gemma")))
-    if tied is True and "vocab" in out and "hidden" in out:
-        out["shared"] = out["vocab"] * out["hidden"]
+    # a tied input/output embedding needs no per-row gradient buffer in the Fisher engine since
+    # issue 30 (compute/fisher/accumulate.py: the head's squares plus the touched rows whole), so
+    # Sizing.shared stays 0 for it (compute/fisher/estimators.py _shared_numel)
     return out
 
 

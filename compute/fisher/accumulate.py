@@ -6,8 +6,13 @@ an int16 fraction of it for the difference, 6 bytes per parameter) and, while th
 a model, the plain sum of the per-row gradients (== autograd's batch gradient when the maths is
 right), for a group of the parameters at a time.
 `Accumulator` is one forward pass: its rows' groups and the uses of each parameter. A parameter
-used by several module calls (tied embeddings) keeps a (B, *shape) buffer of per-row gradients
-until every use arrived, then squares it: squares of sums, not sums of squares.
+used by several module calls keeps a (B, *shape) buffer of per-row gradients until every use
+arrived, then squares it: squares of sums, not sums of squares. A tied embedding and output head
+(the usual case) needs no such buffer (issue 30: it was vocab x hidden a row): a row's gradient
+is the head's H_n plus the lookup's E_n, and E_n is zero outside the vocabulary rows the batch's
+tokens touch, so every other row's square is the head's alone (summed like an untied head's) and
+the touched rows' squares (H_n + E_n)^2 are computed exactly from the head's gradient at those
+rows only (`_tied_head_use`, `_tied_squares`).
 `add_call` routes one captured call (module, x, g) to the maths in `persample`.
 """
 
@@ -388,6 +393,10 @@ class Accumulator:
         self.groups = groups  # (B,) long on the device
         self.budget = budget_bytes
         self.uses: dict[str, int] = {}
+        self.kinds: dict[str, list[str]] = {}
+        self.lookups: dict[str, torch.Tensor] = {}  # tied embedding -> its lookup's ids (B, T)
+        self.tied: dict[str, dict[str, torch.Tensor]] = {}  # the head's part, until the lookup's
+        self.early: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # a lookup's, head not yet
         self.arrived: dict[str, int] = {}
         self.rows: dict[str, torch.Tensor] = {}
         present = sorted(set(groups.tolist()))
@@ -396,13 +405,28 @@ class Accumulator:
             [(present[0], None)] if len(present) == 1
             else [(k, (groups == k).nonzero().squeeze(1)) for k in present])
 
-    def used(self, names: list[tuple[str, str]]) -> None:
-        """Forward time: a module call will send gradients for these parameters."""
-        for _, name in names:
+    def used(self, names: list[tuple[str, str]], module: nn.Module | None = None,
+             lookup: tuple[torch.Tensor, float] | None = None) -> None:
+        """Forward time: a module call will send gradients for these parameters (its kind and an
+        embedding lookup's ids recorded for `tied_head`)."""
+        if isinstance(module, nn.Embedding) and lookup is not None and [k for k, _ in names] == ["weight"]:
+            kind = "embedding"
+            self.lookups[names[0][1]] = lookup[0]
+        elif isinstance(module, nn.Linear) and not ps.is_conv1d(module):
+            kind = "linear"
+        else:
+            kind = "other"
+        for key, name in names:
             self.uses[name] = self.uses.get(name, 0) + 1
+            self.kinds.setdefault(name, []).append(kind if key == "weight" else "other")
 
     def shared(self, name: str) -> bool:
         return self.uses[name] > 1
+
+    def tied_head(self, name: str) -> bool:
+        """A weight used once as an embedding lookup and once as a linear layer (a tied
+        embedding and output head): summed without a per-row buffer (module docstring)."""
+        return self.uses.get(name) == 2 and sorted(self.kinds.get(name, ())) == ["embedding", "linear"]
 
     def rows_per_chunk(self, numel_per_row: int) -> int:
         return max(1, self.budget // max(1, 4 * 2 * numel_per_row))
@@ -453,7 +477,16 @@ class Accumulator:
         # uses whose gradient never arrived (outputs not connected to the loss) contribute zero
         for name in list(self.rows):
             self._flush(name)
+        for name in list(self.tied):  # a tied head whose lookup's gradient never arrived
+            _tied_squares(self, name, self.tied.pop(name), None)
+        for name, (row, vocab, grad) in list(self.early.items()):  # a lookup whose head's never did
+            sq = grad.to(self.store.dtype).square()
+            self.store.index_add_groups(name, [(k, vocab[self.groups[row] == k], sq[self.groups[row] == k])
+                                               for k, _ in self.selections])
+        self.early.clear()
         self.uses.clear()
+        self.kinds.clear()
+        self.lookups.clear()
         self.arrived.clear()
 
 
@@ -498,7 +531,10 @@ def _linear(acc: Accumulator, call: Call) -> None:
         if not acc.store.needs(name):
             continue
         pos = ps.single_positions(gf)
-        if acc.shared(name):  # per-row gradients until every use arrived
+        touched = None
+        if acc.shared(name) and acc.tied_head(name):
+            touched = _tied_head_use(acc, name, xf, gf)
+        elif acc.shared(name):  # per-row gradients until every use arrived
             # the first use writes the buffer (no zero-fill), later ones add into it
             rows = ps.linear_row_grads(x=xf, g=gf, conv1d=conv, pos=pos, out=acc.rows.get(name))
             acc.rows[name] = rows.to(acc.store.dtype)
@@ -511,9 +547,12 @@ def _linear(acc: Accumulator, call: Call) -> None:
         width = gf.shape[-1] if conv else xf.shape[-1]
         per_block = max(1, BLOCK_VALUES // max(1, width))
         if not acc.store.compact or per_block >= rows_out:
-            acc.store.add_groups(name, [(k, ps.linear_square_sum(x=_pick(xf, sel), g=_pick(gf, sel),
-                                                                 conv1d=conv, pos=_pick(pos, sel)))
-                                        for k, sel in acc.selections])
+            parts = [(k, ps.linear_square_sum(x=_pick(xf, sel), g=_pick(gf, sel), conv1d=conv, pos=_pick(pos, sel)))
+                     for k, sel in acc.selections]
+            if touched is not None:  # those rows come whole with the lookup's part
+                for _, sq in parts:
+                    sq[touched] = 0
+            acc.store.add_groups(name, parts)
             continue
         # a large weight (an untied lm_head: vocab x hidden): its squares a block of rows at a
         # time, so the temporaries are a block's, not the weight's (issue 30)
@@ -524,8 +563,51 @@ def _linear(acc: Accumulator, call: Call) -> None:
                 xs, gs = _pick(xf, sel), _pick(gf, sel)
                 xs, gs = (xs[..., blk], gs) if conv else (xs, gs[..., blk])
                 parts.append((k, ps.linear_square_sum(x=xs, g=gs, conv1d=conv, pos=_pick(pos, sel))))
+            if touched is not None:
+                inside = touched[(touched >= blk.start) & (touched < blk.stop)] - blk.start
+                for _, sq in parts:
+                    sq[inside] = 0
             acc.store.add_block(name, blk, parts)
         acc.store.block_done(name)
+
+
+def _tied_head_use(acc: Accumulator, name: str, xf: torch.Tensor, gf: torch.Tensor) -> torch.Tensor | None:
+    """The output head's use of a tied embedding: keeps its gradient at the vocabulary rows the
+    batch's tokens touch (g[..., touched]: (B, T, U), U <= B x T, not vocab x hidden a row) for
+    `_tied_squares`, and returns those rows (sorted), whose squares the head's sum leaves out."""
+    ids = acc.lookups.get(name)
+    if ids is None or not acc.store.squares:
+        return None
+    touched = torch.unique(ids.reshape(-1).to(gf.device))
+    part = {"touched": touched, "g": gf[..., touched].contiguous(), "x": xf}
+    early = acc.early.pop(name, None)
+    if early is not None:  # the lookup's gradient came first (not the usual order of a backward)
+        _tied_squares(acc, name, part, early)
+    else:
+        acc.tied[name] = part
+    return touched
+
+
+def _tied_squares(acc: Accumulator, name: str, part: dict[str, torch.Tensor],
+                  lookup: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None) -> None:
+    """The squares of a tied weight's touched rows: per row n, (H_n + E_n)^2 at those rows, with
+    H_n = g_n^T x_n (the head's gradient there) and E_n the lookup's sparse gradient (row, vocab,
+    grad from persample.embedding_row_grads; None when it never arrived: H_n alone)."""
+    touched, g, x = part["touched"], part["g"], part["x"]
+    st = acc.store
+    where = None if lookup is None else torch.searchsorted(touched, lookup[1])
+    parts = []
+    for k, sel in acc.selections:
+        rows = range(g.shape[0]) if sel is None else sel.tolist()
+        out = torch.zeros((touched.numel(), x.shape[-1]), dtype=st.dtype, device=g.device)
+        for n in rows:
+            h = (g[n].transpose(0, 1) @ x[n]).to(st.dtype)  # (U, d): H_n at the touched rows
+            if lookup is not None and where is not None:
+                mine = (lookup[0] == n).nonzero().squeeze(1)
+                h.index_add_(0, where[mine], lookup[2][mine].to(st.dtype))
+            out.addcmul_(h, h)
+        parts.append((k, touched, out))
+    st.index_add_groups(name, parts)
 
 
 def _embedding(acc: Accumulator, call: Call) -> None:
@@ -539,13 +621,20 @@ def _embedding(acc: Accumulator, call: Call) -> None:
     row, vocab, grad = ps.embedding_row_grads(ids=ids, g=wide(call.g), num_embeddings=V,
                                               scale=scale, padding_idx=mod.padding_idx)
     st = acc.store
-    if acc.shared(name):
+    if acc.shared(name) and not acc.tied_head(name):
         acc.row_buffer(name).view(-1, grad.shape[-1]).index_add_(0, row * V + vocab, grad)
         return
     if st.wants_check(name):
         c = torch.zeros(st.shapes[name], dtype=st.dtype, device=grad.device)
         st.add_check(name, c.index_add_(0, vocab, grad.to(st.dtype)))
     if not st.squares:
+        return
+    if acc.tied_head(name):  # the touched rows' squares, whole, once both parts are here
+        part = acc.tied.pop(name, None)
+        if part is None:
+            acc.early[name] = (row, vocab, grad)
+        else:
+            _tied_squares(acc, name, part, (row, vocab, grad))
         return
     sq = grad.square()  # (U, d)
     if len(acc.selections) == 1:

@@ -73,13 +73,24 @@ def _auto_batch(model: nn.Module, L: int, budget_bytes: int, shared_numel: int) 
 
 
 def _shared_numel(model: nn.Module, params: dict[str, nn.Parameter]) -> int:
-    """Total size of parameters owned by more than one module (tied weights)."""
-    count: dict[int, int] = {}
+    """Total size of parameters owned by more than one module (tied weights) that need a per-row
+    buffer: not a tied embedding + output head (one nn.Embedding, one nn.Linear), which the
+    engine sums without one (compute.fisher.accumulate, issue 30)."""
+    owners: dict[int, list[nn.Module]] = {}
     for m in model.modules(remove_duplicate=False):
         for p in m._parameters.values():
             if p is not None:
-                count[id(p)] = count.get(id(p), 0) + 1
-    return sum(p.numel() for p in params.values() if count.get(id(p), 0) > 1)
+                owners.setdefault(id(p), []).append(m)
+
+    def buffered(p: nn.Parameter) -> bool:
+        mods = owners.get(id(p), [])
+        if len(mods) <= 1:
+            return False
+        kinds = sorted("embedding" if isinstance(m, nn.Embedding) else "linear" if type(m) is nn.Linear
+                       else "other" for m in mods)
+        return kinds != ["embedding", "linear"]
+
+    return sum(p.numel() for p in params.values() if buffered(p))
 
 
 def rows_per_forward(model: nn.Module, length: int, memory_budget_mb: int | None) -> int:

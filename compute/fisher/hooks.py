@@ -140,7 +140,7 @@ class PerSampleHooks:
             if mod.max_norm is not None:
                 raise self.refuse(mod, "uses max_norm (it renormalises weights in the forward)")
             lookup = embedding_lookup(mod, args, kwargs, output)
-        self.acc.used(names)
+        self.acc.used(names, mod, lookup)
         saved_args = _detach(args)
         saved_kwargs = {k: v.detach() if isinstance(v, torch.Tensor) else v
                         for k, v in kwargs.items()}

@@ -89,42 +89,49 @@ def test_fisher_estimate_parts_are_the_formulas_on_the_models_config(tmp_path: P
 
 
 def test_a_fisher_whose_rows_need_several_chunks_counts_the_rows_the_engine_lets_in(tmp_path: Path) -> None:
-    """A tied embedding's per-row gradient buffer (vocab x hidden fp32 per row) makes the engine
-    chunk the rows to its budget (estimators._auto_batch's formula): the estimate counts the rows
-    of one chunk, each holding its buffer and the measured share of its activations (issue 30:
-    the squares stream into the sums, so a chunk no longer overfills the budget)."""
+    """Rows whose activations need more than the budget make the engine chunk them
+    (estimators._auto_batch's formula): the estimate counts the rows of one chunk, each holding
+    the measured share of its activations (issue 30: the squares stream into the sums, so a chunk
+    no longer overfills the budget). A tied embedding + head adds no per-row buffer since issue 30
+    (compute/fisher/accumulate.py): the same model declared tied is estimated like the untied one,
+    and the engine's own sizing of a real tied model counts no shared parameter."""
     from app import limits
     from compute.contract import cost as C
-    from compute.fisher.estimators import _auto_batch
+    from compute.fisher.estimators import _auto_batch, _shared_numel, trainable_parameters
     from compute.jobs.registry import parse_spec
+    from tests.unit.fisher_tiny import tiny_model
 
     home = _home(tmp_path / "home")
     folder = home / "zoo" / "arith-base"
     cfg = json.loads((folder / "config.json").read_text())
     settings = _settings(home, max_job_memory_mb=1_000_000)
-    spec = parse_spec("fisher", {"model": "arith-base", "prompts": 8, "samples": 2, "memory_budget_mb": 64})
+    budget_mb = 64
+    spec = parse_spec("fisher", {"model": "arith-base", "prompts": 64, "samples": 4, "memory_budget_mb": budget_mb})
+    # a vocabulary whose logits make 256 rows of activations need several budgets
+    vocab = 2**16
+    cfg.update(tie_word_embeddings=False, vocab_size=vocab)
+    (folder / "config.json").write_text(json.dumps(cfg))
     untied = limits.estimate(settings, "fisher", spec, limits.refs_for_estimate(settings, "fisher", spec))
-    # the same model, declared tied, with a vocabulary whose per-row buffer is 1/16 of the budget:
-    # its 16 rows (with their activations) need more than one budget
-    vocab = (4 * 2**20) // (4 * cfg["hidden_size"])
-    cfg.update(tie_word_embeddings=True, vocab_size=vocab)
+    cfg.update(tie_word_embeddings=True)
     (folder / "config.json").write_text(json.dumps(cfg))
     tied = limits.estimate(settings, "fisher", spec, limits.refs_for_estimate(settings, "fisher", spec))
-    assert untied["memory_parts"]["temporaries"] < 16 * 2**20
-    budget = 64 * 2**20
+    assert tied["memory_parts"]["temporaries"] == untied["memory_parts"]["temporaries"]
+    budget = budget_mb * 2**20
     length = tied["prompt_tokens_assumed"] + spec.max_new_tokens
-    shared = vocab * cfg["hidden_size"]
     z = C.Sizing(params=0, layers=cfg["num_hidden_layers"], hidden=cfg["hidden_size"], vocab=vocab,
-                 intermediate=cfg.get("intermediate_size") or 0, shared=shared)
+                 intermediate=cfg.get("intermediate_size") or 0)
 
     class _Model(torch.nn.Module):  # what _auto_batch reads of a model: its config
         config = type("cfg", (), {"hidden_size": cfg["hidden_size"], "num_hidden_layers": cfg["num_hidden_layers"],
                                   "vocab_size": vocab, "intermediate_size": cfg.get("intermediate_size")})()
-    rows = _auto_batch(_Model(), length, budget, shared)  # the engine's own chunk
-    assert 1 <= rows < 16
-    want = rows * (C.ACTIVATION_SHARE * z.activation_bytes(length) + 4.0 * shared)
+    rows = _auto_batch(_Model(), length, budget, 0)  # the engine's own chunk
+    assert 1 <= rows < 256
+    want = rows * C.ACTIVATION_SHARE * z.activation_bytes(length)
     assert tied["memory_parts"]["temporaries"] == pytest.approx(min(budget, want))
     assert tied["memory_parts"]["temporaries"] <= budget
+    model = tiny_model("llama", hidden=32, tied=True, seed=0)
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    assert _shared_numel(model, trainable_parameters(model)) == 0
 
 
 @pytest.mark.parametrize("task", ["arithmetic", "arithmetic-add?digits=5", "arithmetic-mul?digits=3&mul_digits=4"])
