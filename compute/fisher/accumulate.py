@@ -480,9 +480,7 @@ class Accumulator:
         for name in list(self.tied):  # a tied head whose lookup's gradient never arrived
             _tied_squares(self, name, self.tied.pop(name), None)
         for name, (row, vocab, grad) in list(self.early.items()):  # a lookup whose head's never did
-            sq = grad.to(self.store.dtype).square()
-            self.store.index_add_groups(name, [(k, vocab[self.groups[row] == k], sq[self.groups[row] == k])
-                                               for k, _ in self.selections])
+            _lookup_squares(self, name, row, vocab, grad)
         self.early.clear()
         self.uses.clear()
         self.kinds.clear()
@@ -636,12 +634,18 @@ def _embedding(acc: Accumulator, call: Call) -> None:
         else:
             _tied_squares(acc, name, part, (row, vocab, grad))
         return
+    _lookup_squares(acc, name, row, vocab, grad)
+
+
+def _lookup_squares(acc: Accumulator, name: str, row: torch.Tensor, vocab: torch.Tensor,
+                    grad: torch.Tensor) -> None:
+    """An embedding lookup's squares alone (its rows' sparse gradients (U, d) at vocab (U,))."""
     sq = grad.square()  # (U, d)
     if len(acc.selections) == 1:
-        st.index_add(name, acc.selections[0][0], vocab, sq)
+        acc.store.index_add(name, acc.selections[0][0], vocab, sq)
         return
     grp = acc.groups[row]
-    st.index_add_groups(name, [(k, vocab[grp == k], sq[grp == k]) for k, _ in acc.selections])
+    acc.store.index_add_groups(name, [(k, vocab[grp == k], sq[grp == k]) for k, _ in acc.selections])
 
 
 def _generic(acc: Accumulator, call: Call, sink: Any) -> None:
