@@ -221,18 +221,42 @@ class Store:
         """Add sq (*shape) to group k."""
         self.add_groups(name, [(k, sq)])
 
-    def add_groups(self, name: str, parts: list[tuple[int, torch.Tensor]]) -> None:
+    def add_groups(self, name: str, parts: list[tuple[int, torch.Tensor]], owned: bool = False) -> None:
         """Add each sq (*shape) of parts [(group k, sq)] to its group (one pass's squares: a
-        compact difference is re-encoded once for all of them)."""
+        compact difference is re-encoded once for all of them). owned: the parts are fresh
+        tensors nothing else holds (the store may keep one as its sum instead of copying it)."""
         if not self.squares or not parts:
             return
+        first = name not in self.sums  # written, not added: no zero-fill, no read of zeros
         if not self.compact:
+            if first and owned and self.n_groups == 1 and len(parts) == 1:
+                sq = parts[0][1]
+                if sq.dtype == self.dtype and sq.shape == self.shapes[name] and sq.is_contiguous():
+                    self.sums[name] = sq.unsqueeze(0)  # the caller's fresh tensor becomes the sum
+                    return
+            if first:
+                self.sums[name] = g = torch.empty((self.n_groups, *self.shapes[name]), dtype=self.dtype,
+                                                  device=self.device)
+                written = set()
+                for k, sq in parts:
+                    g[k].add_(sq) if k in written else g[k].copy_(sq)
+                    written.add(k)
+                for k in set(range(self.n_groups)) - written:
+                    g[k].zero_()
+                return
             g = self._groups(name)
             for k, sq in parts:
                 g[k].add_(sq)
             return
-        t, q = self._compact(name)
-        _update(t.view(-1), q.view(-1), [(k, sq.reshape(-1)) for k, sq in parts])
+        if first:
+            sq0 = parts[0][1]
+            # an owned first part becomes the total (written over in _update, slice by slice)
+            adopt = owned and sq0.dtype == self.dtype and sq0.shape == self.shapes[name] and sq0.is_contiguous()
+            self.sums[name] = sq0 if adopt else torch.empty(self.shapes[name], dtype=self.dtype,
+                                                            device=self.device)
+            self.frac[name] = torch.empty(self.shapes[name], dtype=torch.int16, device=self.device)
+        t, q = self.sums[name], self.frac[name]
+        _update(t.view(-1), q.view(-1), [(k, sq.reshape(-1)) for k, sq in parts], first=first)
         self.rounds[name] = self.rounds.get(name, 0) + 1
 
     def add_row_squares(self, name: str, grads: torch.Tensor,
@@ -364,20 +388,26 @@ class _RowsOf:
 
 
 def _update(t: torch.Tensor, q: torch.Tensor, parts: list[tuple[int, torch.Tensor]],
-            rows: bool = False) -> None:
+            rows: bool = False, first: bool = False) -> None:
     """Add parts [(group k, sq)] (flat, like t) to the compact sums: the float32 total t and the
     int16 fraction q of the difference A - B (group 0 counts +, group 1 -), one slice of
     UPDATE_CHUNK values at a time (temporaries of a slice, never of the whole tensor).
     rows=True: each part is (group k, per-row gradients (b, numel)), squared and summed over its
-    rows slice by slice (no (numel,) square sum, no copy of the rows)."""
+    rows slice by slice (no (numel,) square sum, no copy of the rows).
+    first=True: t and q hold nothing yet (allocated empty): the parts are written, not added."""
     step = UPDATE_CHUNK if not rows else max(1, UPDATE_CHUNK // max(1, max(p.shape[0] for _, p in parts)))
     for o in range(0, t.numel(), step):
         sl = slice(o, o + step)
         tc = t[sl]
         # q' = round((q T + S (A' - B')) / T'), with T' = T + A' + B': eight operations a value
-        num = q[sl].float().mul_(tc)  # S x the difference so far
+        num = None if first else q[sl].float().mul_(tc)  # S x the difference so far
         for k, sq in parts:
             s = sq[sl].to(t.dtype) if not rows else sq[:, sl].square().sum(0, dtype=t.dtype)
+            if num is None:  # the first part of a fresh sum (the total itself when adopted)
+                num = s.mul(FRAC_SCALE if k == 0 else -FRAC_SCALE)
+                if s.data_ptr() != tc.data_ptr():
+                    tc.copy_(s)
+                continue
             tc.add_(s)
             num.add_(s, alpha=FRAC_SCALE if k == 0 else -FRAC_SCALE)
         # |num| <= S T' (every square >= 0), so the quotient fits int16; 0 / 0 (no mass yet) -> 0
@@ -550,7 +580,7 @@ def _linear(acc: Accumulator, call: Call) -> None:
             if touched is not None:  # those rows come whole with the lookup's part
                 for _, sq in parts:
                     sq[touched] = 0
-            acc.store.add_groups(name, parts)
+            acc.store.add_groups(name, parts, owned=True)
             continue
         # a large weight (an untied lm_head: vocab x hidden): its squares a block of rows at a
         # time, so the temporaries are a block's, not the weight's (issue 30)

@@ -149,3 +149,34 @@ def test_self_check_in_budget_sized_groups(tok, monkeypatch):
     with pytest.raises(UnsupportedModel, match="do not add up to autograd") as exc:
         fisher_from_samples(bad, roll.input_ids, roll.attention_mask, roll.completion_mask)
     assert "model.layers.1.mlp.inner.weight" in str(exc.value)
+
+
+@pytest.mark.parametrize("owned", [False, True])
+def test_first_squares_are_written_not_added_and_match_a_zeroed_sum(owned):
+    """The store writes a parameter's first squares (no zero-filled sums; an owned fresh tensor
+    may become the sum itself): the same bits as adding them to zeros, later passes add, and a
+    group no row reached is zero."""
+    g = torch.Generator().manual_seed(1)
+    a, b, c = (torch.rand(5, 7, generator=g) for _ in range(3))
+    # compact (two float32 groups): total and int16 fraction as the zero-filled update gives
+    st = Store({"w": torch.Size([5, 7])}, 2, torch.float32, torch.device("cpu"))
+    st.add_groups("w", [(0, a.clone()), (1, b.clone())], owned=owned)
+    st.add_groups("w", [(1, c.clone())], owned=owned)
+    t0, q0 = torch.zeros(35), torch.zeros(35, dtype=torch.int16)
+    acc_mod._update(t0, q0, [(0, a.reshape(-1)), (1, b.reshape(-1))])
+    acc_mod._update(t0, q0, [(1, c.reshape(-1))])
+    assert torch.equal(st.sums["w"].reshape(-1), t0) and torch.equal(st.frac["w"].reshape(-1), q0)
+    # three float64 groups, only group 1 reached: groups 0 and 2 are zero, group 1 is a + c
+    st = Store({"w": torch.Size([5, 7])}, 3, torch.float64, torch.device("cpu"))
+    st.add_groups("w", [(1, a.double())], owned=owned)
+    st.add_groups("w", [(1, c.double())], owned=owned)
+    out = st.finish()["w"]
+    assert torch.equal(out[0], torch.zeros(5, 7, dtype=torch.float64)) and torch.equal(out[2], out[0])
+    assert torch.equal(out[1], a.double() + c.double())
+    # one group: an owned first tensor is kept as the sum (no copy); not owned, it is copied
+    st = Store({"w": torch.Size([5, 7])}, 1, torch.float32, torch.device("cpu"))
+    first = a.clone()
+    st.add_groups("w", [(0, first)], owned=owned)
+    assert (st.sums["w"].data_ptr() == first.data_ptr()) is owned
+    st.add_groups("w", [(0, b)], owned=owned)
+    assert torch.equal(st.finish()["w"][0], a + b)
