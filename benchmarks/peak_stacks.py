@@ -1,7 +1,7 @@
 """Where a Fisher job's memory peaks: the main thread's Python stack each time the process's
 resident memory reaches a new high (sampled every 10 ms). The profile behind docs/scale.md.
 
-    python benchmarks/peak_stacks.py MODEL_FOLDER [--prompts 4] [--samples 2] [--budget-mb 256]
+    python benchmarks/peak_stacks.py MODEL_FOLDER [--prompts 4] [--samples 2] [--max-new-tokens 8] [--budget-mb 256]
 
 RSS, not torch's allocator: on CPU that is what the machine runs out of. Prints the last stacks
 (the highest peaks) with their MiB above the memory at the start."""
@@ -32,6 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("model")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--samples", type=int, default=2)
+    ap.add_argument("--max-new-tokens", type=int, default=8)
     ap.add_argument("--budget-mb", type=int, default=256)
     ap.add_argument("--show", type=int, default=8, help="how many of the highest peaks to print")
     args = ap.parse_args(argv)
@@ -57,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
             time.sleep(0.01)
 
     threading.Thread(target=sample, daemon=True).start()
-    spec = FisherSpec(model=args.model, prompts=args.prompts, samples=args.samples, max_new_tokens=8,
+    spec = FisherSpec(model=args.model, prompts=args.prompts, samples=args.samples, max_new_tokens=args.max_new_tokens,
                       memory_budget_mb=args.budget_mb)
     start = rss_mib()
     run(spec)
