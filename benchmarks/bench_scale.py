@@ -60,7 +60,6 @@ if not os.path.exists(os.path.join(folder, "config.json")):
         if f.startswith(("tokenizer", "special_tokens")):
             shutil.copy(os.path.join(os.environ["TOK"], f), folder)
 from compute.jobs import fisher_run
-from compute.jobs.runners import get_runner
 from compute.jobs.fisher import FisherSpec
 from compute.lm.sampling import sample_completions
 from compute.lm.verifiable_tasks import get_task
@@ -80,8 +79,7 @@ fisher_run._load = lambda s, r: (model, tok)  # the job's work beyond loading
 # activations (freed heap memory stays resident and would hide the job's own)
 box = {}
 t0 = time.perf_counter()
-run_job = get_runner("fisher")  # the door every job goes through (its allocator policy)
-peak = rss_peak_of(lambda: box.setdefault("r", run_job(spec)))
+peak = rss_peak_of(lambda: box.setdefault("r", fisher_run.run(spec)))
 t_job = time.perf_counter() - t0
 # the floor: the same number of completions, then one batched forward + backward over them
 t0 = time.perf_counter()

@@ -76,7 +76,6 @@ from transformers import AutoTokenizer
 tok = AutoTokenizer.from_pretrained(folder)
 build_s = time.perf_counter() - t0
 from compute.jobs import fisher_run
-from compute.jobs.runners import get_runner
 from compute.jobs.fisher import FisherSpec
 from compute.lm.sampling import sample_completions
 from compute.lm.verifiable_tasks import get_task
@@ -100,8 +99,7 @@ if cuda:
     torch.cuda.reset_peak_memory_stats()
 box = {}
 t0 = time.perf_counter()
-run_job = get_runner("fisher")  # the door every job goes through (its allocator policy)
-host = rss_peak_of(lambda: box.setdefault("r", run_job(spec)))
+host = rss_peak_of(lambda: box.setdefault("r", fisher_run.run(spec)))
 sync()
 t_job = time.perf_counter() - t0
 dev_peak = (torch.cuda.max_memory_allocated() - base) / 2**20 if cuda else None

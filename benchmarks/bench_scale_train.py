@@ -6,7 +6,7 @@ above the loaded weights and seconds per step of a 1% random-mask AdamW SFT job.
 
 Each size is the random-init Llama of benchmarks/bench_scale.py (same shapes), built into a scratch
 folder with a 1% mask from `select_mask("random", 0.01)` saved next to it, and measured in a FRESH
-process: the `train` job through its runner (runners.get_runner("train"): train_run.train_job) with the weights already
+process: the `train` job's runner (compute.jobs.train_run.train_job) with the weights already
 loaded (its model load replaced by the loaded model), algo sft (gold targets), AdamW, 2 steps,
 batch 2, `concentration=False`, 4 greedy eval prompts; peak = the process's RSS high-water mark
 during the job minus its RSS with the weights and the mask loaded (benchmarks/peakmem.py), over
@@ -57,7 +57,6 @@ if not os.path.exists(os.path.join(folder, "config.json")):
     save_mask(select_mask("random", 0.01, params=m, seed=0), mask_file)
     del m
 from compute.jobs import train_run
-from compute.jobs.runners import get_runner
 from compute.jobs.train import TrainSpec
 spec = TrainSpec(model=folder, mask=mask_file, algo="sft", optimizer="adamw", steps=int(os.environ["STEPS"]),
                  batch=2, max_new_tokens=8, eval_prompts=4, concentration=False, bound=False)
@@ -103,8 +102,7 @@ th = threading.Thread(target=sample, daemon=True)
 if int(os.environ["STACKS"]):
     th.start()
 t0 = time.perf_counter()
-run_job = get_runner("train")  # the door every job goes through (train_job runs inside it)
-peak = rss_peak_of(lambda: box.setdefault("r", run_job(spec)))
+peak = rss_peak_of(lambda: box.setdefault("r", train_run.train_job(spec)))
 t_job = time.perf_counter() - t0
 stop.set()
 if th.is_alive():

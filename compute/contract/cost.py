@@ -106,15 +106,23 @@ FILE_JOB_BASE_MB = 11.0  # a job that only reads tensor files (mask from a Fishe
 # the per-row buffers and the statistics stream within the temporaries budget (issue 30; measured
 # 4.0 B/param beyond the budget at 50M, 0.7 at 7M: benchmarks/bench_scale.py, test_fisher_memory)
 FISHER_BYTES_PER_PARAM = 6.0
-# Training, per parameter of the model: its gradient (4), the two base copies the update-sparsity
-# report compares with (stored and master precision: 8), the initial Fisher (4) and the
-# concentration sums (g^2 and |g|: 8, when concentration is on).
+# A dense training run (every coordinate trained), per parameter of the model: every gradient
+# alive from the backward to the step (4), the optimizer step's temporaries over whole tensors
+# (8) and the initial Fisher (4); the concentration sums (g^2 and |g|: 8) when concentration is
+# on. Fitted before issue 30 on the zoo's 100k-parameter model (errs towards refusing).
 TRAIN_BYTES_PER_PARAM = 16.0
 CONCENTRATION_BYTES_PER_PARAM = 8.0
 # The optimizer's state per *trained* coordinate (AdamW: two fp32 moments; SGD with momentum:
-# one): a masked run holds mask_fraction x this per parameter. The constant to revisit when
-# optimizer state only for the mask's coordinates (issue 30 item 4) lands.
+# one): masked training keeps it at the mask's coordinates only (compute/train/optimizers.py).
 OPTIMIZER_BYTES_PER_TRAINED_COORD = {"adamw": 8.0, "sgd": 4.0}
+# A masked run (issue 30 item 4, compute/train/optimizers.py) holds per *trained* coordinate its
+# folded float32 gradient (4) and its int32 index in the compact mask (4); of the dense gradients
+# only the one autograd is accumulating is alive (the largest tensor's, 4 B a value); the
+# concentration sums are kept at the trained coordinates; the initial Fisher, when the run needs
+# one (a given Fisher file, the concentration report, GRPO's bound), is a float32 tensor per
+# parameter (4). Measured: docs/scale.md, "The masked step at scale".
+MASKED_BYTES_PER_TRAINED_COORD = 8.0
+INITIAL_FISHER_BYTES_PER_PARAM = 4.0
 # A tensor-file job (mask, diff, series): each tensor file element read, held and compared
 FILE_BYTES_PER_ELEMENT = 12.0
 # compute/fisher/estimators.py sizes its row chunks with a deliberately safe per-token formula
@@ -163,6 +171,11 @@ class Sizing:
 
     def weight_bytes(self, dtype_bytes: float = 4.0) -> float:
         return self.models * self.params * dtype_bytes
+
+    def largest_tensor(self) -> int:
+        """Elements of the model's largest weight (the embedding, or an MLP matrix)."""
+        inter = self.intermediate or 4 * self.hidden
+        return min(self.params, max(self.vocab * self.hidden, inter * self.hidden))
 
     def activation_bytes(self, tokens: int) -> float:
         """Saved activations of a forward+backward over `tokens` tokens, fp32 logits included
@@ -265,21 +278,25 @@ def fisher_memory(z: Sizing, prompts: int, samples: int, max_new_tokens: int,
 
 def train_memory(z: Sizing, algo: str, batch: int, group: int, max_new_tokens: int,
                  optimizer: str, mask_fraction: float = 1.0, concentration: bool = True,
-                 teacher: bool = False) -> dict[str, float]:
-    """One training run's peak: weights (a teacher's too), per-parameter gradient, base copies and
-    Fisher, the optimizer's state for the trained coordinates (mask_fraction of them), and the
+                 teacher: bool = False, initial_fisher: bool = True) -> dict[str, float]:
+    """One training run's peak: weights (a teacher's too), the gradients (every one in a dense
+    run; in a masked one, mask_fraction < 1, the largest tensor's and the folded trained
+    coordinates), the initial Fisher, the optimizer's state for the trained coordinates, and the
     activations of one step's rows at their length."""
     rows = batch * (1 if algo == "sft" else group)
     length = z.prompt_tokens + max_new_tokens
     state = OPTIMIZER_BYTES_PER_TRAINED_COORD.get(optimizer, 8.0) * mask_fraction
-    return {
-        "runtime": RUNTIME_BASE_MB * MIB,
-        "weights": z.params * 4.0 * (2 if teacher else 1),
-        "gradient and base copies": (TRAIN_BYTES_PER_PARAM
-                                     + (CONCENTRATION_BYTES_PER_PARAM if concentration else 0.0)) * z.params,
-        "optimizer state": state * z.params,
-        "activations": ACTIVATION_SHARE * z.activation_bytes(rows * length),
-    }
+    conc = CONCENTRATION_BYTES_PER_PARAM if concentration else 0.0
+    parts = {"runtime": RUNTIME_BASE_MB * MIB, "weights": z.params * 4.0 * (2 if teacher else 1)}
+    if mask_fraction < 1.0:
+        trained = mask_fraction * z.params
+        parts["gradients (one tensor at a time) and mask"] = 4.0 * z.largest_tensor() + \
+            (MASKED_BYTES_PER_TRAINED_COORD + conc) * trained
+        parts["initial Fisher"] = INITIAL_FISHER_BYTES_PER_PARAM * z.params if initial_fisher else 0.0
+    else:
+        parts["gradients, step temporaries, initial Fisher"] = (TRAIN_BYTES_PER_PARAM + conc) * z.params
+    return parts | {"optimizer state": state * z.params,
+                    "activations": ACTIVATION_SHARE * z.activation_bytes(rows * length)}
 
 
 def file_memory(z: Sizing, models: int = 0) -> dict[str, float]:

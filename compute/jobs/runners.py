@@ -60,7 +60,6 @@ the CLI runs inline, the worker fans out, and the numbers must not depend on whi
 
 from __future__ import annotations
 
-import functools
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -80,24 +79,9 @@ def _module(kind: str) -> Any:
     return importlib.import_module(RUNNERS[kind].split(":")[0])
 
 
-def in_job_process(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """fn run under the allocator policy every job has, whatever its kind (compute.lm.allocator:
-    glibc's mmap threshold fixed, so memory a phase frees leaves the process)."""
-
-    @functools.wraps(fn)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        from compute.lm.allocator import fixed_mmap_threshold
-
-        fixed_mmap_threshold()
-        return fn(*args, **kwargs)
-
-    return run
-
-
 def get_runner(kind: str) -> Callable[..., Any]:
-    """The kind's `run(spec, progress, refs=None) -> JobResult`, under the job process's
-    allocator policy (in_job_process): the one door the CLI and the worker run every job by."""
-    return in_job_process(getattr(_module(kind), RUNNERS[kind].split(":")[1]))
+    """The kind's `run(spec, progress, refs=None) -> JobResult`."""
+    return getattr(_module(kind), RUNNERS[kind].split(":")[1])
 
 
 @dataclass(frozen=True)
@@ -121,7 +105,7 @@ def child_protocol(kind: str) -> ChildProtocol | None:
             f"kind {kind!r}: {module.__name__} defines only part of the child protocol; "
             f"missing {', '.join(missing)} (define all of {', '.join(CHILD_FUNCTIONS)} or none)"
         )
-    return ChildProtocol(module.children, in_job_process(module.run_child), in_job_process(module.combine))
+    return ChildProtocol(module.children, module.run_child, module.combine)
 
 
 def child_count(kind: str, spec: Any) -> int:

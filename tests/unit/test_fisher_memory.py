@@ -53,9 +53,7 @@ n = sum(p.numel() for p in loaded[0].parameters())
 from compute.jobs import fisher_run
 fisher_run._load = lambda spec, refs: loaded  # the job's own work, weights already loaded
 res = {}
-from compute.jobs.runners import get_runner  # the door every job goes through
-run_job = get_runner("fisher")
-res["peak_mb"] = rss_peak_of(lambda: res.setdefault("r", run_job(spec)))
+res["peak_mb"] = rss_peak_of(lambda: res.setdefault("r", run(spec)))
 res["n_params"] = n
 print(json.dumps({"peak_mb": res["peak_mb"], "n_params": n,
                   "precision_error": res["r"].summary.get("precision_error"),

@@ -129,9 +129,7 @@ for w in loaded[0].parameters():  # resident before the mark: a safetensors load
 train_run._load = lambda ref, s: loaded  # the job's own work, weights already loaded
 import compute.lm.sampling, compute.train.objectives.sft, compute.sparsity.diff  # imported before the mark
 box = {}
-from compute.jobs.runners import get_runner  # the door every job goes through
-run_job = get_runner("train")
-peak = rss_peak_of(lambda: box.setdefault("r", run_job(spec)))
+peak = rss_peak_of(lambda: box.setdefault("r", train_run.train_job(spec)))
 r = box["r"]
 shutil.rmtree(os.path.dirname(r.files["model"]), ignore_errors=True)
 print(json.dumps({"peak_mb": peak, "n_params": n, "trainable_fraction": r.summary["trainable_fraction"],
