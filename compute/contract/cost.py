@@ -128,6 +128,19 @@ FILE_BYTES_PER_ELEMENT = 12.0
 # compute/fisher/estimators.py sizes its row chunks with a deliberately safe per-token formula
 # (Sizing.activation_bytes); what a forward+backward actually holds is about this share of it
 ACTIVATION_SHARE = 0.1
+# The Fisher engine lets rows into a chunk up to this share of its temporaries budget by that
+# formula: the rest is for the per-weight square sums, the hooks' output gradients and the
+# allocator's freed blocks. Measured on a 100M Llama at the default workload (64 x 4 x 16, 1 GiB,
+# L = 22): a chunk of the whole budget held 1.10x it above the accumulators in the job (1126 MiB),
+# 0.74x in a pass alone (glibc keeps one pass's freed blocks while the next maps anew).
+ROW_BUDGET_SHARE = 0.75
+# What a chunk of rows holds in a Fisher job, as a share of that formula: 1.1 measured in the job
+# (100M Llama: 1126 MiB for a 1020 MiB chunk; SmolLM2-135M at its default workload: about 1.4 GiB
+# for 26 rows of 51.6 MB), the pass itself about 0.74 and the allocator's kept blocks the rest
+FISHER_HELD_SHARE = 1.1
+# compute/fisher estimate_fisher: the prompts go through the engine in this many chunks (fewer
+# when there are fewer prompts), so one call sees prompts / PROMPT_CHUNKS x samples rows
+PROMPT_CHUNKS = 10
 
 
 @dataclass(frozen=True)
@@ -243,20 +256,14 @@ def train_finish_seconds(z: Sizing) -> float:
 
 
 def fisher_temporaries(z: Sizing, rows: int, length: int, budget: float) -> float:
-    """The per-sample engine's temporaries. It sizes its chunks of rows with a safe per-row
-    formula (activations + a per-row gradient buffer of each tied parameter:
-    compute/fisher/estimators.py _auto_batch). When every row fits in one chunk it holds about
-    ACTIVATION_SHARE of those activations (and the buffers); when the rows need several chunks,
-    each chunk holds the rows the engine's formula lets into the budget, at that same share (the
-    engine's squares stream into the sums since issue 30, so a chunk no longer overfills the
-    budget: SmolLM2-135M's held-out case, 128 rows of 39 tokens, held ~3.5 of a 5 GiB budget)."""
-    act_row = z.activation_bytes(length)
-    per_row = act_row + 4.0 * z.shared
-    held_row = ACTIVATION_SHARE * act_row + 4.0 * z.shared
-    if rows * per_row > budget:
-        chunk_rows = max(1, int(budget // max(per_row, 1.0)))  # estimators._auto_batch
-        return min(budget, chunk_rows * held_row)
-    return min(budget, rows * held_row)
+    """The per-sample engine's temporaries for one call over `rows` rows (estimate_fisher hands it
+    a chunk of the prompts at a time: fisher_memory). The engine lets rows into a forward up to
+    ROW_BUDGET_SHARE of the budget by its per-row formula (activations + a per-row gradient
+    buffer of each shared parameter: compute/fisher/estimators.py _auto_batch); a chunk of rows
+    holds FISHER_HELD_SHARE of that formula in the job, never more than the budget."""
+    per_row = z.activation_bytes(length) + 4.0 * z.shared
+    chunk_rows = min(rows, max(1, int(budget * ROW_BUDGET_SHARE // max(per_row, 1.0))))  # _auto_batch
+    return min(budget, FISHER_HELD_SHARE * chunk_rows * per_row)
 
 
 def fisher_memory(z: Sizing, prompts: int, samples: int, max_new_tokens: int,
@@ -265,13 +272,14 @@ def fisher_memory(z: Sizing, prompts: int, samples: int, max_new_tokens: int,
     """A Fisher job's peak: the weights in their dtype, the accumulators, the per-row temporaries
     (at most the budget: the rows of one chunk at the job's row length) and sampling's cache."""
     rows = prompts * samples
+    per_call = -(-prompts // max(1, min(prompts, PROMPT_CHUNKS))) * samples  # compute.fisher._half_sums
     length = z.prompt_tokens + max_new_tokens
     budget = fisher_budget_bytes(memory_budget_mb, z.free_bytes)
     return {
         "runtime": RUNTIME_BASE_MB * MIB,
         "weights": z.weight_bytes(dtype_bytes),
         "accumulators": FISHER_BYTES_PER_PARAM * z.params,
-        "temporaries": fisher_temporaries(z, rows, length, budget),
+        "temporaries": fisher_temporaries(z, per_call, length, budget),
         "sampling cache": z.kv_cache_bytes(min(rows, sample_batch), length),
     }
 

@@ -33,6 +33,7 @@ import torch
 from pydantic import Field, ValidationError
 from torch import nn
 
+from compute.contract.cost import PROMPT_CHUNKS
 from compute.contract.jobresult import Progress, null_progress
 from compute.contract.specs import Estimator, FisherKnobs, SpecError, friendly_error
 from compute.fisher.accumulate import HalfSums
@@ -137,7 +138,7 @@ def _half_sums(model: nn.Module, roll: Rollout, n_prompts: int, est: str, config
     groups = ((roll.prompt_index + config.prompt_start) % 2).cpu()
     store = new_store(model, 2)  # one set of accumulators for every chunk (issue 30)
     denom = torch.zeros(2, dtype=torch.float64)
-    n_chunks = max(1, min(n_prompts, 10))
+    n_chunks = max(1, min(n_prompts, PROMPT_CHUNKS))  # the cost model reads the same constant
     bounds = [round(i * n_prompts / n_chunks) for i in range(n_chunks + 1)]
     for c in range(n_chunks):
         rows = ((roll.prompt_index >= bounds[c]) & (roll.prompt_index < bounds[c + 1])).cpu()

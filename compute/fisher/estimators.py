@@ -18,6 +18,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from compute.contract.cost import ROW_BUDGET_SHARE
 from compute.fisher.accumulate import Accumulator, Store
 from compute.fisher.hooks import (
     PerSampleHooks,
@@ -61,7 +62,8 @@ def _row_loss(model: nn.Module, ids: torch.Tensor, am: torch.Tensor, cm: torch.T
 
 
 def _auto_batch(model: nn.Module, L: int, budget_bytes: int, shared_numel: int) -> int:
-    """Rows per forward so that activations + per-row buffers of shared params fit the budget."""
+    """Rows per forward so that activations + per-row buffers of shared params fit
+    ROW_BUDGET_SHARE of the budget (the rest: the squares, the hooks' gradients, the allocator)."""
     cfg = getattr(model, "config", None)
     # a size a config lacks (or holds as None) is guessed small: this only sizes batches
     hidden = int(getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", None) or 256)
@@ -69,7 +71,7 @@ def _auto_batch(model: nn.Module, L: int, budget_bytes: int, shared_numel: int) 
     vocab = int(getattr(cfg, "vocab_size", None) or 32000)
     inter = getattr(cfg, "intermediate_size", None) or 4 * hidden
     per_row = 4 * L * (layers * (12 * hidden + 4 * inter) + 4 * vocab) + 4 * shared_numel
-    return max(1, budget_bytes // max(1, per_row))
+    return max(1, int(budget_bytes * ROW_BUDGET_SHARE) // max(1, per_row))
 
 
 def _shared_numel(model: nn.Module, params: dict[str, nn.Parameter]) -> int:

@@ -77,8 +77,9 @@ def test_fisher_estimate_parts_are_the_formulas_on_the_models_config(tmp_path: P
     inter = cfg["intermediate_size"]
     per_token = 4 * (cfg["num_hidden_layers"] * (12 * cfg["hidden_size"] + 4 * inter) + 4 * cfg["vocab_size"])
     assert cfg["tie_word_embeddings"] is False  # no per-row buffer of a shared embedding
-    assert rows * length * per_token < 64 * 2**20  # every row fits one chunk of the engine
-    assert mem["temporaries"] == pytest.approx(C.ACTIVATION_SHARE * rows * length * per_token)
+    assert rows * length * per_token < C.ROW_BUDGET_SHARE * 64 * 2**20  # every row fits one chunk
+    # estimate_fisher hands the engine 8 chunks of one prompt (2 rows) each: a chunk's rows held
+    assert mem["temporaries"] == pytest.approx(C.FISHER_HELD_SHARE * 2 * length * per_token)
     assert est["memory_bytes"] == pytest.approx(sum(mem.values()))
 
     # bfloat16 weights are half the bytes; the accumulators stay fp32
@@ -89,10 +90,9 @@ def test_fisher_estimate_parts_are_the_formulas_on_the_models_config(tmp_path: P
 
 
 def test_a_fisher_whose_rows_need_several_chunks_counts_the_rows_the_engine_lets_in(tmp_path: Path) -> None:
-    """Rows whose activations need more than the budget make the engine chunk them
-    (estimators._auto_batch's formula): the estimate counts the rows of one chunk, each holding
-    the measured share of its activations (issue 30: the squares stream into the sums, so a chunk
-    no longer overfills the budget). A tied embedding + head adds no per-row buffer since issue 30
+    """Rows whose activations need more than ROW_BUDGET_SHARE of the budget make the engine chunk
+    them (estimators._auto_batch's formula): the estimate counts the rows of one chunk, holding the
+    measured share of their formula (FISHER_HELD_SHARE), never more than the budget. A tied embedding + head adds no per-row buffer since issue 30
     (compute/fisher/accumulate.py): the same model declared tied is estimated like the untied one,
     and the engine's own sizing of a real tied model counts no shared parameter."""
     from app import limits
@@ -125,8 +125,9 @@ def test_a_fisher_whose_rows_need_several_chunks_counts_the_rows_the_engine_lets
         config = type("cfg", (), {"hidden_size": cfg["hidden_size"], "num_hidden_layers": cfg["num_hidden_layers"],
                                   "vocab_size": vocab, "intermediate_size": cfg.get("intermediate_size")})()
     rows = _auto_batch(_Model(), length, budget, 0)  # the engine's own chunk
-    assert 1 <= rows < 256
-    want = rows * C.ACTIVATION_SHARE * z.activation_bytes(length)
+    assert 1 <= rows < 28  # estimate_fisher's call: 7 of the 64 prompts x 4 samples
+    assert rows * z.activation_bytes(length) <= C.ROW_BUDGET_SHARE * budget < (rows + 1) * z.activation_bytes(length)
+    want = rows * C.FISHER_HELD_SHARE * z.activation_bytes(length)
     assert tied["memory_parts"]["temporaries"] == pytest.approx(min(budget, want))
     assert tied["memory_parts"]["temporaries"] <= budget
     model = tiny_model("llama", hidden=32, tied=True, seed=0)
