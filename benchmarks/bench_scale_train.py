@@ -11,7 +11,7 @@ loaded (its model load replaced by the loaded model), algo sft (gold targets), A
 batch 2, `concentration=False`, 4 greedy eval prompts; peak = the process's RSS high-water mark
 during the job minus its RSS with the weights and the mask loaded (benchmarks/peakmem.py), over
 the parameter count. `--stacks N` also prints the Python stack at the N highest RSS peaks and the highest RSS seen
-during each line of train_job (the profile behind docs/scale.md's breakdown; sampled every 10 ms
+during each line of _train_job (the profile behind docs/scale.md's breakdown; sampled every 10 ms
 like benchmarks/peak_stacks.py).
 Seconds per step: the loop's own time (summary.seconds, evaluation excluded) over the steps.
 """
@@ -84,9 +84,9 @@ def sample():
     while not stop.is_set():
         m = rss()
         frame = sys._current_frames().get(main_id)
-        while frame is not None and frame.f_code.co_name != "train_job":
+        while frame is not None and frame.f_code.co_name != "_train_job":
             frame = frame.f_back
-        if frame is not None:  # the job's phase: the line of train_job running now
+        if frame is not None:  # the job's phase: the line of _train_job running now
             key = f"train_run.py:{frame.f_lineno}"
             phases[key] = max(phases.get(key, 0.0), m - start)
         if m > best + 8:
@@ -152,7 +152,7 @@ def main(argv: list[str] | None = None) -> int:
                   f"the weights ({r['peak_above_weights_mb']:.0f} MiB), {r['seconds_per_step']:.1f} s/step, "
                   f"job {r['job_s']:.1f} s", flush=True)
             if phases:
-                print("  highest RSS above the start per line of train_job (MiB): "
+                print("  highest RSS above the start per line of _train_job (MiB): "
                       + ", ".join(f"{k} {v}" for k, v in sorted(phases.items(), key=lambda kv: -kv[1])))
             for mib, st in stacks:
                 print(f"  {mib:6d} MiB above start: " + " <- ".join(reversed(st)))
