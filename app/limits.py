@@ -120,6 +120,35 @@ def data_elements(settings: Any, kind: str, spec: Any, refs: dict[str, Any] | No
     return total
 
 
+def mask_density(settings: Any, kind: str, spec: Any, refs: dict[str, Any] | None) -> float | None:
+    """The density of the mask file a spec trains with, as its writer recorded it in the file's
+    header (compute.sparsity.masks.save_mask: `__metadata__.density`, read without the tensors);
+    None when the spec names no mask or the file does not say."""
+    from app.services import refs as resolver
+
+    values = {f: v for f, v in resolver.spec_values(kind, spec).items() if v[1] == "mask"}
+    if not values:
+        return None
+    if refs is None or not all(f in refs for f in values):
+        from app import auth
+
+        refs, _ = resolver.resolve_values(settings, values, auth.optional_user(settings))
+    out: float | None = None
+    for field in values:
+        ref = refs.get(field)
+        if ref is None or not ref.local or not Path(ref.local).is_file():
+            return None
+        try:
+            meta = (safetensors_header(Path(ref.local)) or {}).get("__metadata__") or {}
+            d = float(meta.get("density"))
+        except (ValueError, TypeError, AttributeError):
+            return None
+        if not 0.0 <= d <= 1.0:
+            return None
+        out = max(out or 0.0, d)
+    return out
+
+
 # ---------------------------------------------------------------- token-passes per kind
 
 
@@ -207,7 +236,8 @@ def sizing(settings: Any, kind: str, spec: Any, refs: dict[str, Any], params: in
     task = getattr(spec, "task", None)
     prompt = prompt_tokens(task, COST_PROMPT_TOKENS) if isinstance(task, str) else COST_PROMPT_TOKENS
     return Sizing(params=params, data_elements=data, a=a, b=b, free_bytes=free,
-                  models=max(models, 1) if params else 0, prompt_tokens=prompt, **shape)
+                  models=max(models, 1) if params else 0, prompt_tokens=prompt,
+                  mask_density=mask_density(settings, kind, spec, refs), **shape)
 
 
 def estimate(settings: Any, kind: str, spec: Any, refs: dict[str, Any]) -> dict[str, Any]:

@@ -163,6 +163,7 @@ class Sizing:
     # prompt is about 7, a jsonl file counts as COST_PROMPT_TOKENS)
     prompt_tokens: int = COST_PROMPT_TOKENS
     shared: int = 0  # elements of parameters used twice (a tied embedding)
+    mask_density: float | None = None  # a given mask file's density, from its header (None: unknown)
 
     def passes_s(self, token_passes: float) -> float:
         """Seconds of `token_passes` of forward/backward at the calibration."""

@@ -163,8 +163,11 @@ def timing(s: TrainSpec, z: Sizing) -> dict[str, float]:
 
 def memory(s: TrainSpec, z: Sizing) -> dict[str, float]:
     """compute.contract.cost.train_memory; a mask chosen here trains mask_density of the
-    coordinates (a given mask file: counted as all of them, its density is not read here)."""
+    coordinates, a given mask file the density its header records (app.limits.mask_density;
+    counted as all of them when it records none)."""
     fraction = s.mask_density if s.mask_select and s.mask_density else 1.0
+    if s.mask and z.mask_density is not None:
+        fraction = z.mask_density
     fisher = bool(s.fisher) or s.concentration or (s.algo == "grpo" and s.bound)  # train_run._initial_fisher
     return train_memory(z, s.algo, s.batch, s.group, s.max_new_tokens, s.optimizer, fraction,
                         s.concentration, teacher=s.algo == "opd", initial_fisher=fisher)

@@ -327,3 +327,36 @@ def test_train_estimate_names_the_initial_fisher_when_the_run_needs_one(tmp_path
     assert parts(algo="sft", concentration=False)["initial Fisher"] == 0
     assert parts(algo="sft", concentration=True)["initial Fisher"] == pytest.approx(4 * p)
     assert parts(algo="grpo", concentration=False, bound=True)["initial Fisher"] == pytest.approx(4 * p)
+
+
+def test_a_given_mask_files_recorded_density_sizes_the_masked_estimate(tmp_path: Path) -> None:
+    """A mask file written by fisherlens records its density in its header: the estimate of a run
+    with that file counts its trained coordinates (optimizer state, folded gradients) from it, read
+    without the tensors; a file that records none is counted as dense, as before."""
+    from safetensors.torch import load_file, save_file
+
+    from app import limits
+    from compute.jobs.registry import parse_spec
+    from compute.sparsity.masks import save_mask, select_mask
+
+    home = _home(tmp_path / "home")
+    settings = _settings(home, allowed_model_roots=str(tmp_path))
+    p, _ = _arith()
+    weights = load_file(str(home / "zoo" / "arith-base" / "model.safetensors"))
+    g = torch.Generator().manual_seed(0)
+    scores = {n: torch.rand(w.shape, generator=g) for n, w in weights.items()}
+    mask = select_mask(scores, "fisher", 0.02)
+    exact = sum(int(m.sum()) for m in mask.values()) / p
+    save_mask(mask, tmp_path / "m.safetensors")
+    save_file({n: m.to(torch.uint8) for n, m in mask.items()}, str(tmp_path / "plain.safetensors"))
+
+    def parts(path: Path) -> dict[str, float]:
+        s = parse_spec("train", {"model": "arith-base", "steps": 2, "mask": str(path), "concentration": False,
+                                 "algo": "sft"})
+        return limits.estimate(settings, "train", s, limits.refs_for_estimate(settings, "train", s))["memory_parts"]
+
+    got = parts(tmp_path / "m.safetensors")
+    assert got["optimizer state"] == pytest.approx(C.OPTIMIZER_BYTES_PER_TRAINED_COORD["adamw"] * exact * p, rel=1e-6)
+    assert "gradients (one tensor at a time) and mask" in got
+    dense = parts(tmp_path / "plain.safetensors")
+    assert dense["optimizer state"] == pytest.approx(C.OPTIMIZER_BYTES_PER_TRAINED_COORD["adamw"] * p)
