@@ -140,7 +140,7 @@ def mask_density(settings: Any, kind: str, spec: Any, refs: dict[str, Any] | Non
             return None
         try:
             meta = (safetensors_header(Path(ref.local)) or {}).get("__metadata__") or {}
-            d = float(meta.get("density"))
+            d = float(str(meta.get("density")))
         except (ValueError, TypeError, AttributeError):
             return None
         if not 0.0 <= d <= 1.0:

@@ -410,6 +410,7 @@ def _update(t: torch.Tensor, q: torch.Tensor, parts: list[tuple[int, torch.Tenso
                 continue
             tc.add_(s)
             num.add_(s, alpha=FRAC_SCALE if k == 0 else -FRAC_SCALE)
+        assert num is not None  # parts is never empty (add_groups / add_row_squares return first)
         # |num| <= S T' (every square >= 0), so the quotient fits int16; 0 / 0 (no mass yet) -> 0
         q[sl] = num.div_(tc).round_().nan_to_num_(0.0)
 
