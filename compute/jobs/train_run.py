@@ -154,7 +154,10 @@ class FileBase(ModelStored):
         self.precision = precision
 
     def get(self, name: str) -> torch.Tensor:
-        t = self.ckpt.get(name).to(self.loaded)
+        return self._prepared(self.ckpt.get(name))
+
+    def _prepared(self, t: torch.Tensor) -> torch.Tensor:
+        t = t.to(self.loaded)
         if self.precision == "bf16-mixed":
             t = t.to(torch.bfloat16).to(torch.float32)
         elif self.precision == "bf16":
@@ -162,6 +165,15 @@ class FileBase(ModelStored):
         else:
             t = t.to(torch.float32)
         return t.to(self.dt)
+
+    def lazy(self, name: str) -> Any:
+        """The same values read a slice of rows at a time (compute.sparsity.diff.LazyTensor):
+        the diff after training holds a slice of the base's largest tensor, not all of it."""
+        from compute.sparsity.diff import LazyTensor
+
+        if not hasattr(self.ckpt, "get_flat"):
+            return self.get(name)
+        return LazyTensor(self.ckpt, name, self.dt, self._prepared)
 
 
 def base_source(model: torch.nn.Module, model_ref: Any, base_dtype: str, precision: str) -> Any:

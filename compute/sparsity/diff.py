@@ -115,6 +115,50 @@ class Checkpoint:
         with safe_open(str(self._where[name]), framework="pt") as h:
             return h.get_tensor(name)
 
+    def get_flat(self, name: str, i: int, j: int) -> torch.Tensor:
+        """Values [i, j) of the flattened tensor, read as the whole rows that hold them (never
+        the tensor: a row slice of the file)."""
+        from safetensors import safe_open
+
+        shape = self._shapes[name]
+        with safe_open(str(self._where[name]), framework="pt") as h:
+            if len(shape) == 0:
+                return h.get_tensor(name).reshape(-1)[i:j]
+            row = math.prod(shape[1:])
+            r0, r1 = i // max(row, 1), -(-j // max(row, 1))
+            rows = h.get_slice(name)[r0:r1]
+        return rows.reshape(-1)[i - r0 * row: j - r0 * row]
+
+
+class LazyTensor:
+    """A tensor of a checkpoint read a flat slice at a time (`flat(i, j)`), for tensor_diff_stats:
+    the diff of a run against its base file holds a slice of the base, not the tensor (issue 30).
+    `convert` maps the stored values to the compared ones (elementwise casts only)."""
+
+    def __init__(self, ckpt: Any, name: str, dtype: torch.dtype, convert: Any = None):
+        self.ckpt, self.name, self.dtype = ckpt, name, dtype
+        self.shape = torch.Size(ckpt.shape(name))
+        self.convert = convert or (lambda t: t)
+
+    def numel(self) -> int:
+        return self.shape.numel()
+
+    def dim(self) -> int:
+        return len(self.shape)
+
+    def is_floating_point(self) -> bool:
+        return self.dtype.is_floating_point
+
+    def flat(self, i: int, j: int) -> torch.Tensor:
+        return self.convert(self.ckpt.get_flat(self.name, i, j))
+
+    def full(self) -> torch.Tensor:
+        return self.convert(self.ckpt.get(self.name))
+
+
+def _flat(t: Any, i: int, j: int) -> torch.Tensor:
+    return t.flat(i, j) if isinstance(t, LazyTensor) else t.reshape(-1)[i:j]
+
 
 def open_checkpoint(ref: Any, label: str = "model", settings: Any | None = None) -> Checkpoint:
     """A resolved Ref (what runners get) -> Checkpoint, read where it is; for library callers a
@@ -246,9 +290,10 @@ def tensor_diff_stats(base: torch.Tensor, tuned: torch.Tensor, svd_max_numel: in
         raise ValueError(f"tuned: shapes differ: {list(base.shape)} vs {list(tuned.shape)}")
     n = base.numel()
     s: dict[str, float] = {"numel": float(n)}
-    fb, ft = base.reshape(-1), tuned.reshape(-1)
+    ft = tuned.reshape(-1)
     spans = [(i, min(n, i + chunk)) for i in range(0, n, chunk)]
-    base_sq = sum(float(torch.sum(fb[i:j].to(torch.float32).square(), dtype=torch.float64)) for i, j in spans)
+    base_sq = sum(float(torch.sum(_flat(base, i, j).to(torch.float32).square(), dtype=torch.float64))
+                  for i, j in spans)
     rms = math.sqrt(base_sq / n) if n else 0.0
     keys = ["unchanged_exact", "unchanged_common", "zero_in_base", "changed_from_zero", "unchanged_bf16",
             *(f"unchanged_bf16delta_atol_{a:g}" for a in ATOLS), *(f"unchanged_atol_{a:g}" for a in ATOLS),
@@ -258,7 +303,7 @@ def tensor_diff_stats(base: torch.Tensor, tuned: torch.Tensor, svd_max_numel: in
     kmax = max(1, int(math.floor(max(ENERGY_TOP_PERCENT) / 100 * n + 0.5))) if n else 0
     top = torch.empty(0, dtype=torch.float32)
     for i, j in spans:
-        b, t = fb[i:j], ft[i:j]
+        b, t = _flat(base, i, j), ft[i:j]
         if b.dtype == t.dtype:
             same = b == t
             cnt["unchanged_exact"] += int(same.sum())
@@ -310,6 +355,8 @@ def tensor_diff_stats(base: torch.Tensor, tuned: torch.Tensor, svd_max_numel: in
     svd = base.dim() == 2 and 0 < n <= svd_max_numel
     if not (need_delta or svd):
         return s, None
+    if isinstance(base, LazyTensor):
+        base = base.full()
     delta = tuned.to(torch.float32) - base.to(torch.float32)  # same shape as base
     if svd:
         s.update(svd_stats(delta))
@@ -393,7 +440,9 @@ def diff_checkpoints(
     for i, n in enumerate(names):
         if progress:
             progress(0.9 * i / max(1, len(names)), f"diff {n}")
-        tb, tt = src_b.get(n), src_t.get(n)
+        whole = keep_delta or (fisher is not None and n in fisher)  # |delta| and w kept per tensor
+        tb = src_b.lazy(n) if hasattr(src_b, "lazy") and not whole else src_b.get(n)
+        tt = src_t.get(n)
         if not (tb.is_floating_point() and tt.is_floating_point()):
             skipped[n] = f"not a float tensor ({src_b.dtype(n)})"
             continue
