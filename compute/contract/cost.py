@@ -269,11 +269,15 @@ def fisher_temporaries(z: Sizing, rows: int, length: int, budget: float) -> floa
 
 def fisher_memory(z: Sizing, prompts: int, samples: int, max_new_tokens: int,
                   memory_budget_mb: int | None, dtype_bytes: float = 4.0,
-                  sample_batch: int = 64) -> dict[str, float]:
+                  sample_batch: int = 64, estimator: str = "sequence") -> dict[str, float]:
     """A Fisher job's peak: the weights in their dtype, the accumulators, the per-row temporaries
-    (at most the budget: the rows of one chunk at the job's row length) and sampling's cache."""
+    (at most the budget: the rows of one chunk at the job's row length) and sampling's cache.
+    `token` hands the engine one row per counted token (expand_tokens): up to max_new_tokens rows
+    per sampled row, counted at the full row length (an upper bound: they are truncated)."""
     rows = prompts * samples
     per_call = -(-prompts // max(1, min(prompts, PROMPT_CHUNKS))) * samples  # compute.fisher._half_sums
+    if estimator == "token":
+        per_call *= max(1, max_new_tokens)
     length = z.prompt_tokens + max_new_tokens
     budget = fisher_budget_bytes(memory_budget_mb, z.free_bytes)
     return {

@@ -134,7 +134,7 @@ def timing(s: FisherSpec, z: Sizing) -> dict[str, float]:
 def memory(s: FisherSpec, z: Sizing) -> dict[str, float]:
     half = s.dtype in ("bfloat16", "float16") or (s.dtype == "auto" and s.device.startswith("cuda"))
     out = fisher_memory(z, _prompts(s), s.samples, s.max_new_tokens, s.memory_budget_mb,
-                        2.0 if half else 4.0)
+                        2.0 if half else 4.0, estimator=s.estimator)
     # the float32 check of a half-precision Fisher (fisher_run.precision_check_plan): the model
     # widened in place (2 bytes/param) and two float32 sums on a CPU (one on a GPU, where the
     # Fisher's own sums have left the device), its temporaries from what the allowance leaves

@@ -360,3 +360,29 @@ def test_a_given_mask_files_recorded_density_sizes_the_masked_estimate(tmp_path:
     assert "gradients (one tensor at a time) and mask" in got
     dense = parts(tmp_path / "plain.safetensors")
     assert dense["optimizer state"] == pytest.approx(C.OPTIMIZER_BYTES_PER_TRAINED_COORD["adamw"] * p)
+
+
+def test_a_token_fishers_temporaries_count_its_expanded_rows(tmp_path: Path) -> None:
+    """`token` hands the engine one row per counted token (expand_tokens): the estimate's chunk is
+    max_new_tokens times the sequence estimator's rows (at the full length, an upper bound), within
+    ROW_BUDGET_SHARE of the budget by the engine's formula, held at FISHER_HELD_SHARE."""
+    from app import limits
+    from compute.jobs.registry import parse_spec
+
+    settings = _settings(_home(tmp_path / "home"), max_job_memory_mb=1_000_000)
+    p, cfg = _arith()
+    inter = cfg["intermediate_size"]
+    per_token = 4 * (cfg["num_hidden_layers"] * (12 * cfg["hidden_size"] + 4 * inter) + 4 * cfg["vocab_size"])
+    length = 7 + 16
+    budget = 64 * 2**20
+
+    def temporaries(estimator: str) -> float:
+        s = parse_spec("fisher", {"model": "arith-base", "prompts": 8, "samples": 2, "max_new_tokens": 16,
+                                  "memory_budget_mb": 64, "estimator": estimator})
+        return limits.estimate(settings, "fisher", s, limits.refs_for_estimate(settings, "fisher", s))[
+            "memory_parts"]["temporaries"]
+
+    rows = min(2 * 16, int(budget * C.ROW_BUDGET_SHARE // (length * per_token)))  # 1 prompt x 2 samples x 16 tokens
+    assert temporaries("token") == pytest.approx(min(budget, C.FISHER_HELD_SHARE * rows * length * per_token))
+    assert temporaries("sequence") == pytest.approx(C.FISHER_HELD_SHARE * 2 * length * per_token)
+    assert temporaries("token") > temporaries("sequence")
