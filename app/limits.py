@@ -95,57 +95,59 @@ def model_params(ref: Any) -> int | None:
     return count_params(path, trust_info=trusted) if path is not None and path.is_dir() else None
 
 
-def data_elements(settings: Any, kind: str, spec: Any, refs: dict[str, Any] | None) -> int:
-    """Elements of the Fisher / mask / gradient files a spec reads (their safetensors headers,
-    bounded and validated by app.services.compat); 0 when none or not readable here. `refs`
-    None: resolved here for the caller (as estimate does for models)."""
+def reference_files(settings: Any, kind: str, spec: Any,
+                    refs: dict[str, Any] | None) -> dict[str, tuple[str, Path | None]]:
+    """field -> (target, local file or None when not readable here) for the Fisher / mask /
+    gradient files a spec reads, resolved once (the one resolver; `refs` None or lacking them:
+    resolved here for the caller, as estimate does for models)."""
     from app.services import refs as resolver
 
     values = {f: v for f, v in resolver.spec_values(kind, spec).items() if v[1] != "model" and v[1] != "run_dir"}
-    if not values:
-        return 0
-    if refs is None or not all(f in refs for f in values):
+    if values and (refs is None or not all(f in refs for f in values)):
         from app import auth
 
         refs, _ = resolver.resolve_values(settings, values, auth.optional_user(settings))
+    out: dict[str, tuple[str, Path | None]] = {}
+    for field, (_, target) in values.items():
+        ref = (refs or {}).get(field)
+        local = getattr(ref, "local", None)
+        out[field] = (target, Path(local) if local and Path(local).is_file() else None)
+    return out
+
+
+def data_elements(files: dict[str, tuple[str, Path | None]]) -> int:
+    """Elements of the reference files (reference_files: their safetensors headers, bounded and
+    validated by app.services.compat); a file not readable here counts 0."""
     total = 0
-    for field in values:
-        ref = refs.get(field)
-        if ref is None or not ref.local or not Path(ref.local).is_file():
+    for _, path in files.values():
+        if path is None:
             continue
         try:
-            total += safetensors_numel(Path(ref.local))
+            total += safetensors_numel(path)
         except ValueError:
             continue
     return total
 
 
-def mask_density(settings: Any, kind: str, spec: Any, refs: dict[str, Any] | None) -> float | None:
+def mask_density(files: dict[str, tuple[str, Path | None]]) -> float | None:
     """The density of the mask file a spec trains with, as its writer recorded it in the file's
     header (compute.sparsity.masks.save_mask: `__metadata__.density`, read without the tensors);
     None when the spec names no mask or the file does not say."""
-    from app.services import refs as resolver
-
-    values = {f: v for f, v in resolver.spec_values(kind, spec).items() if v[1] == "mask"}
-    if not values:
+    masks = [path for target, path in files.values() if target == "mask"]
+    if not masks:
         return None
-    if refs is None or not all(f in refs for f in values):
-        from app import auth
-
-        refs, _ = resolver.resolve_values(settings, values, auth.optional_user(settings))
-    out: float | None = None
-    for field in values:
-        ref = refs.get(field)
-        if ref is None or not ref.local or not Path(ref.local).is_file():
+    out = 0.0
+    for path in masks:
+        if path is None:
             return None
         try:
-            meta = (safetensors_header(Path(ref.local)) or {}).get("__metadata__") or {}
+            meta = (safetensors_header(path) or {}).get("__metadata__") or {}
             d = float(str(meta.get("density")))
         except (ValueError, TypeError, AttributeError):
             return None
         if not 0.0 <= d <= 1.0:
             return None
-        out = max(out or 0.0, d)
+        out = max(out, d)
     return out
 
 
@@ -212,7 +214,7 @@ def free_memory(settings: Any, device: str = "auto") -> tuple[float | None, str]
 
 
 def sizing(settings: Any, kind: str, spec: Any, refs: dict[str, Any], params: int,
-           data: int) -> Sizing:
+           data: int, density: float | None = None) -> Sizing:
     """The Sizing a kind's timing and memory read: the largest model's shape, the files read,
     the calibration (seconds = token_passes x (a + b x params)) and the free memory."""
     from app.services import refs as resolver
@@ -237,7 +239,7 @@ def sizing(settings: Any, kind: str, spec: Any, refs: dict[str, Any], params: in
     prompt = prompt_tokens(task, COST_PROMPT_TOKENS) if isinstance(task, str) else COST_PROMPT_TOKENS
     return Sizing(params=params, data_elements=data, a=a, b=b, free_bytes=free,
                   models=max(models, 1) if params else 0, prompt_tokens=prompt,
-                  mask_density=mask_density(settings, kind, spec, refs), **shape)
+                  mask_density=density, **shape)
 
 
 def estimate(settings: Any, kind: str, spec: Any, refs: dict[str, Any]) -> dict[str, Any]:
@@ -264,7 +266,8 @@ def estimate(settings: Any, kind: str, spec: Any, refs: dict[str, Any]) -> dict[
     passes = token_passes(kind, spec)
     if not values:
         params = 0  # no model named (a mask from a stored Fisher): no model runs
-    data = data_elements(settings, kind, spec, refs)
+    files = reference_files(settings, kind, spec, refs)
+    data = data_elements(files)
     # at least one pass over the weights, and over every Fisher / mask / gradient file it reads
     # (a mask's selection is a pass over its Fisher: its cost is that file's size, not 0)
     cost = None if unknown or params is None else float(max(passes, 1) * max(params, data))
@@ -275,7 +278,7 @@ def estimate(settings: Any, kind: str, spec: Any, refs: dict[str, Any]) -> dict[
     k = registry.get(kind)
     z: Sizing | None = None
     if cost is not None and params is not None:
-        z = sizing(settings, kind, spec, refs, params, data)
+        z = sizing(settings, kind, spec, refs, params, data, mask_density(files))
         if k.timing is not None and timed is not None and timed[1].startswith("calibrated"):
             parts = {p: float(v) for p, v in k.timing(spec, z).items()}
             timed = (sum(parts.values()), timed[1])

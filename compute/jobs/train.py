@@ -161,6 +161,12 @@ def timing(s: TrainSpec, z: Sizing) -> dict[str, float]:
     return out
 
 
+def needs_initial_fisher(s: TrainSpec) -> bool:
+    """Whether the run holds an initial Fisher: a given file, or one estimated from independent
+    samples for the concentration report or GRPO's bound (train_run._initial_fisher)."""
+    return bool(s.fisher) or s.concentration or (s.algo == "grpo" and s.bound)
+
+
 def memory(s: TrainSpec, z: Sizing) -> dict[str, float]:
     """compute.contract.cost.train_memory; a mask chosen here trains mask_density of the
     coordinates, a given mask file the density its header records (app.limits.mask_density;
@@ -168,9 +174,8 @@ def memory(s: TrainSpec, z: Sizing) -> dict[str, float]:
     fraction = s.mask_density if s.mask_select and s.mask_density else 1.0
     if s.mask and z.mask_density is not None:
         fraction = z.mask_density
-    fisher = bool(s.fisher) or s.concentration or (s.algo == "grpo" and s.bound)  # train_run._initial_fisher
     return train_memory(z, s.algo, s.batch, s.group, s.max_new_tokens, s.optimizer, fraction,
-                        s.concentration, teacher=s.algo == "opd", initial_fisher=fisher)
+                        s.concentration, teacher=s.algo == "opd", initial_fisher=needs_initial_fisher(s))
 
 
 KIND = JobKind(

@@ -19,7 +19,7 @@ import torch
 from compute.contract.jobresult import JobResult, SeriesPoint, null_progress
 from compute.contract.kinds import Ref, Refs
 from compute.jobs.artifact_files import resolved_refs
-from compute.jobs.train import TrainSpec
+from compute.jobs.train import TrainSpec, needs_initial_fisher
 from compute.sparsity.masks import CompactMask
 
 FISHER_SELECTORS = ("fisher", "fisher-tensor", "fisher-bottom")
@@ -171,8 +171,6 @@ class FileBase(ModelStored):
         the diff after training holds a slice of the base's largest tensor, not all of it."""
         from compute.sparsity.diff import LazyTensor
 
-        if not hasattr(self.ckpt, "get_flat"):
-            return self.get(name)
         return LazyTensor(self.ckpt, name, self.dt, self._prepared)
 
 
@@ -607,7 +605,7 @@ def _initial_fisher(
             from compute.jobs.artifact_files import fisher_provenance
 
             run.summary["fisher_reliability"] = fisher_provenance(resolved_refs(spec, run.refs)["fisher"])
-    elif spec.concentration or (spec.algo == "grpo" and spec.bound):
+    elif needs_initial_fisher(spec):  # not given: estimated for the concentration or the bound
         run.progress(0.1, f"initial Fisher from independent samples ({spec.independent_fisher})")
         fisher, out_info = independent_fisher(probe, run.tok, run.task, spec,
                                               lambda f, m="": run.progress(0.1 + 0.03 * f, m))
