@@ -130,7 +130,7 @@ FILE_BYTES_PER_ELEMENT = 12.0
 ACTIVATION_SHARE = 0.1
 # The Fisher engine lets rows into a chunk up to this share of its temporaries budget by that
 # formula: the rest is for the per-weight square sums, the hooks' output gradients and the
-# allocator's freed blocks. Measured on a 100M Llama at the default workload (64 x 4 x 16, 1 GiB,
+# allocator's freed blocks. Measured (benchmarks/pass_peaks.py) on a 100M Llama at the default workload (64 x 4 x 16, 1 GiB,
 # L = 22): a chunk of the whole budget held 1.10x it above the accumulators in the job (1126 MiB),
 # 0.74x in a pass alone (glibc keeps one pass's freed blocks while the next maps anew).
 ROW_BUDGET_SHARE = 0.75
