@@ -27,6 +27,7 @@ from compute.fisher import (
 from compute.fisher import statistics as analysis
 from compute.fisher.accumulate import HalfSums
 from compute.jobs.fisher import FisherSpec
+from compute.runtime.memory import mmap_threshold_fixed, release_freed_memory
 
 
 def shard_range(spec: FisherSpec, shard_index: int) -> tuple[int, int]:
@@ -110,6 +111,7 @@ def _shard(spec: FisherSpec, shard_index: int, progress: Progress, loaded: tuple
     after = 0.9 if spec.exact_output or next(model.parameters()).dtype != torch.float32 else 1.0
     res = estimate_fisher(model, tok, examples, cfg,
                           progress=lambda f, m="": progress(after * f, m))  # then the checks
+    release_freed_memory()  # the passes' row temporaries, before the checks allocate theirs
     diffs: dict[str, torch.Tensor] | None = None
     roundings = 0
     if res.halves is not None:  # the halves' total, and their difference (HalfSums)
@@ -161,8 +163,9 @@ def _shard(spec: FisherSpec, shard_index: int, progress: Progress, loaded: tuple
             out["precision_error_skipped"] = skip
         else:
             progress(0.95, "error against float32 (the model made float32 in place, the first rows)")
-            out["precision_error"] = precision_error(model, res.rollout, spec.estimator, check_budget_mb,
-                                                     topk_percent=spec.topk_percent)
+            with mmap_threshold_fixed():
+                out["precision_error"] = precision_error(model, res.rollout, spec.estimator, check_budget_mb,
+                                                         topk_percent=spec.topk_percent)
             parts["float32 error check"] = round(time.perf_counter() - t0 - t_shard, 3)
     return out
 
@@ -216,6 +219,7 @@ def finish(spec: FisherSpec, shard_outputs: list[dict], progress: Progress = nul
     theirs) empties the outputs' sums tensor by tensor, so memory is released as the Fisher is
     built."""
     progress(0.9, "statistics")
+    release_freed_memory()  # what the passes and checks freed: the statistics start from the sums alone
     t_stats = time.perf_counter()
     outs = sorted(shard_outputs, key=lambda o: o["shard"])
     exact: dict[str, torch.Tensor] = {}

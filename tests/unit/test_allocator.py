@@ -1,4 +1,4 @@
-"""The train job's allocator setting is the train job's (compute.jobs.train_run.mmap_threshold_fixed):
+"""The train job's allocator setting is the train job's (compute.runtime.memory.mmap_threshold_fixed):
 inside it glibc hands freed blocks of 1 MiB and more back to the system; after it, glibc behaves
 as its dynamic adjustment does once it has seen a large block freed, so a later job in the same
 worker process (a Fisher's statistics, whose 4 MiB slices it would make fresh mappings) does not
@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = r"""
 import ctypes, json, sys
 sys.path.insert(0, sys.argv[1])
-from compute.jobs.train_run import mmap_threshold_fixed
+from compute.runtime.memory import mmap_threshold_fixed
 libc = ctypes.CDLL(None)
 libc.malloc.restype = ctypes.c_void_p
 libc.malloc.argtypes = [ctypes.c_size_t]
