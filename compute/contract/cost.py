@@ -116,12 +116,14 @@ CONCENTRATION_BYTES_PER_PARAM = 8.0
 # one): masked training keeps it at the mask's coordinates only (compute/train/optimizers.py).
 OPTIMIZER_BYTES_PER_TRAINED_COORD = {"adamw": 8.0, "sgd": 4.0}
 # A masked run (issue 30 item 4, compute/train/optimizers.py) holds per *trained* coordinate its
-# folded float32 gradient (4) and its int32 index in the compact mask (4); of the dense gradients
-# only the one autograd is accumulating is alive (the largest tensor's, 4 B a value); the
+# folded float32 gradient (4) and its int32 index in the compact mask (4); a linear layer's or an
+# embedding's weight gradient is never dense (a block of FOLD_BLOCK_BYTES of its rows at a time,
+# compute.train.optimizers._fold_uses), another tensor's only while autograd accumulates it; the
 # concentration sums are kept at the trained coordinates; the initial Fisher, when the run needs
 # one (a given Fisher file, the concentration report, GRPO's bound), is a float32 tensor per
 # parameter (4). Measured: docs/scale.md, "The masked step at scale".
 MASKED_BYTES_PER_TRAINED_COORD = 8.0
+FOLD_BLOCK_BYTES = 8 << 20
 INITIAL_FISHER_BYTES_PER_PARAM = 4.0
 # A tensor-file job (mask, diff, series): each tensor file element read, held and compared
 FILE_BYTES_PER_ELEMENT = 12.0
@@ -293,8 +295,8 @@ def train_memory(z: Sizing, algo: str, batch: int, group: int, max_new_tokens: i
                  optimizer: str, mask_fraction: float = 1.0, concentration: bool = True,
                  teacher: bool = False, initial_fisher: bool = True) -> dict[str, float]:
     """One training run's peak: weights (a teacher's too), the gradients (every one in a dense
-    run; in a masked one, mask_fraction < 1, the largest tensor's and the folded trained
-    coordinates), the initial Fisher, the optimizer's state for the trained coordinates, and the
+    run; in a masked one, mask_fraction < 1, a block of the largest tensor's rows and the folded
+    trained coordinates), the initial Fisher, the optimizer's state for the trained coordinates, and the
     activations of one step's rows at their length."""
     rows = batch * (1 if algo == "sft" else group)
     length = z.prompt_tokens + max_new_tokens
@@ -303,7 +305,7 @@ def train_memory(z: Sizing, algo: str, batch: int, group: int, max_new_tokens: i
     parts = {"runtime": RUNTIME_BASE_MB * MIB, "weights": z.params * 4.0 * (2 if teacher else 1)}
     if mask_fraction < 1.0:
         trained = mask_fraction * z.params
-        parts["gradients (one tensor at a time) and mask"] = 4.0 * z.largest_tensor() + \
+        parts["gradients (a block of rows at a time) and mask"] = min(4.0 * z.largest_tensor(), FOLD_BLOCK_BYTES) + \
             (MASKED_BYTES_PER_TRAINED_COORD + conc) * trained
         parts["initial Fisher"] = INITIAL_FISHER_BYTES_PER_PARAM * z.params if initial_fisher else 0.0
     else:

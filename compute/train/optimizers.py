@@ -5,9 +5,11 @@ completely. `MaskedOptimizer` is our own AdamW/SGD step whose memory is in propo
 mask (issue 30) and whose frozen coordinates stay bit-identical:
 - a partly trainable tensor is described by `Coords`: the flat indices of its trainable
   coordinates (int32 where the tensor has < 2^31 elements), nothing dense;
-- its gradient is folded as it arrives: a post-accumulate-grad hook gathers grad[idx] into a
-  float32 buffer of the mask's size (adding to it over micro-batches) and frees .grad, so at most
-  one dense gradient (the one being accumulated) is alive at a time;
+- its gradient is folded as it arrives into a float32 buffer of the mask's size (adding to it
+  over micro-batches): the weight of an nn.Linear / nn.Embedding computes only what the mask
+  needs (a block of output rows at a time; an embedding's looked-up rows), never a dense
+  gradient; any other tensor's .grad is gathered and freed by a post-accumulate-grad hook, so
+  at most one such dense gradient is alive at a time;
 - optimizer state (Adam moments, SGD momentum) is 1-D at those indices; clipping uses the norm
   of the folded buffers (the trainable coordinates only);
 - the step gathers the trainable weights, updates them (AdamW: torch.optim.AdamW's maths,
@@ -21,7 +23,7 @@ tensors entirely inside carry no Coords and train densely (no extra work).
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 import torch
@@ -104,6 +106,49 @@ class Coords:
             self.grad = vals
         else:
             self.grad.add_(vals)
+
+    def _buffer(self, device: torch.device) -> torch.Tensor:
+        if self.grad is None:
+            self.grad = torch.zeros(self.count, dtype=torch.float32, device=device)
+        return self.grad
+
+    def fold_row_blocks(self, rows: int, cols: int, block: Callable[[int, int], torch.Tensor]) -> None:
+        """Add the gradient of a (rows, cols) weight at idx, given a block of its rows at a time:
+        `block(a, b)` is rows a..b-1 of the dense gradient. A block holding no trainable
+        coordinate is never computed; at most FOLD_BLOCK_BYTES of float32 rows are alive."""
+        from compute.contract.cost import FOLD_BLOCK_BYTES
+
+        step = max(1, FOLD_BLOCK_BYTES // (4 * max(cols, 1)))
+        starts = list(range(0, rows, step)) + [rows]
+        edges = torch.tensor([a * cols for a in starts], dtype=self.idx.dtype, device=self.idx.device)
+        bounds = torch.searchsorted(self.idx, edges).tolist()
+        buf = None
+        for k in range(len(starts) - 1):
+            lo, hi = bounds[k], bounds[k + 1]
+            if hi == lo:
+                continue
+            g = block(starts[k], starts[k + 1])
+            buf = buf if buf is not None else self._buffer(g.device)
+            at = self.idx[lo:hi] - starts[k] * cols
+            buf[lo:hi] += g.reshape(-1).index_select(0, at).float()
+
+    def fold_rows(self, row_ids: torch.Tensor, rows: torch.Tensor, cols: int) -> None:
+        """Add the gradient of a (_, cols) weight that is zero outside the sorted, distinct rows
+        `row_ids`, whose values are `rows` (len(row_ids), cols): an embedding's gradient, only
+        the looked-up rows, never the whole table."""
+        buf = self._buffer(rows.device)
+        idx = self.idx
+        first = (row_ids * cols).to(idx.dtype)
+        start = torch.searchsorted(idx, first)
+        count = torch.searchsorted(idx, first + cols) - start
+        total = int(count.sum())
+        if total == 0:
+            return
+        owner = torch.repeat_interleave(torch.arange(len(row_ids), device=idx.device), count)
+        offset = torch.repeat_interleave(start - (torch.cumsum(count, 0) - count), count)
+        pos = torch.arange(total, device=idx.device) + offset
+        col = idx.index_select(0, pos) - first.index_select(0, owner)
+        buf.index_add_(0, pos, rows[owner, col.long()].float())
 
     def dense(self, values: torch.Tensor, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
         """A dense float32 tensor of `shape`: `values` at idx, 0 elsewhere."""
@@ -211,9 +256,9 @@ class MaskedOptimizer:
     AdamW matches torch.optim.AdamW (decoupled decay, bias correction) on the mask; SGD matches
     torch.optim.SGD (coupled decay, momentum buffer b = mu * b + g, no dampening). State of a
     dense tensor is dense; of a partly masked one, 1-D at its Coords. The gradient hooks it
-    registers on partly masked tensors live until `close()`. With `model`, a partly masked weight
-    that several nn.Linear / nn.Embedding modules share (a tied embedding) has each use folded as
-    its gradient is computed (_fold_shared_uses), also until `close()`.
+    registers on partly masked tensors live until `close()`. With `model`, every use of a partly
+    masked weight by an nn.Linear / nn.Embedding (a tied embedding's two included) folds its
+    gradient as it is computed, without a dense one (_fold_uses), also until `close()`.
     """
 
     def __init__(
@@ -236,7 +281,7 @@ class MaskedOptimizer:
         self.state: dict[str, dict[str, torch.Tensor]] = {}
         self._hooks = [p.register_post_accumulate_grad_hook(_folder(c))
                        for _, p, c in params if c is not None]
-        self._patched = _fold_shared_uses(params, model)
+        self._patched = _fold_uses(params, model)
 
     def close(self) -> None:
         """Remove the gradient-folding hooks and the shared-weight patches (the parameters are
@@ -244,8 +289,9 @@ class MaskedOptimizer:
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        for m in self._patched:
-            del m.forward  # back to the class's forward
+        for m, cls in self._patched:
+            m.__class__ = cls  # back to the module's own class
+            del m._fold_coords
         self._patched = []
 
     def zero_grad(self) -> None:
@@ -345,66 +391,134 @@ def _folder(c: Coords):  # type: ignore[no-untyped-def]
     return hook
 
 
-class _FoldUse(torch.autograd.Function):
-    """Identity on a weight in one of its uses; the backward folds that use's gradient onto the
-    Coords and passes nothing on (the weight's .grad is never built from this use)."""
+class _LinearFold(torch.autograd.Function):
+    """F.linear whose weight gradient is folded onto the weight's Coords a block of output rows
+    at a time (Coords.fold_row_blocks) and never built whole; the input's and the bias's
+    gradients as F.linear's."""
 
     @staticmethod
-    def forward(ctx, w: torch.Tensor, c: Coords) -> torch.Tensor:  # type: ignore[override]
-        ctx.coords = c
-        return w.view_as(w)
+    def forward(ctx, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None,  # type: ignore[override]
+                c: Coords) -> torch.Tensor:
+        ctx.save_for_backward(x, w)
+        ctx.coords, ctx.has_bias = c, b is not None
+        return torch.nn.functional.linear(x, w, b)
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[None, None]:  # type: ignore[override]
-        ctx.coords.fold(grad)
-        return None, None
+    def backward(ctx, dy: torch.Tensor) -> tuple[torch.Tensor | None, None, torch.Tensor | None, None]:  # type: ignore[override]
+        x, w = ctx.saved_tensors
+        dx = dy @ w if ctx.needs_input_grad[0] else None
+        dy2 = dy.reshape(-1, dy.shape[-1])
+        db = dy2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
+        if ctx.needs_input_grad[1]:
+            x2 = x.reshape(-1, x.shape[-1])
+            ctx.coords.fold_row_blocks(w.shape[0], w.shape[1], lambda a, b: dy2[:, a:b].t() @ x2)
+        return dx, None, db, None
 
 
-def _fold_shared_uses(params: list[Param], model: torch.nn.Module | None) -> list[torch.nn.Module]:
-    """A partly masked weight shared by several modules (a tied input/output embedding) gets its
-    gradient from each use; autograd keeps the first use's dense gradient until the last one
-    arrives and adds them, so two or three dense copies are alive before the post-accumulate hook
-    can fold them (issue 30: 6 bytes/param of a small model with a 49,152-row vocabulary). Each use
-    by an nn.Linear or nn.Embedding is patched to fold its own gradient as soon as it is computed
-    (_FoldUse); returns the patched modules (MaskedOptimizer.close restores them). A weight with
-    another kind of user, or a module whose forward is already patched, is left to the hook."""
+class _EmbeddingFold(torch.autograd.Function):
+    """F.embedding whose weight gradient is folded onto the weight's Coords from the looked-up
+    rows alone (Coords.fold_rows): the table-sized gradient is never built."""
+
+    @staticmethod
+    def forward(ctx, ids: torch.Tensor, w: torch.Tensor, c: Coords,  # type: ignore[override]
+                padding_idx: int | None) -> torch.Tensor:
+        ctx.save_for_backward(ids)
+        ctx.coords, ctx.padding_idx, ctx.cols = c, padding_idx, w.shape[1]
+        return torch.nn.functional.embedding(ids, w, padding_idx)
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor) -> tuple[None, None, None, None]:  # type: ignore[override]
+        (ids,) = ctx.saved_tensors
+        if ctx.needs_input_grad[1]:
+            uniq, inv = torch.unique(ids.reshape(-1), return_inverse=True)
+            rows = torch.zeros(len(uniq), ctx.cols, dtype=dy.dtype, device=dy.device)
+            rows.index_add_(0, inv, dy.reshape(-1, ctx.cols))
+            if ctx.padding_idx is not None:  # as F.embedding: the padding row gets no gradient
+                rows[uniq == ctx.padding_idx] = 0
+            ctx.coords.fold_rows(uniq, rows, ctx.cols)
+        return None, None, None, None
+
+
+class _FoldingLinear(torch.nn.Linear):
+    """nn.Linear whose weight's use folds its gradient (_LinearFold); `_fold_coords` is set on
+    the instance by _fold_uses."""
+
+    _fold_coords: Coords
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _LinearFold.apply(x, self.weight, self.bias, self._fold_coords)  # type: ignore[no-any-return]
+
+
+class _FoldingEmbedding(torch.nn.Embedding):
+    """nn.Embedding whose weight's use folds its gradient (_EmbeddingFold)."""
+
+    _fold_coords: Coords
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return _EmbeddingFold.apply(ids, self.weight, self._fold_coords, self.padding_idx)  # type: ignore[no-any-return]
+
+
+_FOLDING_CLASSES: dict[type, type] = {torch.nn.Linear: _FoldingLinear, torch.nn.Embedding: _FoldingEmbedding}
+
+
+def _folding_class(cls: type) -> type | None:
+    """The class a module of class `cls` takes while its weight's uses fold: the folding class
+    itself for nn.Linear / nn.Embedding, and for a subclass (Gemma's scaled embedding) the
+    subclass over it, so that the subclass's super().forward() is the folding one (a subclass
+    that computes its own forward without it keeps autograd's gradient, and the hook folds it)."""
+    if cls in _FOLDING_CLASSES:
+        return _FOLDING_CLASSES[cls]
+    for base, folding in ((torch.nn.Linear, _FoldingLinear), (torch.nn.Embedding, _FoldingEmbedding)):
+        if issubclass(cls, base) and not issubclass(cls, folding):
+            key = (cls, folding)
+            if key not in _SUBCLASS_CACHE:
+                _SUBCLASS_CACHE[key] = type(f"Folding{cls.__name__}", (cls, folding), {"__module__": __name__})
+            return _SUBCLASS_CACHE[key]
+    return None
+
+
+_SUBCLASS_CACHE: dict[tuple[type, type], type] = {}
+
+
+def _foldable(mod: torch.nn.Module) -> bool:
+    if "forward" in vars(mod):  # an instance forward set by someone else (accelerate's hooks)
+        return False
+    if isinstance(mod, torch.nn.Embedding):  # the options _EmbeddingFold does not reproduce
+        return mod.max_norm is None and not mod.scale_grad_by_freq and not mod.sparse
+    return isinstance(mod, torch.nn.Linear)
+
+
+def _fold_uses(params: list[Param], model: torch.nn.Module | None) -> list[tuple[torch.nn.Module, type]]:
+    """Every use of a partly masked weight by an nn.Linear or nn.Embedding (a subclass included)
+    folds its own gradient onto the weight's Coords as it is computed, without a dense gradient
+    (issue 30): a linear layer's a block of rows at a time, an embedding's from its looked-up
+    rows. Before, autograd built the dense gradient of each use (and of a tied embedding kept
+    the first use's until the last arrived): the largest tensor's, the masked run's peak at 20M
+    parameters. A weight with another kind of user, or a module already patched, is left to the
+    post-accumulate hook (same sums). Returns (module, its class) to restore (MaskedOptimizer.close)."""
     coords = {id(p): c for _, p, c in params if c is not None}
     if not coords or model is None:
         return []
     users: dict[int, list[torch.nn.Module]] = {}
+    others: set[int] = set()
     for _, mod in model.named_modules(remove_duplicate=False):
-        for p in mod._parameters.values():
-            if p is not None and id(p) in coords and all(u is not mod for u in users.get(id(p), [])):
+        for pname, p in mod._parameters.items():
+            if p is None or id(p) not in coords:
+                continue
+            if pname != "weight" or not _foldable(mod) or _folding_class(type(mod)) is None:
+                others.add(id(p))
+            elif all(u is not mod for u in users.get(id(p), [])):
                 users.setdefault(id(p), []).append(mod)
-    out: list[torch.nn.Module] = []
+    out: list[tuple[torch.nn.Module, type]] = []
     for pid, mods in users.items():
-        if len(mods) < 2 or not all(type(m) in (torch.nn.Linear, torch.nn.Embedding) and "forward" not in vars(m)
-                                    for m in mods):
+        if pid in others:  # some use would build the dense gradient anyway: leave all to the hook
             continue
         for m in mods:
-            m.forward = _folding_forward(m, coords[pid])  # type: ignore[method-assign]
-            out.append(m)
+            cls = type(m)
+            m.__class__ = _folding_class(cls)  # type: ignore[assignment]
+            m._fold_coords = coords[pid]  # type: ignore[assignment]
+            out.append((m, cls))
     return out
-
-
-def _folding_forward(m: torch.nn.Module, c: Coords):  # type: ignore[no-untyped-def]
-    import torch.nn.functional as F
-
-    if isinstance(m, torch.nn.Linear):
-        lin = m
-
-        def linear(x: torch.Tensor) -> torch.Tensor:
-            return F.linear(x, _FoldUse.apply(lin.weight, c), lin.bias)
-
-        return linear
-    emb = m
-    assert isinstance(emb, torch.nn.Embedding)
-
-    def embedding(ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, _FoldUse.apply(emb.weight, c), emb.padding_idx, emb.max_norm,
-                           emb.norm_type, emb.scale_grad_by_freq, emb.sparse)
-
-    return embedding
 
 
 def clip_grad_norm(params: list[Param], max_norm: float | None) -> float:

@@ -553,7 +553,7 @@ def test_tied_weight_uses_fold_their_own_gradients(kind: str) -> None:
     for model, given in ((a, a), (b, None)):
         params = prepare_masked_params(model, mask)
         opt = MaskedOptimizer(params, kind, lr=1e-2, weight_decay=0.1, model=given)
-        assert ("forward" in vars(model.head)) == (given is not None)
+        assert (type(model.head) is not torch.nn.Linear) == (given is not None)
         for step in range(2):
             for micro in range(2):  # two backward passes make one step
                 ids = torch.randint(0, 40, (3, 5), generator=torch.Generator().manual_seed(10 * step + micro))
@@ -563,10 +563,105 @@ def test_tied_weight_uses_fold_their_own_gradients(kind: str) -> None:
             opt.step()
             opt.zero_grad()
         opt.close()
-        assert "forward" not in vars(model.head) and "forward" not in vars(model.emb)
+        assert type(model.head) is torch.nn.Linear and type(model.emb) is torch.nn.Embedding
     for ga, gb in zip(out[:2], out[2:], strict=True):
         assert_close(ga, gb)
     assert_close(a.emb.weight, b.emb.weight)
     frozen = ~mask["emb.weight"]
     assert torch.equal(a.emb.weight.detach()[frozen], before[frozen])
     assert not torch.equal(a.emb.weight.detach()[~frozen], before[~frozen])
+
+
+class _Scaled(torch.nn.Embedding):
+    """A subclass whose forward scales super().forward() (as Gemma's scaled word embedding)."""
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(ids) * 3.0
+
+
+class _Layers(torch.nn.Module):
+    def __init__(self, padding_idx: int | None) -> None:
+        super().__init__()
+        self.emb = _Scaled(300, 16, padding_idx=padding_idx)
+        self.up = torch.nn.Linear(16, 48)
+        self.head = torch.nn.Linear(48, 300, bias=True)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(torch.tanh(self.up(self.emb(ids))))
+
+
+@pytest.mark.parametrize("padding_idx", [None, 7])
+def test_linear_and_embedding_uses_fold_without_a_dense_gradient(monkeypatch: pytest.MonkeyPatch,
+                                                                  padding_idx: int | None) -> None:
+    """Issue 30: a partly masked nn.Linear weight's gradient is folded a block of output rows at a
+    time, an nn.Embedding's (a subclass that calls super().forward() included) from its looked-up
+    rows only; the folded values, the input gradients upstream and the dense bias's gradient
+    equal autograd's dense gradients at the mask (float tolerance), and no .grad is ever built on
+    a folded weight. Blocks of 1 KiB (4 rows of 48) force many blocks, some without a trainable
+    coordinate (skipped), and ids repeat and hit the padding row."""
+    from compute.contract import cost
+
+    monkeypatch.setattr(cost, "FOLD_BLOCK_BYTES", 1024)
+    torch.manual_seed(0)
+    a = _Layers(padding_idx)
+    b = copy.deepcopy(a)
+    g = torch.Generator().manual_seed(5)
+    mask = {"emb.weight": torch.rand(300, 16, generator=g) < 0.05,
+            "up.weight": torch.rand(48, 16, generator=g) < 0.3,
+            "head.weight": torch.rand(300, 48, generator=g) < 0.02, "head.bias": torch.ones(300, dtype=torch.bool)}
+    mask["head.weight"][40:120] = False  # blocks with nothing to fold
+    ids = torch.randint(0, 30, (4, 9), generator=g)
+    ids[0, :3] = 7
+    params = prepare_masked_params(a, mask)
+    opt = MaskedOptimizer(params, "adamw", model=a)
+    assert type(a.emb).__mro__[1] is _Scaled and type(a.head) is not torch.nn.Linear
+    for _ in range(2):  # two backward passes add up
+        torch.nn.functional.cross_entropy(a(ids).reshape(-1, 300), ids.reshape(-1)).backward()
+    assert all(p.grad is None for n, p, c in params if c is not None)
+    for p in b.parameters():
+        p.requires_grad_(True)
+    for _ in range(2):
+        torch.nn.functional.cross_entropy(b(ids).reshape(-1, 300), ids.reshape(-1)).backward()
+    ref = dict(b.named_parameters())
+    for n, p, c in params:
+        want = ref[n].grad
+        if c is None:
+            assert_close(p.grad, want)
+        else:
+            assert_close(c.grad, want.reshape(-1)[c.idx.long()], rtol=1e-5, atol=1e-7)
+    if padding_idx is not None:
+        c = next(c for n, _p, c in params if n == "emb.weight")
+        at_pad = (c.idx.long() // 16) == padding_idx
+        assert at_pad.any() and torch.all(c.grad[at_pad] == 0)
+    opt.close()
+    assert type(a.emb) is _Scaled and type(a.head) is torch.nn.Linear
+
+
+def test_a_weight_with_another_kind_of_user_is_left_to_the_hook() -> None:
+    """A partly masked weight that some module uses other than as nn.Linear / nn.Embedding's
+    weight keeps autograd's gradient for every use (folded by the post-accumulate hook): no use
+    is patched, and the folded gradient still equals the dense one."""
+
+    class Other(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(6, 6, bias=False)
+            self.bilinear = torch.nn.Module()
+            self.bilinear.weight = self.lin.weight  # used by hand below
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.lin(x) @ self.bilinear.weight
+
+    torch.manual_seed(1)
+    m = Other()
+    ref = copy.deepcopy(m)
+    mask = {"lin.weight": torch.rand(6, 6) < 0.5}
+    params = prepare_masked_params(m, mask)
+    opt = MaskedOptimizer(params, "sgd", model=m)
+    assert type(m.lin) is torch.nn.Linear
+    x = torch.randn(3, 6)
+    m(x).square().sum().backward()
+    ref(x).square().sum().backward()
+    c = params[0][2]
+    assert_close(c.grad, ref.lin.weight.grad.reshape(-1)[c.idx.long()])
+    opt.close()
