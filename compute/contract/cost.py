@@ -305,6 +305,10 @@ def train_memory(z: Sizing, algo: str, batch: int, group: int, max_new_tokens: i
     parts = {"runtime": RUNTIME_BASE_MB * MIB, "weights": z.params * 4.0 * (2 if teacher else 1)}
     if mask_fraction < 1.0:
         trained = mask_fraction * z.params
+        # the check of the base against the model's file and the diff after training read the
+        # largest tensor whole once (its file pages and its copy): the masked job's peak from 20M
+        # to 360M (docs/scale.md, "The masked step at scale")
+        parts["base check and diff (the largest tensor, read once)"] = 4.0 * z.largest_tensor()
         parts["gradients (a block of rows at a time) and mask"] = min(4.0 * z.largest_tensor(), FOLD_BLOCK_BYTES) + \
             (MASKED_BYTES_PER_TRAINED_COORD + conc) * trained
         parts["initial Fisher"] = INITIAL_FISHER_BYTES_PER_PARAM * z.params if initial_fisher else 0.0
