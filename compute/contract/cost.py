@@ -119,6 +119,7 @@ OPTIMIZER_BYTES_PER_TRAINED_COORD = {"adamw": 8.0, "sgd": 4.0}
 # folded float32 gradient (4) and its int32 index in the compact mask (4); a linear layer's or an
 # embedding's weight gradient is never dense (a block of FOLD_BLOCK_BYTES of its rows at a time,
 # compute.train.optimizers._fold_uses), another tensor's only while autograd accumulates it; the
+# mask file, the base check and the diff read a chunk of rows at a time, never a whole tensor; the
 # concentration sums are kept at the trained coordinates; the initial Fisher, when the run needs
 # one (a given Fisher file, the concentration report, GRPO's bound), is a float32 tensor per
 # parameter (4). Measured: docs/scale.md, "The masked step at scale".
@@ -305,10 +306,6 @@ def train_memory(z: Sizing, algo: str, batch: int, group: int, max_new_tokens: i
     parts = {"runtime": RUNTIME_BASE_MB * MIB, "weights": z.params * 4.0 * (2 if teacher else 1)}
     if mask_fraction < 1.0:
         trained = mask_fraction * z.params
-        # the check of the base against the model's file and the diff after training read the
-        # largest tensor whole once (its file pages and its copy): the masked job's peak from 20M
-        # to 360M (docs/scale.md, "The masked step at scale")
-        parts["base check and diff (the largest tensor, read once)"] = 4.0 * z.largest_tensor()
         parts["gradients (a block of rows at a time) and mask"] = min(4.0 * z.largest_tensor(), FOLD_BLOCK_BYTES) + \
             (MASKED_BYTES_PER_TRAINED_COORD + conc) * trained
         parts["initial Fisher"] = INITIAL_FISHER_BYTES_PER_PARAM * z.params if initial_fisher else 0.0

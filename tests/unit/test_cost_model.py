@@ -301,7 +301,6 @@ def test_masked_train_memory_holds_a_block_of_gradient_rows_not_one_per_paramete
                  prompt_tokens=7)
     masked = C.train_memory(z, "sft", 2, 1, 16, "adamw", 0.01, concentration=False, initial_fisher=False)
     block = C.FOLD_BLOCK_BYTES  # far below the embedding's 151,936 x 4,096 x 4 bytes
-    assert masked["base check and diff (the largest tensor, read once)"] == pytest.approx(4 * 151_936 * 4096)
     assert masked["gradients (a block of rows at a time) and mask"] == pytest.approx(block + 8 * 0.01 * z.params)
     assert masked["optimizer state"] == pytest.approx(8 * 0.01 * z.params)
     assert masked["initial Fisher"] == 0

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -349,3 +350,40 @@ def test_a_base_read_a_row_slice_at_a_time_gives_the_same_stats(tmp_path, stored
             assert all(got[k] == want[k] or (math.isnan(got[k]) and math.isnan(want[k])) for k in got), (name, chunk)
         for i, j in ((0, 1), (5, 31), (12, w.numel())):
             assert torch.equal(ck.get_flat(name, i, j), w.reshape(-1)[i:j])
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-mixed"])
+def test_file_base_is_checked_a_slice_at_a_time_and_refuses_a_changed_value(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                           precision: str) -> None:
+    """The train job compares its base from the model's file only when every parameter read back
+    (as the job prepared it: loaded dtype, training precision, stored dtype) equals the model's bit
+    for bit; the check reads slices of DIFF_CHUNK values (here 1,000: several per tensor), and one
+    value changed in the last slice of the largest tensor makes it keep a copy instead."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from compute.jobs import train_run
+    from compute.sparsity import diff as diff_mod
+    from compute.sparsity.diff import Checkpoint
+    from compute.train import prepare_precision
+
+    monkeypatch.setattr(diff_mod, "DIFF_CHUNK", 1000)
+    monkeypatch.setenv("ALLOWED_MODEL_ROOTS", str(tmp_path))
+    reads: list[int] = []
+    real = Checkpoint.get_flat
+    monkeypatch.setattr(Checkpoint, "get_flat", lambda self, n, i, j: reads.append(j - i) or real(self, n, i, j))
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "m")
+    model = prepare_precision(LlamaForCausalLM.from_pretrained(tmp_path / "m"), precision)
+    base = train_run.FileBase(model, Checkpoint(tmp_path / "m"), "float32", precision)
+    assert base.matches_model()
+    assert reads and max(reads) <= 1000 + 32  # whole rows that hold a slice: never the 9,600-value table
+    src = train_run.base_source(model, str(tmp_path / "m"), "float32", precision)
+    assert isinstance(src, train_run.FileBase)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.view(-1)[-1] += 1.0
+    assert not base.matches_model()
+    kept = train_run.base_source(model, str(tmp_path / "m"), "float32", precision)
+    assert isinstance(kept, dict) and torch.equal(kept["model.embed_tokens.weight"],
+                                                  model.model.embed_tokens.weight.detach().to(kept["model.embed_tokens.weight"].dtype))

@@ -268,3 +268,32 @@ def test_cli_mask(model_dir) -> None:
     assert r.exit_code == 2 and "--select: got 'nope'" in r.output
     r = CliRunner().invoke(main, ["mask", "--select", "fisher", "--fisher", "job:3", "--out", str(out)])
     assert r.exit_code == 2 and "error: --fisher: job 3 does not exist" in r.output  # the CLI resolves job:N too
+
+
+def test_compact_mask_is_read_a_chunk_of_rows_at_a_time(tmp_path, monkeypatch) -> None:
+    """load_compact_mask reads each tensor a chunk of rows at a time (MASK_READ_CHUNK values, here
+    40: several chunks per tensor, a row split across none), each from a mapping of its own, and
+    gives the same indices as the whole tensor's; every-kept and none-kept tensors stay True /
+    False; a tensor that is not bool is refused naming it."""
+    from safetensors.torch import save_file
+
+    from compute.sparsity import masks as M
+
+    monkeypatch.setattr(M, "MASK_READ_CHUNK", 40)
+    g = torch.Generator().manual_seed(0)
+    dense = {"a.weight": torch.rand(37, 9, generator=g) < 0.1, "b.bias": torch.rand(101, generator=g) < 0.5,
+             "c.weight": torch.ones(5, 7, dtype=torch.bool), "d.weight": torch.zeros(3, 3, dtype=torch.bool),
+             "e.weight": torch.rand(2, 3, 50, generator=g) < 0.2}
+    save_file(dense, str(tmp_path / "m.safetensors"))
+    got = M.load_compact_mask(tmp_path / "m.safetensors")
+    for n, m in dense.items():
+        assert torch.equal(got[n], m), n
+        want = torch.nonzero(m.reshape(-1)).reshape(-1)
+        part = got.part(n)
+        if isinstance(part, bool):
+            assert part == bool(m.all()) and (part or not m.any())
+        else:
+            assert part.dtype == torch.int32 and torch.equal(part.long(), want)
+    save_file({"a.weight": torch.ones(4, 4)}, str(tmp_path / "bad.safetensors"))
+    with pytest.raises(ValueError, match="'a.weight'.*expected bool"):
+        M.load_compact_mask(tmp_path / "bad.safetensors")
