@@ -413,20 +413,12 @@ class CompactMask(Mapping[str, torch.Tensor]):
     def add(self, name: str, m: torch.Tensor) -> None:
         """Add (or replace) one tensor of the mask from its dense bool form."""
         m = m.bool()
-        kept = int(torch.count_nonzero(m))  # (a bool sum makes an int64 copy: 8 B/coordinate)
-        self._shape[name] = tuple(m.shape)
-        if kept == m.numel():
-            self._part[name] = True
-        elif kept == 0:
-            self._part[name] = False
-        else:
-            flat = m.reshape(-1)
-            dt = torch.int32 if flat.numel() < 2**31 else torch.int64
-            self._part[name] = torch.nonzero(flat).reshape(-1).to(dtype=dt, device=self.device)
+        self.add_rows(name, tuple(m.shape), lambda r0, r1: m[r0:r1] if m.dim() else m)
 
     def add_rows(self, name: str, shape: tuple[int, ...], read: Any) -> None:
         """Add one tensor of the mask from its dense bool rows, read `read(r0, r1)` a chunk of
-        rows (MASK_READ_CHUNK values) at a time: the tensor is never whole in memory."""
+        rows (MASK_READ_CHUNK values) at a time: the tensor is never whole in memory (a file's
+        dtype is checked from its header by load_compact_mask)."""
         numel = math.prod(shape)
         row = math.prod(shape[1:]) if shape else 1
         step = max(1, MASK_READ_CHUNK // max(row, 1))
@@ -434,8 +426,6 @@ class CompactMask(Mapping[str, torch.Tensor]):
         parts = []
         for r0 in range(0, shape[0] if shape else 1, step):
             m = read(r0, r0 + step).reshape(-1)
-            if m.dtype != torch.bool:
-                raise ValueError(f"mask: tensor {name!r} has dtype {m.dtype}, expected bool")
             parts.append((torch.nonzero(m).reshape(-1) + r0 * row).to(dtype=dt, device=self.device))
         idx = torch.cat(parts) if parts else torch.empty(0, dtype=dt, device=self.device)
         self._shape[name] = tuple(shape)

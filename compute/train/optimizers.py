@@ -122,15 +122,13 @@ class Coords:
         starts = list(range(0, rows, step)) + [rows]
         edges = torch.tensor([a * cols for a in starts], dtype=self.idx.dtype, device=self.idx.device)
         bounds = torch.searchsorted(self.idx, edges).tolist()
-        buf = None
         for k in range(len(starts) - 1):
             lo, hi = bounds[k], bounds[k + 1]
             if hi == lo:
                 continue
             g = block(starts[k], starts[k + 1])
-            buf = buf if buf is not None else self._buffer(g.device)
             at = self.idx[lo:hi] - starts[k] * cols
-            buf[lo:hi] += g.reshape(-1).index_select(0, at).float()
+            self._buffer(g.device)[lo:hi] += g.reshape(-1).index_select(0, at).float()
 
     def fold_rows(self, row_ids: torch.Tensor, rows: torch.Tensor, cols: int) -> None:
         """Add the gradient of a (_, cols) weight that is zero outside the sorted, distinct rows
@@ -461,23 +459,23 @@ class _FoldingEmbedding(torch.nn.Embedding):
 _FOLDING_CLASSES: dict[type, type] = {torch.nn.Linear: _FoldingLinear, torch.nn.Embedding: _FoldingEmbedding}
 
 
+_SUBCLASSES: dict[type, type] = {}  # one folding class per subclass
+
+
 def _folding_class(cls: type) -> type | None:
     """The class a module of class `cls` takes while its weight's uses fold: the folding class
     itself for nn.Linear / nn.Embedding, and for a subclass (Gemma's scaled embedding) the
     subclass over it, so that the subclass's super().forward() is the folding one (a subclass
-    that computes its own forward without it keeps autograd's gradient, and the hook folds it)."""
-    if cls in _FOLDING_CLASSES:
-        return _FOLDING_CLASSES[cls]
-    for base, folding in ((torch.nn.Linear, _FoldingLinear), (torch.nn.Embedding, _FoldingEmbedding)):
+    that computes its own forward without it keeps autograd's gradient, and the hook folds it).
+    """
+    for base, folding in _FOLDING_CLASSES.items():
+        if cls is base:
+            return folding
         if issubclass(cls, base) and not issubclass(cls, folding):
-            key = (cls, folding)
-            if key not in _SUBCLASS_CACHE:
-                _SUBCLASS_CACHE[key] = type(f"Folding{cls.__name__}", (cls, folding), {"__module__": __name__})
-            return _SUBCLASS_CACHE[key]
+            if cls not in _SUBCLASSES:
+                _SUBCLASSES[cls] = type(f"Folding{cls.__name__}", (cls, folding), {"__module__": __name__})
+            return _SUBCLASSES[cls]
     return None
-
-
-_SUBCLASS_CACHE: dict[tuple[type, type], type] = {}
 
 
 def _foldable(mod: torch.nn.Module) -> bool:
