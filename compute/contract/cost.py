@@ -34,12 +34,14 @@ def fisher_passes(prompts: int, samples: int, max_new_tokens: int, estimator: st
 
 
 def train_passes(algo: str, steps: int, batch: int, group: int, max_new_tokens: int,
-                 eval_prompts: int) -> int:
-    """One training run: per step a gradient over every sequence, sampling (not for SFT) and a
-    teacher forward (OPD); greedy held-out accuracy before and after."""
+                 eval_prompts: int, checkpointing: bool = False) -> int:
+    """One training run: per step a gradient over every sequence (one more forward with gradient
+    checkpointing), sampling (not for SFT) and a teacher forward (OPD); greedy held-out accuracy
+    before and after."""
     length = COST_PROMPT_TOKENS + max_new_tokens
     seqs = batch * (1 if algo == "sft" else group)
-    per_seq = 3 + (0 if algo == "sft" else 1) + (1 if algo == "opd" else 0)  # grad, sample, teacher
+    grad = 4 if checkpointing else 3
+    per_seq = grad + (0 if algo == "sft" else 1) + (1 if algo == "opd" else 0)  # grad, sample, teacher
     evals = 2 * eval_prompts * length  # greedy accuracy before and after
     return steps * seqs * length * per_seq + evals
 
@@ -125,12 +127,24 @@ OPTIMIZER_BYTES_PER_TRAINED_COORD = {"adamw": 8.0, "sgd": 4.0}
 # parameter (4). Measured: docs/scale.md, "The masked step at scale".
 MASKED_BYTES_PER_TRAINED_COORD = 8.0
 FOLD_BLOCK_BYTES = 8 << 20
+# Float32 logits of one chunk of tokens through the output head in the training objectives
+# (compute.lm.head): the whole (rows, length, vocab) logits are never held, a chunk is recomputed in
+# backward. Chosen side by side (benchmarks/bench_logits.py, 20m Llama shape, 49,152 vocab, 8 x 256
+# tokens, CPU): 8 MiB chunks cost 1.6-1.7x the full-logits step's time (the head's weight is read
+# again for every 42-token chunk), 32 MiB 1.3x, 128 MiB 1.2x (the recompute: this model's head is
+# 73% of its arithmetic, an 8B model's under 10%). With the fused target log-prob (one gradient
+# in place, no log_softmax output) the 128 MiB step is 0.82-1.08x the full path's time and holds
+# 0.31x its peak at 8 x 512 tokens (890 vs 2866 MiB; bench_logits.json).
+LOGITS_CHUNK_BYTES = 128 << 20
 INITIAL_FISHER_BYTES_PER_PARAM = 4.0
 # A tensor-file job (mask, diff, series): each tensor file element read, held and compared
 FILE_BYTES_PER_ELEMENT = 12.0
-# compute/fisher/estimators.py sizes its row chunks with a deliberately safe per-token formula
-# (Sizing.activation_bytes); what a forward+backward actually holds is about this share of it
-ACTIVATION_SHARE = 0.1
+# What a training step's forward+backward holds, as a share of Sizing.activation_bytes with one
+# chunk of logits (LOGITS_CHUNK_BYTES): 0.70 / 0.76 measured (benchmarks/bench_logits.py, 20m Llama
+# shape, 8 x 256 / 8 x 512 tokens: 562 / 824 MiB above the weights and gradients, 799 / 1087 MiB by
+# the formula). It was 0.1 until session 13, fitted where the runtime base hid the activations:
+# 7x low for a long sequence.
+TRAIN_ACTIVATION_SHARE = 0.75
 # The Fisher engine lets rows into a chunk up to this share of its temporaries budget by that
 # formula: the rest is for the per-weight square sums, the hooks' output gradients and the
 # allocator's freed blocks. Measured (benchmarks/pass_peaks.py) on a 100M Llama at the default workload (64 x 4 x 16, 1 GiB,
@@ -194,11 +208,17 @@ class Sizing:
         inter = self.intermediate or 4 * self.hidden
         return min(self.params, max(self.vocab * self.hidden, inter * self.hidden))
 
-    def activation_bytes(self, tokens: int) -> float:
-        """Saved activations of a forward+backward over `tokens` tokens, fp32 logits included
-        (compute/fisher/estimators.py sizes its row chunks with the same formula)."""
+    def activation_bytes(self, tokens: int, logit_tokens: int | None = None, checkpointed: bool = False) -> float:
+        """Saved activations of a forward+backward over `tokens` tokens, fp32 logits of
+        `logit_tokens` of them (default all) included (compute/fisher/estimators.py sizes its row
+        chunks with the same formula; training holds one chunk of logits, compute.lm.head).
+        checkpointed (gradient checkpointing): each layer's input, and one layer's activations
+        at a time in backward."""
         inter = self.intermediate or 4 * self.hidden
-        return 4.0 * tokens * (self.layers * (12 * self.hidden + 4 * inter) + 4 * self.vocab)
+        lt = tokens if logit_tokens is None else min(tokens, logit_tokens)
+        per_layer = 4.0 * tokens * (12 * self.hidden + 4 * inter)
+        layers = 4.0 * tokens * self.hidden * self.layers + per_layer if checkpointed else per_layer * self.layers
+        return layers + 16.0 * lt * self.vocab
 
     def kv_cache_bytes(self, rows: int, length: int) -> float:
         """Generation's KV cache and logits of `rows` rows of `length` tokens (fp32)."""
@@ -237,14 +257,15 @@ def fisher_seconds(z: Sizing, prompts: int, samples: int, max_new_tokens: int,
 
 
 def train_seconds(z: Sizing, algo: str, steps: int, batch: int, group: int, max_new_tokens: int,
-                  eval_prompts: int, eval_new_tokens: int = 8) -> dict[str, float]:
+                  eval_prompts: int, eval_new_tokens: int = 8, checkpointing: bool = False) -> dict[str, float]:
     """One training run's phases: greedy accuracy before and after, and per step the sampling
-    (GRPO, OPD), the teacher (OPD) and one gradient step over every sequence."""
+    (GRPO, OPD), the teacher (OPD) and one gradient step over every sequence (a forward more with
+    gradient checkpointing)."""
     rows = batch * (1 if algo == "sft" else group)
     length = z.prompt_tokens + max_new_tokens
     sample = 0.0 if algo == "sft" else z.generate_s(rows, max_new_tokens, rows)
     teacher = z.passes_s(rows * length) if algo == "opd" else 0.0
-    step = sample + teacher + z.calls_s(TRAIN_STEP_CALLS) + z.passes_s(rows * length * 3)
+    step = sample + teacher + z.calls_s(TRAIN_STEP_CALLS) + z.passes_s(rows * length * (4 if checkpointing else 3))
     evals = 2 * z.generate_s(eval_prompts, eval_new_tokens, 256)
     return {"steps": steps * step, "evaluation": evals}
 
@@ -294,7 +315,7 @@ def fisher_memory(z: Sizing, prompts: int, samples: int, max_new_tokens: int,
 
 def train_memory(z: Sizing, algo: str, batch: int, group: int, max_new_tokens: int,
                  optimizer: str, mask_fraction: float = 1.0, concentration: bool = True,
-                 teacher: bool = False, initial_fisher: bool = True) -> dict[str, float]:
+                 teacher: bool = False, initial_fisher: bool = True, checkpointing: bool = False) -> dict[str, float]:
     """One training run's peak: weights (a teacher's too), the gradients (every one in a dense
     run; in a masked one, mask_fraction < 1, a block of the largest tensor's rows and the folded
     trained coordinates), the initial Fisher, the optimizer's state for the trained coordinates, and the
@@ -312,7 +333,9 @@ def train_memory(z: Sizing, algo: str, batch: int, group: int, max_new_tokens: i
     else:
         parts["gradients, step temporaries, initial Fisher"] = (TRAIN_BYTES_PER_PARAM + conc) * z.params
     return parts | {"optimizer state": state * z.params,
-                    "activations": ACTIVATION_SHARE * z.activation_bytes(rows * length)}
+                    "activations": TRAIN_ACTIVATION_SHARE * z.activation_bytes(
+                        rows * length, logit_tokens=max(1, LOGITS_CHUNK_BYTES // (4 * max(1, z.vocab))),
+                        checkpointed=checkpointing)}
 
 
 def file_memory(z: Sizing, models: int = 0) -> dict[str, float]:

@@ -135,7 +135,8 @@ CONTRACT = Contract("train", TrainResult, heatmaps=(BOUND_HIST, *CONCENTRATION_A
 
 
 def cost(s: TrainSpec) -> int:
-    n = train_passes(s.algo, s.steps, s.batch, s.group, s.max_new_tokens, s.eval_prompts)
+    n = train_passes(s.algo, s.steps, s.batch, s.group, s.max_new_tokens, s.eval_prompts,
+                     s.gradient_checkpointing)
     if s.mask_select:
         n += fisher_passes(s.fisher_prompts, s.fisher_samples, s.max_new_tokens)
     bound = s.algo == "grpo" and s.bound
@@ -156,7 +157,8 @@ def timing(s: TrainSpec, z: Sizing) -> dict[str, float]:
         out["initial Fisher"] = fishers * sum(one.values())
     if s.algo == "grpo" and s.bound:
         out["bound check"] = bound_seconds(z, s.batch * s.group, s.max_new_tokens)
-    out.update(train_seconds(z, s.algo, s.steps, s.batch, s.group, s.max_new_tokens, s.eval_prompts))
+    out.update(train_seconds(z, s.algo, s.steps, s.batch, s.group, s.max_new_tokens, s.eval_prompts,
+                             checkpointing=s.gradient_checkpointing))
     out["finish"] = train_finish_seconds(z)
     return out
 
@@ -175,7 +177,8 @@ def memory(s: TrainSpec, z: Sizing) -> dict[str, float]:
     if s.mask and z.mask_density is not None:
         fraction = z.mask_density
     return train_memory(z, s.algo, s.batch, s.group, s.max_new_tokens, s.optimizer, fraction,
-                        s.concentration, teacher=s.algo == "opd", initial_fisher=needs_initial_fisher(s))
+                        s.concentration, teacher=s.algo == "opd", initial_fisher=needs_initial_fisher(s),
+                        checkpointing=s.gradient_checkpointing)
 
 
 KIND = JobKind(

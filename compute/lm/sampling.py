@@ -341,15 +341,30 @@ def token_logprobs(
 
     The one token log-prob function (training, the bound, gradient masks). With return_logits:
     (log-probs, float32 logits (N, L-1, V) that predicted tokens 1..L-1). Differentiable (no
-    no_grad here); wrap in torch.no_grad() when only values are needed."""
+    no_grad here); wrap in torch.no_grad() when only values are needed.
+    Without return_logits, a model whose head splits off exactly (compute.lm.head) never holds
+    its whole logits: the real tokens' log-probs go through the head a chunk at a time."""
+    from compute.lm.head import head_logprobs, hidden_states, split_head
+
     N = input_ids.shape[0]
     cs = chunk_size or N
     outs, all_logits = [], []
     for s in range(0, N, max(1, cs)):
         cancel_point()
         ids, am = input_ids[s : s + cs], attention_mask[s : s + cs]
+        pos = position_ids_from_mask(am)
+        parts = None if return_logits else split_head(model, ids, am, pos)
+        if parts is not None:
+            h = hidden_states(parts[0], ids, am, pos)  # (n, L, H)
+            real = am[:, 1:].reshape(-1).nonzero().squeeze(-1)  # positions 1..L-1 holding a token
+            lp = head_logprobs(parts[1], h[:, :-1].reshape(-1, h.shape[-1]).index_select(0, real),
+                               ids[:, 1:].reshape(-1).index_select(0, real))
+            tok = torch.zeros(ids.shape[0] * (ids.shape[1] - 1), dtype=lp.dtype, device=lp.device)
+            tok = tok.index_put((real,), lp).view(ids.shape[0], ids.shape[1] - 1)
+            outs.append(torch.cat([torch.zeros_like(tok[:, :1]), tok], dim=1))
+            continue
         logits = model(
-            input_ids=ids, attention_mask=am, position_ids=position_ids_from_mask(am)
+            input_ids=ids, attention_mask=am, position_ids=pos
         ).logits[:, :-1].float()  # (n, L-1, V)
         tok = logits.log_softmax(-1).gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)  # (n, L-1)
         tok = torch.cat([torch.zeros_like(tok[:, :1]), tok], dim=1)  # (n, L)

@@ -48,6 +48,7 @@ class TrainConfig:
     sft_source: str = _spec("sft_source")
     eval_prompts: int = _spec("eval_prompts")
     precision: str = _spec("precision")
+    gradient_checkpointing: bool = _spec("gradient_checkpointing")
     # not user-facing (no spec field): declared here only
     beta1: float = field(default=0.9, metadata={"help": "AdamW first-moment decay"})
     beta2: float = field(default=0.999, metadata={"help": "AdamW second-moment decay"})

@@ -118,6 +118,7 @@ def train(
     prepare_precision(model, config.precision)
     flags = {n: p.requires_grad for n, p in model.named_parameters()}
     update: _Step | None = None
+    checkpointing = _gradient_checkpointing(model, config.gradient_checkpointing)
     try:
         objective = make_objective(config, model, tokenizer, task, teacher, teacher_tokenizer)
         params = prepare_masked_params(model, mask)
@@ -140,6 +141,8 @@ def train(
         model.eval()
         after = _accuracy(model, tokenizer, task, config) if evaluate else math.nan
     finally:
+        if checkpointing:
+            _checkpointing_method(model, "disable")()
         if update is not None:
             update.opt.close()
             update.opt.zero_grad()
@@ -147,6 +150,30 @@ def train(
             p.requires_grad_(flags[n])
     assert update is not None  # set before any step (an exception above propagates)
     return _result(model, config, mask, params, update, curve, before, after, time.perf_counter() - t0)
+
+
+def _gradient_checkpointing(model: torch.nn.Module, on: bool) -> bool:
+    """Turn on transformers' activation (gradient) checkpointing for the run, non-reentrant (the
+    masked layers' folds and hooks run once, in the recomputed backward); True when this call did.
+    A model that already has it on keeps it; one that cannot is refused, naming the field."""
+    if not on or _checkpointing_on(model):
+        return False
+    if not getattr(model, "supports_gradient_checkpointing", False):
+        raise ValueError(f"gradient_checkpointing: {type(model).__name__} does not support it; accepted: false")
+    _checkpointing_method(model, "enable")(**{
+        "activation_checkpointing_kwargs" if hasattr(model, "activation_checkpointing_enable")
+        else "gradient_checkpointing_kwargs": {"use_reentrant": False}})
+    return True
+
+
+def _checkpointing_method(model: torch.nn.Module, what: str) -> Any:
+    """transformers 5 names it activation_checkpointing_*, 4.x gradient_checkpointing_* (5 warns)."""
+    new = getattr(model, f"activation_checkpointing_{what}", None)
+    return new if new is not None else getattr(model, f"gradient_checkpointing_{what}")
+
+
+def _checkpointing_on(model: torch.nn.Module) -> bool:
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
 
 
 def _accuracy(model: torch.nn.Module, tokenizer: Any, task: Any, config: TrainConfig) -> float:

@@ -174,3 +174,57 @@ def test_token_logprobs_manual(tok, arch):
         torch.testing.assert_close(lp[r, :n].double(), torch.tensor(manual, dtype=torch.float64),
                                    atol=1e-5, rtol=1e-5)
         assert (lp[r, n:] == 0).all()
+
+
+@pytest.mark.parametrize("arch,tied", [("qwen3", False), ("llama", True), ("gpt2", True)])
+def test_token_logprobs_through_the_split_head_equal_the_full_logits(tok, arch, tied, monkeypatch):
+    """compute.lm.head: the real tokens' log-probs a chunk of 3 tokens at a time (checkpointed)
+    equal the full-logits path in value and in every parameter's gradient, and the head never
+    sees more than one chunk of tokens."""
+    from compute.contract import cost
+    from compute.lm.head import split_head
+
+    model = tiny_model(arch, tied=tied, seed=7)
+    roll = build_rollout(tok, ["1+2=", "77*8=", "5="], ["3", "616", "-11"])
+    ids, am = roll.input_ids, roll.attention_mask
+    full, _ = token_logprobs(model, ids, am, return_logits=True)  # the old path: model(...).logits
+    (full * roll.completion_mask).sum().backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+
+    monkeypatch.setattr(cost, "LOGITS_CHUNK_BYTES", 3 * 4 * model.config.vocab_size)  # 3 tokens a chunk
+    assert split_head(model, ids, am, (am.cumsum(1) - 1).clamp(min=0)) is not None
+    seen = []
+    hook = model.get_output_embeddings().register_forward_hook(lambda m, a, out: seen.append(out.shape[0]))
+    lp = token_logprobs(model, ids, am)
+    (lp * roll.completion_mask).sum().backward()
+    hook.remove()
+    torch.testing.assert_close(lp, full, atol=1e-5, rtol=1e-5)
+    assert (lp[am == 0] == 0).all() and (lp[:, 0] == 0).all()
+    real = int(am[:, 1:].sum())
+    assert max(seen) == 3 and sum(seen) == 2 * real  # each chunk once forward, once recomputed
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[n], atol=1e-5, rtol=1e-4, msg=n)
+
+
+def test_a_head_with_logit_post_processing_takes_the_full_path(tok):
+    """Gemma 2's soft-capping comes after the head: the split would be wrong, the check sees it."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    from compute.lm.head import split_head
+
+    torch.manual_seed(0)
+    cfg = Gemma2Config(vocab_size=tok.vocab_size, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+                       num_attention_heads=2, num_key_value_heads=1, head_dim=8, final_logit_softcapping=0.5,
+                       max_position_embeddings=64, pad_token_id=0)
+    model = Gemma2ForCausalLM(cfg).eval()
+    roll = build_rollout(tok, ["1+2="], ["3"])
+    ids, am = roll.input_ids, roll.attention_mask
+    assert split_head(model, ids, am, (am.cumsum(1) - 1).clamp(min=0)) is None
+    with torch.no_grad():
+        lp = token_logprobs(model, ids, am)
+        logits = model(input_ids=ids).logits[0].double()
+    n = ids.shape[1]
+    manual = torch.tensor([0.0] + [logits[t - 1].log_softmax(-1)[ids[0, t]].item() for t in range(1, n)],
+                          dtype=torch.float64)
+    torch.testing.assert_close(lp[0].double(), manual, atol=1e-5, rtol=1e-5)
