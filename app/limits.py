@@ -285,6 +285,7 @@ def estimate(settings: Any, kind: str, spec: Any, refs: dict[str, Any]) -> dict[
         if k.memory is not None:
             mem_parts = {p: float(v) for p, v in k.memory(spec, z).items()}
     seconds = timed[0] if timed else None
+    options = memory_options(k, spec, z, sum(mem_parts.values()) if mem_parts else None, parts is not None)
     confirm_above = settings.confirm_above_s or None
     return {
         "kind": kind,
@@ -299,9 +300,39 @@ def estimate(settings: Any, kind: str, spec: Any, refs: dict[str, Any]) -> dict[
         "seconds_parts": parts,
         "memory_bytes": sum(mem_parts.values()) if mem_parts else None,
         "memory_parts": mem_parts,
+        "memory_options": options,
+        # whether the peak fits the memory the job's device has free (None: not predicted / unknown)
+        "memory_fits": (None if not mem_parts or z is None or z.free_bytes is None
+                        else sum(mem_parts.values()) <= z.free_bytes),
         "confirm_above_s": confirm_above,
         "needs_confirmation": bool(confirm_above and seconds is not None and seconds > confirm_above),
     }
+
+
+def memory_options(k: Any, spec: Any, z: Sizing | None, need: float | None, timed: bool) -> list[dict[str, Any]]:
+    """The kind's `memory_options` that lower the predicted peak, each priced by the kind's own
+    memory and timing on the same Sizing: [{"change": {field: value}, "memory_bytes": ...,
+    "seconds": ... or None}], in the kind's order. A change the spec already has is skipped."""
+    if z is None or need is None or k.memory is None:
+        return []
+    out: list[dict[str, Any]] = []
+    for change in k.memory_options:
+        if all(getattr(spec, f, None) == v for f, v in change.items()):
+            continue
+        alt = spec.model_copy(update=dict(change))
+        m = float(sum(k.memory(alt, z).values()))
+        if m >= need:
+            continue
+        secs = float(sum(k.timing(alt, z).values())) if timed and k.timing is not None else None
+        out.append({"change": dict(change), "memory_bytes": m, "seconds": secs})
+    return out
+
+
+def option_text(option: dict[str, Any]) -> str:
+    """"gradient_checkpointing=true: about 7.2 GB, about 3 min" (spec field names, JSON values)."""
+    change = ", ".join(f"{f}={json.dumps(v)}" for f, v in option["change"].items())
+    took = f", about {duration(option['seconds'])}" if option.get("seconds") is not None else ""
+    return f"{change}: about {size_text(option['memory_bytes'])}{took}"
 
 
 def refs_for_estimate(settings: Any, kind: str, spec: Any) -> dict[str, Any]:
@@ -354,12 +385,19 @@ def check_memory(settings: Any, est: dict[str, Any], spec: Any) -> None:
         return
     has = (f"MAX_JOB_MEMORY_MB allows {size_text(free)}" if where == "MAX_JOB_MEMORY_MB"
            else f"{where} has {size_text(free)} free")
+    options = est.get("memory_options") or []
+    fits = [o for o in options if o["memory_bytes"] <= free]
+    if fits:
+        advice = "it fits with " + "; or with ".join(option_text(o) for o in fits)
+    else:
+        closest = min(options, key=lambda o: o["memory_bytes"], default=None)
+        advice = ("use a smaller model, fewer prompts or samples, a smaller batch, or a device with "
+                  "more memory" + (f" (with {option_text(closest)}, still too much)" if closest else ""))
     raise SpecError(_errors({
         "field": "memory",
         "message": f"this job needs about {size_text(need)} of memory at its peak (estimated from "
-                   f"the model's size); {has}: use a smaller model, fewer prompts or samples, a "
-                   "smaller memory_budget_mb, or a device with more memory",
-        "limit": free, "value": need,
+                   f"the model's size); {has}: {advice}",
+        "limit": free, "value": need, "options": fits,
     }))
 
 
@@ -384,6 +422,9 @@ def describe(est: dict[str, Any], ceiling: float | None = None, seconds: float |
             + _time_text(est))
     if est.get("memory_bytes"):
         line += f"; {memory_text(est)}"
+    if est.get("memory_fits") is False:
+        line += " (more than the device has free" + "".join(
+            f"; with {option_text(o)}" for o in est.get("memory_options") or []) + ")"
     if ceiling is not None:
         line += f"; your per-job ceiling: {_ceiling_text(ceiling, seconds)}"
     return line

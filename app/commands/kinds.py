@@ -90,7 +90,19 @@ def estimate_lines(kind: str, spec: Any) -> tuple[dict[str, Any], list[str]]:
         free, where = limits.free_memory(settings, str(getattr(spec, "device", "auto")))
         has = f"; {where} has {limits.size_text(free)} free" if free is not None else ""
         lines.append(f"memory: {limits.memory_text(est)} at the peak ({parts}){has}")
+        for o in est.get("memory_options") or []:
+            flags = " ".join(_flag(f, v) for f, v in o["change"].items())
+            took = f", about {duration(o['seconds'])}" if o.get("seconds") is not None else ""
+            lines.append(f"  with {flags}: about {limits.size_text(o['memory_bytes'])}{took}")
     return est, lines
+
+
+def _flag(field: str, value: Any) -> str:
+    """A spec change as the CLI spells it: --gradient-checkpointing, --dtype bfloat16."""
+    name = "--" + field.replace("_", "-")
+    if isinstance(value, bool):
+        return name if value else f"--no-{field.replace('_', '-')}"
+    return f"{name} {value}"
 
 
 def preflight(kind: str, options: dict[str, Any], dry_run: bool, yes: bool) -> None:

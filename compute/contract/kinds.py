@@ -146,6 +146,10 @@ class JobKind:
     memory      (spec, Sizing) -> {part: bytes}: the predicted peak above the process before the
                 job (weights, accumulators, temporaries, activations, optimizer state); None:
                 unknown (no refusal for memory)
+    memory_options  spec changes that lower the peak and keep what the job measures (exact, or
+                with a cost its result states: a bf16 Fisher its error against float32), in the
+                order they are offered: every estimate prices them by the same `memory` and
+                `timing`, and a job refused for memory names those that would fit, with figures
     """
 
     name: str
@@ -164,6 +168,7 @@ class JobKind:
     tensors: TensorView | None = None
     timing: Callable[[Any, Any], Mapping[str, float]] | None = None
     memory: Callable[[Any, Any], Mapping[str, float]] | None = None
+    memory_options: tuple[Mapping[str, Any], ...] = ()
 
     def ref_fields(self, *targets: RefTarget) -> tuple[str, ...]:
         """The reference fields naming one of `targets` (all reference fields when none given)."""

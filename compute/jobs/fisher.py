@@ -154,6 +154,9 @@ def memory(s: FisherSpec, z: Sizing) -> dict[str, float]:
 KIND = JobKind(
     name="fisher", title="Fisher", spec=FisherSpec, contract=CONTRACT, runner="compute.jobs.fisher_run:run",
     cost=cost, order=10, timing=timing, memory=memory,
+    # the same Fisher with smaller per-sample temporaries (slower), or bf16 weights (its error
+    # against float32 stated in the result)
+    memory_options=({"memory_budget_mb": 256}, {"dtype": "bfloat16"}, {"dtype": "bfloat16", "memory_budget_mb": 256}),
     refs={"model": "model"},
     outputs={"fisher": "fisher"},
     form=KindForm(tab="Fisher", button="Compute Fisher",

@@ -60,6 +60,14 @@ def _check_kind(kind: JobKind, module: str) -> None:
         need(t in targets, f"outputs has {t!r}; accepted: {', '.join(targets)}")
     for f in (*(kind.form.main if kind.form else ()), *kind.cli_args):
         need(f in fields, f"form/cli_args name {f!r}, which {kind.spec.__name__} does not have")
+    need(not kind.memory_options or kind.memory is not None, "memory_options without memory: nothing prices them")
+    for change in kind.memory_options:
+        for f, v in change.items():
+            need(f in fields, f"memory_options name {f!r}, which {kind.spec.__name__} does not have")
+            try:
+                kind.spec.model_validate({**kind.example, f: v})
+            except ValueError as exc:
+                need(False, f"memory_options[{f!r}] = {v!r} is not a valid value: {exc}")
 
 
 # compute/jobs/ modules that are not a kind: this registry, the dispatch from a kind to its runner

@@ -210,6 +210,48 @@ def test_api_refuses_a_job_that_does_not_fit_the_device_with_both_figures(api) -
     assert client.get("/api/jobs").json() == []
 
 
+def test_a_job_refused_for_memory_names_the_option_that_fits_with_its_figures(
+        api, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kind's memory_options are priced by its own memory and timing: an SFT step of 64 rows
+    of 256 tokens that does not fit 300 MiB is refused naming gradient_checkpointing with the
+    figure the estimate of that spec gives; that spec is accepted; the estimate (API, form line)
+    and the CLI's --dry-run list the option too."""
+    from app import limits
+    from app.cli import main
+
+    spec = {"model": "arith-base", "algo": "sft", "batch": 64, "max_new_tokens": 256, "steps": 1}
+    roomy = api(max_job_memory_mb=1_000_000)
+    plain = roomy.post("/api/estimate", json={"kind": "train", "spec": spec}).json()
+    ckpt = roomy.post("/api/estimate", json={"kind": "train", "spec": {**spec, "gradient_checkpointing": True}}).json()
+    assert ckpt["memory_bytes"] < 300 * 2**20 < plain["memory_bytes"]  # the case this test is about
+    (option,) = plain["memory_options"]
+    assert option["change"] == {"gradient_checkpointing": True}
+    assert option["memory_bytes"] == pytest.approx(ckpt["memory_bytes"])
+    assert ckpt["memory_options"] == [] and plain["memory_fits"] is True
+
+    client = api(max_job_memory_mb=300)
+    r = client.post("/api/jobs", json={"kind": "train", "spec": spec})
+    assert r.status_code == 422, r.text
+    (err,) = r.json()["detail"]
+    assert err["field"] == "memory" and err["options"] == [option]
+    assert f"it fits with gradient_checkpointing=true: about {ckpt['memory_bytes'] / 1e6:.3g} MB" in err["message"]
+    est = client.post("/api/estimate", json={"kind": "train", "spec": spec}).json()
+    assert est["memory_fits"] is False and "more than the device has free; with gradient_checkpointing" in est["text"]
+    assert "with gradient" in limits.describe(est)
+    r = client.post("/api/jobs", json={"kind": "train", "spec": {**spec, "gradient_checkpointing": True}})
+    assert r.status_code == 201, r.text
+
+    _cli_env(monkeypatch, _home(tmp_path / "home"), MAX_JOB_MEMORY_MB="300")
+    args = ["train", "--model", "arith-base", "--algo", "sft", "--batch", "64", "--max-new-tokens", "256",
+            "--steps", "1", "--out", str(tmp_path / "o")]
+    res = CliRunner().invoke(main, [*args, "--dry-run"])
+    assert res.exit_code == 0 and f"with --gradient-checkpointing: about {ckpt['memory_bytes'] / 1e6:.3g} MB" \
+        in res.output, res.output
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 2 and "it fits with gradient_checkpointing=true" in res.output, res.output
+    assert not (tmp_path / "o").exists()
+
+
 def _cli_env(monkeypatch: pytest.MonkeyPatch, home: Path, **env: str) -> None:
     monkeypatch.setenv("FISHERLENS_HOME", str(home))
     for k in ("FISHERLENS_URL", "FISHERLENS_TOKEN", "DATABASE_URL", "REDIS_URL", "CONFIRM_ABOVE_S",

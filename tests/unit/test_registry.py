@@ -138,6 +138,9 @@ def test_a_kind_without_cost_or_with_a_wrong_form_is_refused() -> None:
         (replace(fisher, refs={"model": "nothing"}), "refs"),
         (replace(fisher, runner="compute.jobs.fisher_run"), "module:function"),
         (replace(fisher, name="other"), "module's name"),
+        (replace(fisher, memory_options=({"no_such_field": 1},)), "memory_options name 'no_such_field'"),
+        (replace(fisher, memory_options=({"dtype": "float7"},)), r"memory_options\['dtype'\] = 'float7'"),
+        (replace(fisher, memory=None), "memory_options without memory"),
     ):
         with pytest.raises(registry.RegistryError, match=match):
             registry._check_kind(bad, "fisher")
