@@ -48,6 +48,8 @@ model = LlamaForCausalLM(cfg).train()
 ids = torch.randint(2, 49152, (rows, length))
 am = torch.ones_like(ids)
 full = os.environ["PATH_KIND"] == "full"
+if os.environ["PATH_KIND"] == "checkpointed":  # what train's --gradient-checkpointing turns on
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
 fixed_mmap_threshold()  # the train job's allocator setting (compute/runtime/memory.py)
 
 def step():
@@ -67,6 +69,18 @@ print(json.dumps({"peak_mib": peak, "seconds": sec}))
 """
 
 
+def predicted_mib(shape: tuple, tokens: int, checkpointed: bool) -> float:
+    """The train estimate's activations for these tokens (compute.contract.cost: TRAIN_ACTIVATION_SHARE
+    x Sizing.activation_bytes with one chunk of logits) plus the dense run's gradients (4 bytes/param)."""
+    from compute.contract.cost import LOGITS_CHUNK_BYTES, TRAIN_ACTIVATION_SHARE, Sizing
+
+    h, layers, inter, heads, kv = shape
+    params = 49152 * h + layers * (2 * h * h + 2 * h * (h // heads * kv) + 3 * h * inter)  # norms: 0.01%
+    z = Sizing(params=params, layers=layers, hidden=h, vocab=49152, intermediate=inter)
+    act = z.activation_bytes(tokens, logit_tokens=LOGITS_CHUNK_BYTES // (4 * 49152), checkpointed=checkpointed)
+    return (TRAIN_ACTIVATION_SHARE * act + 4.0 * params) / 2**20
+
+
 def run(kind: str, shape: tuple, rows: int, length: int, repeats: int, threads: int) -> dict:
     env = {**os.environ, "ROOT": str(ROOT), "SHAPE": json.dumps(shape), "ROWS": str(rows),
            "LENGTH": str(length), "REPEATS": str(repeats), "PATH_KIND": kind, "THREADS": str(threads)}
@@ -81,6 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--size", default="20m")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--checkpointing", action="store_true",
+                    help="a third case: the chunked head with gradient checkpointing on (train's flag)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench_logits.json"))
     args = ap.parse_args(argv)
     from compute.contract.cost import LOGITS_CHUNK_BYTES
@@ -90,14 +106,25 @@ def main(argv: list[str] | None = None) -> int:
     for length in (int(x) for x in args.lengths.split(",")):
         full = run("full", shape, args.rows, length, args.repeats, args.threads)
         chunked = run("chunked", shape, args.rows, length, args.repeats, args.threads)
-        row = {"size": args.size, "rows": args.rows, "length": length, "tokens": args.rows * length,
-               "full_logits_mib": args.rows * length * 49152 * 4 / 2**20,
+        tokens = args.rows * length
+        row = {"size": args.size, "rows": args.rows, "length": length, "tokens": tokens,
+               "full_logits_mib": tokens * 49152 * 4 / 2**20,
                "full": full, "chunked": chunked,
                "peak_ratio": chunked["peak_mib"] / full["peak_mib"],
                "time_ratio": chunked["seconds"] / full["seconds"]}
+        chunked["predicted_mib"] = predicted_mib(shape, tokens, False)
+        if args.checkpointing:
+            ckpt = run("checkpointed", shape, args.rows, length, args.repeats, args.threads)
+            ckpt["predicted_mib"] = predicted_mib(shape, tokens, True)
+            row |= {"checkpointed": ckpt, "checkpointed_peak_ratio": ckpt["peak_mib"] / chunked["peak_mib"],
+                    "checkpointed_time_ratio": ckpt["seconds"] / chunked["seconds"]}
         rows.append(row)
         print(f"{args.size} {args.rows}x{length}: peak {full['peak_mib']:.0f} -> {chunked['peak_mib']:.0f} MiB "
-              f"({row['peak_ratio']:.2f}x), {full['seconds']:.2f} -> {chunked['seconds']:.2f} s ({row['time_ratio']:.2f}x)")
+              f"({row['peak_ratio']:.2f}x; predicted {chunked['predicted_mib']:.0f}), {full['seconds']:.2f} -> "
+              f"{chunked['seconds']:.2f} s ({row['time_ratio']:.2f}x)"
+              + (f"; checkpointed {row['checkpointed']['peak_mib']:.0f} MiB (predicted "
+                 f"{row['checkpointed']['predicted_mib']:.0f}), {row['checkpointed']['seconds']:.2f} s"
+                 if args.checkpointing else ""))
     res = {"rows": rows, "logits_chunk_bytes": LOGITS_CHUNK_BYTES,
            "settings": f"token_logprobs + backward of the sum, Llama {args.size} shape, vocab 49152, tied, "
                        f"float32, CPU, {args.threads} threads, {args.repeats} timed calls after a warm-up, "

@@ -65,7 +65,7 @@ from compute.lm.sampling import sample_completions
 from compute.lm.verifiable_tasks import get_task
 W = json.loads(os.environ["WORKLOAD"])
 spec = FisherSpec(model=folder, prompts=W["prompts"], samples=W["samples"], max_new_tokens=W["max_new_tokens"],
-                  memory_budget_mb=int(os.environ["BUDGET"]))
+                  memory_budget_mb=int(os.environ["BUDGET"]), estimator=W.get("estimator", "sequence"))
 model, tok = fisher_run._load(spec, None)
 n = sum(p.numel() for p in model.parameters())
 ex = get_task(spec.task).examples(spec.prompts, seed=spec.seed, split="train", start=0)
@@ -111,6 +111,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--samples", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=8)
     ap.add_argument("--budget-mb", type=int, default=BUDGET_MB)
+    ap.add_argument("--estimators", default="sequence",
+                    help="comma-separated: each size is measured with each (sequence, token, empirical, batch)")
     args = ap.parse_args(argv)
     workload = {"prompts": args.prompts, "samples": args.samples, "max_new_tokens": args.max_new_tokens}
     budget_mb = args.budget_mb
@@ -120,11 +122,11 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     t_all = time.time()
     with tempfile.TemporaryDirectory() as scratch:
-        for size in args.sizes.split(","):
+        for size, estimator in ((s, e) for s in args.sizes.split(",") for e in args.estimators.split(",")):
             env = {**os.environ, "ROOT": str(ROOT), "SHAPE": json.dumps(SHAPES[size]),
                    "FOLDER": str(Path(scratch) / size), "TOK": tok, "THREADS": str(args.threads),
                    "BUDGET": str(budget_mb), "ALLOWED_MODEL_ROOTS": scratch, "PYTHONPATH": str(ROOT),
-                   "WORKLOAD": json.dumps(workload)}
+                   "WORKLOAD": json.dumps({**workload, "estimator": estimator})}
             p = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True)
             if p.returncode:
                 print(p.stderr[-3000:], file=sys.stderr)
@@ -132,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             r = json.loads(p.stdout.strip().splitlines()[-1])
             floor = r["sample_s"] + r["forward_backward_s"]
             passes = (r.get("seconds_parts") or {}).get("per-sample passes", r["fisher_s"])
-            r.update(size=size, shape=SHAPES[size],
+            r.update(size=size, shape=SHAPES[size], estimator=estimator,
                      bytes_per_param_above_weights=r["peak_above_weights_mb"] * 2**20 / r["n_params"],
                      bytes_per_param_beyond_budget=(r["peak_above_weights_mb"] - budget_mb) * 2**20 / r["n_params"],
                      floor_s=floor, job_over_floor=r["job_s"] / floor,
@@ -140,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
                      # self-check or the statistics) against one batched forward + backward
                      fisher_over_forward_backward=passes / max(r["forward_backward_s"], 1e-9))
             rows.append(r)
-            print(f"{size}: {r['n_params']:,} params, {r['bytes_per_param_above_weights']:.1f} B/param above the "
+            print(f"{size} {estimator}: {r['n_params']:,} params, {r['bytes_per_param_above_weights']:.1f} B/param above the "
                   f"weights ({r['bytes_per_param_beyond_budget']:.1f} beyond the {budget_mb} MiB budget), "
                   f"job {r['job_s']:.1f} s = {r['job_over_floor']:.2f}x the floor {floor:.1f} s", flush=True)
     load = os.getloadavg()

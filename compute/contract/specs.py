@@ -166,6 +166,9 @@ class TrainingKnobs(Spec):
     fisher_prompts: FisherPrompts = Field(32, description="prompts of the initial Fisher")
     fisher_samples: FisherSamples = Field(4, description="samples per prompt of the initial Fisher")
     device: Device = "auto"
+    gradient_checkpointing: bool = Field(
+        False, description="recompute each decoder layer's activations in backward (transformers' gradient "
+        "checkpointing): holds each layer's input instead of all its activations, one more forward per step")
 
 
 class RunKnobs(TrainingKnobs):
@@ -191,9 +194,6 @@ class LoopKnobs(RunKnobs):
     precision: Precision = Field(
         "fp32", description="fp32 | bf16-mixed (fp32 master weights, bf16 checkpoint) | bf16 (bf16 weights: "
         "updates below half a bf16 ULP are lost)")
-    gradient_checkpointing: bool = Field(
-        False, description="recompute each decoder layer's activations in backward (transformers' gradient "
-        "checkpointing): holds each layer's input instead of all its activations, one more forward per step")
 
 
 # dtypes a model may be loaded in for each training precision (precision sets the training dtype)

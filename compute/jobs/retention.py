@@ -156,7 +156,8 @@ CONTRACT = Contract("retention", RetentionResult, heatmaps=("retention",),
 
 def cost(s: RetentionSpec) -> int:
     runs = s.seeds * (len(s.densities) * len(s.selectors) + 1)
-    one = train_passes(s.algo, s.steps, s.batch, s.group, s.max_new_tokens, s.eval_prompts)
+    one = train_passes(s.algo, s.steps, s.batch, s.group, s.max_new_tokens, s.eval_prompts,
+                       s.gradient_checkpointing)
     fisher = fisher_passes(s.fisher_prompts, s.fisher_samples, s.max_new_tokens)
     return runs * one + s.seeds * fisher
 
@@ -165,7 +166,8 @@ def timing(s: RetentionSpec, z: Sizing) -> dict[str, float]:
     """In one process (queued, the arms run on as many workers at once): the base's evaluation,
     the Fisher once per seed, and every arm's training run and evaluation."""
     runs = s.seeds * (len(s.densities) * len(s.selectors) + 1)
-    one = train_seconds(z, s.algo, s.steps, s.batch, s.group, s.max_new_tokens, s.eval_prompts)
+    one = train_seconds(z, s.algo, s.steps, s.batch, s.group, s.max_new_tokens, s.eval_prompts,
+                        checkpointing=s.gradient_checkpointing)
     fisher = sum(fisher_seconds(z, s.fisher_prompts, s.fisher_samples, s.max_new_tokens,
                                 statistics=False).values())
     share = ONE_THREAD_CALL_SHARE if z.params < ONE_THREAD_BELOW_PARAMS else 1.0
@@ -177,7 +179,8 @@ def timing(s: RetentionSpec, z: Sizing) -> dict[str, float]:
 def memory(s: RetentionSpec, z: Sizing) -> dict[str, float]:
     """One arm's training peak, and what the sweep keeps between arms."""
     return train_memory(z, s.algo, s.batch, s.group, s.max_new_tokens, s.optimizer,
-                        teacher=s.algo == "opd") | {"kept between arms": RETENTION_STATE_MB * MIB}
+                        teacher=s.algo == "opd", checkpointing=s.gradient_checkpointing,
+                        ) | {"kept between arms": RETENTION_STATE_MB * MIB}
 
 
 def implied_refs(s: RetentionSpec) -> dict[str, str]:
@@ -190,6 +193,7 @@ def implied_refs(s: RetentionSpec) -> dict[str, str]:
 KIND = JobKind(
     name="retention", title="Retention", spec=RetentionSpec, contract=CONTRACT,
     runner="compute.jobs.retention_run:run", cost=cost, order=40, timing=timing, memory=memory,
+    memory_options=({"gradient_checkpointing": True},),  # every arm's weights the same, a forward more a step
     refs={"model": "model", "teacher": "model"},
     implied_refs=implied_refs,
     form=KindForm(tab="Retention sweep", button="Run retention sweep",

@@ -119,7 +119,8 @@ CONTRACT = Contract("sweep", SweepResult, heatmaps=SWEEP_HEATMAPS, series_famili
 
 def cost(s: SweepSpec) -> int:
     points = len(s.lrs) * len(s.optimizers) * len(s.precision)
-    one = train_passes(s.algo, s.steps, s.batch, s.group, s.max_new_tokens, s.eval_prompts)
+    one = train_passes(s.algo, s.steps, s.batch, s.group, s.max_new_tokens, s.eval_prompts,
+                       s.gradient_checkpointing)
     fisher = 0 if s.fisher else fisher_passes(s.fisher_prompts, s.fisher_samples, s.max_new_tokens)
     return points * one + fisher
 
@@ -128,7 +129,8 @@ def timing(s: SweepSpec, z: Sizing) -> dict[str, float]:
     """Every point in one process (queued, the points run on as many workers at once): the
     initial Fisher once, then per point a load, a training run and its end (diff, saving)."""
     points = len(s.lrs) * len(s.optimizers) * len(s.precision)
-    one = train_seconds(z, s.algo, s.steps, s.batch, s.group, s.max_new_tokens, s.eval_prompts)
+    one = train_seconds(z, s.algo, s.steps, s.batch, s.group, s.max_new_tokens, s.eval_prompts,
+                        checkpointing=s.gradient_checkpointing)
     out = {"initial Fisher": 0.0 if s.fisher else sum(fisher_seconds(
         z, s.fisher_prompts, s.fisher_samples, s.max_new_tokens, statistics=False).values()) + z.load_s()}
     out["points"] = points * (z.load_s() + sum(one.values()) + train_finish_seconds(z))
@@ -138,12 +140,14 @@ def timing(s: SweepSpec, z: Sizing) -> dict[str, float]:
 def memory(s: SweepSpec, z: Sizing) -> dict[str, float]:
     """One point at a time: a training run's peak (the largest optimizer state of the grid)."""
     opt = "adamw" if "adamw" in s.optimizers else s.optimizers[0]
-    return train_memory(z, s.algo, s.batch, s.group, s.max_new_tokens, opt, teacher=s.algo == "opd")
+    return train_memory(z, s.algo, s.batch, s.group, s.max_new_tokens, opt, teacher=s.algo == "opd",
+                        checkpointing=s.gradient_checkpointing)
 
 
 KIND = JobKind(
     name="sweep", title="LR x optimizer sweep", spec=SweepSpec, contract=CONTRACT,
     runner="compute.jobs.sweep_run:run", cost=cost, order=50, timing=timing, memory=memory,
+    memory_options=({"gradient_checkpointing": True},),  # every point's weights the same, a forward more a step
     refs={"model": "model", "teacher": "model", "fisher": "fisher"},
     form=KindForm(tab="LR x optimizer sweep", button="Run sweep",
                   main=("model", "algo", "teacher", "lrs", "optimizers", "precision", "steps", "seed")),

@@ -52,7 +52,7 @@ POINT_KEYS = (
 TRAIN_FIELDS = ("model", "task", "algo", "teacher", "steps", "batch", "group", "max_new_tokens",
                 "eval_prompts", "seed", "weight_decay", "momentum", "grad_clip", "temperature",
                 "kl_coef", "clip_eps", "sft_source", "distill_estimator", "fisher_prompts",
-                "fisher_samples", "independent_fisher", "topk_percent", "device")
+                "fisher_samples", "independent_fisher", "topk_percent", "device", "gradient_checkpointing")
 
 
 def grid(spec: SweepSpec) -> list[tuple[str, str, float]]:

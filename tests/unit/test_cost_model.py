@@ -252,6 +252,32 @@ def test_a_job_refused_for_memory_names_the_option_that_fits_with_its_figures(
     assert not (tmp_path / "o").exists()
 
 
+@pytest.mark.parametrize("kind,extra", [("train", {}), ("sweep", {"lrs": [1e-4]}), ("retention", {"seeds": 1})])
+def test_every_training_kind_prices_and_runs_gradient_checkpointing(kind: str, extra: dict, tmp_path: Path) -> None:
+    """One rule, every kind that trains: gradient_checkpointing is a knob of train, sweep and
+    retention alike; each prices it (a forward more per step, less activation memory) and offers
+    it as a memory option; a sweep's points and a retention arm's config carry it to the loop."""
+    from app import limits
+    from compute.jobs.registry import parse_spec
+    from compute.jobs.sweep_run import point_spec
+    from compute.jobs.train_run import config_from_spec
+
+    settings = _settings(_home(tmp_path / "home"), max_job_memory_mb=1_000_000)
+    base = {"model": "arith-base", "algo": "sft", "batch": 32, "max_new_tokens": 128, "steps": 2, **extra}
+    plain, ckpt = (parse_spec(kind, {**base, "gradient_checkpointing": on}) for on in (False, True))
+    ests = [limits.estimate(settings, kind, s, limits.refs_for_estimate(settings, kind, s)) for s in (plain, ckpt)]
+    assert ests[1]["memory_bytes"] < ests[0]["memory_bytes"]
+    assert ests[1]["token_passes"] > ests[0]["token_passes"] and ests[1]["seconds"] > ests[0]["seconds"]
+    (option,) = ests[0]["memory_options"]
+    assert option["change"] == {"gradient_checkpointing": True}
+    assert option["memory_bytes"] == pytest.approx(ests[1]["memory_bytes"])
+    assert option["seconds"] == pytest.approx(ests[1]["seconds"])
+    if kind == "sweep":
+        assert point_spec(ckpt, "fp32", "adamw", 1e-4).gradient_checkpointing is True
+    else:
+        assert config_from_spec(ckpt).gradient_checkpointing is True
+
+
 def _cli_env(monkeypatch: pytest.MonkeyPatch, home: Path, **env: str) -> None:
     monkeypatch.setenv("FISHERLENS_HOME", str(home))
     for k in ("FISHERLENS_URL", "FISHERLENS_TOKEN", "DATABASE_URL", "REDIS_URL", "CONFIRM_ABOVE_S",
