@@ -72,12 +72,12 @@ print(json.dumps({"peak_mib": peak, "seconds": sec}))
 def predicted_mib(shape: tuple, tokens: int, checkpointed: bool) -> float:
     """The train estimate's activations for these tokens (compute.contract.cost: TRAIN_ACTIVATION_SHARE
     x Sizing.activation_bytes with one chunk of logits) plus the dense run's gradients (4 bytes/param)."""
-    from compute.contract.cost import LOGITS_CHUNK_BYTES, TRAIN_ACTIVATION_SHARE, Sizing
+    from compute.contract.cost import TRAIN_ACTIVATION_SHARE, Sizing, logits_chunk_tokens
 
     h, layers, inter, heads, kv = shape
     params = 49152 * h + layers * (2 * h * h + 2 * h * (h // heads * kv) + 3 * h * inter)  # norms: 0.01%
     z = Sizing(params=params, layers=layers, hidden=h, vocab=49152, intermediate=inter)
-    act = z.activation_bytes(tokens, logit_tokens=LOGITS_CHUNK_BYTES // (4 * 49152), checkpointed=checkpointed)
+    act = z.activation_bytes(tokens, logit_tokens=logits_chunk_tokens(49152), checkpointed=checkpointed)
     return (TRAIN_ACTIVATION_SHARE * act + 4.0 * params) / 2**20
 
 

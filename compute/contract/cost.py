@@ -140,11 +140,12 @@ INITIAL_FISHER_BYTES_PER_PARAM = 4.0
 # A tensor-file job (mask, diff, series): each tensor file element read, held and compared
 FILE_BYTES_PER_ELEMENT = 12.0
 # What a training step's forward+backward holds, as a share of Sizing.activation_bytes with one
-# chunk of logits (LOGITS_CHUNK_BYTES): 0.70 / 0.76 measured (benchmarks/bench_logits.py, 20m Llama
-# shape, 8 x 256 / 8 x 512 tokens: 562 / 824 MiB above the weights and gradients, 799 / 1087 MiB by
-# the formula). It was 0.1 until session 13, fitted where the runtime base hid the activations:
-# 7x low for a long sequence.
-TRAIN_ACTIVATION_SHARE = 0.75
+# chunk of logits (LOGITS_CHUNK_BYTES), gradient checkpointing on or off. Fitted on 8 measurements
+# (benchmarks/bench_logits.py --checkpointing, 20m Llama shape, 8 rows x 64-1,024 tokens, CPU;
+# bench_logits.json): activations measured 0.83-1.0x the formula; with this share and the dense
+# gradients the predicted peak is 0.91-1.19x the measured one in every case. It was 0.1 until
+# session 13, fitted where the runtime base hid the activations: 7x low for a long sequence.
+TRAIN_ACTIVATION_SHARE = 0.9
 # The Fisher engine lets rows into a chunk up to this share of its temporaries budget by that
 # formula: the rest is for the per-weight square sums, the hooks' output gradients and the
 # allocator's freed blocks. Measured (benchmarks/pass_peaks.py) on a 100M Llama at the default workload (64 x 4 x 16, 1 GiB,
@@ -209,16 +210,19 @@ class Sizing:
         return min(self.params, max(self.vocab * self.hidden, inter * self.hidden))
 
     def activation_bytes(self, tokens: int, logit_tokens: int | None = None, checkpointed: bool = False) -> float:
-        """Saved activations of a forward+backward over `tokens` tokens, fp32 logits of
-        `logit_tokens` of them (default all) included (compute/fisher/estimators.py sizes its row
-        chunks with the same formula; training holds one chunk of logits, compute.lm.head).
+        """Saved activations of a forward+backward over `tokens` tokens, with their float32 logits:
+        without `logit_tokens`, the whole logits four times over (logits, log_softmax, their
+        gradients: compute/fisher/estimators.py sizes its row chunks with this formula); with it,
+        one chunk of that many tokens twice over (training's head a chunk at a time,
+        compute.lm.head: the chunk's logits and the one gradient built in place).
         checkpointed (gradient checkpointing): each layer's input, and one layer's activations
         at a time in backward."""
         inter = self.intermediate or 4 * self.hidden
-        lt = tokens if logit_tokens is None else min(tokens, logit_tokens)
         per_layer = 4.0 * tokens * (12 * self.hidden + 4 * inter)
         layers = 4.0 * tokens * self.hidden * self.layers + per_layer if checkpointed else per_layer * self.layers
-        return layers + 16.0 * lt * self.vocab
+        if logit_tokens is None:
+            return layers + 16.0 * tokens * self.vocab
+        return layers + 8.0 * min(tokens, logit_tokens) * self.vocab
 
     def kv_cache_bytes(self, rows: int, length: int) -> float:
         """Generation's KV cache and logits of `rows` rows of `length` tokens (fp32)."""
@@ -334,8 +338,15 @@ def train_memory(z: Sizing, algo: str, batch: int, group: int, max_new_tokens: i
         parts["gradients, step temporaries, initial Fisher"] = (TRAIN_BYTES_PER_PARAM + conc) * z.params
     return parts | {"optimizer state": state * z.params,
                     "activations": TRAIN_ACTIVATION_SHARE * z.activation_bytes(
-                        rows * length, logit_tokens=max(1, LOGITS_CHUNK_BYTES // (4 * max(1, z.vocab))),
+                        rows * length, logit_tokens=None if teacher else logits_chunk_tokens(z.vocab),
                         checkpointed=checkpointing)}
+
+
+def logits_chunk_tokens(vocab: int, chunk_bytes: int | None = None) -> int:
+    """Tokens per chunk of the training objectives' head (compute.lm.head reads this): float32
+    logits of at most `chunk_bytes` (LOGITS_CHUNK_BYTES), >= 1. On-policy distillation (a
+    teacher) reads the whole logits (its full-vocabulary KL) and is counted with them."""
+    return max(1, (chunk_bytes or LOGITS_CHUNK_BYTES) // (4 * max(1, vocab)))
 
 
 def file_memory(z: Sizing, models: int = 0) -> dict[str, float]:

@@ -95,19 +95,14 @@ def _chunk_logprobs(head: torch.nn.Linear, h: torch.Tensor, targets: torch.Tenso
     return _TargetLogprob.apply(head(h).float(), targets)  # (T,) from one chunk's (T, V) logits
 
 
-def chunk_tokens(vocab: int, chunk_bytes: int | None = None) -> int:
-    """Tokens per chunk: float32 logits of at most `chunk_bytes` (LOGITS_CHUNK_BYTES), >= 1."""
-    from compute.contract.cost import LOGITS_CHUNK_BYTES
-
-    return max(1, (chunk_bytes or LOGITS_CHUNK_BYTES) // (4 * max(1, vocab)))
-
-
 def head_logprobs(head: torch.nn.Linear, h: torch.Tensor, targets: torch.Tensor,
                   chunk_bytes: int | None = None) -> torch.Tensor:
     """log p(targets) (T,) float32 from hidden states h (T, H) through `head`, a chunk of tokens
     at a time. With gradients and more than one chunk, each chunk is checkpointed: its logits are
     recomputed in backward instead of kept."""
-    step = chunk_tokens(int(head.weight.shape[0]), chunk_bytes)
+    from compute.contract.cost import logits_chunk_tokens
+
+    step = logits_chunk_tokens(int(head.weight.shape[0]), chunk_bytes)
     fn = partial(_chunk_logprobs, head)
     if h.shape[0] <= step:
         return fn(h, targets)

@@ -385,21 +385,25 @@ def test_train_activations_count_one_chunk_of_logits_not_the_whole() -> None:
     """A training step holds its layers' activations for every token but float32 logits for one
     chunk of LOGITS_CHUNK_BYTES (compute.lm.head): on Qwen3-8B's shape a GRPO step of 8 rows of
     1,024 tokens (16 prompt + 1,008 new) counts 4 x 8,192 x 36 x (12 x 4,096 + 4 x 12,288) bytes of
-    layers and 16 bytes x 151,936 for each of 220 tokens (128 MiB / (4 x 151,936)), not 5 GB of
-    logits per copy."""
+    layers and 8 bytes x 151,936 (the chunk's logits and its one gradient) for each of 220 tokens
+    (128 MiB / (4 x 151,936)), not 5 GB of logits per copy. OPD (a teacher) reads the whole logits
+    and is counted with them."""
     z = C.Sizing(params=8_190_735_360, layers=36, hidden=4096, vocab=151_936, intermediate=12_288,
                  prompt_tokens=16)
     parts = C.train_memory(z, "grpo", 2, 4, 1008, "adamw", 0.01, concentration=False, initial_fisher=False)
     layers = 4.0 * 8192 * 36 * (12 * 4096 + 4 * 12_288)
     assert (128 << 20) // (4 * 151_936) == 220
-    assert parts["activations"] == pytest.approx(C.TRAIN_ACTIVATION_SHARE * (layers + 16.0 * 220 * 151_936))
+    assert parts["activations"] == pytest.approx(C.TRAIN_ACTIVATION_SHARE * (layers + 8.0 * 220 * 151_936))
     assert 16.0 * 8192 * 151_936 > 19e9  # what the whole logits would have added, four copies
     # gradient checkpointing: each layer's input (4 x 8,192 x 4,096 bytes) and one layer's activations
     ckpt = C.train_memory(z, "grpo", 2, 4, 1008, "adamw", 0.01, concentration=False, initial_fisher=False,
                           checkpointing=True)
     held = 4.0 * 8192 * 4096 * 36 + layers / 36
-    assert ckpt["activations"] == pytest.approx(C.TRAIN_ACTIVATION_SHARE * (held + 16.0 * 220 * 151_936))
-    assert ckpt["activations"] < 7e9 < 80e9 < parts["activations"]
+    assert ckpt["activations"] == pytest.approx(C.TRAIN_ACTIVATION_SHARE * (held + 8.0 * 220 * 151_936))
+    assert ckpt["activations"] < 8e9 < 80e9 < parts["activations"]
+    opd = C.train_memory(z, "opd", 2, 4, 1008, "adamw", 0.01, concentration=False, initial_fisher=False,
+                         teacher=True)
+    assert opd["activations"] == pytest.approx(C.TRAIN_ACTIVATION_SHARE * (layers + 16.0 * 8192 * 151_936))
 
 
 def test_train_estimate_names_the_initial_fisher_when_the_run_needs_one(tmp_path: Path) -> None:
