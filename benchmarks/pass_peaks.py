@@ -24,6 +24,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--samples", type=int, default=4)
     ap.add_argument("--max-new-tokens", type=int, default=16)
     ap.add_argument("--budget-mb", type=int, default=1024)
+    ap.add_argument("--estimator", default="sequence", help="sequence | token | empirical")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -38,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     from compute.jobs.fisher import FisherSpec
 
     spec = FisherSpec(model=args.model, prompts=args.prompts, samples=args.samples,
-                      max_new_tokens=args.max_new_tokens, memory_budget_mb=args.budget_mb)
+                      max_new_tokens=args.max_new_tokens, memory_budget_mb=args.budget_mb,
+                      estimator=args.estimator)
     model, tok = fisher_run._load(spec, None)
     for p in model.parameters():  # resident before the mark
         float(p.detach().sum())

@@ -1,7 +1,7 @@
 """Where a Fisher job's memory peaks: the main thread's Python stack each time the process's
 resident memory reaches a new high (sampled every 10 ms). The profile behind docs/scale.md.
 
-    python benchmarks/peak_stacks.py MODEL_FOLDER [--prompts 4] [--samples 2] [--max-new-tokens 8] [--budget-mb 256]
+    python benchmarks/peak_stacks.py MODEL_FOLDER [--prompts 4] [--samples 2] [--max-new-tokens 8] [--budget-mb 256] [--estimator sequence]
 
 RSS, not torch's allocator: on CPU that is what the machine runs out of. Prints the last stacks
 (the highest peaks) with their MiB above the memory at the start."""
@@ -34,6 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--samples", type=int, default=2)
     ap.add_argument("--max-new-tokens", type=int, default=8)
     ap.add_argument("--budget-mb", type=int, default=256)
+    ap.add_argument("--estimator", default="sequence", help="sequence | token | empirical | batch")
     ap.add_argument("--show", type=int, default=8, help="how many of the highest peaks to print")
     args = ap.parse_args(argv)
     sys.path.insert(0, str(ROOT))
@@ -59,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
 
     threading.Thread(target=sample, daemon=True).start()
     spec = FisherSpec(model=args.model, prompts=args.prompts, samples=args.samples, max_new_tokens=args.max_new_tokens,
-                      memory_budget_mb=args.budget_mb)
+                      memory_budget_mb=args.budget_mb, estimator=args.estimator)
     start = rss_mib()
     run(spec)
     stop.set()

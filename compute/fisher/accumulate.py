@@ -52,8 +52,14 @@ class Call:
 FRAC_SCALE = 32767.0
 # values per slice of a dense update (temporaries of a few MB, whatever the tensor's size)
 UPDATE_CHUNK = 1 << 20
-# values per block of a large linear weight's squares (a block of its rows: 64 MB in float32)
+# values per block of a large linear weight's squares (a block of its rows: 64 MB in float32), and
+# at most this share of the temporaries budget for one block's parts (one per half present): the
+# engine lets rows fill ROW_BUDGET_SHARE (3/4) of the budget, and the squares of a block come out
+# of the rest. Measured (benchmarks/bench_scale.py --estimators token, 50M Llama with a 49,152-row
+# tied head): whole 64 MB blocks put the token Fisher 0.9 bytes/param above 6 + its 256 MiB
+# budget, 1.9 above a 128 MiB one.
 BLOCK_VALUES = 1 << 24
+BLOCK_BUDGET_SHARE = 1 / 8
 
 
 class HalfSums:
@@ -80,8 +86,11 @@ class HalfSums:
         return self.roundings / (4 * FRAC_SCALE) if self.compact else 0.0
 
     def difference(self, name: str) -> torch.Tensor:
-        """A - B of one parameter, float (a tensor-sized temporary)."""
-        d = self.diff[name]
+        """A - B of one parameter, float (a tensor-sized temporary; zeros where no difference is
+        held: the batch estimator's sums have none)."""
+        d = self.diff.get(name)
+        if d is None:
+            return torch.zeros_like(self.total[name])
         if d.dtype != torch.int16:
             return d
         return d.float().mul_(self.total[name]).div_(FRAC_SCALE)
@@ -128,15 +137,18 @@ class HalfSums:
         names = list(dict.fromkeys(n for p in parts for n in p.total))
         total, diff = {}, {}
         compact = any(p.compact for p in parts)
+        differences = any(p.diff for p in parts)  # the batch estimator's sums hold none
         for n in names:
             have = [p for p in parts if n in p.total]
             t = have[0].total[n].clone()
-            d = have[0].difference(n).clone()
             for p in have[1:]:
                 t += p.total[n]
-                d += p.difference(n)
             total[n] = t
-            diff[n] = cls.encode(t, d) if compact else d
+            if differences:
+                d = have[0].difference(n).clone()
+                for p in have[1:]:
+                    d += p.difference(n)
+                diff[n] = cls.encode(t, d) if compact else d
         rounds = sum(p.roundings for p in parts) + (1 if compact else 0)
         return cls(total, diff, rounds)
 
@@ -167,9 +179,13 @@ class HalfView(Mapping):
         (the split-half statistics depend on the order only)."""
         sign = 1.0 if self.k == 0 else -1.0
         for name, t in self.sums.total.items():
-            tf, d = t.reshape(-1), self.sums.diff[name].reshape(-1)
+            tf, held = t.reshape(-1), self.sums.diff.get(name)
             for o in range(0, tf.numel(), size):
-                tc, dc = tf[o:o + size], d[o:o + size]
+                tc = tf[o:o + size]
+                if held is None:  # no difference held: each half is half the total
+                    yield tc / 2
+                    continue
+                dc = held.reshape(-1)[o:o + size]
                 if dc.dtype == torch.int16:
                     yield dc.float().mul_(sign).add_(FRAC_SCALE).mul_(tc)
                 else:
@@ -574,7 +590,8 @@ def _linear(acc: Accumulator, call: Call) -> None:
             continue
         rows_out = xf.shape[-1] if conv else gf.shape[-1]  # the weight's first dimension
         width = gf.shape[-1] if conv else xf.shape[-1]
-        per_block = max(1, BLOCK_VALUES // max(1, width))
+        values = min(BLOCK_VALUES, int(acc.budget * BLOCK_BUDGET_SHARE) // (4 * max(1, len(acc.selections))))
+        per_block = max(1, values // max(1, width))
         if not acc.store.compact or per_block >= rows_out:
             parts = [(k, ps.linear_square_sum(x=_pick(xf, sel), g=_pick(gf, sel), conv1d=conv, pos=_pick(pos, sel)))
                      for k, sel in acc.selections]

@@ -27,7 +27,9 @@ from compute.fisher.hooks import (
     graph_parameters,
 )
 from compute.lm.device import accumulator_dtype, check_tolerance, default_budget_mb, model_device
+from compute.lm.head import target_logprob
 from compute.lm.sampling import position_ids_from_mask
+from compute.runtime.memory import release_freed_memory
 
 # models whose per-row gradients were verified against autograd (see module doc)
 _VERIFIED: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
@@ -55,8 +57,10 @@ def _row_loss(model: nn.Module, ids: torch.Tensor, am: torch.Tensor, cm: torch.T
     logits = model(input_ids=ids, attention_mask=am, position_ids=position_ids_from_mask(am),
                    use_cache=False).logits  # (B, L, V)
     lp = logits[:, :-1].float() if logits.dtype != torch.float64 else logits[:, :-1]
-    lp = lp.log_softmax(-1)  # (B, L-1, V)
-    tok = lp.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)  # (B, L-1)
+    # log p of the targets without a log_softmax output or its gradient kept: the logits and
+    # one gradient built in place (compute.lm.head.target_logprob; issue 30: two (B, L, V)
+    # tensors fewer in each pass)
+    tok = target_logprob(lp, ids[:, 1:])  # (B, L-1)
     w = cm[:, 1:].to(tok.dtype) * scale.to(tok.dtype).unsqueeze(1)  # (B, L-1)
     return (tok * w).sum()
 
@@ -297,7 +301,13 @@ def per_sample_square_sums(
                 room = store.unallocated_bytes() if not store.sums else 0
                 _verify(model, params, chunk, budget, check_bytes=max(room, budget))
                 store.check_seconds += time.perf_counter() - t_check
+                release_freed_memory()  # the check's sums, before the accumulators take their room
             _one_pass(model, store, params, chunk, budget, coverage=i == 0)
+            # what the pass freed goes back to the system before the next one maps its own: glibc
+            # kept 110 MiB of a 50M model's passes between them, which put the token Fisher's
+            # passes above accumulators + budget (benchmarks/pass_peaks.py; issue 30). A no-op
+            # off glibc; the device's own allocator is not touched.
+            release_freed_memory()
     return store.finish() if into is None else {}
 
 
@@ -415,20 +425,42 @@ def batch_fisher(
 ) -> dict[str, torch.Tensor]:
     """Child-Tuning style: sum over minibatches of (d/dθ mean_n NLL_n)^2, NLL_n = -sum_t log p.
 
-    Cheap and biased (cross-sample terms survive); a baseline, not the model Fisher."""
+    Cheap and biased (cross-sample terms survive); a baseline, not the model Fisher.
+
+    Each parameter's gradient is squared into its sum as soon as autograd has accumulated it (a
+    post-accumulate-grad hook) and freed there (issue 30): one gradient alive at a time, not the
+    whole set (4 bytes/param) that torch.autograd.grad returns at once. The model's own .grad
+    are put back afterwards."""
     device = model_device(model)
     params = trainable_parameters(model)
     out = {n: torch.zeros(p.shape, dtype=torch.float32, device=device) for n, p in params.items()}
+    kept = {n: p.grad for n, p in params.items()}
+    seen: dict[int, str] = {}
+    handles = []
+    for n, p in params.items():
+        if id(p) in seen:  # a tied parameter listed twice: one hook, one sum
+            continue
+        seen[id(p)] = n
+
+        def fold(p: torch.Tensor, n: str = n) -> None:
+            if p.grad is not None:
+                out[n].addcmul_(p.grad.float(), p.grad.float())
+                p.grad = None
+
+        p.grad = None
+        handles.append(p.register_post_accumulate_grad_hook(fold))
     N = input_ids.shape[0]
-    with _eval(model):
-        for s in range(0, N, batch_size):
-            ids = input_ids[s : s + batch_size].to(device)
-            am = attention_mask[s : s + batch_size].to(device)
-            cm = completion_mask[s : s + batch_size].to(device).bool()
-            scale = torch.full((ids.shape[0],), -1.0 / ids.shape[0], device=device)
-            loss = _row_loss(model, ids, am, cm, scale)
-            grads = torch.autograd.grad(loss, list(params.values()), allow_unused=True)
-            for (n, _), gr in zip(params.items(), grads, strict=True):
-                if gr is not None:
-                    out[n] += gr.float().square()
+    try:
+        with _eval(model):
+            for s in range(0, N, batch_size):
+                ids = input_ids[s : s + batch_size].to(device)
+                am = attention_mask[s : s + batch_size].to(device)
+                cm = completion_mask[s : s + batch_size].to(device).bool()
+                scale = torch.full((ids.shape[0],), -1.0 / ids.shape[0], device=device)
+                _row_loss(model, ids, am, cm, scale).backward()
+    finally:
+        for h in handles:
+            h.remove()
+        for n, p in params.items():
+            p.grad = kept[n]
     return {n: t.cpu() for n, t in out.items()}

@@ -338,11 +338,11 @@ def run(spec: FisherSpec, progress: Progress = null_progress, refs: Refs | None 
 
 # -- until_reliable (issue 18): more prompts until the split-half verdict is at least "fair" ----
 def _merged(outs: list[dict]) -> tuple[HalfSums | None, list[float]]:
-    """The shard outputs' sums as one HalfSums (batch: differences all zero, unused) and the
-    summed denominators; None when no shard has sums. One shard's tensors are handed over."""
-    parts = [HalfSums(dict(o["sums"]),
-                      dict(o.get("diffs") or {n: torch.zeros_like(t, dtype=torch.int16) for n, t in o["sums"].items()}),
-                      int(o.get("diff_roundings") or 0)) for o in outs if o["sums"]]
+    """The shard outputs' sums as one HalfSums (batch: no differences held, 2 bytes/param of
+    zeros saved) and the summed denominators; None when no shard has sums. One shard's tensors
+    are handed over."""
+    parts = [HalfSums(dict(o["sums"]), dict(o.get("diffs") or {}), int(o.get("diff_roundings") or 0))
+             for o in outs if o["sums"]]
     denoms = [0.0, 0.0]
     for o in outs:
         if o["denoms"] is not None:

@@ -91,8 +91,14 @@ class _TargetLogprob(torch.autograd.Function):
         return gx.scatter_add_(-1, targets.unsqueeze(-1), g.unsqueeze(-1).to(gx.dtype)), None
 
 
+def target_logprob(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """log_softmax(logits)[..., target] (..., ) from logits (..., V) and targets (...,), the
+    logits and one gradient the only vocab-sized tensors (the Fisher engine's loss uses it too)."""
+    return _TargetLogprob.apply(logits, targets)
+
+
 def _chunk_logprobs(head: torch.nn.Linear, h: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-    return _TargetLogprob.apply(head(h).float(), targets)  # (T,) from one chunk's (T, V) logits
+    return target_logprob(head(h).float(), targets)  # (T,) from one chunk's (T, V) logits
 
 
 def head_logprobs(head: torch.nn.Linear, h: torch.Tensor, targets: torch.Tensor,

@@ -189,11 +189,19 @@ def test_failure_inside_backward_leaves_no_hooks(tok):
     assert not any(m._forward_hooks or m._forward_hooks_with_kwargs for m in model.modules())
 
 
-def test_batch_estimator_matches_manual(tok):
-    model = tiny_model("qwen3", seed=9)
+@pytest.mark.parametrize("arch,tied", [("qwen3", False), ("llama", True)])
+def test_batch_estimator_matches_manual(tok, arch, tied):
+    """Each gradient is squared as autograd accumulates it (a tied weight once, both uses
+    summed first), and the model's own .grad are left as they were."""
+    model = tiny_model(arch, tied=tied, seed=9)
     roll = build_rollout(tok, ["1+2=", "3*3=", "10+5="], ["3", "9", "15"])
+    first = next(model.parameters())
+    first.grad = torch.full_like(first, 7.0)
     got = batch_fisher(model, roll.input_ids, roll.attention_mask, roll.completion_mask,
                        batch_size=2)
+    assert torch.equal(first.grad, torch.full_like(first, 7.0))
+    assert all(p.grad is None for p in list(model.parameters())[1:])
+    first.grad = None
     params = trainable_parameters(model)
     ref = {n: torch.zeros(p.shape, dtype=torch.float64) for n, p in params.items()}
     for rows in ([0, 1], [2]):
