@@ -27,18 +27,11 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from bench_scale import SHAPES  # noqa: E402
+from bench_scale import CHILD_PRELUDE, SHAPES  # noqa: E402
 
-CHILD = r"""
-import json, os, sys, time
-sys.path.insert(0, os.environ["ROOT"]); sys.path.insert(0, os.path.join(os.environ["ROOT"], "benchmarks"))
-import torch
-torch.set_num_threads(int(os.environ["THREADS"]))
-from transformers import LlamaConfig, LlamaForCausalLM
-from peakmem import rss_peak_of
+CHILD = CHILD_PRELUDE + r"""
 from compute.lm.sampling import token_logprobs
 from compute.runtime.memory import fixed_mmap_threshold, release_freed_memory
-H, L, I, A, KV = json.loads(os.environ["SHAPE"])
 rows, length, repeats = (int(os.environ[k]) for k in ("ROWS", "LENGTH", "REPEATS"))
 torch.manual_seed(0)
 cfg = LlamaConfig(vocab_size=49152, hidden_size=H, intermediate_size=I, num_hidden_layers=L,

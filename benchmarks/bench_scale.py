@@ -40,14 +40,19 @@ SHAPES = {  # name -> (hidden, layers, intermediate, heads, kv heads)
 }
 BUDGET_MB = 256
 
-CHILD = r"""
-import json, os, sys, time
+# The first lines of every fresh-process child of the scale benchmarks (bench_scale, bench_scale_train,
+# bench_logits): imports, torch threads, the RSS peak helper, the Llama shape from SHAPE.
+CHILD_PRELUDE = r"""
+import json, os, sys, threading, time, traceback
 sys.path.insert(0, os.environ["ROOT"]); sys.path.insert(0, os.path.join(os.environ["ROOT"], "benchmarks"))
 import torch
 torch.set_num_threads(int(os.environ["THREADS"]))
 from transformers import LlamaConfig, LlamaForCausalLM
 from peakmem import rss_peak_of
 H, L, I, A, KV = json.loads(os.environ["SHAPE"])
+"""
+
+CHILD = CHILD_PRELUDE + r"""
 folder = os.environ["FOLDER"]
 if not os.path.exists(os.path.join(folder, "config.json")):
     cfg = LlamaConfig(vocab_size=49152, hidden_size=H, intermediate_size=I, num_hidden_layers=L,

@@ -30,16 +30,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
-from bench_scale import SHAPES  # noqa: E402
+from bench_scale import CHILD_PRELUDE, SHAPES  # noqa: E402
 
-CHILD = r"""
-import json, os, sys, threading, time, traceback
-sys.path.insert(0, os.environ["ROOT"]); sys.path.insert(0, os.path.join(os.environ["ROOT"], "benchmarks"))
-import torch
-torch.set_num_threads(int(os.environ["THREADS"]))
-from transformers import LlamaConfig, LlamaForCausalLM
-from peakmem import rss_peak_of
-H, L, I, A, KV = json.loads(os.environ["SHAPE"])
+CHILD = CHILD_PRELUDE + r"""
 folder = os.environ["FOLDER"]
 mask_file = os.path.join(folder, "mask-1pct.safetensors")
 if not os.path.exists(os.path.join(folder, "config.json")):

@@ -133,8 +133,8 @@ FOLD_BLOCK_BYTES = 8 << 20
 # tokens, CPU): 8 MiB chunks cost 1.6-1.7x the full-logits step's time (the head's weight is read
 # again for every 42-token chunk), 32 MiB 1.3x, 128 MiB 1.2x (the recompute: this model's head is
 # 73% of its arithmetic, an 8B model's under 10%). With the fused target log-prob (one gradient
-# in place, no log_softmax output) the 128 MiB step is 0.82-1.08x the full path's time and holds
-# 0.31x its peak at 8 x 512 tokens (890 vs 2866 MiB; bench_logits.json).
+# in place, no log_softmax output) the 128 MiB step is 0.72-1.15x the full path's time (noise) and
+# holds 0.30x its peak at 8 x 512 tokens (869 vs 2853 MiB; bench_logits.json).
 LOGITS_CHUNK_BYTES = 128 << 20
 INITIAL_FISHER_BYTES_PER_PARAM = 4.0
 # A tensor-file job (mask, diff, series): each tensor file element read, held and compared

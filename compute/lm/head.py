@@ -63,14 +63,24 @@ def split_head(model: torch.nn.Module, ids: torch.Tensor, am: torch.Tensor,
     a, m, p = ids[:1, :n], am[:1, :n], position_ids[:1, :n]
     try:
         with torch.no_grad():
-            full = model(input_ids=a, attention_mask=m, position_ids=p, use_cache=False).logits.float()
-            split = parts[1](hidden_states(parts[0], a, m, p)).float()
-        scale = float(full.abs().max()) or 1.0
-        exact = full.shape == split.shape and bool(torch.allclose(split, full, rtol=1e-3, atol=1e-4 * scale))
+            full = model(input_ids=a, attention_mask=m, position_ids=p, use_cache=False).logits
+            exact = logits_are_head_of(parts[1], hidden_states(parts[0], a, m, p), full)
     except (TypeError, ValueError, RuntimeError, AttributeError):
         exact = False
     _EXACT[model] = exact
     return parts if _EXACT[model] else None
+
+
+def logits_are_head_of(head: torch.nn.Module, h: torch.Tensor, logits: torch.Tensor) -> bool:
+    """Whether `logits` are head(h) up to rounding: nothing (soft-capping, a logit scale) sits
+    between the last hidden state and the logits. The one test of it: the chunked head here and
+    the exact output-layer Fisher (compute.fisher.exact_output) both ask this."""
+    ref, got = head(h).float(), logits.float()
+    if ref.shape != got.shape:
+        return False
+    half = logits.dtype in (torch.bfloat16, torch.float16)
+    scale = float(ref.abs().max()) + 1e-30
+    return bool(torch.allclose(got, ref, rtol=2e-2 if half else 1e-4, atol=(2e-2 if half else 1e-5) * scale))
 
 
 class _TargetLogprob(torch.autograd.Function):
