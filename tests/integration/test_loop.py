@@ -3,7 +3,8 @@ worker` processes), every step taking the previous one's result by `job:N`:
 
     fisher -> mask(fisher=job:F) -> train(mask=job:M) -> diff(tuned=job:T, fisher=job:F)
            -> tokens(model=job:T)             and   train(algo=opd, teacher=arith-teacher)
-           -> fisher(model=job:T) -> mask(fisher=job:F2) -> train(model=job:T, mask=job:M2)
+           -> fisher(model=job:T) -> mask(fisher=job:F2) -> train(model=job:T, mask=job:M2,
+                                                                   gradient_checkpointing)
 
 The references are resolved once, at submit (app.services.refs), stored with the job, and the
 workers only re-verify their sha256: the Fisher of a trained model is read from the artifact
@@ -101,7 +102,10 @@ def test_fisher_mask_train_diff_tokens_and_opd_through_workers(redis_stack):
     assert any(not bool((fisher2_t[n] == f).all()) for n, f in load_file(str(fisher_file)).items())
     mask2 = _run(stack, "mask", {"fisher": f"job:{fisher2['id']}", "density": 0.05})
     mask2_t = load_file(str(_artifact(stack, mask2, "mask")))
-    train2 = _run(stack, "train", {"model": f"job:{train['id']}", "mask": f"job:{mask2['id']}", **TRAIN})
+    # with gradient checkpointing (the memory option a refusal names): same loop, frozen outside the mask
+    train2 = _run(stack, "train", {"model": f"job:{train['id']}", "mask": f"job:{mask2['id']}",
+                                   "gradient_checkpointing": True, **TRAIN})
+    assert services.get_job(settings, train2["id"])["spec"]["gradient_checkpointing"] is True
     tuned2 = load_file(str(_artifact(stack, train2, "model") / "model.safetensors"))
     moved2 = 0
     for name, m in mask2_t.items():
