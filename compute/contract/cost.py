@@ -156,9 +156,23 @@ ROW_BUDGET_SHARE = 0.75
 # (100M Llama: 1126 MiB for a 1020 MiB chunk; SmolLM2-135M at its default workload: about 1.4 GiB
 # for 26 rows of 51.6 MB), the pass itself about 0.74 and the allocator's kept blocks the rest
 FISHER_HELD_SHARE = 1.1
-# compute/fisher estimate_fisher: the prompts go through the engine in this many chunks (fewer
-# when there are fewer prompts), so one call sees prompts / PROMPT_CHUNKS x samples rows
+# compute/fisher estimate_fisher: the token estimator's prompts go through the engine in at most
+# this many chunks (fisher_chunks), so its expanded rows (one per counted token) stay bounded
 PROMPT_CHUNKS = 10
+
+
+def fisher_chunks(estimator: str, prompts: int, engine_rows: int, rows_per_forward: int) -> int:
+    """How many chunks of prompts estimate_fisher hands the engine (the cost model reads the same).
+
+    sequence / empirical: one call, rows sorted by length (progress after each forward). token: its
+    rows expanded one per counted token a chunk at a time, at most PROMPT_CHUNKS chunks and never
+    more than its forwards, so every chunk fills a forward. A pass has a cost per parameter (the
+    sums' update, a rounding of the compact difference) whatever its rows: issue 30 found 4 passes of
+    2 rows where 1 of 8 served, the job 4.9x its floor at 4 x 2 x 8 on a 100M model."""
+    if estimator != "token":
+        return 1
+    forwards = -(-max(1, engine_rows) // max(1, rows_per_forward))
+    return max(1, min(prompts, PROMPT_CHUNKS, forwards))
 
 
 @dataclass(frozen=True)
@@ -291,8 +305,15 @@ def fisher_temporaries(z: Sizing, rows: int, length: int, budget: float) -> floa
     buffer of each shared parameter: compute/fisher/estimators.py _auto_batch); a chunk of rows
     holds FISHER_HELD_SHARE of that formula in the job, never more than the budget."""
     per_row = z.activation_bytes(length) + 4.0 * z.shared
-    chunk_rows = min(rows, max(1, int(budget * ROW_BUDGET_SHARE // max(per_row, 1.0))))  # _auto_batch
+    chunk_rows = min(rows, rows_per_forward(z, length, budget))
     return min(budget, FISHER_HELD_SHARE * chunk_rows * per_row)
+
+
+def rows_per_forward(z: Sizing, length: int, budget: float) -> int:
+    """The engine's rows per forward at row length `length` (compute/fisher/estimators.py
+    _auto_batch): ROW_BUDGET_SHARE of the budget over its per-row formula."""
+    per_row = z.activation_bytes(length) + 4.0 * z.shared
+    return max(1, int(budget * ROW_BUDGET_SHARE // max(per_row, 1.0)))
 
 
 def fisher_memory(z: Sizing, prompts: int, samples: int, max_new_tokens: int,
@@ -303,11 +324,11 @@ def fisher_memory(z: Sizing, prompts: int, samples: int, max_new_tokens: int,
     `token` hands the engine one row per counted token (expand_tokens): up to max_new_tokens rows
     per sampled row, counted at the full row length (an upper bound: they are truncated)."""
     rows = prompts * samples
-    per_call = -(-prompts // max(1, min(prompts, PROMPT_CHUNKS))) * samples  # compute.fisher._half_sums
-    if estimator == "token":
-        per_call *= max(1, max_new_tokens)
     length = z.prompt_tokens + max_new_tokens
     budget = fisher_budget_bytes(memory_budget_mb, z.free_bytes)
+    per_row_of = max(1, max_new_tokens) if estimator == "token" else 1  # expanded rows per row
+    chunks = fisher_chunks(estimator, prompts, rows * per_row_of, rows_per_forward(z, length, budget))
+    per_call = -(-prompts // chunks) * samples * per_row_of  # compute.fisher._half_sums
     return {
         "runtime": RUNTIME_BASE_MB * MIB,
         "weights": z.weight_bytes(dtype_bytes),

@@ -33,7 +33,7 @@ import torch
 from pydantic import Field, ValidationError
 from torch import nn
 
-from compute.contract.cost import PROMPT_CHUNKS
+from compute.contract.cost import fisher_chunks
 from compute.contract.jobresult import Progress, null_progress
 from compute.contract.specs import Estimator, FisherKnobs, SpecError, friendly_error
 from compute.fisher.accumulate import HalfSums
@@ -45,6 +45,7 @@ from compute.fisher.estimators import (
     new_store,
     per_sample_square_sums,
     right_padded,
+    rows_per_forward,
     trainable_parameters,
 )
 from compute.fisher.exact_output import ExactOutputUnsupported, exact_output_fisher
@@ -133,12 +134,15 @@ def _prompts_and_answers(task_or_prompts: Any, config: FisherConfig) -> tuple[li
 def _half_sums(model: nn.Module, roll: Rollout, n_prompts: int, est: str, config: FisherConfig,
                prog: Progress) -> tuple[HalfSums, torch.Tensor, float]:
     """(the sums over the even / odd prompt halves, (2,) denominators, seconds of the engine's
-    self-check), in chunks of prompts so progress is reported and the expanded token rows stay
-    bounded."""
+    self-check): sequence in one call of the engine (its rows sorted by length, progress after
+    each forward), token in chunks of prompts (fisher_chunks) so its expanded rows stay bounded."""
     groups = ((roll.prompt_index + config.prompt_start) % 2).cpu()
     store = new_store(model, 2)  # one set of accumulators for every chunk (issue 30)
     denom = torch.zeros(2, dtype=torch.float64)
-    n_chunks = max(1, min(n_prompts, PROMPT_CHUNKS))  # the cost model reads the same constant
+    engine_rows = int(roll.completion_mask.sum()) if est == "token" else len(roll)
+    per_forward = config.batch_size or rows_per_forward(
+        model, int(roll.input_ids.shape[1]), config.memory_budget_mb)
+    n_chunks = fisher_chunks(est, n_prompts, engine_rows, per_forward)  # the cost model reads the same
     bounds = [round(i * n_prompts / n_chunks) for i in range(n_chunks + 1)]
     for c in range(n_chunks):
         rows = ((roll.prompt_index >= bounds[c]) & (roll.prompt_index < bounds[c + 1])).cpu()
@@ -146,11 +150,15 @@ def _half_sums(model: nn.Module, roll: Rollout, n_prompts: int, est: str, config
         if idx.numel() == 0:
             continue
         sub = roll.select(idx)
+
+        def step(done: int, total: int, c: int = c) -> None:
+            frac = (c + done / max(1, total)) / n_chunks
+            where = f"chunk {c + 1}/{n_chunks}, " if n_chunks > 1 else ""
+            prog(0.3 + 0.7 * frac, f"fisher: {where}{done}/{total} {'token rows' if est == 'token' else 'rows'}")
         _, d = fisher_sums(model, sub.input_ids, sub.attention_mask, sub.completion_mask,
                            est, None, groups[idx], 2, config.memory_budget_mb,
-                           config.batch_size, into=store)
+                           config.batch_size, into=store, progress=step)
         denom += d
-        prog(0.3 + 0.7 * (c + 1) / n_chunks, f"fisher {c + 1}/{n_chunks}")
     return store.finish_halves(), denom, store.check_seconds
 
 

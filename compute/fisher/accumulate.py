@@ -342,7 +342,10 @@ class Store:
     def add_check(self, name: str, grad_sum: torch.Tensor) -> None:
         if self.check is not None and self.wants_check(name):
             c = self.check.get(name)
-            self.check[name] = grad_sum.to(self.dtype, copy=True) if c is None else c + grad_sum
+            if c is None:
+                self.check[name] = grad_sum.to(self.dtype, copy=True)
+            else:  # in place: the check's tensor is its own (autograd's gradient, negated)
+                c.add_(grad_sum.to(self.dtype))
 
     def wants_check(self, name: str) -> bool:
         return self.check is not None and (self.check_names is None or name in self.check_names)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import contextlib
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -163,6 +163,62 @@ def _one_pass(model: nn.Module, store: Store, params: dict[str, nn.Parameter], c
             check_coverage(hooks, reached, params)
 
 
+def _check_pass(model: nn.Module, store: Store, params: dict[str, nn.Parameter], names: list[str],
+                chunk: tuple, budget: int, coverage: bool, norms: dict[str, float]) -> bool:
+    """One forward + backward that gives both sides of the self-check for the parameters `names`:
+    the engine's per-row gradients (summed into store.check) and autograd's own gradient, which
+    a post-accumulate-grad hook subtracts from the same tensor as it arrives and frees (its L1
+    norm into `norms`). The embedding lookups stay in the graph (detach_lookups=False), so
+    autograd reaches every use. store.check[name] ends as engine - autograd, whichever side came
+    first (issue 30: two passes, autograd's and the engine's, were 1.6 s of a 6 s job at 100M).
+    The model's own .grad are put back. False when the loss does not depend on the parameters."""
+    ids, am, cm, scale, grp = chunk
+    acc = Accumulator(store, grp, budget)
+    check = store.check
+    assert check is not None
+    group = [params[n] for n in names]
+    kept = [p.grad for p in group]
+
+    def fold(p: torch.Tensor, n: str) -> None:
+        g, p.grad = p.grad, None
+        if g is None:
+            return
+        _, norms[n] = _l1_diff(None, g, g.numel())
+        c = check.get(n)
+        if c is None:
+            check[n] = g.to(store.dtype).neg_()  # ours now (p.grad released): negated in place
+        else:
+            c.sub_(g.to(store.dtype))
+
+    handles = []
+    try:
+        for n, p in zip(names, group, strict=True):
+            p.grad = None
+            norms[n] = 0.0
+            handles.append(p.register_post_accumulate_grad_hook(lambda p, n=n: fold(p, n)))
+        with PerSampleHooks(model, acc, {id(p): n for n, p in params.items()}, ids.shape[0],
+                            ids.shape[1], detach_lookups=False) as hooks:
+            loss = _row_loss(model, ids, am, cm, scale)
+            if not loss.requires_grad:
+                return False
+            reached = graph_parameters(loss) if coverage else None
+            try:
+                loss.backward(inputs=group)
+            except Exception:
+                if hooks.error is not None:
+                    raise hooks.error from None
+                raise
+            acc.finish_pass()
+            if reached is not None:
+                check_coverage(hooks, reached, params)
+    finally:
+        for h in handles:
+            h.remove()
+        for p, g in zip(group, kept, strict=True):
+            p.grad = g
+    return True
+
+
 def _check_positions(model: nn.Module, ids: torch.Tensor, am: torch.Tensor, tol: float) -> None:
     """The engine feeds position_ids counted over real tokens (0, 1, ...): the model's own forward
     of an unpadded row must give the same logits. Models that derive positions from the token ids
@@ -184,14 +240,16 @@ def _check_positions(model: nn.Module, ids: torch.Tensor, am: torch.Tensor, tol:
 
 def check_groups(params: dict[str, nn.Parameter], budget: int) -> list[list[str]]:
     """The parameters in consecutive groups whose self-check fits the temporaries budget: the
-    check holds, per parameter, the engine's gradient sum (in the accumulator's dtype) and
-    autograd's gradient (8 bytes per float32 coordinate); one group when the whole model fits (issue 30: the check of all
-    parameters at once was 8 bytes/param above the weights, more than the accumulators)."""
+    check holds, per parameter, one tensor in the accumulator's dtype: the engine's per-row
+    gradients summed, less autograd's gradient, which arrives a parameter at a time (_check_pass).
+    One group when the whole model fits (issue 30: the check of all parameters at once was 8
+    bytes/param above the weights, more than the accumulators; then two tensors per parameter in
+    groups: two groups at 100M, each an autograd and an engine pass, where one pass serves)."""
     acc_bytes = accumulator_dtype([p.dtype for p in params.values()]).itemsize
     groups: list[list[str]] = [[]]
     size = 0
     for n, p in params.items():
-        need = p.numel() * (acc_bytes + p.element_size())
+        need = p.numel() * max(acc_bytes, p.element_size())
         if groups[-1] and size + need > budget:
             groups.append([])
             size = 0
@@ -204,30 +262,26 @@ def _verify(model: nn.Module, params: dict[str, nn.Parameter], chunk: tuple, bud
             check_bytes: int | None = None) -> None:
     """Once per model: the engine's inputs give the model's own outputs (positions), and per-row
     gradients of a few rows must add up to autograd's gradient. Parameters are checked in groups
-    whose sums and gradients fit check_bytes (check_groups: the room of the accumulators not yet
-    allocated, else the budget), each with its own forward and backward within the budget."""
+    whose check fits check_bytes (check_groups: the room of the accumulators not yet allocated,
+    else the budget; one group for a float32 model, whose 4 bytes/param fit the accumulators' 6),
+    each in one forward and backward within the budget (_check_pass)."""
     ids, am, cm, scale, grp = (t[:_VERIFY_ROWS] for t in chunk)
     dtypes = [p.dtype for p in params.values()]
     _check_positions(model, ids, am, check_tolerance(dtypes))
     diffs: dict[str, float] = {}
     norms: dict[str, float] = {}
+    acc_dtype = accumulator_dtype(dtypes)
     for gi, names in enumerate(check_groups(params, check_bytes or budget)):
-        store = Store({n: p.shape for n, p in params.items()}, 1, accumulator_dtype(dtypes),
+        store = Store({n: p.shape for n, p in params.items()}, 1, acc_dtype,
                       ids.device, check=True, squares=False, check_names=set(names))
-        # autograd's own backward, apart: the engine's pass detaches what it captures (an
-        # embedding lookup's output is a leaf there), so its graph does not reach every use
-        _one_pass(model, store, params, (ids, am, cm, scale, torch.zeros_like(grp)), budget, gi == 0)
-        loss = _row_loss(model, ids, am, cm, scale)
-        if not loss.requires_grad:
+        if not _check_pass(model, store, params, names, (ids, am, cm, scale, torch.zeros_like(grp)),
+                           budget, coverage=gi == 0, norms=norms):
             return
-        grads_left: list[torch.Tensor | None] = list(
-            torch.autograd.grad(loss, [params[n] for n in names], allow_unused=True))
-        del loss
-        for i, n in enumerate(names):
-            ref, grads_left[i] = grads_left[i], None  # released as it is compared
-            got = store.check.pop(n, None) if store.check is not None else None
-            diffs[n], norms[n] = _l1_diff(got, ref, params[n].numel())
-            del ref, got
+        assert store.check is not None
+        for n in names:
+            got = store.check.pop(n, None)  # engine - autograd (None: neither reached it)
+            diffs[n], _ = _l1_diff(got, None, params[n].numel())
+            del got
     floor = 1e-6 * sum(norms.values()) / max(1, len(params))
     rel = {n: d / max(norms[n], 1e-300) for n, d in diffs.items() if d > floor}
     bad = {n: e for n, e in rel.items() if e > check_tolerance(dtypes)}
@@ -265,11 +319,13 @@ def per_sample_square_sums(
     completion_mask: torch.Tensor, row_weights: torch.Tensor | None = None,
     groups: torch.Tensor | None = None, n_groups: int = 1, memory_budget_mb: int | None = None,
     batch_size: int | None = None, into: Store | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, torch.Tensor]:
     """sum over rows n in group k of w_n * (d/dθ sum_t cm[n,t] log p(y_{n,t}))^2, per group.
 
     into: a Store (n_groups groups) that keeps accumulating across calls; the sums are then added
     to it and {} is returned (the caller finishes it once: one set of accumulators, issue 30).
+    progress(done, total): called after each forward batch (rows done, rows in all).
 
     input_ids, attention_mask, completion_mask: (N, L), left or right padded; row_weights (N,)
     >= 0 (default 1); groups (N,) long in [0, n_groups). Rows are sorted by real length so each
@@ -303,6 +359,8 @@ def per_sample_square_sums(
                 store.check_seconds += time.perf_counter() - t_check
                 release_freed_memory()  # the check's sums, before the accumulators take their room
             _one_pass(model, store, params, chunk, budget, coverage=i == 0)
+            if progress is not None:
+                progress(min(N, (i + 1) * bs), N)
             # what the pass freed goes back to the system before the next one maps its own: glibc
             # kept 110 MiB of a 50M model's passes between them, which put the token Fisher's
             # passes above accumulators + budget (benchmarks/pass_peaks.py; issue 30). A no-op
@@ -362,6 +420,7 @@ def fisher_sums(
     completion_mask: torch.Tensor, estimator: str = "sequence", weights: torch.Tensor | None = None,
     groups: torch.Tensor | None = None, n_groups: int = 1, memory_budget_mb: int | None = None,
     batch_size: int | None = None, into: Store | None = None,
+    progress: Callable[[int, int], None] | None = None,
 ) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
     """Per-group sums of squared per-sample gradients and per-group denominators (n_groups,).
     into: accumulate into this Store instead (sums returned as {}; see per_sample_square_sums).
@@ -375,14 +434,14 @@ def fisher_sums(
     grp = torch.zeros(N, dtype=torch.long) if groups is None else groups.long().cpu()
     if estimator == "sequence":
         sums = per_sample_square_sums(model, input_ids, attention_mask, completion_mask, w, grp,
-                                      n_groups, memory_budget_mb, batch_size, into)
+                                      n_groups, memory_budget_mb, batch_size, into, progress)
         denom = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, grp, w)
         return sums, denom
     if estimator == "token":
         ids, am, cm, src = expand_tokens(input_ids.cpu(), attention_mask.cpu(),
                                          completion_mask.cpu())
         sums = per_sample_square_sums(model, ids, am, cm, w[src], grp[src], n_groups,
-                                      memory_budget_mb, batch_size, into)
+                                      memory_budget_mb, batch_size, into, progress)
         denom = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, grp[src], w[src])
         return sums, denom
     raise ValueError(f"estimator: got {estimator!r}; accepted: sequence, token")

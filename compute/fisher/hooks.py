@@ -48,8 +48,11 @@ class PerSampleHooks:
     `__exit__` (also when the forward or backward raises)."""
 
     def __init__(self, model: nn.Module, acc: Accumulator, names: dict[int, str], batch: int,
-                 width: int):
+                 width: int, detach_lookups: bool = True):
+        """detach_lookups=False (the engine's self-check): an embedding's output stays in the
+        graph, so the same backward also gives autograd's own gradient of every parameter."""
         self.model, self.acc, self.names = model, acc, names
+        self.detach_lookups = detach_lookups
         self.batch, self.width = batch, width
         self.handles: list[Any] = []
         self.leaves: list[torch.Tensor] = []
@@ -120,7 +123,7 @@ class PerSampleHooks:
             if shape == "skip":
                 return None
             new_out = None
-            if isinstance(mod, nn.Embedding):
+            if isinstance(mod, nn.Embedding) and self.detach_lookups:
                 # A leaf: the backward starts here and never computes the embedding .grad.
                 new_out = output.detach().requires_grad_(True)
                 self.leaves.append(new_out)

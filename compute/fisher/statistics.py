@@ -70,14 +70,15 @@ class ValueHistogram:
 
     A bin holds the values between two floats whose bits differ in the low 16 only (7 of the 23
     mantissa bits fixed: a relative width of at most 2^-7); its smallest and largest value are
-    kept too. The concentration shares are exact
+    kept too (as order keys). The concentration shares are exact
     (a second pass resolves the bins that hold a cut to single values); the Gini coefficient is
     bracketed: within a bin the rank-weighted sum is between its value with equal values and that
     plus (bin width) x c^2 / 8 (Chebyshev's sum inequality), so gini_bounds() holds the exact Gini."""
 
-    def __init__(self, fisher: Mapping[str, Any], counts: Any, sums: Any, lows: Any, highs: Any):
+    def __init__(self, fisher: Mapping[str, Any], counts: Any, sums: Any, low_keys: Any, high_keys: Any):
         self.fisher, self.counts, self.sums = fisher, counts, sums
-        self.lows, self.highs = lows, highs  # smallest and largest value in each bin
+        # the smallest and largest order key (_order_keys) in each bin: its smallest and largest value
+        self.low_keys, self.high_keys = low_keys, high_keys
         self.n = int(counts.sum())
         self.total = float(sums.sum())
         self._top: dict[int, float] = {}  # k -> sum of the k largest, once computed
@@ -89,16 +90,18 @@ class ValueHistogram:
         nb = 1 << 16
         counts = torch.zeros(nb, dtype=torch.int64)
         sums = torch.zeros(nb, dtype=torch.float64)
-        lows = torch.full((nb,), math.inf, dtype=torch.float64)
-        highs = torch.full((nb,), -math.inf, dtype=torch.float64)
+        # int32 keys, not float64 values, for each bin's extremes (issue 30: the two float64
+        # scatters were a third of the histogram's time; keys order as the values do)
+        low_keys = torch.full((nb,), 2**31 - 1, dtype=torch.int32)
+        high_keys = torch.full((nb,), -(2**31), dtype=torch.int32)
         for c in _chunks(fisher):
-            hi = _high(_order_keys(c)).cpu()
-            v = c.detach().double().cpu()
+            key = _order_keys(c).cpu()
+            hi = _high(key)
             counts += torch.bincount(hi, minlength=nb)
-            sums += torch.bincount(hi, weights=v, minlength=nb)
-            lows.scatter_reduce_(0, hi, v, "amin")
-            highs.scatter_reduce_(0, hi, v, "amax")
-        return cls(fisher, counts, sums, lows, highs)
+            sums += torch.bincount(hi, weights=c.detach().double().cpu(), minlength=nb)
+            low_keys.scatter_reduce_(0, hi, key, "amin")
+            high_keys.scatter_reduce_(0, hi, key, "amax")
+        return cls(fisher, counts, sums, low_keys, high_keys)
 
     @staticmethod
     def _values(keys: Any) -> Any:
@@ -177,7 +180,9 @@ class ValueHistogram:
         c = self.counts.double()
         r = torch.cumsum(c, 0) - c  # values in lower bins
         base = float(((r + (c + 1) / 2) * self.sums).sum())
-        width = torch.where(self.counts > 1, self.highs - self.lows, 0.0)
+        # a bin's smallest and largest value (its order keys, shifted to the int64 keys of _values)
+        lo, hi = self._values(self.low_keys.long() + _SIGN), self._values(self.high_keys.long() + _SIGN)
+        width = torch.where(self.counts > 1, hi - lo, 0.0)
         slack = float((width * torch.floor(c * c / 8)).sum())
         g = lambda ix: 2 * ix / (n * S) - (n + 1) / n  # noqa: E731
         return g(base), g(base + slack)
@@ -226,7 +231,10 @@ def _order_keys(chunk: torch.Tensor) -> torch.Tensor:
     plus 2^31 (int32 arithmetic: half the memory traffic of int64 keys)."""
     import torch
 
-    bits = (chunk.float() + 0.0).contiguous().view(torch.int32)
+    f = (chunk.float() + 0.0).contiguous()
+    bits = f.view(torch.int32)
+    if not f.numel() or float(f.min()) >= 0:  # a Fisher's values: the bits are the keys (no NaN)
+        return bits
     return torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
 
 
@@ -270,8 +278,6 @@ def topk_threshold(fisher: Mapping[str, Any], k: int) -> tuple[float, int]:
 def topk_thresholds(fishers: list[Mapping[str, Any]], k: int) -> list[tuple[float, int]]:
     """topk_threshold of several Fishers of the same shapes, their chunks read side by side (two
     passes in all: the split halves, made on the fly, are each made twice, not four times)."""
-    import struct
-
     import torch
 
     n = _numel(fishers[0])
@@ -281,28 +287,27 @@ def topk_thresholds(fishers: list[Mapping[str, Any]], k: int) -> list[tuple[floa
     for cs in zip(*[_chunks(f) for f in fishers], strict=True):
         for h, c in zip(hist, cs, strict=True):
             h += torch.bincount(_high(_order_keys(c)).cpu(), minlength=nb)
-    his, aboves = [], []
-    for h in hist:
-        above_hi = torch.flip(torch.cumsum(torch.flip(h, (0,)), 0), (0,))  # count with high bits >= b
-        hi = int((above_hi >= k).nonzero().max())
-        his.append(hi)
-        aboves.append(int(above_hi[hi] - h[hi]))  # strictly higher bins
+    cuts = [_cut_bin(h, k) for h in hist]  # (high bin of the k-th largest, values above it)
     lows = [torch.zeros(nb, dtype=torch.int64) for _ in fishers]
     for cs in zip(*[_chunks(f) for f in fishers], strict=True):
-        for low, hi, c in zip(lows, his, cs, strict=True):
+        for low, (hi, _), c in zip(lows, cuts, cs, strict=True):
             key = _order_keys(c)
             sel = key[(key >> 16) == hi - (1 << 15)]
             if sel.numel():
                 low += torch.bincount(_low(sel).cpu(), minlength=nb)
-    out = []
-    for low, hi, above in zip(lows, his, aboves, strict=True):
-        above_lo = torch.flip(torch.cumsum(torch.flip(low, (0,)), 0), (0,)) + above
-        lo = int((above_lo >= k).nonzero().max())
-        g = int(above_lo[lo] - low[lo])
-        kth = ((hi << 16) | lo) - _SIGN
-        bits = kth if kth >= 0 else kth ^ 0x7FFFFFFF
-        out.append((float(struct.unpack("<f", struct.pack("<i", bits))[0]), g))
-    return out
+    return [_threshold(hi, above, low, k) for low, (hi, above) in zip(lows, cuts, strict=True)]
+
+
+def _threshold(hi: int, above: int, low: Any, k: int) -> tuple[float, int]:
+    """(t, g) of topk_threshold from the cut bin `hi`, the values in higher bins and the bin's
+    low-bits histogram: t the k-th largest overall, g the values above t."""
+    import struct
+
+    lo, _ = _cut_low(low, k - above)
+    g = above + int(low[lo + 1:].sum())
+    kth = ((hi << 16) | lo) - _SIGN
+    bits = kth if kth >= 0 else kth ^ 0x7FFFFFFF
+    return float(struct.unpack("<f", struct.pack("<i", bits))[0]), g
 
 
 def _topk_chunk_masks(fisher: Mapping[str, Any], percent: float,
@@ -341,12 +346,85 @@ def topk_jaccard(a: Mapping[str, Any], b: Mapping[str, Any], percent: float) -> 
     With a and b estimated from two independent halves of the samples, values near 1 mean the
     selected coordinates are stable (enough samples); near percent/100 means chance level.
     A positive scale of either side does not change its top-k set, so un-normalised sums serve.
-    Memory: slices of CHUNK values (a or b may make theirs on the fly: HalfView), no copy."""
+    Memory: slices of CHUNK values (a or b may make theirs on the fly: HalfView), no copy.
+
+    Two passes (issue 30: the statistics were most of a small job's time): the first finds the
+    high-16-bit bin of each k-th largest value; the second resolves those bins (the low 16 bits)
+    and counts the intersection at the same time: certain members on both sides outright, a
+    member on one side in the other's cut bin by its low bits, a pair in both cut bins kept (few:
+    two bins of relative width 2^-7). |A| = |B| = k, so the union is 2k minus the intersection.
+    Where more values equal a k-th largest than the set takes (ties cut in order), or the pairs
+    in both cut bins exceed CHUNK, a third pass builds the sets value by value (_topk_chunk_masks)."""
     same_shapes = hasattr(a, "chunks") or all(a[n].shape == b[n].shape for n in a)  # a HalfView pair: one shape
     if list(a) != list(b) or not same_shapes:
         raise ValueError("fisher: the two Fishers must have the same parameter names and shapes")
+    import torch
+
     k = _topk_count(a, percent)
-    ta, tb = topk_thresholds([a, b], k)
+    nb = 1 << 16
+    hists = [torch.zeros(nb, dtype=torch.int64), torch.zeros(nb, dtype=torch.int64)]
+    for ca, cb in zip(_chunks(a), _chunks(b), strict=True):
+        hists[0] += torch.bincount(_high(_order_keys(ca)).cpu(), minlength=nb)
+        hists[1] += torch.bincount(_high(_order_keys(cb)).cpu(), minlength=nb)
+    cut = [_cut_bin(h, k) for h in hists]  # (high bin of the k-th largest, values in higher bins)
+    (ha, _), (hb, _) = cut
+    sa, sb = ha - (1 << 15), hb - (1 << 15)  # the bins as the signed high bits of int32 keys
+    lows = [torch.zeros(nb, dtype=torch.int64), torch.zeros(nb, dtype=torch.int64)]
+    a_cut_b_in = torch.zeros(nb, dtype=torch.int64)  # low bits of a's values in a's cut bin, b's sure
+    b_cut_a_in = torch.zeros(nb, dtype=torch.int64)  # and the other way round
+    pairs: list[tuple[Any, Any]] = []  # (low a, low b) of coordinates in both cut bins
+    n_pairs, sure = 0, 0
+    for ca, cb in zip(_chunks(a), _chunks(b), strict=True):
+        ka, kb = _order_keys(ca), _order_keys(cb)
+        ta, tb = ka >> 16, kb >> 16
+        in_a, on_a, in_b, on_b = ta > sa, ta == sa, tb > sb, tb == sb
+        sure += int((in_a & in_b).sum())
+        la, lb = ka[on_a], kb[on_b]
+        if la.numel():
+            lows[0] += torch.bincount(_low(la).cpu(), minlength=nb)
+            a_cut_b_in += torch.bincount(_low(ka[on_a & in_b]).cpu(), minlength=nb)
+        if lb.numel():
+            lows[1] += torch.bincount(_low(lb).cpu(), minlength=nb)
+            b_cut_a_in += torch.bincount(_low(kb[on_b & in_a]).cpu(), minlength=nb)
+        both = on_a & on_b
+        if n_pairs <= CHUNK and bool(both.any()):
+            pa, pb = _low(ka[both]).cpu(), _low(kb[both]).cpu()
+            n_pairs += pa.numel()
+            pairs.append((pa, pb))
+    lo_a, exact_a = _cut_low(lows[0], k - cut[0][1])
+    lo_b, exact_b = _cut_low(lows[1], k - cut[1][1])
+    if not (exact_a and exact_b) or n_pairs > CHUNK:
+        return _jaccard_by_masks(a, b, percent, _threshold(*cut[0], lows[0], k), _threshold(*cut[1], lows[1], k))
+    inter = sure + int(a_cut_b_in[lo_a:].sum()) + int(b_cut_a_in[lo_b:].sum())
+    for pa, pb in pairs:
+        inter += int(((pa >= lo_a) & (pb >= lo_b)).sum())
+    union = 2 * k - inter
+    return inter / union if union else 1.0
+
+
+def _cut_bin(hist: Any, k: int) -> tuple[int, int]:
+    """(bin b holding the k-th largest of a high-bits histogram, values in bins above b)."""
+    import torch
+
+    above = torch.flip(torch.cumsum(torch.flip(hist, (0,)), 0), (0,))  # count in bins >= b
+    b = int((above >= k).nonzero().max())
+    return b, int(above[b] - hist[b])
+
+
+def _cut_low(low: Any, need: int) -> tuple[int, bool]:
+    """(the low bits of the need-th largest value in the cut bin, whether the values from there up
+    are exactly `need`: no value equal to the k-th largest is left out by the order tie rule)."""
+    import torch
+
+    above = torch.flip(torch.cumsum(torch.flip(low, (0,)), 0), (0,))
+    lo = int((above >= need).nonzero().max())
+    return lo, int(above[lo]) == need
+
+
+def _jaccard_by_masks(a: Mapping[str, Any], b: Mapping[str, Any], percent: float,
+                      ta: tuple[float, int], tb: tuple[float, int]) -> float:
+    """topk_jaccard from the sets themselves (ties at a k-th largest value cut in order), given
+    both thresholds (topk_threshold): one more pass."""
     inter = union = 0
     for ma, mb in zip(_topk_chunk_masks(a, percent, ta), _topk_chunk_masks(b, percent, tb), strict=True):
         inter += int((ma & mb).sum())

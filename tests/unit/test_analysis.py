@@ -73,6 +73,65 @@ def test_topk_jaccard_by_hand():
         topk_jaccard(a, b, 0.0)
 
 
+class _Counted(dict):
+    """A Fisher that counts the passes over its values (the chunks() protocol of HalfView)."""
+
+    passes = 0
+
+    def numel(self) -> int:
+        return sum(v.numel() for v in self.values())
+
+    def chunks(self, size: int):
+        self.passes += 1
+        for v in self.values():
+            flat = v.reshape(-1)
+            yield from (flat[o:o + size] for o in range(0, flat.numel(), size))
+
+
+def _jaccard_by_sort(a: dict, b: dict, percent: float) -> float:
+    """The sets by a stable sort of all values (ties at the k-th largest taken in order)."""
+    va = torch.cat([v.reshape(-1) for v in a.values()])
+    vb = torch.cat([v.reshape(-1) for v in b.values()])
+    k = max(1, -(-va.numel() * percent // 100))
+    k = min(int(k), va.numel())
+    A = set(torch.sort(va, descending=True, stable=True).indices[:k].tolist())
+    B = set(torch.sort(vb, descending=True, stable=True).indices[:k].tolist())
+    return len(A & B) / len(A | B)
+
+
+@pytest.mark.parametrize("case", ["continuous", "correlated", "ties", "zeros"])
+def test_topk_jaccard_in_two_passes_equals_the_sorted_sets(case, monkeypatch):
+    """Two passes over each side (the cut bins resolved while the intersection is counted) give
+    the Jaccard of the sets a full stable sort picks; where more values equal a k-th largest than
+    the set takes, the sets are built value by value (one more pass) and still match."""
+    from compute.fisher import statistics as st
+
+    monkeypatch.setattr(st, "CHUNK", 1000)  # several chunks per tensor
+    g = torch.Generator().manual_seed(7)
+    shapes = [(40, 50), (3000,), (7, 11)]
+    a = {f"t{i}": torch.rand(s, generator=g).pow(4) for i, s in enumerate(shapes)}
+    if case == "continuous":
+        b = {n: torch.rand(v.shape, generator=g).pow(4) for n, v in a.items()}
+    elif case == "correlated":  # most coordinates of both cut bins the same: many pairs
+        b = {n: v * (1 + 1e-3 * torch.rand(v.shape, generator=g)) for n, v in a.items()}
+    elif case == "ties":  # a few levels: many values equal the k-th largest
+        a = {n: (v * 5).floor() for n, v in a.items()}
+        b = {n: (torch.rand(v.shape, generator=g) * 5).floor() for n, v in a.items()}
+    else:  # mostly zeros, fewer non-zero values than k in one side
+        a = {n: v * (torch.rand(v.shape, generator=g) < 0.004) for n, v in a.items()}
+        b = {n: torch.rand(v.shape, generator=g) for n, v in a.items()}
+    for pct in (0.1, 1.0, 10.0, 50.0):
+        ca, cb = _Counted(a), _Counted(b)
+        got = topk_jaccard(ca, cb, pct)
+        assert got == pytest.approx(_jaccard_by_sort(a, b, pct), abs=1e-12)
+        if case in ("continuous", "correlated"):
+            assert (ca.passes, cb.passes) == (2, 2)
+    ca, cb = _Counted(a), _Counted(b)
+    topk_jaccard(ca, cb, 1.0)
+    if case == "ties":
+        assert ca.passes == 3  # the third pass: ties at the cut taken in order
+
+
 def test_results_rows():
     stats = to_layer_stats(F)
     assert sum(s.group == "tensor" for s in stats) == 5

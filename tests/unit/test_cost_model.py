@@ -78,8 +78,9 @@ def test_fisher_estimate_parts_are_the_formulas_on_the_models_config(tmp_path: P
     per_token = 4 * (cfg["num_hidden_layers"] * (12 * cfg["hidden_size"] + 4 * inter) + 4 * cfg["vocab_size"])
     assert cfg["tie_word_embeddings"] is False  # no per-row buffer of a shared embedding
     assert rows * length * per_token < C.ROW_BUDGET_SHARE * 64 * 2**20  # every row fits one chunk
-    # estimate_fisher hands the engine 8 chunks of one prompt (2 rows) each: a chunk's rows held
-    assert mem["temporaries"] == pytest.approx(C.FISHER_HELD_SHARE * 2 * length * per_token)
+    # estimate_fisher hands the engine every row at once (sequence) and they fit one forward
+    assert C.fisher_chunks("sequence", 8, rows, 1) == 1
+    assert mem["temporaries"] == pytest.approx(C.FISHER_HELD_SHARE * rows * length * per_token)
     assert est["memory_bytes"] == pytest.approx(sum(mem.values()))
 
     # bfloat16 weights are half the bytes; the accumulators stay fp32
@@ -476,7 +477,11 @@ def test_a_token_fishers_temporaries_count_its_expanded_rows(tmp_path: Path) -> 
         return limits.estimate(settings, "fisher", s, limits.refs_for_estimate(settings, "fisher", s))[
             "memory_parts"]["temporaries"]
 
-    rows = min(2 * 16, int(budget * C.ROW_BUDGET_SHARE // (length * per_token)))  # 1 prompt x 2 samples x 16 tokens
+    cap = int(budget * C.ROW_BUDGET_SHARE // (length * per_token))  # the engine's rows per forward
+    chunks = min(8, C.PROMPT_CHUNKS, -(-8 * 2 * 16 // cap))  # token: chunks of prompts, each >= a forward
+    assert chunks == C.fisher_chunks("token", 8, 8 * 2 * 16, cap) and 1 < chunks <= 8
+    rows = min(-(-8 // chunks) * 2 * 16, cap)  # a chunk's prompts x 2 samples x 16 tokens, in forwards
     assert temporaries("token") == pytest.approx(min(budget, C.FISHER_HELD_SHARE * rows * length * per_token))
-    assert temporaries("sequence") == pytest.approx(C.FISHER_HELD_SHARE * 2 * length * per_token)
+    # sequence: all 16 rows in one call, one forward
+    assert temporaries("sequence") == pytest.approx(C.FISHER_HELD_SHARE * 16 * length * per_token)
     assert temporaries("token") > temporaries("sequence")

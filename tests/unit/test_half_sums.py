@@ -13,7 +13,12 @@ import torch
 from compute.fisher import UnsupportedModel, estimators, fisher_from_samples, fisher_sums
 from compute.fisher import accumulate as acc_mod
 from compute.fisher.accumulate import FRAC_SCALE, HalfSums, Store
-from compute.fisher.estimators import check_groups, new_store, trainable_parameters
+from compute.fisher.estimators import (
+    check_groups,
+    new_store,
+    per_sample_square_sums,
+    trainable_parameters,
+)
 from compute.fisher.statistics import topk_jaccard
 from compute.lm.sampling import sample_completions
 from tests.unit.fisher_tiny import char_tokenizer, tiny_model
@@ -109,14 +114,18 @@ def test_one_rounding_moves_a_half_by_at_most_a_quarter_step_of_the_total():
 
 
 def test_self_check_in_budget_sized_groups(tok, monkeypatch):
-    """The check holds the engine's gradient sums and autograd's gradients of one group of
-    parameters at a time; with a tiny budget it runs in many groups and still accepts a
+    """The check holds one tensor per parameter (autograd's gradient, negated, plus the engine's
+    per-row gradients) for one group of parameters at a time. A float32 model's check fits the
+    room of the accumulators not yet allocated: one group, one autograd and one engine pass. With
+    the accumulators allocated and a tiny budget it runs in many groups and still accepts a
     supported model and refuses one whose gradients do not add up."""
     model = tiny_model("qwen3", seed=21)
     params = trainable_parameters(model)
     groups = check_groups(params, budget=8 * 600)
     assert len(groups) > 3 and [n for g in groups for n in g] == list(params)
     assert check_groups(params, budget=1 << 40) == [list(params)]
+    # 4 bytes per float32 parameter: exactly the room of one group's float32 sums
+    assert check_groups(params, new_store(model, 1).unallocated_bytes()) == [list(params)]
     monkeypatch.setattr(estimators, "budget_bytes", lambda mb, dev: 8 * 600)
     seen = []
     real = Store.__init__
@@ -128,8 +137,16 @@ def test_self_check_in_budget_sized_groups(tok, monkeypatch):
     monkeypatch.setattr(Store, "__init__", spy)
     roll = _roll(model, tok, seed=2)
     fisher_from_samples(model, roll.input_ids, roll.attention_mask, roll.completion_mask)
-    # the check's sums use the room of the accumulators, not allocated yet (4 bytes/param here)
-    expected = check_groups(params, max(8 * 600, new_store(model, 1).unallocated_bytes()))
+    assert seen == [set(params)]  # the accumulators' room: one group
+
+    seen.clear()
+    model = tiny_model("qwen3", seed=22)  # not verified yet
+    params = trainable_parameters(model)
+    store = new_store(model, 1)
+    first = next(iter(params))
+    store.add(first, 0, torch.zeros(params[first].shape))  # allocated: no room to borrow
+    per_sample_square_sums(model, roll.input_ids, roll.attention_mask, roll.completion_mask, into=store)
+    expected = check_groups(params, 8 * 600)
     assert len(expected) >= 2
     assert len(seen) == len(expected) and set().union(*seen) == set(params)
 
