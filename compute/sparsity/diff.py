@@ -271,7 +271,10 @@ def half_ulp_bf16(w: torch.Tensor) -> torch.Tensor:
     return torch.where(w == 0, torch.full_like(w, 2.0**-134), half)
 
 
-DIFF_CHUNK = 1 << 20  # values per chunk of tensor_diff_stats' temporaries (4 MiB as float32)
+# values per chunk of tensor_diff_stats' temporaries (1 MiB as float32): about ten of them are alive
+# at once, 40 MiB at 1M values, which was the peak of a masked 20M model's job (issue 30: 4.6
+# bytes/param there, benchmarks/bench_scale_train.py --stacks)
+DIFF_CHUNK = 1 << 18
 
 
 def tensor_diff_stats(base: torch.Tensor, tuned: torch.Tensor, svd_max_numel: int = SVD_MAX_NUMEL,
@@ -338,9 +341,12 @@ def tensor_diff_stats(base: torch.Tensor, tuned: torch.Tensor, svd_max_numel: in
         sq = ad.square()  # float32; sums in float64
         sq_sum += float(torch.sum(sq, dtype=torch.float64))
         max_abs = max(max_abs, float(ad.max()))
-        # the largest kmax squares so far: this chunk's top, merged with the running top
-        top = torch.topk(torch.cat([top, torch.topk(sq, min(kmax, sq.numel()), sorted=False).values]),
-                         min(kmax, top.numel() + min(kmax, sq.numel())), sorted=False).values
+        # the largest kmax squares so far: once kmax are held, only this chunk's squares above the
+        # smallest of them can enter (few: no topk of the whole chunk, no int64 indices of it)
+        if top.numel() == kmax:
+            sq = sq[sq > top.min()]
+        if sq.numel():
+            top = torch.topk(torch.cat([top, sq]), min(kmax, top.numel() + sq.numel()), sorted=False).values
         del sq, ad
     s.update({k: float(v) for k, v in cnt.items()})
     s["base_rms"] = rms
