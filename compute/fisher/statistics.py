@@ -84,24 +84,39 @@ class ValueHistogram:
         self._top: dict[int, float] = {}  # k -> sum of the k largest, once computed
 
     @classmethod
-    def of(cls, fisher: Mapping[str, Any]) -> ValueHistogram:
+    def empty(cls, fisher: Mapping[str, Any] | Any) -> ValueHistogram:
+        """No values yet (add them a chunk at a time with `add`); `fisher` gives the same values
+        again, in the same order, for top_sums' second pass (a mapping, or an object with a
+        `chunks(size)` method that makes them on the fly)."""
         import torch
 
         nb = 1 << 16
-        counts = torch.zeros(nb, dtype=torch.int64)
-        sums = torch.zeros(nb, dtype=torch.float64)
         # int32 keys, not float64 values, for each bin's extremes (issue 30: the two float64
         # scatters were a third of the histogram's time; keys order as the values do)
-        low_keys = torch.full((nb,), 2**31 - 1, dtype=torch.int32)
-        high_keys = torch.full((nb,), -(2**31), dtype=torch.int32)
+        return cls(fisher, torch.zeros(nb, dtype=torch.int64), torch.zeros(nb, dtype=torch.float64),
+                   torch.full((nb,), 2**31 - 1, dtype=torch.int32), torch.full((nb,), -(2**31), dtype=torch.int32))
+
+    def add(self, c: Any) -> None:
+        """Count one chunk of values (a 1-D tensor)."""
+        import torch
+
+        nb = 1 << 16
+        key = _order_keys(c).cpu()
+        hi = _high(key)
+        self.counts += torch.bincount(hi, minlength=nb)
+        self.sums += torch.bincount(hi, weights=c.detach().double().cpu(), minlength=nb)
+        self.low_keys.scatter_reduce_(0, hi, key, "amin")
+        self.high_keys.scatter_reduce_(0, hi, key, "amax")
+        self.n = int(self.counts.sum())
+        self.total = float(self.sums.sum())
+        self._top.clear()
+
+    @classmethod
+    def of(cls, fisher: Mapping[str, Any]) -> ValueHistogram:
+        h = cls.empty(fisher)
         for c in _chunks(fisher):
-            key = _order_keys(c).cpu()
-            hi = _high(key)
-            counts += torch.bincount(hi, minlength=nb)
-            sums += torch.bincount(hi, weights=c.detach().double().cpu(), minlength=nb)
-            low_keys.scatter_reduce_(0, hi, key, "amin")
-            high_keys.scatter_reduce_(0, hi, key, "amax")
-        return cls(fisher, counts, sums, low_keys, high_keys)
+            h.add(c)
+        return h
 
     @staticmethod
     def _values(keys: Any) -> Any:
@@ -136,22 +151,34 @@ class ValueHistogram:
                 continue
             b = int(((self.counts > 0) & (above < kk)).nonzero().min())
             cuts[k] = (b, kk - int(above[b]))
-        need = sorted({b for b, j in cuts.values() if b >= 0 and j < counts[b]})
-        low: dict[int, Any] = {b: torch.zeros(1 << 16, dtype=torch.int64) for b in need}
+        # a bin whose values are all equal (smallest key = largest: e.g. the zeros of a sparse
+        # update's squared deltas) gives j of them without looking: j x that value
+        same = (self.low_keys == self.high_keys).tolist()
+        need = sorted({b for b, j in cuts.values() if b >= 0 and j < counts[b] and not same[b]})
+        low: dict[int, Any] = {}
         if need:
-            want = torch.zeros(1 << 16, dtype=torch.bool)
-            want[need] = True
+            # each value of a needed bin as (its bin's slot among `need`) x 65,536 + its low bits,
+            # counted a CHUNK of them at a time (a bincount of len(need) x 65,536 per chunk of
+            # values was slower than the values themselves)
+            slot = torch.full((1 << 16,), -1, dtype=torch.int64)
+            slot[need] = torch.arange(len(need), dtype=torch.int64)
+            flat = torch.zeros(len(need) << 16, dtype=torch.int64)
+            held: list[Any] = []
+            n_held = 0
             for c in _chunks(self.fisher):
                 key = _order_keys(c).cpu()
-                hi = _high(key)
-                sel = want[hi]
+                at = slot[_high(key)]
+                sel = at >= 0
                 if not bool(sel.any()):
                     continue
-                key, hi = key[sel], hi[sel]
-                for b in need:
-                    m = hi == b
-                    if bool(m.any()):
-                        low[b] += torch.bincount(_low(key[m]), minlength=1 << 16)
+                held.append((at[sel] << 16) | _low(key[sel]))
+                n_held += held[-1].numel()
+                if n_held >= CHUNK:
+                    flat += torch.bincount(torch.cat(held), minlength=len(need) << 16)
+                    held, n_held = [], 0
+            if held:
+                flat += torch.bincount(torch.cat(held), minlength=len(need) << 16)
+            low = {b: flat[i << 16:(i + 1) << 16] for i, b in enumerate(need)}
         out: dict[int, float] = {}
         for k, (b, j) in cuts.items():
             if b < 0:
@@ -160,6 +187,9 @@ class ValueHistogram:
             s = float(above_sum[b])
             if j >= counts[b]:
                 out[k] = s + float(self.sums[b])
+                continue
+            if same[b]:  # j values equal to the bin's one value
+                out[k] = s + j * float(self._values(self.low_keys[b:b + 1].long() + _SIGN)[0])
                 continue
             vals = self._values((b << 16) | torch.arange(1 << 16, dtype=torch.int64))
             cnt = low[b]

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -277,6 +277,24 @@ def half_ulp_bf16(w: torch.Tensor) -> torch.Tensor:
 DIFF_CHUNK = 1 << 18
 
 
+class _SquaredDeltas:
+    """The squared deltas (tuned - base)^2 of one tensor (float32), made again a chunk at a time
+    in the order tensor_diff_stats makes them (the chunks() protocol of the streaming statistics:
+    the second pass of ValueHistogram.top_sums)."""
+
+    def __init__(self, base: Any, flat_tuned: torch.Tensor, n: int, chunk: int):
+        self.base, self.ft, self.n, self.chunk = base, flat_tuned, n, chunk
+
+    def numel(self) -> int:
+        return self.n
+
+    def chunks(self, size: int) -> Iterator[torch.Tensor]:
+        for i in range(0, self.n, self.chunk):
+            j = min(self.n, i + self.chunk)
+            b32 = _flat(self.base, i, j).to(torch.float32)
+            yield (self.ft[i:j].to(torch.float32) - b32).abs().square()
+
+
 def tensor_diff_stats(base: torch.Tensor, tuned: torch.Tensor, svd_max_numel: int = SVD_MAX_NUMEL,
                       need_delta: bool = True, chunk: int = DIFF_CHUNK,
                       ) -> tuple[dict[str, float], torch.Tensor | None]:
@@ -303,8 +321,12 @@ def tensor_diff_stats(base: torch.Tensor, tuned: torch.Tensor, svd_max_numel: in
             "unchanged_below_half_ulp", "changed_below_half_ulp", *(f"unchanged_rel_{r:g}" for r in REL_TOLS)]
     cnt = dict.fromkeys(keys, 0)
     sq_sum, max_abs = 0.0, 0.0
-    kmax = max(1, int(math.floor(max(ENERGY_TOP_PERCENT) / 100 * n + 0.5))) if n else 0
-    top = torch.empty(0, dtype=torch.float32)
+    # the energy shares: a streaming histogram of the squared deltas, its cut bins resolved by a
+    # second pass that makes the squares again (issue 30: the running top 5% of a tensor's squares,
+    # merged chunk by chunk with topk and its int64 indices, was the masked 20M job's peak)
+    from compute.fisher.statistics import ValueHistogram
+
+    hist = ValueHistogram.empty(_SquaredDeltas(base, ft, n, chunk))
     for i, j in spans:
         b, t = _flat(base, i, j), ft[i:j]
         if b.dtype == t.dtype:
@@ -341,12 +363,7 @@ def tensor_diff_stats(base: torch.Tensor, tuned: torch.Tensor, svd_max_numel: in
         sq = ad.square()  # float32; sums in float64
         sq_sum += float(torch.sum(sq, dtype=torch.float64))
         max_abs = max(max_abs, float(ad.max()))
-        # the largest kmax squares so far: once kmax are held, only this chunk's squares above the
-        # smallest of them can enter (few: no topk of the whole chunk, no int64 indices of it)
-        if top.numel() == kmax:
-            sq = sq[sq > top.min()]
-        if sq.numel():
-            top = torch.topk(torch.cat([top, sq]), min(kmax, top.numel() + sq.numel()), sorted=False).values
+        hist.add(sq)
         del sq, ad
     s.update({k: float(v) for k, v in cnt.items()})
     s["base_rms"] = rms
@@ -354,10 +371,11 @@ def tensor_diff_stats(base: torch.Tensor, tuned: torch.Tensor, svd_max_numel: in
     s["max_abs"] = max_abs
     if n:
         ks = {p: max(1, int(math.floor(p / 100 * n + 0.5))) for p in ENERGY_TOP_PERCENT}
-        cum = torch.cumsum(torch.sort(top, descending=True).values.double(), 0)  # largest first
+        # exact sums of the k largest squares; nothing to resolve when no delta is non-zero
+        top = hist.top_sums(ks.values()) if s["sq_sum"] > 0 else {}
         for p, k in ks.items():
-            s[f"energy_top_{p:g}pct"] = float(cum[k - 1]) / s["sq_sum"] if s["sq_sum"] > 0 else float("nan")
-        del top, cum
+            s[f"energy_top_{p:g}pct"] = top[k] / s["sq_sum"] if s["sq_sum"] > 0 else float("nan")
+    del hist
     svd = base.dim() == 2 and 0 < n <= svd_max_numel
     if not (need_delta or svd):
         return s, None

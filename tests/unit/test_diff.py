@@ -326,6 +326,29 @@ def test_tensor_diff_stats_in_chunks_equals_one_pass() -> None:
     assert none is None
 
 
+@pytest.mark.parametrize("chunk", [5, 64, 1 << 20])
+def test_energy_shares_are_the_sums_of_the_largest_squares(chunk: int) -> None:
+    """energy_top_<p>pct from the streaming histogram (issue 30: no running top-k of the squares)
+    equals the sum of the k largest squared deltas of a full sort over their total, k = round(p n),
+    with ties, zeros and a few large deltas."""
+    g = torch.Generator().manual_seed(3)
+    base = torch.randn(53, 41, generator=g)
+    tuned = base.clone()
+    sel = torch.rand(base.shape, generator=g) < 0.2
+    tuned[sel] += 1e-3 * torch.randn(int(sel.sum()), generator=g)
+    tuned[1, :9] = base[1, :9] + 0.5  # equal deltas (ties at a cut)
+    tuned[2, 3] = base[2, 3] + 10.0
+    stats, _ = tensor_diff_stats(base, tuned, need_delta=False, svd_max_numel=0, chunk=chunk)
+    sq = (tuned - base).abs().square().reshape(-1).double()
+    desc = sq.sort(descending=True).values
+    n = sq.numel()
+    for p in (0.1, 1.0, 5.0):
+        k = max(1, int(math.floor(p / 100 * n + 0.5)))
+        assert stats[f"energy_top_{p:g}pct"] == pytest.approx(float(desc[:k].sum() / sq.sum()), rel=1e-12)
+    same, _ = tensor_diff_stats(base, base.clone(), need_delta=False, svd_max_numel=0, chunk=chunk)
+    assert math.isnan(same["energy_top_1pct"])  # no delta: no share
+
+
 @pytest.mark.parametrize("stored", [torch.float32, torch.bfloat16])
 def test_a_base_read_a_row_slice_at_a_time_gives_the_same_stats(tmp_path, stored) -> None:
     """The train job's diff reads its base from the model file a slice of rows at a time
