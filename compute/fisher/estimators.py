@@ -150,17 +150,26 @@ def _one_pass(model: nn.Module, store: Store, params: dict[str, nn.Parameter], c
         loss = _row_loss(model, ids, am, cm, scale)
         if not loss.requires_grad:
             return
-        reached = graph_parameters(loss) if coverage else None
         inputs = list(hooks.leaves) or list(params.values())
-        try:
-            torch.autograd.grad(loss, inputs, allow_unused=True)
-        except Exception:
-            if hooks.error is not None:
-                raise hooks.error from None
-            raise
-        acc.finish_pass()
-        if reached is not None:
-            check_coverage(hooks, reached, params)
+        _backward(hooks, acc, loss, params, coverage,
+                  lambda: torch.autograd.grad(loss, inputs, allow_unused=True))
+
+
+def _backward(hooks: PerSampleHooks, acc: Accumulator, loss: torch.Tensor,
+              params: dict[str, nn.Parameter], coverage: bool, run: Callable[[], object]) -> None:
+    """Run a pass's backward (`run`) with the hooks attached: an error a hook raised comes out as
+    itself (autograd wraps it); then the pass's last uses are flushed and, on a first pass, the
+    parameters the loss reaches are checked against those the hooks covered."""
+    reached = graph_parameters(loss) if coverage else None
+    try:
+        run()
+    except Exception:
+        if hooks.error is not None:
+            raise hooks.error from None
+        raise
+    acc.finish_pass()
+    if reached is not None:
+        check_coverage(hooks, reached, params)
 
 
 def _check_pass(model: nn.Module, store: Store, params: dict[str, nn.Parameter], names: list[str],
@@ -201,16 +210,7 @@ def _check_pass(model: nn.Module, store: Store, params: dict[str, nn.Parameter],
             loss = _row_loss(model, ids, am, cm, scale)
             if not loss.requires_grad:
                 return False
-            reached = graph_parameters(loss) if coverage else None
-            try:
-                loss.backward(inputs=group)
-            except Exception:
-                if hooks.error is not None:
-                    raise hooks.error from None
-                raise
-            acc.finish_pass()
-            if reached is not None:
-                check_coverage(hooks, reached, params)
+            _backward(hooks, acc, loss, params, coverage, lambda: loss.backward(inputs=group))
     finally:
         for h in handles:
             h.remove()
