@@ -340,12 +340,25 @@ class Store:
         self.rounds[name] = self.rounds.get(name, 0) + 1
 
     def add_check(self, name: str, grad_sum: torch.Tensor) -> None:
+        """Add a fresh tensor (the caller's, nothing else holds it) to the check's sum: the first
+        becomes the sum itself (no copy: the check of a 100M model held two tensors per weight
+        for a moment, issue 30)."""
         if self.check is not None and self.wants_check(name):
             c = self.check.get(name)
             if c is None:
-                self.check[name] = grad_sum.to(self.dtype, copy=True)
-            else:  # in place: the check's tensor is its own (autograd's gradient, negated)
+                self.check[name] = grad_sum if grad_sum.dtype == self.dtype else grad_sum.to(self.dtype)
+            else:  # in place: the check's tensor is its own
                 c.add_(grad_sum.to(self.dtype))
+
+    def add_check_rows(self, name: str, index: torch.Tensor, rows: torch.Tensor) -> None:
+        """Add rows (U, d) at positions index (U,) of the check's (V, d) sum (an embedding's
+        lookups): into the sum when it exists, no table-sized temporary."""
+        if self.check is None or not self.wants_check(name):
+            return
+        c = self.check.get(name)
+        if c is None:
+            c = self.check[name] = torch.zeros(self.shapes[name], dtype=self.dtype, device=rows.device)
+        c.index_add_(0, index, rows.to(self.dtype))
 
     def wants_check(self, name: str) -> bool:
         return self.check is not None and (self.check_names is None or name in self.check_names)
@@ -523,6 +536,12 @@ class Accumulator:
         if buf is not None:
             self._add_squares(name, slice(0, buf.shape[0]), buf, in_place=True)
 
+    def pending(self, name: str) -> bool:
+        """Whether per-row gradients of this parameter are still held back in this pass (a
+        shared parameter's buffer, a tied head's part waiting for its lookup's or the other way
+        round): what has reached the store for it is not yet all."""
+        return name in self.rows or name in self.tied or name in self.early
+
     def finish_pass(self) -> None:
         # uses whose gradient never arrived (outputs not connected to the loss) contribute zero
         for name in list(self.rows):
@@ -674,8 +693,7 @@ def _embedding(acc: Accumulator, call: Call) -> None:
         acc.row_buffer(name).view(-1, grad.shape[-1]).index_add_(0, row * V + vocab, grad)
         return
     if st.wants_check(name):
-        c = torch.zeros(st.shapes[name], dtype=st.dtype, device=grad.device)
-        st.add_check(name, c.index_add_(0, vocab, grad.to(st.dtype)))
+        st.add_check_rows(name, vocab, grad)
     if not st.squares:
         return
     if acc.tied_head(name):  # the touched rows' squares, whole, once both parts are here

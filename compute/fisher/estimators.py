@@ -173,13 +173,21 @@ def _backward(hooks: PerSampleHooks, acc: Accumulator, loss: torch.Tensor,
 
 
 def _check_pass(model: nn.Module, store: Store, params: dict[str, nn.Parameter], names: list[str],
-                chunk: tuple, budget: int, coverage: bool, norms: dict[str, float]) -> bool:
+                chunk: tuple, budget: int, coverage: bool, norms: dict[str, float],
+                diffs: dict[str, float]) -> bool:
     """One forward + backward that gives both sides of the self-check for the parameters `names`:
     the engine's per-row gradients (summed into store.check) and autograd's own gradient, which
     a post-accumulate-grad hook subtracts from the same tensor as it arrives and frees (its L1
     norm into `norms`). The embedding lookups stay in the graph (detach_lookups=False), so
     autograd reaches every use. store.check[name] ends as engine - autograd, whichever side came
     first (issue 30: two passes, autograd's and the engine's, were 1.6 s of a 6 s job at 100M).
+    Where nothing of the engine's is still held back for the parameter when autograd's arrives
+    (every use's per-row gradients came before it, as the backward runs), the difference's L1 norm
+    goes into `diffs` at once and the tensor is dropped: the check holds the tensors of the
+    parameters in flight, not 4 bytes/param (which had made it the job's peak at 100M: 8.9
+    bytes/param above the weights, benchmarks/peak_stacks.py). What is left in store.check after
+    the pass is compared by the caller; a late part for a parameter compared early adds its own
+    L1 norm (an upper bound of the difference's: it can refuse, never wrongly accept).
     The model's own .grad are put back. False when the loss does not depend on the parameters."""
     ids, am, cm, scale, grp = chunk
     acc = Accumulator(store, grp, budget)
@@ -195,9 +203,12 @@ def _check_pass(model: nn.Module, store: Store, params: dict[str, nn.Parameter],
         _, norms[n] = _l1_diff(None, g, g.numel())
         c = check.get(n)
         if c is None:
-            check[n] = g.to(store.dtype).neg_()  # ours now (p.grad released): negated in place
+            c = check[n] = g.to(store.dtype).neg_()  # ours now (p.grad released): negated in place
         else:
             c.sub_(g.to(store.dtype))
+        del g
+        if not acc.pending(n):
+            diffs[n], _ = _l1_diff(check.pop(n), None, c.numel())
 
     handles = []
     try:
@@ -275,12 +286,13 @@ def _verify(model: nn.Module, params: dict[str, nn.Parameter], chunk: tuple, bud
         store = Store({n: p.shape for n, p in params.items()}, 1, acc_dtype,
                       ids.device, check=True, squares=False, check_names=set(names))
         if not _check_pass(model, store, params, names, (ids, am, cm, scale, torch.zeros_like(grp)),
-                           budget, coverage=gi == 0, norms=norms):
+                           budget, coverage=gi == 0, norms=norms, diffs=diffs):
             return
         assert store.check is not None
         for n in names:
-            got = store.check.pop(n, None)  # engine - autograd (None: neither reached it)
-            diffs[n], _ = _l1_diff(got, None, params[n].numel())
+            got = store.check.pop(n, None)  # engine - autograd, where not compared in the pass
+            if got is not None or n not in diffs:
+                diffs[n] = diffs.get(n, 0.0) + _l1_diff(got, None, params[n].numel())[0]
             del got
     floor = 1e-6 * sum(norms.values()) / max(1, len(params))
     rel = {n: d / max(norms[n], 1e-300) for n, d in diffs.items() if d > floor}

@@ -158,13 +158,23 @@ class ValueHistogram:
         low: dict[int, Any] = {}
         if need:
             # each value of a needed bin as (its bin's slot among `need`) x 65,536 + its low bits,
-            # counted a CHUNK of them at a time (a bincount of len(need) x 65,536 per chunk of
-            # values was slower than the values themselves)
+            # held until CHUNK / 16 of them (0.5 MiB), then counted bin by bin into 65,536 low-bit
+            # counts each: a few compares per held value, not one per value and needed bin, and no
+            # len(need) x 65,536 temporary (8 MiB at 16 cuts: 1 byte/param of a 7M model)
             slot = torch.full((1 << 16,), -1, dtype=torch.int64)
             slot[need] = torch.arange(len(need), dtype=torch.int64)
             flat = torch.zeros(len(need) << 16, dtype=torch.int64)
             held: list[Any] = []
             n_held = 0
+
+            def count() -> None:
+                idx = torch.cat(held)
+                which = idx >> 16
+                for i in range(len(need)):
+                    m = which == i
+                    if bool(m.any()):
+                        flat[i << 16:(i + 1) << 16] += torch.bincount(idx[m] & 0xFFFF, minlength=1 << 16)
+
             for c in _chunks(self.fisher):
                 key = _order_keys(c).cpu()
                 at = slot[_high(key)]
@@ -173,11 +183,11 @@ class ValueHistogram:
                     continue
                 held.append((at[sel] << 16) | _low(key[sel]))
                 n_held += held[-1].numel()
-                if n_held >= CHUNK:
-                    flat += torch.bincount(torch.cat(held), minlength=len(need) << 16)
+                if n_held >= CHUNK // 16:
+                    count()
                     held, n_held = [], 0
             if held:
-                flat += torch.bincount(torch.cat(held), minlength=len(need) << 16)
+                count()
             low = {b: flat[i << 16:(i + 1) << 16] for i, b in enumerate(need)}
         out: dict[int, float] = {}
         for k, (b, j) in cuts.items():

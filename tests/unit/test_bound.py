@@ -64,8 +64,15 @@ def test_per_sample_grads_match_brute_force_and_bound_holds_on_tiny_model() -> N
         rows.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
     lhs, rhs, fisher = bound_from_sample_grads(torch.stack(rows), adv)
     names = [n for n, _ in model.named_parameters()]
-    assert_close(torch.cat([res.lhs[n].flatten() for n in names]), lhs, rtol=1e-4, atol=1e-7)
-    assert_close(torch.cat([res.fisher[n].flatten() for n in names]), fisher, rtol=1e-4, atol=1e-9)
+    # float32 through two paths (the chunked head's fused log-prob, log_softmax) that round
+    # differently: elementwise, a small coordinate differed by 1.5e-4 relative on one CPU (its
+    # MKL), so the comparison is of the whole vector (relative L1) and of each coordinate against
+    # the vector's scale; a wrong per-sample gradient is off by O(1) in both
+    for got, want in ((torch.cat([res.lhs[n].flatten() for n in names]), lhs),
+                      (torch.cat([res.fisher[n].flatten() for n in names]), fisher)):
+        got, want = got.double(), want.double()
+        assert float((got - want).abs().sum() / want.abs().sum()) < 1e-5
+        assert_close(got, want, rtol=1e-3, atol=1e-6 * float(want.abs().max()))
     summary, series, heatmaps = summarize(res)
     # same samples: the identity, a self-check that cannot fail, and no independent check made
     assert summary["identity_fraction_holds"] == 1.0 and summary["identity_violations"] == 0

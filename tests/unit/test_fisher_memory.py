@@ -58,7 +58,8 @@ fisher_run._load = lambda spec, refs: loaded  # the job's own work, weights alre
 res = {}
 res["peak_mb"] = rss_peak_of(lambda: res.setdefault("r", run(spec)))
 res["n_params"] = n
-print(json.dumps({"peak_mb": res["peak_mb"], "n_params": n,
+largest = max(p.numel() for p in loaded[0].parameters())
+print(json.dumps({"peak_mb": res["peak_mb"], "n_params": n, "largest": largest,
                   "precision_error": res["r"].summary.get("precision_error"),
                   "precision_error_skipped": res["r"].summary.get("precision_error_skipped")}))
 """
@@ -87,8 +88,12 @@ def test_fisher_job_peak_above_weights_is_bounded_per_parameter(tmp_path: Path, 
     # 4 bytes/param, and one gradient at a time). token and batch hold the bound here with the
     # code before session 13's changes too (batch 119 vs 122 MiB: at 7.3M the peak is in the
     # fixed part); what those changes moved is measured at 50M-100M, where the per-parameter part
-    # is the peak: docs/scale.md, "Every estimator"
-    per_param = (got["peak_mb"] - (0 if estimator == "batch" else budget_mb) - FIXED_MB) * 2**20 / got["n_params"]
+    # is the peak: docs/scale.md, "Every estimator". Its one gradient at a time is its temporaries:
+    # the largest tensor's (the tied 16,384-row embedding, 16 MiB here; CI once measured the batch
+    # job 6.2 bytes/param beyond the fixed part with none allowed for it, under load, and 2.5-4.8
+    # locally, the same before and after session 14's changes)
+    temporaries = 4 * got["largest"] / 2**20 if estimator == "batch" else budget_mb
+    per_param = (got["peak_mb"] - temporaries - FIXED_MB) * 2**20 / got["n_params"]
     assert got["n_params"] > 5_000_000
     print(f"{dtype} {estimator}: peak {got['peak_mb']:.0f} MiB above the weights for {got['n_params']:,} parameters: "
           f"{per_param:.1f} bytes/param beyond budget + fixed")

@@ -168,6 +168,47 @@ def test_self_check_in_budget_sized_groups(tok, monkeypatch):
     assert "model.layers.1.mlp.inner.weight" in str(exc.value)
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_self_check_holds_only_the_parameters_in_flight(tok, monkeypatch, tied):
+    """The check's difference of a parameter is compared as soon as autograd's gradient arrives
+    and dropped (issue 30: all of them alive at once, 4 bytes/param, made the check the job's peak
+    at 100M): on an 8-layer model it never holds half of the parameters, and it still refuses a
+    parameter used outside its module (the per-row gradients of one use only)."""
+    model = tiny_model("qwen3", tied=tied, layers=8, seed=31)
+    params = trainable_parameters(model)
+    total = sum(p.numel() for p in params.values())
+    held: list[int] = []
+    real_add, real_rows = Store.add_check, Store.add_check_rows
+
+    def add(self, name, grad_sum):
+        real_add(self, name, grad_sum)
+        held.append(sum(t.numel() for t in (self.check or {}).values()))
+
+    def rows(self, name, index, r):
+        real_rows(self, name, index, r)
+        held.append(sum(t.numel() for t in (self.check or {}).values()))
+    monkeypatch.setattr(Store, "add_check", add)
+    monkeypatch.setattr(Store, "add_check_rows", rows)
+    roll = _roll(model, tok, seed=4)
+    fisher_from_samples(model, roll.input_ids, roll.attention_mask, roll.completion_mask)
+    assert held and max(held) < total / 2, (max(held), total)
+
+    bad = tiny_model("qwen3", tied=tied, layers=8, seed=32)
+    inner = bad.model.layers[3].mlp.down_proj
+
+    class Twice(torch.nn.Module):
+        def __init__(self, mlp):
+            super().__init__()
+            self.mlp = mlp
+
+        def forward(self, x):
+            return self.mlp(x) + 0.5 * torch.nn.functional.linear(self.mlp.act_fn(self.mlp.gate_proj(x)), inner.weight)
+    bad.model.layers[3].mlp = Twice(bad.model.layers[3].mlp)
+    with pytest.raises(UnsupportedModel, match="do not add up to autograd") as exc:
+        fisher_from_samples(bad, roll.input_ids, roll.attention_mask, roll.completion_mask)
+    assert "model.layers.3.mlp.mlp.down_proj.weight" in str(exc.value)
+
+
 @pytest.mark.parametrize("owned", [False, True])
 def test_first_squares_are_written_not_added_and_match_a_zeroed_sum(owned):
     """The store writes a parameter's first squares (no zero-filled sums; an owned fresh tensor
