@@ -139,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
                 return 1
             r = json.loads(p.stdout.strip().splitlines()[-1])
             stacks, phases = r.pop("stacks"), r.pop("phases")
+            if phases:  # kept with the row: the phase breakdown a doc quotes comes from a file
+                r["highest_rss_mib_per_line"] = phases
             r.update(size=size, shape=SHAPES[size], label=args.label,
                      bytes_per_param_above_weights=r["peak_above_weights_mb"] * 2**20 / r["n_params"],
                      seconds_per_step=r["train_s"] / r["steps"])
