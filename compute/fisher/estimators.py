@@ -184,8 +184,8 @@ def _check_pass(model: nn.Module, store: Store, params: dict[str, nn.Parameter],
     Where nothing of the engine's is still held back for the parameter when autograd's arrives
     (every use's per-row gradients came before it, as the backward runs), the difference's L1 norm
     goes into `diffs` at once and the tensor is dropped: the check holds the tensors of the
-    parameters in flight, not 4 bytes/param (which had made it the job's peak at 100M: 8.9
-    bytes/param above the weights, benchmarks/peak_stacks.py). What is left in store.check after
+    parameters in flight, not 4 bytes/param (which had made it the job's peak at 100M: the check
+    alone 8.5-8.6 -> 5.4-5.5 bytes/param above the weights, benchmarks/check_peak.py). What is left in store.check after
     the pass is compared by the caller; a late part for a parameter compared early adds its own
     L1 norm (an upper bound of the difference's: it can refuse, never wrongly accept).
     The model's own .grad are put back. False when the loss does not depend on the parameters."""

@@ -277,6 +277,12 @@ def half_ulp_bf16(w: torch.Tensor) -> torch.Tensor:
 DIFF_CHUNK = 1 << 18
 
 
+def _abs_delta(b32: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """|tuned - base| in float32 of one chunk (base already float32): one function for
+    tensor_diff_stats' pass and _SquaredDeltas' second one, which must make the same bits."""
+    return (t.to(torch.float32) - b32).abs()
+
+
 class _SquaredDeltas:
     """The squared deltas (tuned - base)^2 of one tensor (float32), made again a chunk at a time
     in the order tensor_diff_stats makes them (the chunks() protocol of the streaming statistics:
@@ -291,8 +297,7 @@ class _SquaredDeltas:
     def chunks(self, size: int) -> Iterator[torch.Tensor]:
         for i in range(0, self.n, self.chunk):
             j = min(self.n, i + self.chunk)
-            b32 = _flat(self.base, i, j).to(torch.float32)
-            yield (self.ft[i:j].to(torch.float32) - b32).abs().square()
+            yield _abs_delta(_flat(self.base, i, j).to(torch.float32), self.ft[i:j]).square()
 
 
 def tensor_diff_stats(base: torch.Tensor, tuned: torch.Tensor, svd_max_numel: int = SVD_MAX_NUMEL,
@@ -351,7 +356,7 @@ def tensor_diff_stats(base: torch.Tensor, tuned: torch.Tensor, svd_max_numel: in
             cnt[f"unchanged_bf16delta_atol_{a:g}"] += int((ad16 <= a).sum())
         del bb, tb, ad16
         b32 = b.to(torch.float32)
-        ad = (t.to(torch.float32) - b32).abs()
+        ad = _abs_delta(b32, t)
         for a in ATOLS:
             cnt[f"unchanged_atol_{a:g}"] += int((ad <= a).sum())
         below = ad < half_ulp_bf16(b32)
