@@ -25,7 +25,7 @@ from typing import Any
 
 from app.ceiling import REPO_THROUGHPUT, calibration, duration, job_ceiling, seconds_of, throughput
 from app.services.compat import safetensors_header
-from compute.contract.cost import COST_PROMPT_TOKENS, MIB, Sizing
+from compute.contract.cost import COST_PROMPT_TOKENS, MIB, Sizing, config_shape
 from compute.contract.specs import SpecError
 from compute.contract.tasknames import prompt_tokens
 from compute.jobs import registry
@@ -171,14 +171,7 @@ def model_shape(ref: Any) -> dict[str, int]:
         cfg = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
-    cfg = cfg.get("text_config", cfg) if isinstance(cfg, dict) else {}
-    out = {}
-    for key, names in (("layers", ("num_hidden_layers", "n_layer")), ("hidden", ("hidden_size", "n_embd")),
-                       ("vocab", ("vocab_size",)), ("intermediate", ("intermediate_size", "n_inner"))):
-        for n in names:
-            if isinstance(cfg.get(n), int) and cfg[n] > 0:
-                out[key] = int(cfg[n])
-                break
+    out = config_shape(cfg) if isinstance(cfg, dict) else {}
     # a tied input/output embedding needs no per-row gradient buffer in the Fisher engine since
     # issue 30 (compute/fisher/accumulate.py: the head's squares plus the touched rows whole), so
     # Sizing.shared stays 0 for it (compute/fisher/estimators.py _shared_numel)

@@ -309,9 +309,40 @@ def fisher_temporaries(z: Sizing, rows: int, length: int, budget: float) -> floa
     return min(budget, FISHER_HELD_SHARE * chunk_rows * per_row)
 
 
+# config.json keys of each Sizing shape field, first found wins (HF names, then GPT-2's)
+SHAPE_KEYS = (("layers", ("num_hidden_layers", "n_layer")), ("hidden", ("hidden_size", "n_embd")),
+              ("vocab", ("vocab_size",)), ("intermediate", ("intermediate_size", "n_inner")))
+
+
+def config_shape(cfg: object) -> dict[str, int]:
+    """{"layers", "hidden", "vocab", "intermediate"}: what a model config (a config.json dict or
+    a transformers config object; a multimodal model's text_config) says of each, the keys it
+    lacks left out. The web process (app/limits.py, from the file) and the engine (from the
+    loaded model) read a shape through this one function, so both size rows alike."""
+    def get(obj: object, key: str) -> object:
+        return obj.get(key) if isinstance(obj, dict) else getattr(obj, key, None)
+
+    text = get(cfg, "text_config")
+    cfg = text if text is not None else cfg
+    out: dict[str, int] = {}
+    for field, names in SHAPE_KEYS:
+        for n in names:
+            v = get(cfg, n)
+            if isinstance(v, int) and not isinstance(v, bool) and v > 0:
+                out[field] = int(v)
+                break
+    return out
+
+
+# the engine's guess for a shape its model's config lacks: a larger guess only sizes batches smaller
+ENGINE_SHAPE_GUESS = {"layers": 4, "hidden": 256, "vocab": 32000}
+
+
 def rows_per_forward(z: Sizing, length: int, budget: float) -> int:
-    """The engine's rows per forward at row length `length` (compute/fisher/estimators.py
-    _auto_batch): ROW_BUDGET_SHARE of the budget over its per-row formula."""
+    """Rows per forward at row length `length`: ROW_BUDGET_SHARE of the budget over the per-row
+    formula (activations, Sizing.activation_bytes, + a per-row gradient buffer of each shared
+    parameter). The engine's automatic batch is this function (compute/fisher/estimators.py
+    _auto_batch builds a Sizing from its model's config), so the estimate and the job agree."""
     per_row = z.activation_bytes(length) + 4.0 * z.shared
     return max(1, int(budget * ROW_BUDGET_SHARE // max(per_row, 1.0)))
 

@@ -18,7 +18,8 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from compute.contract.cost import ROW_BUDGET_SHARE
+from compute.contract.cost import ENGINE_SHAPE_GUESS, Sizing, config_shape
+from compute.contract.cost import rows_per_forward as cost_rows_per_forward
 from compute.fisher.accumulate import Accumulator, Store
 from compute.fisher.hooks import (
     PerSampleHooks,
@@ -67,15 +68,11 @@ def _row_loss(model: nn.Module, ids: torch.Tensor, am: torch.Tensor, cm: torch.T
 
 def _auto_batch(model: nn.Module, L: int, budget_bytes: int, shared_numel: int) -> int:
     """Rows per forward so that activations + per-row buffers of shared params fit
-    ROW_BUDGET_SHARE of the budget (the rest: the squares, the hooks' gradients, the allocator)."""
-    cfg = getattr(model, "config", None)
-    # a size a config lacks (or holds as None) is guessed small: this only sizes batches
-    hidden = int(getattr(cfg, "hidden_size", None) or getattr(cfg, "n_embd", None) or 256)
-    layers = int(getattr(cfg, "num_hidden_layers", None) or getattr(cfg, "n_layer", None) or 4)
-    vocab = int(getattr(cfg, "vocab_size", None) or 32000)
-    inter = getattr(cfg, "intermediate_size", None) or 4 * hidden
-    per_row = 4 * L * (layers * (12 * hidden + 4 * inter) + 4 * vocab) + 4 * shared_numel
-    return max(1, int(budget_bytes * ROW_BUDGET_SHARE) // max(1, per_row))
+    ROW_BUDGET_SHARE of the budget (the rest: the squares, the hooks' gradients, the allocator):
+    the cost model's own function (compute.contract.cost.rows_per_forward) on the model's shape,
+    a size its config lacks guessed large (ENGINE_SHAPE_GUESS: that only sizes batches smaller)."""
+    shape = {**ENGINE_SHAPE_GUESS, **config_shape(getattr(model, "config", None))}
+    return cost_rows_per_forward(Sizing(params=0, shared=shared_numel, **shape), L, budget_bytes)
 
 
 def _shared_numel(model: nn.Module, params: dict[str, nn.Parameter]) -> int:

@@ -485,3 +485,35 @@ def test_a_token_fishers_temporaries_count_its_expanded_rows(tmp_path: Path) -> 
     # sequence: all 16 rows in one call, one forward
     assert temporaries("sequence") == pytest.approx(C.FISHER_HELD_SHARE * 16 * length * per_token)
     assert temporaries("token") > temporaries("sequence")
+
+
+def test_the_engine_and_the_web_process_read_one_shape_from_a_config() -> None:
+    """compute.contract.cost.config_shape reads a config.json dict (the web process) and a loaded
+    model's config object (the engine) alike, a multimodal model's text_config first; the engine
+    guesses a missing size large (ENGINE_SHAPE_GUESS), so its rows per forward never exceed what
+    the known sizes allow."""
+    from compute.contract import cost as C
+    from compute.fisher.estimators import _auto_batch
+
+    text = {"num_hidden_layers": 6, "hidden_size": 96, "vocab_size": 5000, "intermediate_size": 256}
+    as_dict = {"model_type": "gemma3", "text_config": text, "hidden_size": 1}
+    as_object = type("cfg", (), {"text_config": type("t", (), dict(text))()})()
+    want = {"layers": 6, "hidden": 96, "vocab": 5000, "intermediate": 256}
+    assert C.config_shape(as_dict) == C.config_shape(as_object) == want
+    assert C.config_shape({"n_layer": 2, "n_embd": 8, "n_inner": None, "vocab_size": True}) == {"layers": 2, "hidden": 8}
+
+    class _Model(torch.nn.Module):
+        def __init__(self, cfg: object) -> None:
+            super().__init__()
+            self.config = cfg
+
+    budget, length = 256 * 2**20, 40
+    full = C.Sizing(params=0, **want)
+    assert _auto_batch(_Model(as_object), length, budget, 0) == C.rows_per_forward(full, length, budget)
+    per_row = full.activation_bytes(length) + 4.0 * 1000
+    rows = _auto_batch(_Model(as_object), length, budget, 1000)
+    assert rows * per_row <= C.ROW_BUDGET_SHARE * budget < (rows + 1) * per_row
+    lacking = type("cfg", (), {"num_hidden_layers": 6, "hidden_size": 96})()  # no vocabulary: 32000 guessed
+    guessed = C.Sizing(params=0, layers=6, hidden=96, vocab=C.ENGINE_SHAPE_GUESS["vocab"])
+    assert _auto_batch(_Model(lacking), length, budget, 0) == C.rows_per_forward(guessed, length, budget)
+    assert _auto_batch(_Model(lacking), length, budget, 0) < _auto_batch(_Model(as_object), length, budget, 0)
