@@ -26,13 +26,17 @@ CONCENTRATION_GRID = tuple(
     sorted({round(m * 10.0**e, 10) for e in range(-5, 0) for m in (1, 2, 5)} | {1.0})
 )
 def tensor_stats(fisher: dict[str, torch.Tensor]) -> list[dict]:
-    """Per tensor: name, layer, module, numel, mean, max, mass (sum), share (mass / total mass)."""
+    """Per tensor: name, layer, module, numel, mean, max, mass (sum), share (mass / total mass).
+    One pass over the values: a caller that tables them several ways (summary, to_layer_stats,
+    to_heatmaps) computes them once and hands them over as `rows`."""
+    import torch
+
     rows: list[dict[str, Any]] = []
     for name, f in fisher.items():
         # float64 sums over chunks: a float64 copy of the largest tensor (a 49k-row embedding is
         # half of a 50M model) was the job's peak (issue 30, benchmarks/peak_stacks.py)
         v = f.detach().reshape(-1)
-        mass = sum(float(v[o:o + CHUNK].double().sum()) for o in range(0, v.numel(), CHUNK))
+        mass = sum(float(torch.sum(v[o:o + CHUNK], dtype=torch.float64)) for o in range(0, v.numel(), CHUNK))
         rows.append({
             "name": name, "layer": layer_index(name), "module": module_type(name),
             "numel": f.numel(), "mass": mass,
@@ -45,12 +49,13 @@ def tensor_stats(fisher: dict[str, torch.Tensor]) -> list[dict]:
     return rows
 
 
-def layer_module_stats(fisher: dict[str, torch.Tensor]) -> list[dict]:
+def layer_module_stats(fisher: dict[str, torch.Tensor], rows: list[dict] | None = None) -> list[dict]:
     """Per (layer, module type): numel, mass, mean (mass / numel), max, share of total mass.
 
     Sorted by layer (None = embeddings, final norm, lm_head: last) then MODULE_TYPES order."""
     rows = [{"param": r["name"], "layer": r["layer"], "module": r["module"],
-             "values": {k: r[k] for k in ("numel", "mass", "max", "share")}} for r in tensor_stats(fisher)]
+             "values": {k: r[k] for k in ("numel", "mass", "max", "share")}}
+            for r in (rows if rows is not None else tensor_stats(fisher))]
     return [{"layer": layer, "module": module, **c} for (layer, module), c in aggregate(rows).items()]
 
 
@@ -161,8 +166,8 @@ class ValueHistogram:
             # held until CHUNK / 16 of them (0.5 MiB), then counted bin by bin into 65,536 low-bit
             # counts each: a few compares per held value, not one per value and needed bin, and no
             # len(need) x 65,536 temporary (8 MiB at 16 cuts: 1 byte/param of a 7M model)
-            slot = torch.full((1 << 16,), -1, dtype=torch.int64)
-            slot[need] = torch.arange(len(need), dtype=torch.int64)
+            slot = torch.full((1 << 16,), -1, dtype=torch.int32)
+            slot[need] = torch.arange(len(need), dtype=torch.int32)
             flat = torch.zeros(len(need) << 16, dtype=torch.int64)
             held: list[Any] = []
             n_held = 0
@@ -177,11 +182,13 @@ class ValueHistogram:
 
             for c in _chunks(self.fisher):
                 key = _order_keys(c).cpu()
-                at = slot[_high(key)]
-                sel = at >= 0
-                if not bool(sel.any()):
+                at = slot.index_select(0, _high(key))
+                # one scan for the positions in a needed bin (few: bins of relative width 2^-7),
+                # then gathers of those alone (two masked selects were two scans)
+                idx = (at >= 0).nonzero().squeeze(1)
+                if not idx.numel():
                     continue
-                held.append((at[sel] << 16) | _low(key[sel]))
+                held.append((at[idx].long() << 16) | _low(key[idx]).long())
                 n_held += held[-1].numel()
                 if n_held >= CHUNK // 16:
                     count()
@@ -271,20 +278,24 @@ def _order_keys(chunk: torch.Tensor) -> torch.Tensor:
     plus 2^31 (int32 arithmetic: half the memory traffic of int64 keys)."""
     import torch
 
-    f = (chunk.float() + 0.0).contiguous()
+    f = chunk.float().contiguous()
     bits = f.view(torch.int32)
-    if not f.numel() or float(f.min()) >= 0:  # a Fisher's values: the bits are the keys (no NaN)
+    # a Fisher's values (no negative, no -0.0): the bits are the keys, no copy (issue 30: the
+    # statistics' passes are per value; a copy per pass was a tenth of one)
+    if not f.numel() or int(bits.min()) >= 0:
         return bits
+    bits = (f + 0.0).view(torch.int32)  # -0.0 -> 0.0
     return torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
 
 
 def _high(keys: torch.Tensor) -> torch.Tensor:
-    """The unsigned key's high 16 bits (0..65535) of int32 order keys, int64 for bincount."""
-    return ((keys >> 16) + (1 << 15)).long()
+    """The unsigned key's high 16 bits (0..65535) of int32 order keys, int32 (bincount,
+    scatter_reduce and index_select take it: an int64 copy was a third of a histogram's time)."""
+    return (keys >> 16).add_(1 << 15)
 
 
 def _low(keys: torch.Tensor) -> torch.Tensor:
-    return (keys & 0xFFFF).long()
+    return keys & 0xFFFF
 
 
 def _chunks(fisher: Mapping[str, Any]) -> Iterable[torch.Tensor]:
@@ -416,21 +427,31 @@ def topk_jaccard(a: Mapping[str, Any], b: Mapping[str, Any], percent: float) -> 
     n_pairs, sure = 0, 0
     for ca, cb in zip(_chunks(a), _chunks(b), strict=True):
         ka, kb = _order_keys(ca), _order_keys(cb)
-        ta, tb = ka >> 16, kb >> 16
+        # each side's candidates (in its cut bin or above: about `percent` of the values) by one
+        # compare and one scan; every count below is over candidates alone: a coordinate sure
+        # on both sides, or in a's cut bin, is one of a's candidates (issue 30: six full-size
+        # masks and four masked selects a chunk were most of the Jaccard's time)
+        ia = (ka >= sa << 16).nonzero().squeeze(1)
+        ib = (kb >= sb << 16).nonzero().squeeze(1)
+        xa, ya = ka[ia], kb[ia]  # a's candidates: a's keys, b's keys there
+        ta, tb = xa >> 16, ya >> 16
         in_a, on_a, in_b, on_b = ta > sa, ta == sa, tb > sb, tb == sb
         sure += int((in_a & in_b).sum())
-        la, lb = ka[on_a], kb[on_b]
+        la = xa[on_a]
         if la.numel():
             lows[0] += torch.bincount(_low(la).cpu(), minlength=nb)
-            a_cut_b_in += torch.bincount(_low(ka[on_a & in_b]).cpu(), minlength=nb)
-        if lb.numel():
-            lows[1] += torch.bincount(_low(lb).cpu(), minlength=nb)
-            b_cut_a_in += torch.bincount(_low(kb[on_b & in_a]).cpu(), minlength=nb)
+            a_cut_b_in += torch.bincount(_low(xa[on_a & in_b]).cpu(), minlength=nb)
         both = on_a & on_b
         if n_pairs <= CHUNK and bool(both.any()):
-            pa, pb = _low(ka[both]).cpu(), _low(kb[both]).cpu()
+            pa, pb = _low(xa[both]).cpu(), _low(ya[both]).cpu()
             n_pairs += pa.numel()
             pairs.append((pa, pb))
+        xb, yb = kb[ib], ka[ib]  # b's candidates: b's keys, a's keys there
+        on_b = (xb >> 16) == sb
+        lb = xb[on_b]
+        if lb.numel():
+            lows[1] += torch.bincount(_low(lb).cpu(), minlength=nb)
+            b_cut_a_in += torch.bincount(_low(xb[on_b & ((yb >> 16) > sa)]).cpu(), minlength=nb)
     lo_a, exact_a = _cut_low(lows[0], k - cut[0][1])
     lo_b, exact_b = _cut_low(lows[1], k - cut[1][1])
     if not (exact_a and exact_b) or n_pairs > CHUNK:
@@ -472,11 +493,13 @@ def _jaccard_by_masks(a: Mapping[str, Any], b: Mapping[str, Any], percent: float
     return inter / union if union else 1.0
 
 
-def summary(fisher: dict[str, torch.Tensor], hist: ValueHistogram | None = None) -> dict:
+def summary(fisher: dict[str, torch.Tensor], hist: ValueHistogram | None = None,
+            rows: list[dict] | None = None) -> dict:
     """Headline numbers: n_params, total mass, mean, max, gini (and its error bound), share of mass
-    in the top 0.1% / 1% / 10%. `hist`: ValueHistogram.of(fisher), when the caller has it."""
+    in the top 0.1% / 1% / 10%. `hist`: ValueHistogram.of(fisher), `rows`: tensor_stats(fisher),
+    when the caller has them."""
     h = hist if hist is not None else ValueHistogram.of(fisher)
-    rows = tensor_stats(fisher)
+    rows = rows if rows is not None else tensor_stats(fisher)
     n = sum(r["numel"] for r in rows)
     mass = sum(r["mass"] for r in rows)
     curve = dict(concentration_curve(grid=(0.001, 0.01, 0.1), hist=h))
@@ -491,26 +514,29 @@ def summary(fisher: dict[str, torch.Tensor], hist: ValueHistogram | None = None)
 # ---- compute.contract.jobresult rows --------------------------------------------------------------------
 
 
-def to_layer_stats(fisher: dict[str, torch.Tensor]) -> list[LayerStat]:
-    """One LayerStat per tensor (group "tensor") and per (layer, module) (group "layer_module")."""
+def to_layer_stats(fisher: dict[str, torch.Tensor], rows: list[dict] | None = None) -> list[LayerStat]:
+    """One LayerStat per tensor (group "tensor") and per (layer, module) (group "layer_module");
+    `rows`: tensor_stats(fisher), when the caller has them."""
+    rows = rows if rows is not None else tensor_stats(fisher)
     out = [
         LayerStat(r["name"], r["module"], r["layer"],
                   {k: r[k] for k in ("mean", "max", "mass", "share", "numel")}, "tensor")
-        for r in tensor_stats(fisher)
+        for r in rows
     ]
     out += [
         LayerStat("", g["module"], g["layer"],
                   {k: g[k] for k in ("mean", "max", "mass", "share", "numel")}, "layer_module")
-        for g in layer_module_stats(fisher)
+        for g in layer_module_stats(fisher, rows)
     ]
     return out
 
 
-def to_heatmaps(fisher: dict[str, torch.Tensor], prefix: str = "fisher") -> list[Heatmap]:
+def to_heatmaps(fisher: dict[str, torch.Tensor], prefix: str = "fisher",
+                rows: list[dict] | None = None) -> list[Heatmap]:
     """Two layer x module-type heatmaps: mean Fisher and share of total mass.
 
     Rows: transformer layers in order, then "-" (embeddings, final norm, lm_head) if present."""
-    cells = {(g["layer"], g["module"]): g for g in layer_module_stats(fisher)}
+    cells = {(g["layer"], g["module"]): g for g in layer_module_stats(fisher, rows)}
     return [cells_heatmap(f"{prefix}/{key}", cells, operator.itemgetter(key),
                           {"value": key, "units": units, "x": "module type", "y": "layer"})
             for key, units in (("mean", "mean Fisher per coordinate"), ("share", "share of total mass"))]

@@ -285,7 +285,8 @@ def finish(spec: FisherSpec, shard_outputs: list[dict], progress: Progress = nul
     hist = analysis.ValueHistogram.of(fisher)  # one pass for the summary and the curve
     progress(0.96, "statistics: concentration and Gini")
     series = analysis.to_series(fisher, hist=hist)  # its grid holds the summary's shares
-    summary.update(analysis.summary(fisher, hist=hist))
+    tstats = analysis.tensor_stats(fisher)  # one pass: the summary, the layer stats and the heatmaps read it
+    summary.update(analysis.summary(fisher, hist=hist, rows=tstats))
     del hist
     summary["split_half_jaccard"] = split_jaccard
     if split_jaccard is not None:
@@ -308,7 +309,7 @@ def finish(spec: FisherSpec, shard_outputs: list[dict], progress: Progress = nul
         summary["exact_output_skipped"] = skipped
     summary.update(extra or {})
     progress(0.98, "statistics: layers and modules")
-    layer_stats, heatmaps = analysis.to_layer_stats(fisher), analysis.to_heatmaps(fisher)
+    layer_stats, heatmaps = analysis.to_layer_stats(fisher, tstats), analysis.to_heatmaps(fisher, rows=tstats)
     summary["seconds_parts"]["statistics"] = round(time.perf_counter() - t_stats, 3)
     result = JobResult(
         kind="fisher", summary=summary, layer_stats=layer_stats,

@@ -99,7 +99,7 @@ def _jaccard_by_sort(a: dict, b: dict, percent: float) -> float:
     return len(A & B) / len(A | B)
 
 
-@pytest.mark.parametrize("case", ["continuous", "correlated", "ties", "zeros"])
+@pytest.mark.parametrize("case", ["continuous", "correlated", "ties", "zeros", "signed"])
 def test_topk_jaccard_in_two_passes_equals_the_sorted_sets(case, monkeypatch):
     """Two passes over each side (the cut bins resolved while the intersection is counted) give
     the Jaccard of the sets a full stable sort picks; where more values equal a k-th largest than
@@ -117,6 +117,11 @@ def test_topk_jaccard_in_two_passes_equals_the_sorted_sets(case, monkeypatch):
     elif case == "ties":  # a few levels: many values equal the k-th largest
         a = {n: (v * 5).floor() for n, v in a.items()}
         b = {n: (torch.rand(v.shape, generator=g) * 5).floor() for n, v in a.items()}
+    elif case == "signed":  # order keys with the sign fold, -0.0 among them (counted as 0.0)
+        a = {n: torch.randn(v.shape, generator=g) for n, v in a.items()}
+        b = {n: (v + 0.5 * torch.randn(v.shape, generator=g)) * (torch.rand(v.shape, generator=g) > 0.3)
+             for n, v in a.items()}
+        b = {n: torch.where(v == 0, -0.0 * torch.ones_like(v), v) for n, v in b.items()}
     else:  # mostly zeros, fewer non-zero values than k in one side
         a = {n: v * (torch.rand(v.shape, generator=g) < 0.004) for n, v in a.items()}
         b = {n: torch.rand(v.shape, generator=g) for n, v in a.items()}
@@ -124,7 +129,7 @@ def test_topk_jaccard_in_two_passes_equals_the_sorted_sets(case, monkeypatch):
         ca, cb = _Counted(a), _Counted(b)
         got = topk_jaccard(ca, cb, pct)
         assert got == pytest.approx(_jaccard_by_sort(a, b, pct), abs=1e-12)
-        if case in ("continuous", "correlated"):
+        if case in ("continuous", "correlated") or (case == "signed" and pct < 50):  # 50%: ties at b's zeros
             assert (ca.passes, cb.passes) == (2, 2)
     ca, cb = _Counted(a), _Counted(b)
     topk_jaccard(ca, cb, 1.0)
