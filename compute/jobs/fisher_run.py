@@ -245,7 +245,7 @@ def finish(spec: FisherSpec, shard_outputs: list[dict], progress: Progress = nul
     split_jaccard = None
     if not batch and denoms[0] > 0 and denoms[1] > 0:
         progress(0.9, "statistics: split-half overlap (two passes over both halves)")
-        split_jaccard = topk_jaccard_of_halves(halves, spec.topk_percent)
+        split_jaccard = topk_jaccard_of_halves(halves, spec.topk_percent, progress)
     own = consume or len([o for o in outs if o["sums"]]) > 1  # merged sums are new tensors
     compact, roundings, bound = halves.compact, halves.roundings, halves.half_error_bound()
     halves.diff.clear()
@@ -282,8 +282,11 @@ def finish(spec: FisherSpec, shard_outputs: list[dict], progress: Progress = nul
     if pskip:
         summary["precision_error_skipped"] = pskip
     progress(0.95, "statistics: histogram of the values")
-    hist = analysis.ValueHistogram.of(fisher)  # one pass for the summary and the curve
-    progress(0.96, "statistics: concentration and Gini")
+    # one pass for the summary and the curve, and one more over the bins that hold a cut (its
+    # Reported view goes with the histogram: top_sums reads the values through it again)
+    hist = analysis.ValueHistogram.of(analysis.Reported(
+        fisher, progress, 0.95, 0.97, 2, ["statistics: histogram of the values",
+                                          "statistics: concentration and Gini (the bins that hold a cut)"]))
     series = analysis.to_series(fisher, hist=hist)  # its grid holds the summary's shares
     tstats = analysis.tensor_stats(fisher)  # one pass: the summary, the layer stats and the heatmaps read it
     summary.update(analysis.summary(fisher, hist=hist, rows=tstats))
@@ -296,7 +299,7 @@ def finish(spec: FisherSpec, shard_outputs: list[dict], progress: Progress = nul
                 "halves": "float32 total + int16 fraction of it for the difference",
                 "roundings": roundings, "half_error_bound": bound}
     if exact and exact_count > 0:
-        progress(0.97, "statistics: exact output-layer Fisher vs the estimate")
+        progress(0.975, "statistics: exact output-layer Fisher vs the estimate")
         rows = {}
         for n, s in exact.items():
             ref = s / exact_count
@@ -374,9 +377,13 @@ def divide(s: torch.Tensor, total: float, in_place: bool = False, chunk: int = 1
     return out
 
 
-def topk_jaccard_of_halves(halves: HalfSums, topk_percent: float) -> float:
-    """Top-k% Jaccard of the two halves' Fishers, each half made a tensor at a time."""
-    return analysis.topk_jaccard(halves.view(0), halves.view(1), topk_percent)
+def topk_jaccard_of_halves(halves: HalfSums, topk_percent: float, progress: Progress | None = None) -> float:
+    """Top-k% Jaccard of the two halves' Fishers, each half made a tensor at a time; `progress`
+    hears of each slice of its two passes (0.90 -> 0.94 of the job)."""
+    a: Any = halves.view(0)
+    if progress is not None:  # the halves are read side by side: one side's slices tell both
+        a = analysis.Reported(a, progress, 0.90, 0.94, 2, "statistics: split-half overlap (two passes over both halves)")
+    return analysis.topk_jaccard(a, halves.view(1), topk_percent)
 
 
 def extend_until_reliable(spec: FisherSpec, outs: list[dict], progress: Any = null_progress,
