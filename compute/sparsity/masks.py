@@ -86,8 +86,19 @@ def n_keep(density: float, total: int) -> int:
 
 def _check_finite(scores: Mapping[str, torch.Tensor]) -> None:
     for name, s in scores.items():
-        if s.is_floating_point() and bool(torch.isnan(s).any()):
+        if s.is_floating_point() and any(bool(torch.isnan(c).any()) for c in _slices(s)):
             raise ValueError(f"scores: NaN values in {name!r}; cannot rank them")
+
+
+# values per slice of a tensor's keys (issue 30: an 8B model's embedding is 622M values, and a
+# whole tensor's int64 keys and their temporaries were about 20 bytes a value of it)
+KEY_CHUNK = 1 << 20
+
+
+def _slices(t: torch.Tensor) -> list[torch.Tensor]:
+    """Flat slices of at most KEY_CHUNK values, in order (views: no copy)."""
+    flat = t.detach().reshape(-1)
+    return [flat[o:o + KEY_CHUNK] for o in range(0, flat.numel(), KEY_CHUNK)]
 
 
 def topk_mask(
@@ -97,6 +108,7 @@ def topk_mask(
 
     scores: name -> tensor of any shape (float32/bf16/fp16/float64 cast to float32 for ranking).
     Ties broken by (sorted parameter name, flat index) ascending. Returns name -> bool tensor.
+    Temporaries: slices of KEY_CHUNK values, never a whole tensor's keys.
     """
     names = sorted(scores)
     total = sum(scores[n].numel() for n in names)
@@ -112,14 +124,16 @@ def topk_mask(
     hist = torch.zeros(65536, dtype=torch.int64)
     for n in names:
         cancel_point()  # per tensor: a cancel stops a selection over many tensors within one
-        u = _ordered_key(scores[n], bottom).flatten() + 2**31  # in [0, 2**32)
-        hist += torch.bincount(u >> 16, minlength=65536).cpu()
+        for c in _slices(scores[n]):
+            u = _ordered_key(c, bottom) + 2**31  # in [0, 2**32)
+            hist += torch.bincount(u >> 16, minlength=65536).cpu()
     hi_bin, above_hi = _kth_bin(hist, k)
     hist.zero_()
     for n in names:
         cancel_point()
-        u = _ordered_key(scores[n], bottom).flatten() + 2**31
-        hist += torch.bincount(u[(u >> 16) == hi_bin] & 0xFFFF, minlength=65536).cpu()
+        for c in _slices(scores[n]):
+            u = _ordered_key(c, bottom) + 2**31
+            hist += torch.bincount(u[(u >> 16) == hi_bin] & 0xFFFF, minlength=65536).cpu()
     lo_bin, above_lo = _kth_bin(hist, k - above_hi)
     threshold = ((hi_bin << 16) | lo_bin) - 2**31  # the k-th largest key
     n_above = above_hi + above_lo
@@ -127,20 +141,19 @@ def topk_mask(
     out: Mask = {}
     for n in names:
         cancel_point()
-        key = _ordered_key(scores[n], bottom)
-        m = key > threshold
-        if need_ties > 0:
-            eq = (key == threshold).flatten()
-            n_eq = int(eq.sum())
-            if n_eq <= need_ties:
-                m |= eq.view_as(m)
-                need_ties -= n_eq
-            else:
-                idx = torch.nonzero(eq).flatten()[:need_ties]  # ascending flat index
-                flat = m.flatten().clone()
-                flat[idx] = True
-                m = flat.view_as(m)
-                need_ties = 0
+        m = torch.empty(scores[n].shape, dtype=torch.bool, device=scores[n].device)
+        for c, mc in zip(_slices(scores[n]), _slices(m), strict=True):
+            key = _ordered_key(c, bottom)
+            torch.gt(key, threshold, out=mc)
+            if need_ties > 0:
+                eq = key == threshold
+                n_eq = int(eq.sum())
+                if n_eq <= need_ties:
+                    mc |= eq
+                    need_ties -= n_eq
+                else:
+                    mc[torch.nonzero(eq).flatten()[:need_ties]] = True  # ascending flat index
+                    need_ties = 0
         out[n] = m
     return {n: out[n] for n in scores}  # caller's key order
 

@@ -57,6 +57,25 @@ def test_global_topk_matches_brute_force_with_ties(density: float, bottom: bool)
     assert list(got) == list(scores)  # caller's key order
 
 
+@pytest.mark.parametrize("bottom", [False, True])
+def test_global_topk_in_slices_matches_brute_force_with_ties(monkeypatch, bottom: bool) -> None:
+    """Issue 30: the selection reads each tensor in slices of KEY_CHUNK values (an 8B model's
+    embedding is 622M of them); with slices of 4, ties at the threshold that span slices and
+    tensors are still taken in (sorted name, flat index) order."""
+    from compute.sparsity import masks
+
+    monkeypatch.setattr(masks, "KEY_CHUNK", 4)
+    scores = _scores(2)
+    total = sum(t.numel() for t in scores.values())
+    for density in (0.05, 0.3, 0.5, 0.8):
+        k = n_keep(density, total)
+        got = select_mask("fisher-bottom" if bottom else "fisher", density, scores=scores)
+        want = _brute_topk(scores, k, bottom)
+        assert all(torch.equal(got[n], want[n]) for n in scores), density
+    with pytest.raises(ValueError, match="scores: NaN"):  # a NaN in a later slice is found too
+        select_mask("fisher", 0.5, scores={"a": torch.tensor([1.0, 2, 3, 4, 5, float("nan")])})
+
+
 def test_topk_negative_values_and_signed_zero() -> None:
     s = {"a": torch.tensor([-1.0, -0.0, 0.0, 2.0, -3.5, float("inf"), -float("inf")])}
     assert topk_mask(s, 3)["a"].tolist() == [False, True, False, True, False, True, False]
