@@ -137,6 +137,14 @@ FOLD_BLOCK_BYTES = 8 << 20
 # holds 0.30x its peak at 8 x 512 tokens (869 vs 2853 MiB; bench_logits.json).
 LOGITS_CHUNK_BYTES = 128 << 20
 INITIAL_FISHER_BYTES_PER_PARAM = 4.0
+# GRPO's Cauchy-Schwarz bound check on the first batch (compute.studies.bound, on by default): two
+# float64 sums per coordinate over the batch's per-sample gradients, then |g|, the bound and the
+# same-sample Fisher per coordinate, flattened in float64 with a sort for the ratio's quantiles.
+# Measured (benchmarks/bench_bound_memory.py, fresh process, 8 completions of 8 tokens, the
+# independent Fisher already held): 145-149 bytes/param at 17M (two runs), 143 at 50M
+# (bench_bound_memory.json; issue 30: it was counted nowhere, so a GRPO job that fit every other
+# phase was admitted and died here; at 1.7B it is ~250 GB).
+BOUND_BYTES_PER_PARAM = 150.0
 # A tensor-file job (mask, diff, series): each tensor file element read, held and compared
 FILE_BYTES_PER_ELEMENT = 12.0
 # What a training step's forward+backward holds, as a share of Sizing.activation_bytes with one
@@ -371,11 +379,14 @@ def fisher_memory(z: Sizing, prompts: int, samples: int, max_new_tokens: int,
 
 def train_memory(z: Sizing, algo: str, batch: int, group: int, max_new_tokens: int,
                  optimizer: str, mask_fraction: float = 1.0, concentration: bool = True,
-                 teacher: bool = False, initial_fisher: bool = True, checkpointing: bool = False) -> dict[str, float]:
+                 teacher: bool = False, initial_fisher: bool = True, checkpointing: bool = False,
+                 bound: bool = False) -> dict[str, float]:
     """One training run's peak: weights (a teacher's too), the gradients (every one in a dense
     run; in a masked one, mask_fraction < 1, a block of the largest tensor's rows and the folded
     trained coordinates), the initial Fisher, the optimizer's state for the trained coordinates, and the
-    activations of one step's rows at their length."""
+    activations of one step's rows at their length; `bound` (GRPO's bound check before the first
+    step) its per-coordinate float64 terms, counted on top (an upper bound: the check's phase does
+    not hold the steps' gradients and state)."""
     rows = batch * (1 if algo == "sft" else group)
     length = z.prompt_tokens + max_new_tokens
     state = OPTIMIZER_BYTES_PER_TRAINED_COORD.get(optimizer, 8.0) * mask_fraction
@@ -388,6 +399,8 @@ def train_memory(z: Sizing, algo: str, batch: int, group: int, max_new_tokens: i
         parts["initial Fisher"] = INITIAL_FISHER_BYTES_PER_PARAM * z.params if initial_fisher else 0.0
     else:
         parts["gradients, step temporaries, initial Fisher"] = (TRAIN_BYTES_PER_PARAM + conc) * z.params
+    if bound:
+        parts["GRPO bound check (float64 per coordinate)"] = BOUND_BYTES_PER_PARAM * z.params
     return parts | {"optimizer state": state * z.params,
                     "activations": TRAIN_ACTIVATION_SHARE * z.activation_bytes(
                         rows * length, logit_tokens=None if teacher else logits_chunk_tokens(z.vocab),

@@ -178,13 +178,14 @@ def memory(s: TrainSpec, z: Sizing) -> dict[str, float]:
         fraction = z.mask_density
     return train_memory(z, s.algo, s.batch, s.group, s.max_new_tokens, s.optimizer, fraction,
                         s.concentration, teacher=s.algo == "opd", initial_fisher=needs_initial_fisher(s),
-                        checkpointing=s.gradient_checkpointing)
+                        checkpointing=s.gradient_checkpointing, bound=s.algo == "grpo" and s.bound)
 
 
 KIND = JobKind(
     name="train", title="Training run", spec=TrainSpec, contract=CONTRACT, runner="compute.jobs.train_run:run",
     cost=cost, order=30, timing=timing, memory=memory,
-    memory_options=({"gradient_checkpointing": True},),  # the same weights, one forward more a step
+    # the same weights, one forward more a step; GRPO without its bound check (BOUND_BYTES_PER_PARAM)
+    memory_options=({"gradient_checkpointing": True}, {"bound": False}),
     refs={"model": "model", "teacher": "model", "mask": "mask", "fisher": "fisher"},
     outputs={"model": "model", "mask": "mask", "run_dir": "model"},  # run_dir: checkpoint-N with save_steps
     form=KindForm(tab="Train", button="Train",

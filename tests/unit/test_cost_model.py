@@ -517,3 +517,58 @@ def test_the_engine_and_the_web_process_read_one_shape_from_a_config() -> None:
     guessed = C.Sizing(params=0, layers=6, hidden=96, vocab=C.ENGINE_SHAPE_GUESS["vocab"])
     assert _auto_batch(_Model(lacking), length, budget, 0) == C.rows_per_forward(guessed, length, budget)
     assert _auto_batch(_Model(lacking), length, budget, 0) < _auto_batch(_Model(as_object), length, budget, 0)
+
+
+def test_grpo_counts_its_bound_check_and_offers_to_turn_it_off(api, tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 30: GRPO's bound check (on by default) holds float64 terms per coordinate, about
+    BOUND_BYTES_PER_PARAM (measured: benchmarks/bench_bound_memory.py); it was counted nowhere, so a
+    GRPO job that fit its steps was admitted and died in the check. The estimate counts it, a job
+    that does not fit is refused naming bound=false with that spec's figure, and the CLI's
+    --dry-run prints --no-bound."""
+    from app.cli import main
+    from compute.contract import cost as C
+
+    spec = {"model": "arith-base", "algo": "grpo", "steps": 1, "batch": 2, "group": 2}
+    roomy = api(max_job_memory_mb=1_000_000)
+    plain = roomy.post("/api/estimate", json={"kind": "train", "spec": spec}).json()
+    off = roomy.post("/api/estimate", json={"kind": "train", "spec": {**spec, "bound": False}}).json()
+    sft = roomy.post("/api/estimate", json={"kind": "train", "spec": {**spec, "algo": "sft"}}).json()
+    part = plain["memory_parts"]["GRPO bound check (float64 per coordinate)"]
+    assert part == pytest.approx(C.BOUND_BYTES_PER_PARAM * plain["params"])
+    assert plain["memory_bytes"] - off["memory_bytes"] == pytest.approx(part)
+    assert "GRPO bound check (float64 per coordinate)" not in off["memory_parts"]
+    assert "GRPO bound check (float64 per coordinate)" not in sft["memory_parts"]  # SFT has no bound check
+    (option,) = [o for o in plain["memory_options"] if o["change"] == {"bound": False}]
+    assert option["memory_bytes"] == pytest.approx(off["memory_bytes"])
+
+    limit_mb = int((off["memory_bytes"] + plain["memory_bytes"]) / 2 / 2**20)  # fits without the check only
+    client = api(max_job_memory_mb=limit_mb)
+    r = client.post("/api/jobs", json={"kind": "train", "spec": spec})
+    assert r.status_code == 422, r.text
+    (err,) = r.json()["detail"]
+    assert err["field"] == "memory" and "it fits with bound=false" in err["message"], err
+    assert client.post("/api/jobs", json={"kind": "train", "spec": {**spec, "bound": False}}).status_code == 201
+
+    _cli_env(monkeypatch, _home(tmp_path / "home"), MAX_JOB_MEMORY_MB=str(limit_mb))
+    args = ["train", "--model", "arith-base", "--algo", "grpo", "--steps", "1", "--batch", "2", "--group", "2",
+            "--out", str(tmp_path / "o")]
+    res = CliRunner().invoke(main, [*args, "--dry-run"])
+    assert res.exit_code == 0 and "with --no-bound: about" in res.output, res.output
+
+
+@pytest.mark.slow
+def test_the_bound_checks_measured_peak_is_what_the_estimate_counts() -> None:
+    """The GRPO bound check alone, in a fresh process (benchmarks/bench_bound_memory.py's child)
+    on a 6M-parameter Llama: its peak above the weights is within BOUND_BYTES_PER_PARAM per
+    parameter plus a fixed part (the sampled batch's activations, the runtime's imports), and
+    not far below it (the estimate must move with the check: a leaner check lowers the constant)."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from bench_bound_memory import measure
+
+    got = measure((256, 4, 1024, 4, 2), threads=1, vocab=8192)
+    counted = C.BOUND_BYTES_PER_PARAM * got["n_params"] / 2**20
+    assert got["n_params"] > 5_000_000
+    assert 0.7 * counted <= got["peak_above_weights_mb"] <= counted + 256, (got, counted)

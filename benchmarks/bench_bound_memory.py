@@ -1,0 +1,89 @@
+"""GRPO's bound check (compute.studies.bound: first_step_bound then summarize, as the train job
+runs it) at growing model size: peak resident memory above the loaded weights and the independent
+Fisher, per parameter, each size in a fresh process (issue 30: the check was counted in no
+memory estimate; compute.contract.cost.BOUND_BYTES_PER_PARAM is fitted from this).
+
+    python benchmarks/bench_bound_memory.py [--sizes 20m,50m] [--out benchmarks/results/bench_bound_memory.json]
+
+Each size a random-init Llama of bench_scale.py's shapes (tied 49,152-token embedding), CPU, the
+first GRPO batch of 2 prompts x 4 completions of 8 new tokens (the arithmetic task).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+CHILD = r"""
+import json, os, sys, time
+sys.path.insert(0, os.environ["ROOT"]); sys.path.insert(0, os.path.join(os.environ["ROOT"], "benchmarks"))
+import torch
+torch.set_num_threads(int(os.environ["THREADS"]))
+from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+from peakmem import rss_peak_of
+from compute.lm.verifiable_tasks import get_task
+from compute.studies.bound import first_step_bound, summarize
+import compute.lm.sampling, compute.train.objectives.grpo  # imported before the mark
+H, L, I, A, KV = json.loads(os.environ["SHAPE"])
+cfg = LlamaConfig(vocab_size=int(os.environ.get("VOCAB", "49152")), hidden_size=H, intermediate_size=I,
+                  num_hidden_layers=L, num_attention_heads=A, num_key_value_heads=KV,
+                  tie_word_embeddings=True, max_position_embeddings=512)
+torch.manual_seed(0)
+model = LlamaForCausalLM(cfg)
+tok = AutoTokenizer.from_pretrained(os.environ["TOK"])
+task = get_task("arithmetic")
+n = sum(p.numel() for p in model.parameters())
+fisher = {k: torch.rand_like(p) for k, p in model.named_parameters()}  # the independent Fisher the job holds
+def check():
+    b = first_step_bound(model, tok, task, prompts=2, group=4, max_new_tokens=8)
+    return summarize(b, fisher=fisher)
+t0 = time.perf_counter()
+peak = rss_peak_of(check)
+print(json.dumps({"n_params": n, "peak_above_weights_mb": round(peak, 1),
+                  "bytes_per_param": round(peak * 2**20 / n, 1), "seconds": round(time.perf_counter() - t0, 2)}))
+"""
+
+
+def measure(shape: tuple, threads: int = 2, vocab: int = 49152, root: Path = ROOT) -> dict:
+    env = {**os.environ, "ROOT": str(root), "SHAPE": json.dumps(shape), "THREADS": str(threads),
+           "VOCAB": str(vocab), "TOK": str(ROOT / "compute" / "zoo_weights" / "arith-base")}
+    p = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=1800)
+    if p.returncode:
+        raise RuntimeError(p.stderr[-3000:])
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def main(argv: list[str] | None = None) -> int:
+    from bench_scale import SHAPES
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sizes", default="20m,50m")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench_bound_memory.json"))
+    a = ap.parse_args(argv)
+    t0 = time.time()
+    rows = []
+    for size in a.sizes.split(","):
+        row = {"size": size, "shape": SHAPES[size], **measure(SHAPES[size], a.threads)}
+        print(f"{size}: {row['n_params']:,} params, bound check {row['peak_above_weights_mb']:.0f} MiB above the "
+              f"weights = {row['bytes_per_param']} bytes/param, {row['seconds']} s", flush=True)
+        rows.append(row)
+    meta = {"command": "python benchmarks/bench_bound_memory.py " + " ".join(argv if argv is not None else sys.argv[1:]),
+            "threads": a.threads, "machine": platform.machine(), "cpus": os.cpu_count(),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "wall_seconds": round(time.time() - t0, 1)}
+    Path(a.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+    print(f"wrote {a.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
