@@ -138,13 +138,14 @@ FOLD_BLOCK_BYTES = 8 << 20
 LOGITS_CHUNK_BYTES = 128 << 20
 INITIAL_FISHER_BYTES_PER_PARAM = 4.0
 # GRPO's Cauchy-Schwarz bound check on the first batch (compute.studies.bound, on by default): two
-# float64 sums per coordinate over the batch's per-sample gradients, then |g|, the bound and the
-# same-sample Fisher per coordinate, flattened in float64 with a sort for the ratio's quantiles.
-# Measured (benchmarks/bench_bound_memory.py, fresh process, 8 completions of 8 tokens, the
-# independent Fisher already held): 145-149 bytes/param at 17M (two runs), 143 at 50M
-# (bench_bound_memory.json; issue 30: it was counted nowhere, so a GRPO job that fit every other
-# phase was admitted and died here; at 1.7B it is ~250 GB).
-BOUND_BYTES_PER_PARAM = 150.0
+# float64 sums per coordinate over the batch's per-sample gradients (16 bytes/param), each row's
+# gradient folded in as autograd finishes it, and a summary streamed over slices. Measured
+# (benchmarks/bench_bound_memory.py, fresh process, 8 completions of 8 tokens, the independent
+# Fisher already held; bench_bound_memory.json): 52 / 34 / 30.5 bytes/param at 17M / 50M / 106M,
+# 27.6 between the last two. Before issue 30's session 15 it was 143-149 (every term flattened in
+# float64 and sorted, every row's gradients alive at once) and counted in no estimate: a GRPO job
+# that fit its steps was admitted and died in the check.
+BOUND_BYTES_PER_PARAM = 32.0
 # A tensor-file job (mask, diff, series): each tensor file element read, held and compared
 FILE_BYTES_PER_ELEMENT = 12.0
 # What a training step's forward+backward holds, as a share of Sizing.activation_bytes with one

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from torch.testing import assert_close
@@ -153,3 +155,67 @@ def test_summarize_refuses_a_fisher_missing_a_parameter() -> None:
     res = BoundResult({"a": t, "b": t}, {"a": t, "b": t}, {"a": t, "b": t}, 2, 1.0, n_tokens=4)
     with pytest.raises(ValueError, match="^fisher:"):
         summarize(res, fisher={"a": torch.ones(3)})
+
+
+def test_the_streamed_summary_equals_the_whole_vector_statistics(monkeypatch) -> None:
+    """Issue 30: summarize counts everything over slices (the ratios' quantiles by an exact radix
+    select) instead of flattening every coordinate in float64 and sorting (~120 bytes/param). With
+    slices of 7 coordinates and the select made to go bit by bit, every number equals the one
+    computed on the whole flattened vectors: violations, fractions, the lower quantiles of a
+    stable sort, the histogram, the rank correlations (all coordinates sampled), the log grid."""
+    from compute.studies import bound as B
+
+    g = torch.Generator().manual_seed(5)
+    shapes = {"a": (9, 4), "b": (23,), "c": (5, 5)}
+    sum_ag = {n: torch.randn(s, generator=g, dtype=torch.float64) for n, s in shapes.items()}
+    sum_g2 = {n: sum_ag[n] ** 2 * (1 + torch.rand(s, generator=g, dtype=torch.float64)) for n, s in shapes.items()}
+    sum_g2["b"][:6] = 0.0  # zero same-sample Fisher: no ratio there
+    sum_ag["b"][:3] = 0.0
+    res = B.BoundResult(*(B._Terms(sum_ag, sum_g2, 3.0, 4, k) for k in range(3)), n_samples=4,
+                        rms_advantage=math.sqrt(3.0 / 4), n_tokens=20)
+    indep = {n: (torch.rand(s, generator=g) * 2).round(decimals=1) for n, s in shapes.items()}  # ties, zeros
+    flat = {k: torch.cat([getattr(res, k)[n].flatten() for n in shapes]) for k in ("lhs", "rhs", "fisher")}
+    whole, _, whole_heat = B.summarize(res, fisher=indep)  # one slice (SLICE is a million)
+    monkeypatch.setattr(B, "SLICE", 7)
+    monkeypatch.setattr(B, "SELECT_SORT_MAX", 2)
+    got, series, heat = B.summarize(res, fisher=indep)
+    sqf = torch.cat([indep[n].flatten() for n in shapes]).double().sqrt()
+    rhs = res.rms_advantage * sqf
+    live = rhs > 0
+    ratio = torch.sort(flat["lhs"][live] / rhs[live], stable=True).values
+    m = ratio.numel()
+    for q in B.RATIO_QUANTILES:
+        assert got["bound_ratio_quantiles"][f"p{q * 100:g}"] == float(ratio[min(m - 1, math.ceil(q * m) - 1)])
+    ok = B.holds(flat["lhs"], rhs, 1e-5, 1e-12)
+    assert got["bound_violations"] == int((~ok).sum()) and got["bound_coordinates"] == flat["lhs"].numel()
+    assert got["bound_zero_fisher_violations"] == int(((~live) & (flat["lhs"] > 1e-12)).sum())
+    assert got["bound_max_ratio"] == float(ratio.max())
+    assert got["bound_mean_ratio"] == pytest.approx(float(ratio.mean()), rel=1e-12)
+    assert got["bound_ratio_histogram"] == whole["bound_ratio_histogram"]
+    assert sum(got["bound_ratio_histogram"]["counts"]) == m
+    assert got["grad_sqrt_fisher_spearman"] == pytest.approx(spearman(flat["lhs"], sqf), abs=1e-12)
+    assert got["grad_sqrt_fisher_same_spearman"] == pytest.approx(spearman(flat["lhs"], flat["fisher"].sqrt()), abs=1e-12)
+    assert got["grad_sqrt_fisher_pearson"] == pytest.approx(pearson(flat["lhs"], sqf), abs=1e-12)
+    same_ok = B.holds(flat["lhs"], flat["rhs"], 1e-5, 1e-12)  # 3 made to fail: F = 0, g != 0
+    assert got["identity_violations"] == int((~same_ok).sum()) == 3
+    for k, v in whole.items():
+        assert got[k] == pytest.approx(v, rel=1e-12) if isinstance(v, float) else got[k] == v, k
+    assert heat[0].z == whole_heat[0].z and heat[0].x_labels == whole_heat[0].x_labels
+    assert len(series) == 2 * flat["lhs"].numel()  # under max_points: every coordinate, by sqrt F
+    xs = [p.step for p in series if p.name == "bound/|grad|"]
+    assert xs == sorted(xs) and sorted(xs) == sorted(sqf.tolist())
+
+
+def test_order_statistics_by_radix_select_match_a_sort(monkeypatch) -> None:
+    from compute.studies import bound as B
+
+    g = torch.Generator().manual_seed(1)
+    vals = torch.cat([torch.rand(500, generator=g, dtype=torch.float64) ** 3, torch.full((300,), 0.25, dtype=torch.float64),
+                      torch.zeros(50, dtype=torch.float64), torch.tensor([math.inf])])
+    vals = vals[torch.randperm(vals.numel(), generator=g)]
+    ranks = [0, 1, 400, 425, 600, 849, 850]
+    want = torch.sort(vals).values
+    for limit in (1 << 20, 2):  # sorted in one pass; bit by bit, 300 equal values in the last bin
+        monkeypatch.setattr(B, "SELECT_SORT_MAX", limit)
+        got = B._order_stats(lambda: iter(vals.split(37)), ranks)
+        assert got == {r: float(want[r]) for r in ranks}

@@ -560,15 +560,16 @@ def test_grpo_counts_its_bound_check_and_offers_to_turn_it_off(api, tmp_path: Pa
 @pytest.mark.slow
 def test_the_bound_checks_measured_peak_is_what_the_estimate_counts() -> None:
     """The GRPO bound check alone, in a fresh process (benchmarks/bench_bound_memory.py's child)
-    on a 6M-parameter Llama: its peak above the weights is within BOUND_BYTES_PER_PARAM per
-    parameter plus a fixed part (the sampled batch's activations, the runtime's imports), and
-    not far below it (the estimate must move with the check: a leaner check lowers the constant)."""
+    on bench_scale's 20M Llama: its peak above the weights is within BOUND_BYTES_PER_PARAM per
+    parameter plus a fixed part (the sampled batch's activations, the runtime's first touches),
+    and not far below it (the estimate must move with the check: a leaner check lowers the
+    constant). The check before session 15 measured 145 bytes/param here and fails it."""
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
     from bench_bound_memory import measure
 
-    got = measure((256, 4, 1024, 4, 2), threads=1, vocab=8192)
+    got = measure((256, 6, 768, 4, 2), threads=1)
     counted = C.BOUND_BYTES_PER_PARAM * got["n_params"] / 2**20
-    assert got["n_params"] > 5_000_000
-    assert 0.7 * counted <= got["peak_above_weights_mb"] <= counted + 256, (got, counted)
+    assert got["n_params"] > 15_000_000
+    assert 0.7 * counted <= got["peak_above_weights_mb"] <= counted + 400, (got, counted)
