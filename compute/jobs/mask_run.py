@@ -122,8 +122,10 @@ def build_mask(spec: MaskSpec, progress: Any = null_progress, refs: Refs | None 
         info["scores"] = f"uniform random per tensor, seed {spec.seed}"
     if model is not None and fisher is not None and sel.startswith("fisher"):
         _restrict(_shapes_only(model), fisher)  # the Fisher must belong to this model
-    progress(0.5, f"selecting {sel} at density {spec.density}")
-    mask = select_mask(sel, spec.density, scores=scores, params=params, seed=spec.seed)
+    what = f"selecting {sel} at density {spec.density}"
+    progress(0.5, what)
+    mask = select_mask(sel, spec.density, scores=scores, params=params, seed=spec.seed,
+                       progress=lambda f: progress(0.5 + 0.3 * f, what))
     return mask, {**info, "fisher_tensors": fisher}
 
 

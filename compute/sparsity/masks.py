@@ -102,16 +102,22 @@ def _slices(t: torch.Tensor) -> list[torch.Tensor]:
 
 
 def topk_mask(
-    scores: Mapping[str, torch.Tensor], k: int, *, bottom: bool = False
+    scores: Mapping[str, torch.Tensor], k: int, *, bottom: bool = False, progress: Any = None
 ) -> Mask:
     """Exactly k coordinates with the largest (bottom=True: smallest) scores over all tensors.
 
     scores: name -> tensor of any shape (float32/bf16/fp16/float64 cast to float32 for ranking).
     Ties broken by (sorted parameter name, flat index) ascending. Returns name -> bool tensor.
-    Temporaries: slices of KEY_CHUNK values, never a whole tensor's keys.
+    Temporaries: slices of KEY_CHUNK values, never a whole tensor's keys. `progress(fraction)`
+    hears of each tensor of its three passes (an 8B model's selection is a minute on a CPU).
     """
     names = sorted(scores)
     total = sum(scores[n].numel() for n in names)
+    seen = [0]
+
+    def tick() -> None:  # after each tensor of each pass
+        if progress is not None:
+            progress(min(1.0, seen[0] / (3 * max(1, total))))
     if not 0 <= k <= total:
         raise ValueError(f"k: {k} outside [0, {total}]")
     if k == 0:
@@ -127,6 +133,8 @@ def topk_mask(
         for c in _slices(scores[n]):
             u = _ordered_key(c, bottom) + 2**31  # in [0, 2**32)
             hist += torch.bincount(u >> 16, minlength=65536).cpu()
+        seen[0] += scores[n].numel()
+        tick()
     hi_bin, above_hi = _kth_bin(hist, k)
     hist.zero_()
     for n in names:
@@ -134,6 +142,8 @@ def topk_mask(
         for c in _slices(scores[n]):
             u = _ordered_key(c, bottom) + 2**31
             hist += torch.bincount(u[(u >> 16) == hi_bin] & 0xFFFF, minlength=65536).cpu()
+        seen[0] += scores[n].numel()
+        tick()
     lo_bin, above_lo = _kth_bin(hist, k - above_hi)
     threshold = ((hi_bin << 16) | lo_bin) - 2**31  # the k-th largest key
     n_above = above_hi + above_lo
@@ -155,6 +165,8 @@ def topk_mask(
                     mc[torch.nonzero(eq).flatten()[:need_ties]] = True  # ascending flat index
                     need_ties = 0
         out[n] = m
+        seen[0] += scores[n].numel()
+        tick()
     return {n: out[n] for n in scores}  # caller's key order
 
 
@@ -234,6 +246,7 @@ def select_mask(
     seed: int = 0,
     *,
     model: Any = None,
+    progress: Any = None,
 ) -> Mask:
     """Boolean mask keeping exactly round(density * N) of the N coordinates.
 
@@ -242,6 +255,7 @@ def select_mask(
     params / model: nn.Module or name -> tensor (needed by magnitude*, and by random when no
     scores are given). The tensor set is the scores' keys if given, else the trainable params.
     Also accepts the older call order select_mask(scores, selector, density, model, seed).
+    progress(fraction): told as the selection goes (topk_mask's passes, tensor by tensor).
     """
     if isinstance(selector, Mapping):  # select_mask(scores, selector, density, model=None, seed=0)
         selector, density, scores, params = density, scores, selector, params
@@ -279,9 +293,14 @@ def select_mask(
         raise ValueError(f"density: {density} keeps 0 of {total} coordinates; use >= {1 / total:.3g}")
     bottom = direction == "bottom"
     if scope == "global":
-        return topk_mask(ranked, k, bottom=bottom)
+        return topk_mask(ranked, k, bottom=bottom, progress=progress)
     counts = per_tensor_counts({n: t.shape for n, t in ranked.items()}, density)
-    return {n: topk_mask({n: t}, counts[n], bottom=bottom)[n] for n, t in ranked.items()}
+    out: Mask = {}
+    for i, (n, t) in enumerate(ranked.items()):
+        out[n] = topk_mask({n: t}, counts[n], bottom=bottom)[n]
+        if progress is not None:
+            progress((i + 1) / len(ranked))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
