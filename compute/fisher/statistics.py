@@ -404,7 +404,7 @@ def _topk_chunk_masks(fisher: Mapping[str, Any], percent: float,
                       threshold: tuple[float, int] | None = None) -> Iterable[torch.Tensor]:
     """topk_masks' selection, one bool mask per slice of _chunks(fisher) (flat, in order).
     threshold: topk_threshold(fisher, k) when the caller has it."""
-    import torch
+    from compute.sparsity.masks import take_ties
 
     k = _topk_count(fisher, percent)
     t, g = threshold if threshold is not None else topk_threshold(fisher, k)
@@ -413,14 +413,7 @@ def _topk_chunk_masks(fisher: Mapping[str, Any], percent: float,
         v = c.float()
         m = v > t
         if ties > 0:
-            eq = v == t
-            ne = int(eq.sum())
-            if ne <= ties:
-                m |= eq
-                ties -= ne
-            elif ne:
-                m |= eq & (torch.cumsum(eq, 0, dtype=torch.int32) <= ties)
-                ties = 0
+            ties = take_ties(m, v == t, ties)
         yield m
 
 

@@ -101,6 +101,18 @@ def _slices(t: torch.Tensor) -> list[torch.Tensor]:
     return [flat[o:o + KEY_CHUNK] for o in range(0, flat.numel(), KEY_CHUNK)]
 
 
+def take_ties(m: torch.Tensor, eq: torch.Tensor, need: int) -> int:
+    """Set in bool `m` the first `need` positions (ascending, flat) where `eq` holds, or all of
+    them when there are no more; return how many are still needed (the order rule of every exact
+    top-k here: compute.fisher.statistics' sets too)."""
+    n_eq = int(eq.sum())
+    if n_eq <= need:
+        m |= eq
+        return need - n_eq
+    m[torch.nonzero(eq).flatten()[:need]] = True
+    return 0
+
+
 def topk_mask(
     scores: Mapping[str, torch.Tensor], k: int, *, bottom: bool = False, progress: Any = None
 ) -> Mask:
@@ -156,14 +168,7 @@ def topk_mask(
             key = _ordered_key(c, bottom)
             torch.gt(key, threshold, out=mc)
             if need_ties > 0:
-                eq = key == threshold
-                n_eq = int(eq.sum())
-                if n_eq <= need_ties:
-                    mc |= eq
-                    need_ties -= n_eq
-                else:
-                    mc[torch.nonzero(eq).flatten()[:need_ties]] = True  # ascending flat index
-                    need_ties = 0
+                need_ties = take_ties(mc, key == threshold, need_ties)
         out[n] = m
         seen[0] += scores[n].numel()
         tick()
