@@ -160,6 +160,8 @@ def key_numbers_train(r: TrainResult, out: dict[str, Any]) -> None:
                            f"{100 * (after - before):.3g} points)", note))
         if after <= before:
             out["warnings"].append("Training did not improve held-out accuracy.")
+    if s.bound_skipped:
+        out["warnings"].append(f"GRPO's bound check on the first batch was {s.bound_skipped}.")
     curve = r.curves(TRAIN).get("reward")
     if curve is not None and len(curve[0]) >= 2:
         (xs, ys) = curve

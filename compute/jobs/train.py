@@ -120,6 +120,7 @@ class TrainSummary(Summary):
     eval: dict[str, Any] | None = None
     update_sparsity: dict[str, Any] | None = None
     bound: dict[str, Any] | None = None
+    bound_skipped: str | None = None  # issue 30: a check that does not fit the device is not run
     concentration: dict[str, Any] | None = None
 
 

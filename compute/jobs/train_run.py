@@ -570,9 +570,17 @@ def _initial_fisher(
 
 def _bound(run: _Run, probe: Any, fisher: Any, fisher_info: dict[str, Any] | None) -> None:
     """The Cauchy-Schwarz bound on the first GRPO batch (compute.studies.bound), into the result."""
+    from compute.contract.cost import bound_check_skip
+    from compute.lm.device import free_memory_bytes, model_device
     from compute.studies.bound import first_step_bound, summarize
 
     spec = run.spec
+    # the weights and the Fisher are already resident (counted in what is free), so nothing is held beside
+    why = bound_check_skip(sum(p.numel() for p in probe.parameters()), free_memory_bytes(model_device(probe)))
+    if why is not None:
+        run.summary["bound_skipped"] = why
+        run.progress(0.13, "bound check skipped: it does not fit the device")
+        return
     run.progress(0.13, "bound check on the first GRPO batch")
     b = first_step_bound(probe, run.tok, run.task, prompts=spec.batch, group=spec.group,
                          max_new_tokens=spec.max_new_tokens, seed=spec.seed, temperature=spec.temperature,

@@ -519,13 +519,14 @@ def test_the_engine_and_the_web_process_read_one_shape_from_a_config() -> None:
     assert _auto_batch(_Model(lacking), length, budget, 0) < _auto_batch(_Model(as_object), length, budget, 0)
 
 
-def test_grpo_counts_its_bound_check_and_offers_to_turn_it_off(api, tmp_path: Path,
-                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+def test_grpo_counts_its_bound_check_when_it_fits_and_skips_it_when_not(api, tmp_path: Path,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """Issue 30: GRPO's bound check (on by default) holds float64 terms per coordinate, about
-    BOUND_BYTES_PER_PARAM (measured: benchmarks/bench_bound_memory.py); it was counted nowhere, so a
-    GRPO job that fit its steps was admitted and died in the check. The estimate counts it, a job
-    that does not fit is refused naming bound=false with that spec's figure, and the CLI's
-    --dry-run prints --no-bound."""
+    BOUND_BYTES_PER_PARAM (measured: benchmarks/bench_bound_memory.py); it was counted nowhere, so
+    a GRPO job that fit its steps was admitted and died in the check. One rule with the Fisher's
+    float32 check: where it fits the free memory beside the weights and the initial Fisher the
+    estimate counts it (and offers bound=false, --no-bound in --dry-run); where it does not, the
+    job is not refused for it: the estimate leaves it out and the job skips it, saying why."""
     from app.cli import main
     from compute.contract import cost as C
 
@@ -534,27 +535,58 @@ def test_grpo_counts_its_bound_check_and_offers_to_turn_it_off(api, tmp_path: Pa
     plain = roomy.post("/api/estimate", json={"kind": "train", "spec": spec}).json()
     off = roomy.post("/api/estimate", json={"kind": "train", "spec": {**spec, "bound": False}}).json()
     sft = roomy.post("/api/estimate", json={"kind": "train", "spec": {**spec, "algo": "sft"}}).json()
-    part = plain["memory_parts"]["GRPO bound check (float64 per coordinate)"]
+    label = "GRPO bound check (float64 per coordinate)"
+    part = plain["memory_parts"][label]
     assert part == pytest.approx(C.BOUND_BYTES_PER_PARAM * plain["params"])
     assert plain["memory_bytes"] - off["memory_bytes"] == pytest.approx(part)
-    assert "GRPO bound check (float64 per coordinate)" not in off["memory_parts"]
-    assert "GRPO bound check (float64 per coordinate)" not in sft["memory_parts"]  # SFT has no bound check
+    assert label not in off["memory_parts"] and label not in sft["memory_parts"]  # SFT has no bound check
     (option,) = [o for o in plain["memory_options"] if o["change"] == {"bound": False}]
     assert option["memory_bytes"] == pytest.approx(off["memory_bytes"])
 
-    limit_mb = int((off["memory_bytes"] + plain["memory_bytes"]) / 2 / 2**20)  # fits without the check only
-    client = api(max_job_memory_mb=limit_mb)
-    r = client.post("/api/jobs", json={"kind": "train", "spec": spec})
-    assert r.status_code == 422, r.text
-    (err,) = r.json()["detail"]
-    assert err["field"] == "memory" and "it fits with bound=false" in err["message"], err
-    assert client.post("/api/jobs", json={"kind": "train", "spec": {**spec, "bound": False}}).status_code == 201
+    # an 8B model (Qwen3-8B's shape) on an 80 GB device: the check's 256 GB do not fit beside the
+    # weights and the Fisher, so the estimate leaves it out (the job skips it) and the masked run fits
+    z = C.Sizing(params=8_190_000_000, layers=36, hidden=4096, vocab=151_936, intermediate=12_288,
+                 free_bytes=80e9, prompt_tokens=16)
+    eight = C.train_memory(z, "grpo", 2, 4, 64, "adamw", 0.01, concentration=False, bound=True)
+    assert label not in eight and sum(eight.values()) < 80e9
+    held = C.RUNTIME_BASE_MB * C.MIB + eight["weights"] + eight["initial Fisher"]
+    why = C.bound_check_skip(z.params, z.free_bytes, held)
+    assert why is not None and why.startswith("not measured: the bound check needs about 262 GB"), why
+    roomy_z = C.Sizing(**{**z.__dict__, "free_bytes": 1e13})
+    assert C.train_memory(roomy_z, "grpo", 2, 4, 64, "adamw", 0.01, concentration=False, bound=True)[label] == \
+        pytest.approx(C.BOUND_BYTES_PER_PARAM * z.params)
+    assert C.bound_check_skip(z.params, None) is None  # free memory unknown: counted, run
 
-    _cli_env(monkeypatch, _home(tmp_path / "home"), MAX_JOB_MEMORY_MB=str(limit_mb))
+    _cli_env(monkeypatch, _home(tmp_path / "home"), MAX_JOB_MEMORY_MB="1000000")
     args = ["train", "--model", "arith-base", "--algo", "grpo", "--steps", "1", "--batch", "2", "--group", "2",
             "--out", str(tmp_path / "o")]
     res = CliRunner().invoke(main, [*args, "--dry-run"])
     assert res.exit_code == 0 and "with --no-bound: about" in res.output, res.output
+
+
+def test_a_grpo_job_whose_bound_check_does_not_fit_skips_it_and_says_so(zoo_home: Path, monkeypatch) -> None:
+    """The job side of the rule: with less free memory than the check needs beside the loaded
+    weights and Fisher, the GRPO job trains without it, its summary says why, its key numbers
+    warn; with room, the same job runs the check."""
+    from app.figures.keynumbers import key_numbers
+    from compute.jobs import train_run
+    from compute.jobs.train import TrainSpec
+    from compute.lm import device
+
+    monkeypatch.setenv("FISHERLENS_HOME", str(zoo_home))
+    monkeypatch.setenv("FISHERLENS_DEVICE", "cpu")
+    spec = TrainSpec(model="arith-base", algo="grpo", steps=1, batch=2, group=2, max_new_tokens=4, eval_prompts=2,
+                     fisher_prompts=2, fisher_samples=2, concentration=False)
+    monkeypatch.setattr(device, "free_memory_bytes", lambda _dev: 1_000_000)  # 1 MB: the check needs ~3.5
+    res = train_run.run(spec)
+    why = res.summary["bound_skipped"]
+    assert why.startswith("not measured: the bound check needs about"), why
+    assert "bound" not in res.summary and not [h for h in res.heatmaps if h.name == "bound_log_hist"]
+    assert any(w.startswith("GRPO's bound check on the first batch was not measured")
+               for w in key_numbers(res.to_dict())["warnings"])
+    monkeypatch.setattr(device, "free_memory_bytes", lambda _dev: 64 * 2**30)
+    res = train_run.run(spec)
+    assert "bound_skipped" not in res.summary and res.summary["bound"]["bound_coordinates"] > 0
 
 
 @pytest.mark.slow
