@@ -296,11 +296,13 @@ class _Sample:
         self.size, self.gen = size, gen
         self.keys = torch.empty(0)
         self.index = torch.empty(0, dtype=torch.int64)
+        self.below = 2.0  # once `size` keys are kept, a key at or above their largest never enters
 
     def add(self, offset: int, n: int) -> None:
         u = torch.rand(n, generator=self.gen)
-        self.keys = torch.cat([self.keys, u])
-        self.index = torch.cat([self.index, torch.arange(offset, offset + n)])
+        new = torch.nonzero(u < self.below).flatten()
+        self.keys = torch.cat([self.keys, u[new]])
+        self.index = torch.cat([self.index, new + offset])
         if self.keys.numel() > 2 * self.size:
             self._prune()
 
@@ -308,6 +310,7 @@ class _Sample:
         if self.keys.numel() > self.size:
             keep = torch.topk(self.keys, self.size, largest=False).indices
             self.keys, self.index = self.keys[keep], self.index[keep]
+            self.below = float(self.keys.max())
 
     def indices(self) -> torch.Tensor:
         self._prune()
@@ -452,7 +455,8 @@ def summarize(
         live = sqf > 0
         grid.add(lhs[live], sqf[live])
         for prefix, idx in (("c", corr_idx), ("p", pick_idx)):
-            at = idx[(idx >= o) & (idx < o + lhs.numel())] - o
+            lo, hi = (int(torch.searchsorted(idx, x)) for x in (o, o + lhs.numel()))
+            at = idx[lo:hi] - o
             got[f"{prefix}_lhs"].append(lhs[at])
             got[f"{prefix}_sqf"].append(sqf[at])
             if prefix == "c":

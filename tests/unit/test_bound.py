@@ -219,3 +219,23 @@ def test_order_statistics_by_radix_select_match_a_sort(monkeypatch) -> None:
         monkeypatch.setattr(B, "SELECT_SORT_MAX", limit)
         got = B._order_stats(lambda: iter(vals.split(37)), ranks)
         assert got == {r: float(want[r]) for r in ranks}
+
+
+def test_the_summary_samples_coordinates_uniformly_without_replacement() -> None:
+    """The correlations and the scatter read uniform samples of coordinates drawn slice by slice
+    (_Sample): exactly `size` distinct positions when there are more, all of them otherwise, the
+    same for the same seed, and no slice favoured (each slice's share within 4 sigma of even)."""
+    from compute.studies.bound import _Sample
+
+    def draw(size: int, total: int, slice_: int, seed: int = 0) -> torch.Tensor:
+        s = _Sample(size, torch.Generator().manual_seed(seed))
+        for o in range(0, total, slice_):
+            s.add(o, min(slice_, total - o))
+        return s.indices()
+
+    got = draw(2000, 100_000, 1000)
+    assert got.numel() == 2000 and torch.equal(got, torch.unique(got)) and int(got.max()) < 100_000
+    assert torch.equal(got, draw(2000, 100_000, 1000)) and not torch.equal(got, draw(2000, 100_000, 1000, seed=1))
+    per_slice = torch.bincount(got // 10_000, minlength=10).double()  # 10 slices of 10 ranges
+    assert float((per_slice - 200).abs().max()) < 4 * math.sqrt(200 * 0.9)
+    assert torch.equal(draw(5000, 1234, 100), torch.arange(1234))  # fewer coordinates than the sample
