@@ -148,6 +148,15 @@ INITIAL_FISHER_BYTES_PER_PARAM = 4.0
 BOUND_BYTES_PER_PARAM = 32.0
 
 
+def bound_check_runs(z: Sizing, teacher: bool = False, initial_fisher: bool = True) -> bool:
+    """Whether a GRPO job's bound check will run (bound_check_skip) beside what the job holds
+    then: the runtime, the weights (a teacher's too) and the initial Fisher. The memory and the
+    timing estimates read this, the job asks bound_check_skip with the device's free memory."""
+    held = RUNTIME_BASE_MB * MIB + z.params * 4.0 * (2 if teacher else 1) + \
+        (INITIAL_FISHER_BYTES_PER_PARAM * z.params if initial_fisher else 0.0)
+    return bound_check_skip(z.params, z.free_bytes, held) is None
+
+
 def bound_check_skip(params: int, free_bytes: float | None, held_bytes: float = 0.0) -> str | None:
     """Why GRPO's bound check will not run (None: it runs). One rule with the Fisher's float32
     precision check: a diagnostic that does not fit the memory free on the device beside what the
@@ -415,8 +424,7 @@ def train_memory(z: Sizing, algo: str, batch: int, group: int, max_new_tokens: i
         parts["initial Fisher"] = INITIAL_FISHER_BYTES_PER_PARAM * z.params if initial_fisher else 0.0
     else:
         parts["gradients, step temporaries, initial Fisher"] = (TRAIN_BYTES_PER_PARAM + conc) * z.params
-    held = RUNTIME_BASE_MB * MIB + parts["weights"] + (INITIAL_FISHER_BYTES_PER_PARAM * z.params if initial_fisher else 0.0)
-    if bound and bound_check_skip(z.params, z.free_bytes, held) is None:  # a check that does not fit is skipped
+    if bound and bound_check_runs(z, teacher, initial_fisher):  # a check that does not fit is skipped
         parts["GRPO bound check (float64 per coordinate)"] = BOUND_BYTES_PER_PARAM * z.params
     return parts | {"optimizer state": state * z.params,
                     "activations": TRAIN_ACTIVATION_SHARE * z.activation_bytes(

@@ -14,6 +14,7 @@ from pydantic import Field, model_validator
 from compute.contract.cost import (
     COST_PROMPT_TOKENS,
     Sizing,
+    bound_check_runs,
     bound_seconds,
     fisher_passes,
     fisher_seconds,
@@ -156,7 +157,7 @@ def timing(s: TrainSpec, z: Sizing) -> dict[str, float]:
     if fishers:
         one = fisher_seconds(z, s.fisher_prompts, s.fisher_samples, s.max_new_tokens, statistics=False)
         out["initial Fisher"] = fishers * sum(one.values())
-    if s.algo == "grpo" and s.bound:
+    if s.algo == "grpo" and s.bound and bound_check_runs(z, s.algo == "opd", needs_initial_fisher(s)):
         out["bound check"] = bound_seconds(z, s.batch * s.group, s.max_new_tokens)
     out.update(train_seconds(z, s.algo, s.steps, s.batch, s.group, s.max_new_tokens, s.eval_prompts,
                              checkpointing=s.gradient_checkpointing))

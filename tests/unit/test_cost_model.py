@@ -556,6 +556,10 @@ def test_grpo_counts_its_bound_check_when_it_fits_and_skips_it_when_not(api, tmp
     assert C.train_memory(roomy_z, "grpo", 2, 4, 64, "adamw", 0.01, concentration=False, bound=True)[label] == \
         pytest.approx(C.BOUND_BYTES_PER_PARAM * z.params)
     assert C.bound_check_skip(z.params, None) is None  # free memory unknown: counted, run
+    from compute.jobs.registry import parse_spec
+    from compute.jobs.train import timing
+    grpo = parse_spec("train", {"model": "arith-base", "algo": "grpo", "batch": 2, "group": 4})
+    assert "bound check" not in timing(grpo, z) and "bound check" in timing(grpo, roomy_z)  # timing: the same rule
 
     _cli_env(monkeypatch, _home(tmp_path / "home"), MAX_JOB_MEMORY_MB="1000000")
     args = ["train", "--model", "arith-base", "--algo", "grpo", "--steps", "1", "--batch", "2", "--group", "2",
