@@ -149,15 +149,21 @@ def cost(s: TrainSpec) -> int:
     return n
 
 
+def bound_runs(s: TrainSpec, z: Sizing) -> bool:
+    """Whether the job will run GRPO's bound check on this Sizing (compute.contract.cost
+    bound_check_runs: it fits beside the weights and the initial Fisher it would need)."""
+    return s.algo == "grpo" and s.bound and bound_check_runs(z, s.algo == "opd", True)
+
+
 def timing(s: TrainSpec, z: Sizing) -> dict[str, float]:
     """Load, the Fisher a mask or the concentration needs, the bound check, the steps, the
     held-out accuracy before and after, and the run's end (update sparsity, saving)."""
     out = {"load": z.load_s()}
-    fishers = int(bool(s.mask_select)) + int(not s.fisher and (s.concentration or (s.algo == "grpo" and s.bound)))
+    fishers = int(bool(s.mask_select)) + int(not s.fisher and (s.concentration or bound_runs(s, z)))
     if fishers:
         one = fisher_seconds(z, s.fisher_prompts, s.fisher_samples, s.max_new_tokens, statistics=False)
         out["initial Fisher"] = fishers * sum(one.values())
-    if s.algo == "grpo" and s.bound and bound_check_runs(z, s.algo == "opd", needs_initial_fisher(s)):
+    if bound_runs(s, z):
         out["bound check"] = bound_seconds(z, s.batch * s.group, s.max_new_tokens)
     out.update(train_seconds(z, s.algo, s.steps, s.batch, s.group, s.max_new_tokens, s.eval_prompts,
                              checkpointing=s.gradient_checkpointing))
@@ -165,10 +171,12 @@ def timing(s: TrainSpec, z: Sizing) -> dict[str, float]:
     return out
 
 
-def needs_initial_fisher(s: TrainSpec) -> bool:
+def needs_initial_fisher(s: TrainSpec, bound: bool | None = None) -> bool:
     """Whether the run holds an initial Fisher: a given file, or one estimated from independent
-    samples for the concentration report or GRPO's bound (train_run._initial_fisher)."""
-    return bool(s.fisher) or s.concentration or (s.algo == "grpo" and s.bound)
+    samples for the concentration report or GRPO's bound (train_run._initial_fisher). `bound`:
+    whether the bound check will run (a skipped one needs no Fisher); default: whether it is asked."""
+    bound = (s.algo == "grpo" and s.bound) if bound is None else bound
+    return bool(s.fisher) or s.concentration or bound
 
 
 def memory(s: TrainSpec, z: Sizing) -> dict[str, float]:
@@ -179,7 +187,7 @@ def memory(s: TrainSpec, z: Sizing) -> dict[str, float]:
     if s.mask and z.mask_density is not None:
         fraction = z.mask_density
     return train_memory(z, s.algo, s.batch, s.group, s.max_new_tokens, s.optimizer, fraction,
-                        s.concentration, teacher=s.algo == "opd", initial_fisher=needs_initial_fisher(s),
+                        s.concentration, teacher=s.algo == "opd", initial_fisher=needs_initial_fisher(s, bound_runs(s, z)),
                         checkpointing=s.gradient_checkpointing, bound=s.algo == "grpo" and s.bound)
 
 

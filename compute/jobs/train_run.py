@@ -351,14 +351,18 @@ def _train_job(
     mask = _mask(run)
     # float32 twin for the Fisher and the bound when the weights are bf16 (same values, exact)
     probe = copy.deepcopy(model).float() if spec.precision == "bf16" else model
-    fisher, fisher_info = _initial_fisher(run, probe, fisher, fisher_info)
+    # GRPO's bound check, asked before the initial Fisher is made: a check that will not fit needs none
+    bound_skip = _bound_skip(run, probe, fisher) if spec.algo == "grpo" and spec.bound else None
+    if bound_skip is not None:
+        run.summary["bound_skipped"] = bound_skip
+    fisher, fisher_info = _initial_fisher(run, probe, fisher, fisher_info, bound=bound_skip is None)
     # the base as the checkpoint stores it, for "unchanged" and |delta|: read from the model's
     # file tensor by tensor when that reproduces the loaded weights exactly, else a copy
     stored_base = base_source(model, resolved_refs(spec, refs)["model"], run.summary["base_dtype"],
                               spec.precision)
     release_freed_memory()  # the per-tensor reads of the base check
     run.summary["base_compared_from"] = "file" if isinstance(stored_base, FileBase) else "memory"
-    if spec.algo == "grpo" and spec.bound:
+    if spec.algo == "grpo" and spec.bound and bound_skip is None:
         _bound(run, probe, fisher, fisher_info)
     del probe
     res = train(model, run.tok, run.task, run.config, mask=mask, teacher=run.teacher,
@@ -542,6 +546,7 @@ def _mask_fisher_reliability(run: _Run, mask_ref: Ref) -> None:
 
 def _initial_fisher(
     run: _Run, probe: Any, fisher: Mapping[str, torch.Tensor] | None, info: Mapping[str, Any] | None,
+    bound: bool = True,
 ) -> tuple[Mapping[str, torch.Tensor] | None, dict[str, Any] | None]:
     """The initial Fisher: the caller's, the spec's file, or estimated from independent samples
     when the concentration or the bound needs one."""
@@ -558,7 +563,7 @@ def _initial_fisher(
             from compute.jobs.artifact_files import fisher_provenance
 
             run.summary["fisher_reliability"] = fisher_provenance(resolved_refs(spec, run.refs)["fisher"])
-    elif needs_initial_fisher(spec):  # not given: estimated for the concentration or the bound
+    elif needs_initial_fisher(spec, spec.algo == "grpo" and spec.bound and bound):  # for the concentration or the bound
         run.progress(0.1, f"initial Fisher from independent samples ({spec.independent_fisher})")
         fisher, out_info = independent_fisher(probe, run.tok, run.task, spec,
                                               lambda f, m="": run.progress(0.1 + 0.03 * f, m))
@@ -568,19 +573,23 @@ def _initial_fisher(
     return fisher, out_info
 
 
+def _bound_skip(run: _Run, probe: Any, fisher: Any) -> str | None:
+    """Why GRPO's bound check will not run here (compute.contract.cost.bound_check_skip), asked
+    before the initial Fisher is made: the weights are resident (counted in what is free), an
+    initial Fisher still to be made or read (4 bytes/param) is held beside the check."""
+    from compute.contract.cost import INITIAL_FISHER_BYTES_PER_PARAM, bound_check_skip
+    from compute.lm.device import free_memory_bytes, model_device
+
+    n = sum(p.numel() for p in probe.parameters())
+    held = 0.0 if fisher is not None else INITIAL_FISHER_BYTES_PER_PARAM * n
+    return bound_check_skip(n, free_memory_bytes(model_device(probe)), held)
+
+
 def _bound(run: _Run, probe: Any, fisher: Any, fisher_info: dict[str, Any] | None) -> None:
     """The Cauchy-Schwarz bound on the first GRPO batch (compute.studies.bound), into the result."""
-    from compute.contract.cost import bound_check_skip
-    from compute.lm.device import free_memory_bytes, model_device
     from compute.studies.bound import first_step_bound, summarize
 
     spec = run.spec
-    # the weights and the Fisher are already resident (counted in what is free), so nothing is held beside
-    why = bound_check_skip(sum(p.numel() for p in probe.parameters()), free_memory_bytes(model_device(probe)))
-    if why is not None:
-        run.summary["bound_skipped"] = why
-        run.progress(0.13, "bound check skipped: it does not fit the device")
-        return
     run.progress(0.13, "bound check on the first GRPO batch")
     b = first_step_bound(probe, run.tok, run.task, prompts=spec.batch, group=spec.group,
                          max_new_tokens=spec.max_new_tokens, seed=spec.seed, temperature=spec.temperature,

@@ -560,6 +560,13 @@ def test_grpo_counts_its_bound_check_when_it_fits_and_skips_it_when_not(api, tmp
     from compute.jobs.train import timing
     grpo = parse_spec("train", {"model": "arith-base", "algo": "grpo", "batch": 2, "group": 4})
     assert "bound check" not in timing(grpo, z) and "bound check" in timing(grpo, roomy_z)  # timing: the same rule
+    from compute.jobs.train import memory
+    lean = {"model": "arith-base", "algo": "grpo", "batch": 2, "group": 4, "concentration": False}
+    masked = parse_spec("train", {**lean, "mask_select": "random", "mask_density": 0.01})
+    lean = parse_spec("train", lean)
+    # a skipped check needs no initial Fisher: neither its memory nor its time is counted
+    assert memory(masked, z)["initial Fisher"] == 0 and "initial Fisher" not in timing(lean, z)
+    assert memory(masked, roomy_z)["initial Fisher"] > 0 and "initial Fisher" in timing(lean, roomy_z)
 
     _cli_env(monkeypatch, _home(tmp_path / "home"), MAX_JOB_MEMORY_MB="1000000")
     args = ["train", "--model", "arith-base", "--algo", "grpo", "--steps", "1", "--batch", "2", "--group", "2",
@@ -586,11 +593,14 @@ def test_a_grpo_job_whose_bound_check_does_not_fit_skips_it_and_says_so(zoo_home
     why = res.summary["bound_skipped"]
     assert why.startswith("not measured: the bound check needs about"), why
     assert "bound" not in res.summary and not [h for h in res.heatmaps if h.name == "bound_log_hist"]
+    # asked before the initial Fisher: with the concentration off, a skipped check needs none
+    assert "initial_fisher" not in res.summary and "fisher" not in res.tensors
     assert any(w.startswith("GRPO's bound check on the first batch was not measured")
                for w in key_numbers(res.to_dict())["warnings"])
     monkeypatch.setattr(device, "free_memory_bytes", lambda _dev: 64 * 2**30)
     res = train_run.run(spec)
     assert "bound_skipped" not in res.summary and res.summary["bound"]["bound_coordinates"] > 0
+    assert res.summary["initial_fisher"] and "fisher" in res.tensors
 
 
 @pytest.mark.slow
