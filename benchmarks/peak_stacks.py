@@ -17,14 +17,8 @@ import traceback
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError("no VmRSS in /proc/self/status")
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from peakmem import rss_mib  # noqa: E402 (after the path it lives on)
 
 
 def main(argv: list[str] | None = None) -> int:

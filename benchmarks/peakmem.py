@@ -15,6 +15,11 @@ def _status_kib(field: str) -> int:
     raise KeyError(field)
 
 
+def rss_mib() -> float:
+    """This process's resident memory now, MiB (VmRSS): what the sampling profilers poll."""
+    return _status_kib("VmRSS") / 1024
+
+
 def rss_peak_of(fn: Callable[[], Any]) -> float:
     """MiB by which this process's RSS high-water mark rises above its RSS before fn runs. The
     mark is reset first (Linux >= 4.0: /proc/self/clear_refs "5"), so earlier peaks (loading the
