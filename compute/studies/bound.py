@@ -318,8 +318,8 @@ class _Sample:
 
 
 class _LogHist:
-    """_log_hist's grid, streamed: the range from a first pass (`extent`), the counts from a
-    second (`add`)."""
+    """Counts of coordinates on a log10 |g| (rows) x log10 sqrt(F) (columns) grid, streamed: the
+    range from a first pass (`extent`), the counts from a second (`add`)."""
 
     def __init__(self, bins: int = 24):
         self.bins = bins
@@ -369,15 +369,6 @@ class _LogHist:
                   "fisher": "independent samples" if independent else "same samples (identity)",
                   "note": "the bound is the line y = x + log10(rms A); points above it are violations"},
         )
-
-
-def _log_hist(lhs: torch.Tensor, sqf: torch.Tensor, independent: bool = False, bins: int = 24) -> Heatmap:
-    """Counts of coordinates on a log10 |g| (rows) x log10 sqrt(F) (columns) grid (flat tensors;
-    summarize streams the same with _LogHist)."""
-    h = _LogHist(bins)
-    h.extent(lhs, sqf)
-    h.add(lhs, sqf)
-    return h.heatmap(independent)
 
 
 def _slices(res: BoundResult, names: list[str], fisher: Mapping[str, torch.Tensor] | None,
