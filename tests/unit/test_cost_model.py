@@ -609,7 +609,14 @@ def test_the_bound_checks_measured_peak_is_what_the_estimate_counts() -> None:
     on bench_scale's 20M Llama: its peak above the weights is within BOUND_BYTES_PER_PARAM per
     parameter plus a fixed part (the sampled batch's activations, the runtime's first touches),
     and not far below it (the estimate must move with the check: a leaner check lowers the
-    constant). The check before session 15 measured 145 bytes/param here and fails it."""
+    constant). The check before session 15 measured 145 bytes/param here and fails it.
+
+    The fixed part is wide on purpose, and measured: at this size (17M parameters, 73% of them
+    one tied embedding) the same code peaks at 602-988 MiB above the weights from run to run
+    (two modes locally, 602-661 and 848-851 MiB; 988 once in CI under load), which is the
+    allocator's state and the summary's correlation sample (2M coordinates), not the sums; the
+    allowance was 400 MiB and failed CI twice (sessions 15 and 16). 600 MiB still fails the
+    145-bytes/param check (2,390 MiB) by far."""
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
@@ -618,4 +625,4 @@ def test_the_bound_checks_measured_peak_is_what_the_estimate_counts() -> None:
     got = measure((256, 6, 768, 4, 2), threads=1)
     counted = C.BOUND_BYTES_PER_PARAM * got["n_params"] / 2**20
     assert got["n_params"] > 15_000_000
-    assert 0.7 * counted <= got["peak_above_weights_mb"] <= counted + 400, (got, counted)
+    assert 0.7 * counted <= got["peak_above_weights_mb"] <= counted + 600, (got, counted)
