@@ -3,7 +3,7 @@ runs it) at growing model size: peak resident memory above the loaded weights an
 Fisher, per parameter, each size in a fresh process (issue 30: the check was counted in no
 memory estimate; compute.contract.cost.BOUND_BYTES_PER_PARAM is fitted from this).
 
-    python benchmarks/bench_bound_memory.py [--sizes 20m,50m] [--out benchmarks/results/bench_bound_memory.json]
+    python benchmarks/bench_bound_memory.py [--sizes 20m,50m] [--group-shares 0.25] [--out FILE]
 
 Each size a random-init Llama of bench_scale.py's shapes (tied 49,152-token embedding), CPU, the
 first GRPO batch of 2 prompts x 4 completions of 8 new tokens (the arithmetic task).
@@ -31,7 +31,8 @@ torch.set_num_threads(int(os.environ["THREADS"]))
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from peakmem import rss_peak_of
 from compute.lm.verifiable_tasks import get_task
-from compute.studies.bound import first_step_bound, summarize
+from compute.contract.cost import BOUND_BYTES_PER_PARAM as PER, BOUND_FIXED_MB, MIB, bound_plan
+from compute.studies.bound import SLICE, bound_check
 import compute.lm.sampling, compute.train.objectives.grpo  # imported before the mark
 H, L, I, A, KV = json.loads(os.environ["SHAPE"])
 cfg = LlamaConfig(vocab_size=int(os.environ.get("VOCAB", "49152")), hidden_size=H, intermediate_size=I,
@@ -43,19 +44,34 @@ tok = AutoTokenizer.from_pretrained(os.environ["TOK"])
 task = get_task("arithmetic")
 n = sum(p.numel() for p in model.parameters())
 fisher = {k: torch.rand_like(p) for k, p in model.named_parameters()}  # the independent Fisher the job holds
+names = [k for k, _ in model.named_parameters()]
+sizes = [p.numel() for p in model.parameters()]
+# GROUP_SHARE: the room bound_plan is given, as a share of what the whole check's sums need (the
+# job's free memory less what it holds); unset: one group of all
+share = os.environ.get("GROUP_SHARE")
+plan = bound_plan(sizes, None if share is None else float(share) * PER * n + BOUND_FIXED_MB * MIB + 4 * max(sizes),
+                  0.0, unit=SLICE)
+groups = [[(names[i], lo, hi) for i, lo, hi in g] for g in plan.groups]
+out = {}
 def check():
-    b = first_step_bound(model, tok, task, prompts=2, group=4, max_new_tokens=8)
-    return summarize(b, fisher=fisher)
+    out["summary"] = bound_check(model, tok, task, groups=groups, fisher=fisher, prompts=2, group=4,
+                                 max_new_tokens=8)[0]
 t0 = time.perf_counter()
 peak = rss_peak_of(check)
-print(json.dumps({"n_params": n, "peak_above_weights_mb": round(peak, 1),
-                  "bytes_per_param": round(peak * 2**20 / n, 1), "seconds": round(time.perf_counter() - t0, 2)}))
+print(json.dumps({"n_params": n, "groups": len(groups), "largest_group": plan.largest,
+                  "peak_above_weights_mb": round(peak, 1),
+                  "bytes_per_param": round(peak * 2**20 / n, 1),
+                  "beyond_largest_group_mb": round(peak - PER * plan.largest / 2**20, 1),
+                  "seconds": round(time.perf_counter() - t0, 2)}))
 """
 
 
-def measure(shape: tuple, threads: int = 2, vocab: int = 49152, root: Path = ROOT) -> dict:
+def measure(shape: tuple, threads: int = 2, vocab: int = 49152, root: Path = ROOT,
+            group_share: float | None = None) -> dict:
     env = {**os.environ, "ROOT": str(root), "SHAPE": json.dumps(shape), "THREADS": str(threads),
            "VOCAB": str(vocab), "TOK": str(ROOT / "compute" / "zoo_weights" / "arith-base")}
+    if group_share is not None:
+        env["GROUP_SHARE"] = str(group_share)
     p = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=1800)
     if p.returncode:
         raise RuntimeError(p.stderr[-3000:])
@@ -65,18 +81,28 @@ def measure(shape: tuple, threads: int = 2, vocab: int = 49152, root: Path = ROO
 def main(argv: list[str] | None = None) -> int:
     from bench_scale import SHAPES
 
+    from compute.contract.cost import BOUND_BYTES_PER_PARAM as PER
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes", default="20m,50m")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--group-shares", default="",
+                    help="also measure the check in groups: comma-separated shares of the whole check's sums "
+                         "the room holds (bound_plan), e.g. 0.25")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench_bound_memory.json"))
     a = ap.parse_args(argv)
     t0 = time.time()
     rows = []
+    shares: list[float | None] = [None] + [float(x) for x in a.group_shares.split(",") if x]
     for size in a.sizes.split(","):
-        row = {"size": size, "shape": SHAPES[size], **measure(SHAPES[size], a.threads)}
-        print(f"{size}: {row['n_params']:,} params, bound check {row['peak_above_weights_mb']:.0f} MiB above the "
-              f"weights = {row['bytes_per_param']} bytes/param, {row['seconds']} s", flush=True)
-        rows.append(row)
+        for share in shares:
+            row = {"size": size, "shape": SHAPES[size], "group_share": share,
+                   **measure(SHAPES[size], a.threads, group_share=share)}
+            print(f"{size}: {row['n_params']:,} params, {row['groups']} group(s) of at most {row['largest_group']:,}, "
+                  f"bound check {row['peak_above_weights_mb']:.0f} MiB above the weights = {row['bytes_per_param']} "
+                  f"bytes/param, {row['beyond_largest_group_mb']:.0f} MiB beyond {PER:g} bytes x the largest group, "
+                  f"{row['seconds']} s", flush=True)
+            rows.append(row)
     meta = {"command": "python benchmarks/bench_bound_memory.py " + " ".join(argv if argv is not None else sys.argv[1:]),
             "threads": a.threads, "machine": platform.machine(), "cpus": os.cpu_count(),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "wall_seconds": round(time.time() - t0, 1)}

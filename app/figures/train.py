@@ -196,5 +196,12 @@ def _bound_item(r: TrainResult, out: dict[str, Any]) -> None:
     text = bound_holds_text(r)
     if text:
         v = b["bound_violations"]
-        out["items"].append(kn.item("Cauchy-Schwarz bound, first batch", f"{v:,} violations",
-                                    text + "; Fisher from independent samples"))
+        note = [text, "Fisher from independent samples"]
+        med = finite((b.get("bound_ratio_quantiles") or {}).get("p50"))
+        if med is not None:
+            note.append(f"median |g| / bound {kn.fmt(med)}")
+        if (b.get("bound_groups") or 1) > 1:  # issue 30: the check in groups of coordinates
+            rel = finite(b.get("bound_ratio_quantile_rel_error"))
+            note.append(f"checked in {b['bound_groups']} groups of coordinates to fit the device"
+                        + (f", its quantiles to ±{rel:.2g} relative" if rel else ""))
+        out["items"].append(kn.item("Cauchy-Schwarz bound, first batch", f"{v:,} violations", "; ".join(note)))

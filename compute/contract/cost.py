@@ -148,27 +148,96 @@ INITIAL_FISHER_BYTES_PER_PARAM = 4.0
 BOUND_BYTES_PER_PARAM = 32.0
 
 
-def bound_check_runs(z: Sizing, teacher: bool = False, initial_fisher: bool = True) -> bool:
-    """Whether a GRPO job's bound check will run (bound_check_skip) beside what the job holds
-    then: the runtime, the weights (a teacher's too) and the initial Fisher. The memory and the
-    timing estimates read this, the job asks bound_check_skip with the device's free memory."""
-    held = RUNTIME_BASE_MB * MIB + z.params * 4.0 * (2 if teacher else 1) + \
+# What the bound check holds beside its per-coordinate sums, whatever the model's size: its
+# summary's samples (2M coordinates for the correlations, with three float64 values each), the
+# ratio's and the grid's fine histograms (8 MiB each), a slice's float64 temporaries and one row's
+# forward+backward. Measured (benchmarks/bench_bound_memory.py) as the peak above the weights less
+# BOUND_BYTES_PER_PARAM x the largest group: see BOUND_FIXED_MB's measurements in docs/scale.md.
+BOUND_FIXED_MB = 600.0
+
+
+@dataclass(frozen=True)
+class BoundPlan:
+    """How GRPO's bound check runs beside what the job holds (bound_plan): `groups` of pieces
+    (parameter index in the model's order, lo, hi: a flat coordinate range) whose sums fit the
+    room one group at a time, or `skip`, why it does not run at all."""
+
+    groups: list[list[tuple[int, int, int]]]
+    skip: str | None = None
+
+    @property
+    def largest(self) -> int:
+        """Coordinates of the largest group."""
+        return max((sum(hi - lo for _, lo, hi in g) for g in self.groups), default=0)
+
+
+BOUND_UNIT = 1 << 20  # compute.studies.bound.SLICE: a parameter is cut into groups at multiples of it
+
+
+def bound_plan(sizes: list[int], free_bytes: float | None, held_bytes: float = 0.0,
+               unit: int = BOUND_UNIT) -> BoundPlan:
+    """GRPO's bound check in groups of coordinates (compute.studies.bound.bound_check), one rule for
+    the estimate and the job. The room is the memory free on the device beside what the job holds
+    then (`held_bytes`: what `free_bytes` does not count yet, the initial Fisher to be made), less
+    BOUND_FIXED_MB and one float32 gradient of the largest parameter (autograd makes it whole
+    before the group's part of it is folded). A group holds at most that room at
+    BOUND_BYTES_PER_PARAM: consecutive parameters in the model's order, one larger than the room
+    cut at multiples of `unit` coordinates. One group of all when it fits, or when free memory is
+    unknown. Skipped, with the reason the result gives, only when the room holds not even `unit`
+    coordinates; the job is not refused for a diagnostic. `sizes`: each parameter's element count."""
+    every = [(i, 0, n) for i, n in enumerate(sizes)]
+    if free_bytes is None:
+        return BoundPlan([every])
+    room = free_bytes - held_bytes - BOUND_FIXED_MB * MIB - 4.0 * max(sizes, default=0)
+    cap = int(max(room, 0.0) / BOUND_BYTES_PER_PARAM)  # coordinates per group
+    if sum(sizes) <= cap:
+        return BoundPlan([every])
+    cap -= cap % unit
+    if cap < unit:
+        need = BOUND_BYTES_PER_PARAM * unit + BOUND_FIXED_MB * MIB + 4.0 * max(sizes, default=0)
+        return BoundPlan([], f"not measured: the bound check needs at least {need / 1e9:.3g} GB (its fixed part, "
+                             "the largest parameter's gradient and a group of "
+                             f"{unit:,} coordinates at {BOUND_BYTES_PER_PARAM:g} bytes each), more than the "
+                             f"{max(free_bytes - held_bytes, 0) / 1e9:.3g} GB free beside the job's weights and Fisher")
+    groups: list[list[tuple[int, int, int]]] = [[]]
+    used = 0
+    for i, n in enumerate(sizes):
+        lo = 0
+        while lo < n:
+            if used == cap:
+                groups.append([])
+                used = 0
+            hi = min(n, lo + cap - used)
+            if hi < n:
+                hi -= hi % unit  # a cut at a multiple of unit; the rest starts the next group
+                if hi <= lo:
+                    groups.append([])
+                    used = 0
+                    continue
+            groups[-1].append((i, lo, hi))
+            used += hi - lo
+            lo = hi
+    return BoundPlan(groups)
+
+
+def bound_held_bytes(z: Sizing, teacher: bool = False, initial_fisher: bool = True) -> float:
+    """What a GRPO job holds while its bound check runs: the runtime, the weights (a teacher's
+    too), the initial Fisher."""
+    return RUNTIME_BASE_MB * MIB + z.params * 4.0 * (2 if teacher else 1) + \
         (INITIAL_FISHER_BYTES_PER_PARAM * z.params if initial_fisher else 0.0)
-    return bound_check_skip(z.params, z.free_bytes, held) is None
 
 
-def bound_check_skip(params: int, free_bytes: float | None, held_bytes: float = 0.0) -> str | None:
-    """Why GRPO's bound check will not run (None: it runs). One rule with the Fisher's float32
-    precision check: a diagnostic that does not fit the memory free on the device beside what the
-    job holds then (`held_bytes`: the weights, the initial Fisher) is skipped and the result says
-    why; the job is not refused for it (at 8B the check's float64 sums alone are 128 GB)."""
-    need = BOUND_BYTES_PER_PARAM * params
-    if free_bytes is None or need + held_bytes <= free_bytes:
-        return None
-    room = max(free_bytes - held_bytes, 0.0)
-    return (f"not measured: the bound check needs about {need / 1e9:.3g} GB (float64 sums per coordinate, "
-            f"{BOUND_BYTES_PER_PARAM:g} bytes/param), more than the {room / 1e9:.3g} GB free beside the job's "
-            "weights and Fisher; a smaller model, or the check in groups of parameters (not yet built), measures it")
+def bound_plan_of(z: Sizing, teacher: bool = False, initial_fisher: bool = True) -> BoundPlan:
+    """bound_plan on a Sizing's estimated parameter sizes (Sizing.tensor_sizes), for the memory
+    and the timing estimates; the job plans on its model's own."""
+    return bound_plan(z.tensor_sizes(), z.free_bytes, bound_held_bytes(z, teacher, initial_fisher))
+
+
+def bound_check_runs(z: Sizing, teacher: bool = False, initial_fisher: bool = True) -> bool:
+    """Whether a GRPO job's bound check will run (bound_plan) beside what the job holds then."""
+    return bound_plan_of(z, teacher, initial_fisher).skip is None
+
+
 # A tensor-file job (mask, diff, series): each tensor file element read, held and compared
 FILE_BYTES_PER_ELEMENT = 12.0
 # What a training step's forward+backward holds, as a share of Sizing.activation_bytes with one
@@ -250,6 +319,27 @@ class Sizing:
     def weight_bytes(self, dtype_bytes: float = 4.0) -> float:
         return self.models * self.params * dtype_bytes
 
+    def tensor_sizes(self) -> list[int]:
+        """Element counts of the model's parameters in a decoder's order, estimated from the shape:
+        the embedding, per layer the attention's parameters (what the count leaves beside the
+        embedding, the MLPs and an untied head, in four equal parts: grouped-query k, v are
+        smaller than q, o) and three hidden x intermediate MLP matrices, then an untied head when
+        the count holds a second embedding-sized matrix beside at least hidden^2 of attention a
+        layer. A shape the count cannot hold: even parts. What bound_plan groups for an estimate."""
+        inter = self.intermediate or 4 * self.hidden
+        emb, mlp = self.vocab * self.hidden, self.hidden * inter
+        rest = self.params - emb - 3 * mlp * self.layers
+        head = emb if rest >= emb + self.layers * self.hidden ** 2 else 0
+        rest -= head
+        if rest < 0 or self.layers < 1:
+            k = max(1, self.layers * 7 + 1)
+            return [self.params // k] * (k - 1) + [self.params - (k - 1) * (self.params // k)]
+        attn = rest // (4 * self.layers)
+        out = [emb + rest - 4 * attn * self.layers]
+        for _ in range(self.layers):
+            out += [attn] * 4 + [mlp] * 3
+        return out + ([head] if head else [])
+
     def largest_tensor(self) -> int:
         """Elements of the model's largest weight (the embedding, or an MLP matrix)."""
         inter = self.intermediate or 4 * self.hidden
@@ -320,10 +410,12 @@ def train_seconds(z: Sizing, algo: str, steps: int, batch: int, group: int, max_
     return {"steps": steps * step, "evaluation": evals}
 
 
-def bound_seconds(z: Sizing, rows: int, max_new_tokens: int) -> float:
-    """GRPO's bound check: a per-sample gradient of every row of the first batch."""
+def bound_seconds(z: Sizing, rows: int, max_new_tokens: int, groups: int = 1) -> float:
+    """GRPO's bound check: a per-sample gradient of every row of the first batch, once per group
+    of parameters (bound_plan; counted as a whole backward each, an upper bound: a group's stops
+    below its earliest parameter)."""
     length = z.prompt_tokens + max_new_tokens
-    return z.calls_s(rows * BOUND_ROW_CALLS) + z.passes_s(rows * length * 3)
+    return max(1, groups) * (z.calls_s(rows * BOUND_ROW_CALLS) + z.passes_s(rows * length * 3))
 
 
 def train_finish_seconds(z: Sizing) -> float:
@@ -409,9 +501,9 @@ def train_memory(z: Sizing, algo: str, batch: int, group: int, max_new_tokens: i
     run; in a masked one, mask_fraction < 1, a block of the largest tensor's rows and the folded
     trained coordinates), the initial Fisher, the optimizer's state for the trained coordinates, and the
     activations of one step's rows at their length; `bound` (GRPO's bound check before the first
-    step) its per-coordinate float64 terms, counted on top (an upper bound: the check's phase does
-    not hold the steps' gradients and state) when it fits the free memory beside the weights and
-    the initial Fisher (bound_check_skip: else the job skips it and says so)."""
+    step) what its phase holds (the float64 sums of its largest group of coordinates, bound_plan,
+    and its fixed part) beyond the steps' phase, when it runs at all (else the job skips it and
+    says so)."""
     rows = batch * (1 if algo == "sft" else group)
     length = z.prompt_tokens + max_new_tokens
     state = OPTIMIZER_BYTES_PER_TRAINED_COORD.get(optimizer, 8.0) * mask_fraction
@@ -424,12 +516,24 @@ def train_memory(z: Sizing, algo: str, batch: int, group: int, max_new_tokens: i
         parts["initial Fisher"] = INITIAL_FISHER_BYTES_PER_PARAM * z.params if initial_fisher else 0.0
     else:
         parts["gradients, step temporaries, initial Fisher"] = (TRAIN_BYTES_PER_PARAM + conc) * z.params
-    if bound and bound_check_runs(z, teacher, initial_fisher):  # a check that does not fit is skipped
-        parts["GRPO bound check (float64 per coordinate)"] = BOUND_BYTES_PER_PARAM * z.params
-    return parts | {"optimizer state": state * z.params,
-                    "activations": TRAIN_ACTIVATION_SHARE * z.activation_bytes(
-                        rows * length, logit_tokens=None if teacher else logits_chunk_tokens(z.vocab),
-                        checkpointed=checkpointing)}
+    parts |= {"optimizer state": state * z.params,
+              "activations": TRAIN_ACTIVATION_SHARE * z.activation_bytes(
+                  rows * length, logit_tokens=None if teacher else logits_chunk_tokens(z.vocab),
+                  checkpointed=checkpointing)}
+    plan = bound_plan_of(z, teacher, initial_fisher) if bound else None
+    if plan is not None and plan.skip is None:  # a check that does not fit at all is skipped
+        check = BOUND_BYTES_PER_PARAM * plan.largest + BOUND_FIXED_MB * MIB + \
+            (4.0 * max(z.tensor_sizes()) if len(plan.groups) > 1 else 0.0)
+        # the check runs before the steps, beside the weights and the initial Fisher, and frees
+        # its sums: the peak holds the larger of the two phases (a dense run's part counts the Fisher)
+        fisher_in_steps = INITIAL_FISHER_BYTES_PER_PARAM * z.params if mask_fraction >= 1.0 else 0.0
+        steps = sum(v for k, v in parts.items() if k not in ("runtime", "weights", "initial Fisher")) - fisher_in_steps
+        parts[BOUND_PART] = max(0.0, check - steps)
+    return parts
+
+
+# train_memory's part for GRPO's bound check: what its phase holds beyond the steps' phase
+BOUND_PART = "GRPO bound check (its largest group's float64 sums, beyond what the steps hold)"
 
 
 def logits_chunk_tokens(vocab: int, chunk_bytes: int | None = None) -> int:

@@ -15,6 +15,7 @@ from compute.contract.cost import (
     COST_PROMPT_TOKENS,
     Sizing,
     bound_check_runs,
+    bound_plan_of,
     bound_seconds,
     fisher_passes,
     fisher_seconds,
@@ -151,7 +152,8 @@ def cost(s: TrainSpec) -> int:
 
 def bound_runs(s: TrainSpec, z: Sizing) -> bool:
     """Whether the job will run GRPO's bound check on this Sizing (compute.contract.cost
-    bound_check_runs: it fits beside the weights and the initial Fisher it would need)."""
+    bound_check_runs: it fits, in groups of coordinates, beside the weights and the initial Fisher
+    it would need)."""
     return s.algo == "grpo" and s.bound and bound_check_runs(z, s.algo == "opd", True)
 
 
@@ -164,7 +166,8 @@ def timing(s: TrainSpec, z: Sizing) -> dict[str, float]:
         one = fisher_seconds(z, s.fisher_prompts, s.fisher_samples, s.max_new_tokens, statistics=False)
         out["initial Fisher"] = fishers * sum(one.values())
     if bound_runs(s, z):
-        out["bound check"] = bound_seconds(z, s.batch * s.group, s.max_new_tokens)
+        groups = len(bound_plan_of(z, s.algo == "opd", True).groups)
+        out["bound check"] = bound_seconds(z, s.batch * s.group, s.max_new_tokens, groups)
     out.update(train_seconds(z, s.algo, s.steps, s.batch, s.group, s.max_new_tokens, s.eval_prompts,
                              checkpointing=s.gradient_checkpointing))
     out["finish"] = train_finish_seconds(z)

@@ -352,7 +352,8 @@ def _train_job(
     # float32 twin for the Fisher and the bound when the weights are bf16 (same values, exact)
     probe = copy.deepcopy(model).float() if spec.precision == "bf16" else model
     # GRPO's bound check, asked before the initial Fisher is made: a check that will not fit needs none
-    bound_skip = _bound_skip(run, probe, fisher) if spec.algo == "grpo" and spec.bound else None
+    plan = _bound_plan(probe, fisher) if spec.algo == "grpo" and spec.bound else None
+    bound_skip = plan.skip if plan is not None else None
     if bound_skip is not None:
         run.summary["bound_skipped"] = bound_skip
     fisher, fisher_info = _initial_fisher(run, probe, fisher, fisher_info, bound=bound_skip is None)
@@ -362,8 +363,8 @@ def _train_job(
                               spec.precision)
     release_freed_memory()  # the per-tensor reads of the base check
     run.summary["base_compared_from"] = "file" if isinstance(stored_base, FileBase) else "memory"
-    if spec.algo == "grpo" and spec.bound and bound_skip is None:
-        _bound(run, probe, fisher, fisher_info)
+    if plan is not None and bound_skip is None:
+        _bound(run, probe, fisher, fisher_info, plan)
     del probe
     res = train(model, run.tok, run.task, run.config, mask=mask, teacher=run.teacher,
                 progress=lambda f, m="": progress(0.15 + 0.75 * f, m), step_hook=save_every if spec.save_steps else None)
@@ -573,30 +574,37 @@ def _initial_fisher(
     return fisher, out_info
 
 
-def _bound_skip(run: _Run, probe: Any, fisher: Any) -> str | None:
-    """Why GRPO's bound check will not run here (compute.contract.cost.bound_check_skip), asked
-    before the initial Fisher is made: the weights are resident (counted in what is free), an
-    initial Fisher still to be made or read (4 bytes/param) is held beside the check."""
-    from compute.contract.cost import INITIAL_FISHER_BYTES_PER_PARAM, bound_check_skip
+def _bound_plan(probe: Any, fisher: Any) -> Any:
+    """How GRPO's bound check runs here (compute.contract.cost.bound_plan: in groups of coordinates
+    sized to the device, or skipped), asked before the initial Fisher is made: the weights are
+    resident (counted in what is free), an initial Fisher still to be made or read (4 bytes/param)
+    is held beside the check."""
+    from compute.contract.cost import INITIAL_FISHER_BYTES_PER_PARAM, bound_plan
     from compute.lm.device import free_memory_bytes, model_device
+    from compute.studies.bound import SLICE
 
-    n = sum(p.numel() for p in probe.parameters())
-    held = 0.0 if fisher is not None else INITIAL_FISHER_BYTES_PER_PARAM * n
-    return bound_check_skip(n, free_memory_bytes(model_device(probe)), held)
+    sizes = [p.numel() for p in probe.parameters() if p.requires_grad]
+    held = 0.0 if fisher is not None else INITIAL_FISHER_BYTES_PER_PARAM * sum(sizes)
+    return bound_plan(sizes, free_memory_bytes(model_device(probe)), held, unit=SLICE)
 
 
-def _bound(run: _Run, probe: Any, fisher: Any, fisher_info: dict[str, Any] | None) -> None:
-    """The Cauchy-Schwarz bound on the first GRPO batch (compute.studies.bound), into the result."""
-    from compute.studies.bound import first_step_bound, summarize
+def _bound(run: _Run, probe: Any, fisher: Any, fisher_info: dict[str, Any] | None, plan: Any) -> None:
+    """The Cauchy-Schwarz bound on the first GRPO batch (compute.studies.bound), in the plan's
+    groups of coordinates, into the result."""
+    from compute.studies.bound import bound_check
 
     spec = run.spec
-    run.progress(0.13, "bound check on the first GRPO batch")
-    b = first_step_bound(probe, run.tok, run.task, prompts=spec.batch, group=spec.group,
-                         max_new_tokens=spec.max_new_tokens, seed=spec.seed, temperature=spec.temperature,
-                         progress=lambda f, m="": run.progress(0.13 + 0.02 * f, f"bound check: {m}"))
-    bsum, bseries, bheat = summarize(b, fisher=fisher, fisher_info=fisher_info if fisher else None,
-                                     aggregation=run.config.aggregation)
-    run.summary["bound"] = {**bsum, "mean_reward": b.summary.get("bound_mean_reward")}
+    names = [n for n, p in probe.named_parameters() if p.requires_grad]
+    groups = [[(names[i], lo, hi) for i, lo, hi in g] for g in plan.groups]
+    run.progress(0.13, "bound check on the first GRPO batch"
+                 + (f" in {len(groups)} groups of coordinates" if len(groups) > 1 else ""))
+    bsum, bseries, bheat = bound_check(
+        probe, run.tok, run.task, groups=groups, fisher=fisher, fisher_info=fisher_info if fisher else None,
+        aggregation=run.config.aggregation, prompts=spec.batch, group=spec.group,
+        max_new_tokens=spec.max_new_tokens, seed=spec.seed, temperature=spec.temperature,
+        progress=lambda f, m="": run.progress(0.13 + 0.02 * f, f"bound check: {m}"))
+    mean_reward = bsum.pop("bound_mean_reward")
+    run.summary["bound"] = {**bsum, "mean_reward": mean_reward}
     run.result.series += bseries
     run.result.heatmaps += bheat
 

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from compute.contract.cost import BOUND_UNIT
 from compute.contract.jobresult import Heatmap, Progress, SeriesPoint
 
 
@@ -40,6 +41,7 @@ class BoundResult:
     rms_advantage: float
     summary: dict[str, Any] = field(default_factory=dict)
     n_tokens: int = 0  # completion tokens T of the N samples (token-mean loss: g_train = N/T g)
+    ranges: dict[str, tuple[int, int]] = field(default_factory=dict)  # a part of a parameter: its flat range
 
 
 def bound_terms(
@@ -90,6 +92,7 @@ def accumulate_sample_grads(
     completion_mask: torch.Tensor,
     advantages: torch.Tensor,
     progress: Progress | None = None,
+    pieces: list[tuple[str, int, int]] | None = None,
 ) -> BoundResult:
     """Per-sample gradients of the summed completion log-prob, one backward per row (N small).
 
@@ -97,12 +100,34 @@ def accumulate_sample_grads(
     Memory: two float64 buffers per parameter; each row's gradient of a parameter is folded into
     them as autograd finishes it and dropped (a post-accumulate-grad hook), so the rows' gradients
     are never all alive (issue 30: 4 bytes/param, and a float64 copy of each, were).
+
+    `pieces`: (name, lo, hi) flat coordinate ranges, at most one a parameter: only these are
+    folded (a group of bound_check's; default every coordinate of every trainable parameter, the
+    sums in each parameter's shape; a part of one is a flat range, BoundResult.ranges). Parameters
+    without a piece are frozen for the backward (requires_grad off, put back after), so autograd
+    computes no gradient for them and stops below the earliest parameter of the group.
     """
     from compute.lm.sampling import token_logprobs
 
-    params = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    sum_ag = {n: torch.zeros(p.shape, dtype=torch.float64, device=p.device) for n, p in params.items()}
-    sum_g2 = {n: torch.zeros(p.shape, dtype=torch.float64, device=p.device) for n, p in params.items()}
+    every = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    ranges = {n: (0, p.numel()) for n, p in every.items()} if pieces is None else {}
+    for n, lo, hi in pieces or []:
+        if n not in every:
+            raise ValueError(f"pieces: {n!r} is not a trainable parameter of the model")
+        if not 0 <= lo < hi <= every[n].numel() or n in ranges:
+            raise ValueError(f"pieces: {n!r} [{lo}, {hi}) is not one range within its {every[n].numel()} coordinates")
+        ranges[n] = (lo, hi)
+    params = {n: p for n, p in every.items() if n in ranges}
+    frozen = [p for n, p in every.items() if n not in ranges]
+    whole = {n for n, (lo, hi) in ranges.items() if hi - lo == every[n].numel()}
+
+    def zeros(n: str) -> torch.Tensor:
+        p = params[n]
+        shape = p.shape if n in whole else (ranges[n][1] - ranges[n][0],)
+        return torch.zeros(shape, dtype=torch.float64, device=p.device)
+
+    sum_ag = {n: zeros(n) for n in params}
+    sum_g2 = {n: zeros(n) for n in params}
     adv = advantages.double().cpu()
     N = len(adv)
     row = [0.0]  # the advantage of the row being folded
@@ -113,6 +138,8 @@ def accumulate_sample_grads(
             g = p.grad
             if g is None:
                 return
+            if n not in whole:
+                g = g.reshape(-1)[ranges[n][0]:ranges[n][1]]
             # in place into float64: each float32 value promoted, the same bits as a float64 copy
             sum_ag[n].add_(g, alpha=row[0])
             sum_g2[n].addcmul_(g, g)
@@ -122,6 +149,8 @@ def accumulate_sample_grads(
     was_training = model.training
     model.eval()  # deterministic forward (no dropout) like the sampler's
     handles = [p.register_post_accumulate_grad_hook(fold(n)) for n, p in params.items()]
+    for p in frozen:
+        p.requires_grad_(False)
     try:
         for p in params.values():
             p.grad = None
@@ -137,13 +166,16 @@ def accumulate_sample_grads(
     finally:
         for h in handles:
             h.remove()
+        for p in frozen:
+            p.requires_grad_(True)
         for n, p in params.items():
             p.grad = held[n]
         model.train(was_training)
     sum_a2 = float((adv * adv).sum())
     lhs, rhs, fisher = (_Terms(sum_ag, sum_g2, sum_a2, N, k) for k in range(3))
     n_tokens = int(sum(int((completion_mask[i, 1 : int(attention_mask[i].sum())]).sum()) for i in range(N)))
-    return BoundResult(lhs, rhs, fisher, N, math.sqrt(sum_a2 / max(1, N)), n_tokens=n_tokens)
+    return BoundResult(lhs, rhs, fisher, N, math.sqrt(sum_a2 / max(1, N)), n_tokens=n_tokens,
+                       ranges={n: r for n, r in ranges.items() if n not in whole})
 
 
 def _ranks(x: torch.Tensor) -> torch.Tensor:
@@ -175,7 +207,7 @@ RATIO_QUANTILES = (0.5, 0.9, 0.99, 0.999)
 
 # coordinates per slice of the summary's passes (issue 30: the summary flattened every coordinate
 # in float64, four times, and sorted the ratios: about 120 bytes/param of an 8B model)
-SLICE = 1 << 20
+SLICE = BOUND_UNIT  # compute.contract.cost.bound_plan cuts a parameter into groups at multiples of it
 RATIO_EDGES = [0.0, 1e-3, 1e-2, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, math.inf]
 # a bin of the order-statistic selection this small is sorted outright (8 MiB of float64)
 SELECT_SORT_MAX = 1 << 20
@@ -218,12 +250,46 @@ def _order_stats(passes: Any, ranks: list[int]) -> dict[int, float]:
     return {r: out[r] for r in ranks}
 
 
+# The ratio's quantiles when its slices cannot be made again (bound_check in groups: each group's
+# sums are dropped once summarised): a histogram of the float64 ratio's bits, the exponent and the
+# top FINE_MANTISSA_BITS of the mantissa, over [2^-FINE_OCTAVES, 2^FINE_OCTAVES) plus a bin below
+# and one above. A quantile is then known to its bin: the middle reported, half a bin (a relative
+# 2^-(FINE_MANTISSA_BITS + 1) = 6.1e-5 of the value) its stated error. 2^20 int64 bins: 8 MiB.
+FINE_MANTISSA_BITS = 13
+FINE_OCTAVES = 64
+_FINE_SHIFT = 52 - FINE_MANTISSA_BITS
+_FINE_BASE = (1023 - FINE_OCTAVES) << FINE_MANTISSA_BITS  # the key of 2^-FINE_OCTAVES
+_FINE_BINS = (2 * FINE_OCTAVES) << FINE_MANTISSA_BITS
+
+
+def _fine_key(v: torch.Tensor) -> torch.Tensor:
+    """Bin of each non-negative float64 value: 0 below 2^-FINE_OCTAVES (zero too), 1 + the bin of
+    the value's top bits, _FINE_BINS + 1 at or above 2^FINE_OCTAVES (infinity too)."""
+    k = (v.contiguous().view(torch.int64) >> _FINE_SHIFT) - _FINE_BASE
+    return (k + 1).clamp(0, _FINE_BINS + 1)
+
+
+def _fine_edges(b: int) -> tuple[float, float]:
+    """[lo, hi) of bin b of _fine_key."""
+    def at(key: int) -> float:
+        return float(torch.tensor([(key + _FINE_BASE) << _FINE_SHIFT], dtype=torch.int64).view(torch.float64)[0])
+    if b == 0:
+        return 0.0, at(0)
+    if b == _FINE_BINS + 1:
+        return at(_FINE_BINS), math.inf
+    return at(b - 1), at(b)
+
+
 class _RatioStats:
     """ratio_stats over (lhs, rhs) slices handed over one at a time (`add`), then `result(again)`
-    with `again()` making the same slices again for the ratio's exact quantiles."""
+    with `again()` making the same slices again for the ratio's exact quantiles; without `again`
+    (slices made once) the quantiles come from a fine histogram of the ratio, bracketed to a
+    relative 6.1e-5 (`ratio_quantiles_exact` False, `ratio_quantile_rel_error`). `quantiles` False:
+    no quantiles (the same-sample identity reports none)."""
 
-    def __init__(self, rtol: float, atol: float):
+    def __init__(self, rtol: float, atol: float, quantiles: bool = True):
         self.rtol, self.atol = rtol, atol
+        self.fine = torch.zeros(_FINE_BINS + 2, dtype=torch.int64) if quantiles else None
         self.n = self.violations = self.zero_rhs = self.m = self.above_05 = self.above_01 = 0
         self.max, self.sum = -math.inf, 0.0
         self.hist = torch.zeros(len(RATIO_EDGES) - 1, dtype=torch.int64)
@@ -249,8 +315,27 @@ class _RatioStats:
             self.above_01 += int((ratio > 0.1).sum())
             self.hist += torch.bincount(torch.bucketize(ratio, self.edges.to(ratio.device), right=True).cpu(),
                                         minlength=len(RATIO_EDGES) - 1)
+            if self.fine is not None:
+                self.fine += torch.bincount(_fine_key(ratio.double()).cpu(), minlength=_FINE_BINS + 2)
 
-    def result(self, again: Any) -> dict[str, Any]:
+    def _bracketed(self, ranks: list[int]) -> tuple[dict[int, float], float]:
+        """rank -> the middle of the fine bin that holds the rank-th smallest ratio, and the largest
+        half-width of those bins relative to their middle (0 where a bin holds one value only)."""
+        assert self.fine is not None
+        ends = torch.cumsum(self.fine, 0)
+        out, err = {}, 0.0
+        for r in ranks:
+            b = int(torch.searchsorted(ends, torch.tensor(r), right=True))
+            lo, hi = _fine_edges(b)
+            hi = min(hi, self.max)  # the largest ratio is known exactly
+            lo = min(lo, hi)
+            mid = (lo + hi) / 2 if math.isfinite(hi) else lo
+            out[r] = mid
+            if hi > lo and mid > 0:
+                err = max(err, (hi - lo) / 2 / mid)
+        return out, err
+
+    def result(self, again: Any = None) -> dict[str, Any]:
         n, m = self.n, self.m
         out: dict[str, Any] = {
             "coordinates": n,
@@ -260,10 +345,16 @@ class _RatioStats:
             "zero_rhs_violations": self.zero_rhs,
             "ratio_coordinates": m,
         }
-        if m:
+        if m and self.fine is not None:
             ranks = [min(m - 1, int(math.ceil(q * m)) - 1) for q in RATIO_QUANTILES]
-            qs = _order_stats(lambda: (self.ratios(lhs, rhs) for lhs, rhs in again()), ranks)
+            if again is not None:
+                qs, err = _order_stats(lambda: (self.ratios(lhs, rhs) for lhs, rhs in again()), ranks), 0.0
+            else:
+                qs, err = self._bracketed(ranks)
             out["ratio_quantiles"] = {f"p{q * 100:g}": qs[r] for q, r in zip(RATIO_QUANTILES, ranks, strict=True)}
+            out["ratio_quantiles_exact"] = again is not None
+            out["ratio_quantile_rel_error"] = err
+        if m:
             out["ratio_max"] = self.max
             out["ratio_mean"] = self.sum / m
             # tightness: how close the largest gradients come to the bound
@@ -290,19 +381,25 @@ def ratio_stats(lhs: torch.Tensor, rhs: torch.Tensor, rtol: float = 1e-5, atol: 
 class _Sample:
     """A uniform sample without replacement of `size` of the coordinates (all of them when there
     are no more), drawn slice by slice: each coordinate a uniform key, the `size` smallest kept
-    (the running set at most twice `size`). `indices()`: their positions, ascending."""
+    (the running set at most twice `size`). `indices()`: their positions, ascending; `values()`:
+    the values handed to `add` at those positions, in the same order (kept as they are drawn, so
+    the coordinates' slices need to be made only once)."""
 
     def __init__(self, size: int, gen: torch.Generator):
         self.size, self.gen = size, gen
         self.keys = torch.empty(0)
         self.index = torch.empty(0, dtype=torch.int64)
+        self.vals: dict[str, torch.Tensor] = {}
         self.below = 2.0  # once `size` keys are kept, a key at or above their largest never enters
 
-    def add(self, offset: int, n: int) -> None:
+    def add(self, offset: int, n: int, values: Mapping[str, torch.Tensor] | None = None) -> None:
         u = torch.rand(n, generator=self.gen)
         new = torch.nonzero(u < self.below).flatten()
         self.keys = torch.cat([self.keys, u[new]])
         self.index = torch.cat([self.index, new + offset])
+        for k, v in (values or {}).items():
+            got = v[new.to(v.device)].cpu()
+            self.vals[k] = torch.cat([self.vals[k], got]) if k in self.vals else got
         if self.keys.numel() > 2 * self.size:
             self._prune()
 
@@ -310,29 +407,51 @@ class _Sample:
         if self.keys.numel() > self.size:
             keep = torch.topk(self.keys, self.size, largest=False).indices
             self.keys, self.index = self.keys[keep], self.index[keep]
+            self.vals = {k: v[keep] for k, v in self.vals.items()}
             self.below = float(self.keys.max())
 
-    def indices(self) -> torch.Tensor:
+    def _order(self) -> torch.Tensor:
         self._prune()
-        return torch.sort(self.index).values
+        return torch.argsort(self.index)
+
+    def indices(self) -> torch.Tensor:
+        order = self._order()
+        return self.index[order]
+
+    def values(self) -> dict[str, torch.Tensor]:
+        order = self._order()
+        return {k: v[order] for k, v in self.vals.items()}
+
+
+# the log grid's fine bins (counted in one pass, merged into the figure's bins at the end):
+# LOG_FINE per decade over [LOG_LO, LOG_HI) decades of |g| and sqrt(F), values outside clamped in
+LOG_FINE, LOG_LO, LOG_HI = 16, -40, 24
 
 
 class _LogHist:
-    """Counts of coordinates on a log10 |g| (rows) x log10 sqrt(F) (columns) grid, streamed: the
-    range from a first pass (`extent`), the counts from a second (`add`)."""
+    """Counts of coordinates on a log10 |g| (rows) x log10 sqrt(F) (columns) grid, streamed in one
+    pass (bound_check's groups make each slice once): counted on a fixed grid of 1/LOG_FINE decade
+    (8 MiB), the figure's `bins` x `bins` grid made at the end from whole fine bins spanning the
+    values' extent (its edges on multiples of 1/LOG_FINE decade). |g| below the grid's lowest edge
+    (a zero gradient) counts in its lowest row."""
 
     def __init__(self, bins: int = 24):
         self.bins = bins
         self.x_min = self.y_min_real = math.inf
         self.x_max = self.y_max = -math.inf
-        self.counts = torch.zeros(bins, bins, dtype=torch.float64)
-        self.edges: torch.Tensor | None = None
+        n = (LOG_HI - LOG_LO) * LOG_FINE
+        self.fine = torch.zeros(n, n, dtype=torch.float64)
 
     @staticmethod
     def _xy(lhs: torch.Tensor, sqf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return sqf.clamp(min=1e-30).log10(), lhs.clamp(min=1e-30).log10()
 
-    def extent(self, lhs: torch.Tensor, sqf: torch.Tensor) -> None:
+    @staticmethod
+    def _cell(v: torch.Tensor) -> torch.Tensor:
+        n = (LOG_HI - LOG_LO) * LOG_FINE
+        return ((v - LOG_LO) * LOG_FINE).floor().clamp(0, n - 1).long().cpu()
+
+    def add(self, lhs: torch.Tensor, sqf: torch.Tensor) -> None:
         if not lhs.numel():
             return
         x, y = self._xy(lhs, sqf)
@@ -341,42 +460,46 @@ class _LogHist:
         real = y[y > -30]
         if real.numel():
             self.y_min_real = min(self.y_min_real, float(real.min()))
-
-    def add(self, lhs: torch.Tensor, sqf: torch.Tensor) -> None:
-        if self.edges is None:
-            lo = min(self.x_min, self.y_min_real) if self.y_min_real < math.inf else self.x_min
-            hi = max(self.x_max, self.y_max)
-            hi = hi if hi > lo else lo + 1
-            self.lo = lo
-            self.edges = torch.linspace(lo, hi, self.bins + 1, dtype=torch.float64)
-        if not lhs.numel():
-            return
-        x, y = self._xy(lhs, sqf)
-        inner = self.edges[1:-1].to(x.device)
-        xi, yi = torch.bucketize(x, inner).cpu(), torch.bucketize(y.clamp(min=self.lo), inner).cpu()
-        self.counts.index_put_((yi, xi), torch.ones(xi.numel(), dtype=torch.float64), accumulate=True)
+        n = self.fine.shape[0]
+        self.fine.view(-1).index_add_(0, self._cell(y) * n + self._cell(x),
+                                      torch.ones(x.numel(), dtype=torch.float64))
 
     def heatmap(self, independent: bool) -> Heatmap:
-        assert self.edges is not None
-        e = self.edges
-        labels = [f"{float((e[i] + e[i + 1]) / 2):.2f}" for i in range(self.bins)]
+        lo = min(self.x_min, self.y_min_real) if self.y_min_real < math.inf else self.x_min
+        hi = max(self.x_max, self.y_max)
+        n = self.fine.shape[0]
+        lo_f = int(self._cell(torch.tensor([lo], dtype=torch.float64))[0])
+        hi_f = min(n, int(self._cell(torch.tensor([hi], dtype=torch.float64))[0]) + 1)
+        w = max(1, -(-(hi_f - lo_f) // self.bins))  # fine bins per figure bin
+        span = self.bins * w
+        grid = torch.zeros(span + lo_f, span + lo_f, dtype=torch.float64)
+        top = min(n, span + lo_f)
+        grid[:top, :top] = self.fine[:top, :top]
+        grid[lo_f] += grid[:lo_f].sum(0)  # |g| below the lowest edge: the lowest row
+        counts = grid[lo_f:, lo_f:].reshape(self.bins, w, self.bins, w).sum((1, 3))
+        edges = [LOG_LO + (lo_f + k * w) / LOG_FINE for k in range(self.bins + 1)]
+        labels = [f"{(edges[i] + edges[i + 1]) / 2:.2f}" for i in range(self.bins)]
         return Heatmap(
             name="bound_log_hist",
             x_labels=labels,
             y_labels=labels,
-            z=[[float(v) if v > 0 else None for v in row] for row in self.counts.tolist()],
+            z=[[float(v) if v > 0 else None for v in row] for row in counts.tolist()],
             meta={"x": "log10 sqrt(F_i)", "y": "log10 |g_i|", "value": "coordinates",
                   "fisher": "independent samples" if independent else "same samples (identity)",
+                  "bin_decades": w / LOG_FINE,
                   "note": "the bound is the line y = x + log10(rms A); points above it are violations"},
         )
 
 
 def _slices(res: BoundResult, names: list[str], fisher: Mapping[str, torch.Tensor] | None,
-            size: int) -> Any:
+            size: int, start: int = 0) -> Any:
     """One pass over every coordinate in slices of `size`, in the gradient's parameter order:
     (offset, |g|, the same-sample bound, sqrt F same, sqrt F independent or None), float64 on the
-    CPU. Terms made from the running sums (_Terms) are made a slice at a time."""
-    offset = 0
+    CPU; offsets count from `start` (a group's first coordinate in the model's order). Terms made
+    from the running sums (_Terms) are made a slice at a time. A part of a parameter
+    (BoundResult.ranges) is sliced from its own start: the slices are the whole parameter's when
+    its parts begin at multiples of `size` (bound_plan's `unit`)."""
+    offset = start
     for n in names:
         parts: list[torch.Tensor]
         if isinstance(res.lhs, _Terms):  # |g|, the bound and F from the sums, a slice at a time
@@ -384,7 +507,8 @@ def _slices(res: BoundResult, names: list[str], fisher: Mapping[str, torch.Tenso
         else:
             parts = [x[n].reshape(-1) for x in (res.lhs, res.rhs, res.fisher)]
         numel = parts[0].numel()
-        ind = fisher[n].reshape(-1) if fisher is not None else None
+        lo = res.ranges.get(n, (0, numel))[0]  # a part of the parameter: its flat range
+        ind = fisher[n].reshape(-1)[lo:lo + numel] if fisher is not None else None
         for o in range(0, numel, size):
             cut = [x[o:o + size] for x in parts]
             made = bound_terms(cut[0], cut[1], res.lhs.sum_a2, res.lhs.n) if isinstance(res.lhs, _Terms) else cut
@@ -392,6 +516,93 @@ def _slices(res: BoundResult, names: list[str], fisher: Mapping[str, torch.Tenso
             sqf_ind = ind[o:o + size].cpu().double().clamp(min=0).sqrt() if ind is not None else None
             yield offset + o, lhs, rhs, f.sqrt(), sqf_ind
         offset += numel
+
+
+class _Summary:
+    """summarize's statistics, counted in one pass over the coordinates' slices (`add`), in the
+    model's parameter order; `finish` makes the headline, the scatter and the grid. The same
+    object takes a whole BoundResult's slices (summarize) or a group's at a time (bound_check),
+    and gives the same numbers both ways: the samples are drawn by position, the counts add up;
+    only the ratio's quantiles differ (exact when the slices can be made again, else bracketed)."""
+
+    def __init__(self, rms_advantage: float, rtol: float, independent: bool, max_points: int,
+                 max_corr: int, seed: int):
+        gen = torch.Generator().manual_seed(seed)
+        self.rms, self.independent = rms_advantage, independent
+        self.ident, self.indep = _RatioStats(rtol, 1e-12, quantiles=False), _RatioStats(rtol, 1e-12)
+        self.corr, self.pick = _Sample(max_corr, gen), _Sample(max_points, gen)
+        self.grid = _LogHist()
+        self.total = 0
+
+    def add(self, o: int, lhs: torch.Tensor, rhs: torch.Tensor, sqf_same: torch.Tensor,
+            sqf_ind: torch.Tensor | None) -> None:
+        self.total += lhs.numel()
+        self.ident.add(lhs, rhs)
+        sqf = sqf_ind if sqf_ind is not None else sqf_same
+        p_rhs = rhs
+        if sqf_ind is not None:
+            p_rhs = self.rms * sqf_ind
+            self.indep.add(lhs, p_rhs)
+        live = sqf > 0
+        self.grid.add(lhs[live], sqf[live])
+        self.corr.add(o, lhs.numel(), {"lhs": lhs, "sqf": sqf, "same": sqf_same})
+        self.pick.add(o, lhs.numel(), {"lhs": lhs, "sqf": sqf, "rhs": p_rhs})
+
+    def finish(self, res: BoundResult, again: Any, fisher_info: Mapping[str, Any] | None,
+               aggregation: str) -> tuple[dict[str, Any], list[SeriesPoint], list[Heatmap]]:
+        """`again()`: the same slices once more (the exact quantiles' passes), None where they
+        cannot be made again."""
+        empty = torch.empty(0, dtype=torch.float64)
+        c, p = self.corr.values(), self.pick.values()
+        c = {k: c.get(k, empty) for k in ("lhs", "sqf", "same")}
+        p = {k: p.get(k, empty) for k in ("lhs", "sqf", "rhs")}
+        ident_st = self.ident.result()
+        n_over_t = res.n_samples / res.n_tokens if res.n_tokens else float("nan")
+        summary: dict[str, Any] = {
+            "bound_samples": res.n_samples,
+            "bound_tokens": res.n_tokens,
+            "bound_rms_advantage": res.rms_advantage,
+            "bound_constant": res.rms_advantage,
+            "bound_coordinates": self.total,
+            "bound_rtol": self.ident.rtol,
+            "bound_gradient": "sequence form g = mean_n A_n grad log p(y_n | x_n) on the first GRPO batch",
+            "bound_n_over_t": n_over_t,
+            "bound_n_over_t_note": (
+                "token-mean loss: training gradient = (N/T) x the reported g" if aggregation == "token"
+                else "sequence-mean loss: each sample is weighted by 1/T_n, not a constant multiple of g"),
+            "identity_fraction_holds": ident_st["fraction_holds"],
+            "identity_violations": ident_st["violations"],
+            "identity_max_ratio": ident_st.get("ratio_max", 0.0),
+            "identity_note": "Fisher from the same samples: holds by construction (a self-check only)",
+            "grad_sqrt_fisher_same_spearman": spearman(c["lhs"], c["same"]),
+            "bound_independent": self.independent,
+        }
+        if self.independent:
+            rms = self.rms
+            st = self.indep.result(None if again is None else
+                                   lambda: ((lhs, rms * sqf_ind) for _, lhs, _, _, sqf_ind in again()))
+            summary.update({
+                "bound_fisher": dict(fisher_info or {}),
+                "bound_fraction_holds": st["fraction_holds"],
+                "bound_violations": st["violations"],
+                "bound_violation_fraction": st["violation_fraction"],
+                "bound_zero_fisher_violations": st["zero_rhs_violations"],
+                "bound_ratio_quantiles": st.get("ratio_quantiles", {}),
+                "bound_ratio_quantiles_exact": st.get("ratio_quantiles_exact", True),
+                "bound_ratio_quantile_rel_error": st.get("ratio_quantile_rel_error", 0.0),
+                "bound_max_ratio": st.get("ratio_max", float("nan")),
+                "bound_median_ratio": st.get("ratio_quantiles", {}).get("p50", float("nan")),
+                "bound_mean_ratio": st.get("ratio_mean", float("nan")),
+                "bound_ratio_above_0.5": st.get("ratio_above_0.5", float("nan")),
+                "bound_ratio_histogram": st.get("ratio_histogram", {}),
+                "grad_sqrt_fisher_pearson": pearson(c["lhs"], c["sqf"]),
+                "grad_sqrt_fisher_spearman": spearman(c["lhs"], c["sqf"]),
+            })
+        order = torch.argsort(p["sqf"])
+        series = [SeriesPoint("bound/|grad|", float(p["sqf"][i]), float(p["lhs"][i])) for i in order.tolist()]
+        series += [SeriesPoint("bound/rhs", float(p["sqf"][i]), float(p["rhs"][i])) for i in order.tolist()]
+        heatmaps = [self.grid.heatmap(self.independent)] if self.grid.x_min < math.inf else []
+        return summary, series, heatmaps
 
 
 def summarize(
@@ -411,94 +622,39 @@ def summarize(
     check was made (`bound_independent` False) and reports only the same-sample identity, which
     cannot fail. The scatter and histogram use the independent Fisher when given.
 
-    Streamed (issue 30): every statistic is counted over slices of SLICE coordinates in a few
-    passes (the ratios' quantiles by an exact radix select, the correlations and the scatter on
-    uniform samples of max_corr and max_points coordinates), so its memory is a slice's, not the
-    ~120 bytes/param of flattening every term in float64 and sorting."""
+    Streamed (issue 30): every statistic is counted over slices of SLICE coordinates in one pass
+    (_Summary; the ratios' exact quantiles by a radix select over more passes, the correlations and
+    the scatter on uniform samples of max_corr and max_points coordinates), so its memory is a
+    slice's, not the ~120 bytes/param of flattening every term in float64 and sorting."""
     names = list(res.lhs)
+    _check_fisher(names, fisher)
+    acc = _Summary(res.rms_advantage, rtol, fisher is not None, max_points, max_corr, seed)
+    for part in _slices(res, names, fisher, SLICE):
+        acc.add(*part)
+    return acc.finish(res, lambda: _slices(res, names, fisher, SLICE), fisher_info, aggregation)
+
+
+def _check_fisher(names: list[str], fisher: Mapping[str, torch.Tensor] | None) -> None:
     if fisher is not None:
         missing = [n for n in names if n not in fisher]
         if missing:
             raise ValueError(f"fisher: parameter {missing[0]!r} of the gradient is not in the Fisher")
 
-    def passes() -> Any:
-        return _slices(res, names, fisher, SLICE)
 
-    gen = torch.Generator().manual_seed(seed)
-    ident, indep = _RatioStats(rtol, 1e-12), _RatioStats(rtol, 1e-12)
-    corr, pick = _Sample(max_corr, gen), _Sample(max_points, gen)
-    grid = _LogHist()
-    total = 0
-    for o, lhs, rhs, sqf_same, sqf_ind in passes():  # the first pass: counts, extents, samples
-        total += lhs.numel()
-        ident.add(lhs, rhs)
-        sqf = sqf_ind if sqf_ind is not None else sqf_same
-        if sqf_ind is not None:
-            indep.add(lhs, res.rms_advantage * sqf_ind)
-        live = sqf > 0
-        grid.extent(lhs[live], sqf[live])
-        corr.add(o, lhs.numel())
-        pick.add(o, lhs.numel())
-    corr_idx, pick_idx = corr.indices(), pick.indices()
-    got: dict[str, list[torch.Tensor]] = {k: [] for k in ("c_lhs", "c_same", "c_sqf", "p_lhs", "p_sqf", "p_rhs")}
-    for o, lhs, rhs, sqf_same, sqf_ind in passes():  # the second: the grid, the samples' values
-        sqf = sqf_ind if sqf_ind is not None else sqf_same
-        live = sqf > 0
-        grid.add(lhs[live], sqf[live])
-        for prefix, idx in (("c", corr_idx), ("p", pick_idx)):
-            lo, hi = (int(torch.searchsorted(idx, x)) for x in (o, o + lhs.numel()))
-            at = idx[lo:hi] - o
-            got[f"{prefix}_lhs"].append(lhs[at])
-            got[f"{prefix}_sqf"].append(sqf[at])
-            if prefix == "c":
-                got["c_same"].append(sqf_same[at])
-            else:
-                got["p_rhs"].append(res.rms_advantage * sqf[at] if sqf_ind is not None else rhs[at])
-    v = {k: torch.cat(x) if x else torch.empty(0, dtype=torch.float64) for k, x in got.items()}
-    ident_st = ident.result(lambda: ((lhs, rhs) for _, lhs, rhs, _, _ in passes()))
-    n_over_t = res.n_samples / res.n_tokens if res.n_tokens else float("nan")
-    summary: dict[str, Any] = {
-        "bound_samples": res.n_samples,
-        "bound_tokens": res.n_tokens,
-        "bound_rms_advantage": res.rms_advantage,
-        "bound_constant": res.rms_advantage,
-        "bound_coordinates": total,
-        "bound_rtol": rtol,
-        "bound_gradient": "sequence form g = mean_n A_n grad log p(y_n | x_n) on the first GRPO batch",
-        "bound_n_over_t": n_over_t,
-        "bound_n_over_t_note": (
-            "token-mean loss: training gradient = (N/T) x the reported g" if aggregation == "token"
-            else "sequence-mean loss: each sample is weighted by 1/T_n, not a constant multiple of g"),
-        "identity_fraction_holds": ident_st["fraction_holds"],
-        "identity_violations": ident_st["violations"],
-        "identity_max_ratio": ident_st.get("ratio_max", 0.0),
-        "identity_note": "Fisher from the same samples: holds by construction (a self-check only)",
-        "grad_sqrt_fisher_same_spearman": spearman(v["c_lhs"], v["c_same"]),
-        "bound_independent": fisher is not None,
-    }
-    if fisher is not None:
-        rms = res.rms_advantage
-        st = indep.result(lambda: ((lhs, rms * sqf_ind) for _, lhs, _, _, sqf_ind in passes()))
-        summary.update({
-            "bound_fisher": dict(fisher_info or {}),
-            "bound_fraction_holds": st["fraction_holds"],
-            "bound_violations": st["violations"],
-            "bound_violation_fraction": st["violation_fraction"],
-            "bound_zero_fisher_violations": st["zero_rhs_violations"],
-            "bound_ratio_quantiles": st.get("ratio_quantiles", {}),
-            "bound_max_ratio": st.get("ratio_max", float("nan")),
-            "bound_median_ratio": st.get("ratio_quantiles", {}).get("p50", float("nan")),
-            "bound_mean_ratio": st.get("ratio_mean", float("nan")),
-            "bound_ratio_above_0.5": st.get("ratio_above_0.5", float("nan")),
-            "bound_ratio_histogram": st.get("ratio_histogram", {}),
-            "grad_sqrt_fisher_pearson": pearson(v["c_lhs"], v["c_sqf"]),
-            "grad_sqrt_fisher_spearman": spearman(v["c_lhs"], v["c_sqf"]),
-        })
-    order = torch.argsort(v["p_sqf"])
-    series = [SeriesPoint("bound/|grad|", float(v["p_sqf"][i]), float(v["p_lhs"][i])) for i in order.tolist()]
-    series += [SeriesPoint("bound/rhs", float(v["p_sqf"][i]), float(v["p_rhs"][i])) for i in order.tolist()]
-    heatmaps = [grid.heatmap(fisher is not None)] if grid.x_min < math.inf else []
-    return summary, series, heatmaps
+def _first_batch(model: torch.nn.Module, tokenizer: Any, task: Any, prompts: int, group: int,
+                 max_new_tokens: int, seed: int, scale_std: bool, temperature: float) -> tuple[Any, torch.Tensor, float]:
+    """The first GRPO batch (train prompts 0..prompts-1, seed as in compute.train): the sampled
+    rows, their group advantages from the task reward, the mean reward."""
+    from compute.lm.sampling import sample_completions
+    from compute.train.objectives.grpo import group_advantages
+
+    examples = task.examples(prompts, seed=seed, split="train", start=0)
+    roll = sample_completions(model, tokenizer, [e.prompt for e in examples], samples=group,
+                              max_new_tokens=max_new_tokens, temperature=temperature,
+                              seed=seed * 1_000_003)
+    rewards = torch.tensor([float(task.reward(c, examples[i].answer))
+                            for c, i in zip(roll.completions, roll.prompt_index.tolist(), strict=True)])
+    return roll, group_advantages(rewards, roll.prompt_index.cpu(), scale_std), float(rewards.mean())
 
 
 def first_step_bound(
@@ -515,17 +671,81 @@ def first_step_bound(
 ) -> BoundResult:
     """Sample the first GRPO batch (train prompts 0..prompts-1, seed as in compute.train), compute
     group advantages from the task reward, and accumulate the per-sample bound terms."""
-    from compute.lm.sampling import sample_completions
-    from compute.train.objectives.grpo import group_advantages
-
-    examples = task.examples(prompts, seed=seed, split="train", start=0)
-    roll = sample_completions(model, tokenizer, [e.prompt for e in examples], samples=group,
-                              max_new_tokens=max_new_tokens, temperature=temperature,
-                              seed=seed * 1_000_003)
-    rewards = torch.tensor([float(task.reward(c, examples[i].answer))
-                            for c, i in zip(roll.completions, roll.prompt_index.tolist(), strict=True)])
-    adv = group_advantages(rewards, roll.prompt_index.cpu(), scale_std)
+    roll, adv, mean_reward = _first_batch(model, tokenizer, task, prompts, group, max_new_tokens, seed,
+                                          scale_std, temperature)
     res = accumulate_sample_grads(model, roll.input_ids, roll.attention_mask, roll.completion_mask,
                                   adv, progress)
-    res.summary["bound_mean_reward"] = float(rewards.mean())
+    res.summary["bound_mean_reward"] = mean_reward
     return res
+
+
+def bound_check(
+    model: torch.nn.Module,
+    tokenizer: Any,
+    task: Any,
+    groups: list[list[tuple[str, int, int]]] | None = None,
+    fisher: Mapping[str, torch.Tensor] | None = None,
+    fisher_info: Mapping[str, Any] | None = None,
+    aggregation: str = "token",
+    prompts: int = 8,
+    group: int = 8,
+    max_new_tokens: int = 16,
+    seed: int = 0,
+    scale_std: bool = True,
+    temperature: float = 1.0,
+    rtol: float = 1e-5,
+    progress: Progress | None = None,
+) -> tuple[dict[str, Any], list[SeriesPoint], list[Heatmap]]:
+    """first_step_bound then summarize, in groups of coordinates: the batch sampled once, then per
+    group (pieces (name, lo, hi) of parameters, consecutive in the model's order and together every
+    coordinate of every trainable parameter, a large one split at multiples of SLICE; None: one
+    group of all) one backward per row folding only that group's sums, summarised and dropped
+    before the next (compute.contract.cost.bound_plan sizes the groups to the device). The sums'
+    memory is the largest group's, the time a backward per row per group. Every number equals the
+    one-group check's except the ratio's quantiles, bracketed to a stated relative error when there
+    is more than one group (the sums are gone by the time the quantiles' bins are known)."""
+    sizes = {n: p.numel() for n, p in model.named_parameters() if p.requires_grad}
+    order = list(sizes)
+    groups = [[(n, 0, sizes[n]) for n in order]] if groups is None else groups
+    flat = [piece for g in groups for piece in g]
+    want, at = [], {n: 0 for n in order}
+    for n, lo, hi in flat:  # each parameter covered from 0 to its end, in order, slice-aligned cuts
+        want.append(n)
+        if n not in at or lo != at[n] or hi <= lo or (hi != sizes[n] and hi % SLICE):
+            raise ValueError("groups: must cover every coordinate of every trainable parameter once, "
+                             "consecutively in the model's order, a parameter cut only at multiples of "
+                             f"{SLICE:,} coordinates")
+        at[n] = hi
+    if [n for i, n in enumerate(want) if i == 0 or want[i - 1] != n] != order or any(at[n] != sizes[n] for n in order):
+        raise ValueError("groups: must cover every coordinate of every trainable parameter once, "
+                         "consecutively in the model's order")
+    _check_fisher(order, fisher)
+    roll, adv, mean_reward = _first_batch(model, tokenizer, task, prompts, group, max_new_tokens, seed,
+                                          scale_std, temperature)
+    starts, o = {}, 0
+    for n in order:
+        starts[n], o = o, o + sizes[n]
+    acc: _Summary | None = None
+    res: BoundResult | None = None
+    for k, pieces in enumerate(groups):
+        def step(f: float, m: str = "", k: int = k) -> None:
+            if progress:
+                progress((k + f) / len(groups), f"group {k + 1}/{len(groups)}: {m}" if len(groups) > 1 else m)
+        whole = len(groups) == 1
+        res = accumulate_sample_grads(model, roll.input_ids, roll.attention_mask, roll.completion_mask,
+                                      adv, step, pieces=None if whole else pieces)
+        if acc is None:
+            acc = _Summary(res.rms_advantage, rtol, fisher is not None, 3000, 2_000_000, 0)
+        for n, lo, _hi in pieces:
+            for part in _slices(res, [n], fisher, SLICE, starts[n] + lo):
+                acc.add(*part)
+        if not whole:
+            res = BoundResult({}, {}, {}, res.n_samples, res.rms_advantage, n_tokens=res.n_tokens)  # drop the sums
+    assert acc is not None and res is not None
+    last = res
+    again = (lambda: _slices(last, order, fisher, SLICE)) if len(groups) == 1 else None
+    summary, series, heat = acc.finish(res, again, fisher_info, aggregation)
+    summary["bound_mean_reward"] = mean_reward
+    summary["bound_groups"] = len(groups)
+    summary["bound_group_largest_coordinates"] = max(sum(hi - lo for _, lo, hi in g) for g in groups)
+    return summary, series, heat

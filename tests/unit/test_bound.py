@@ -239,3 +239,76 @@ def test_the_summary_samples_coordinates_uniformly_without_replacement() -> None
     per_slice = torch.bincount(got // 10_000, minlength=10).double()  # 10 slices of 10 ranges
     assert float((per_slice - 200).abs().max()) < 4 * math.sqrt(200 * 0.9)
     assert torch.equal(draw(5000, 1234, 100), torch.arange(1234))  # fewer coordinates than the sample
+
+
+def test_the_check_in_groups_of_parameters_equals_the_whole_check(monkeypatch) -> None:
+    """Issue 30: at 8B the check's float64 sums (16 bytes/param, 128 GB) fit no device, so
+    bound_check folds them a group of parameters at a time (the others frozen for the backward),
+    summarises each group and drops it. Every number equals the one-group check's: the counts,
+    the ratio's extremes and histogram, the sampled correlations and scatter, the grid; the ratio's
+    quantiles, exact in one group, are bracketed in several and must lie within their stated
+    relative error of the exact ones. The sums of a group equal the whole backward's."""
+    from compute.lm.verifiable_tasks import get_task
+    from compute.studies import bound as B
+    from tests.unit.fisher_tiny import char_tokenizer
+
+    class ParityTask:  # a reward a random model earns about half the time: non-zero advantages
+        def __init__(self, base):
+            self.base = base
+
+        def examples(self, *a, **k):
+            return self.base.examples(*a, **k)
+
+        def reward(self, completion, answer):
+            return float(len(completion) % 2)
+
+    tok, task = char_tokenizer(), ParityTask(get_task("arithmetic-add?digits=1"))
+    model = tiny_model("llama")
+    order = [n for n, _ in model.named_parameters()]
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    g = torch.Generator().manual_seed(2)
+    indep = {n: torch.rand(p.shape, generator=g) * 1e-3 for n, p in model.named_parameters()}
+    kw = dict(fisher=indep, fisher_info={"source": "test"}, prompts=3, group=4, max_new_tokens=5, seed=1)
+    monkeypatch.setattr(B, "SLICE", 8)  # slices of 8 coordinates: a parameter can be cut at a multiple of 8
+    whole, w_series, w_heat = B.bound_check(model, tok, task, **kw)
+    size = dict((n, p.numel()) for n, p in model.named_parameters())
+    first = order[0]
+    cut = 8 * (size[first] // 16)  # the first parameter (the embedding) in two groups
+    groups = [[(first, 0, cut)], [(first, cut, size[first])] + [(n, 0, size[n]) for n in order[1:4]],
+              [(n, 0, size[n]) for n in order[4:]]]
+    parts, p_series, p_heat = B.bound_check(model, tok, task, groups=groups, **kw)
+    assert whole["bound_groups"] == 1 and parts["bound_groups"] == 3
+    assert whole["bound_ratio_quantiles_exact"] and not parts["bound_ratio_quantiles_exact"]
+    err = parts["bound_ratio_quantile_rel_error"]
+    assert 0 < err <= 2.0 ** -(B.FINE_MANTISSA_BITS + 1)
+    for q, exact in whole["bound_ratio_quantiles"].items():
+        assert abs(parts["bound_ratio_quantiles"][q] - exact) <= err * exact * (1 + 1e-9), q
+    assert whole["bound_violations"] > 0  # a Fisher of the wrong scale: the counts are not all trivial
+    skip = {"bound_groups", "bound_group_largest_coordinates", "bound_ratio_quantiles", "bound_median_ratio",
+            "bound_ratio_quantiles_exact", "bound_ratio_quantile_rel_error"}
+    for k, v in whole.items():
+        if k not in skip:
+            assert parts[k] == (pytest.approx(v, rel=1e-9) if isinstance(v, float) else v), k
+    assert [p.name for p in p_series] == [p.name for p in w_series]
+    for attr in ("step", "value"):
+        assert [getattr(p, attr) for p in p_series] == pytest.approx([getattr(p, attr) for p in w_series], rel=1e-9)
+    assert p_heat[0].z == w_heat[0].z and p_heat[0].x_labels == w_heat[0].x_labels
+    # one group's sums are the whole backward's, and the model is left as it was
+    roll, adv, _ = B._first_batch(model, tok, task, 3, 4, 5, 1, True, 1.0)
+    full = B.accumulate_sample_grads(model, roll.input_ids, roll.attention_mask, roll.completion_mask, adv)
+    one = B.accumulate_sample_grads(model, roll.input_ids, roll.attention_mask, roll.completion_mask, adv,
+                                    pieces=groups[1])
+    assert list(one.lhs) == [n for n, _, _ in groups[1]] and one.ranges == {first: (cut, size[first])}
+    for n, lo, hi in groups[1]:
+        assert_close(one.lhs[n].reshape(-1), full.lhs[n].reshape(-1)[lo:hi], rtol=1e-12, atol=0)
+        assert_close(one.fisher[n].reshape(-1), full.fisher[n].reshape(-1)[lo:hi], rtol=1e-12, atol=0)
+    assert all(p.requires_grad and p.grad is None for p in model.parameters())
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    for bad in ([groups[1], groups[0], groups[2]],  # out of order
+                [groups[0], groups[2]],  # coordinates left out
+                [[(first, 0, cut + 3)], [(first, cut + 3, size[first])] + groups[1][1:], groups[2]]):  # cut off a slice
+        with pytest.raises(ValueError, match="^groups:"):
+            B.bound_check(model, tok, task, groups=bad, **kw)
+    with pytest.raises(ValueError, match="^pieces:"):
+        B.accumulate_sample_grads(model, roll.input_ids, roll.attention_mask, roll.completion_mask, adv,
+                                  pieces=[("nope", 0, 1)])

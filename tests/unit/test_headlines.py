@@ -441,6 +441,13 @@ def test_bound_title_counts_violations_not_a_rounded_fraction():
     assert "the bound fails for 5 of 1,000,000 coordinates (max ratio 1.423)" in title and "100%" not in title
     item = {i["label"]: i for i in key_numbers(d)["items"]}["Cauchy-Schwarz bound, first batch"]
     assert item["value"] == "5 violations" and "max ratio 1.423" in item["note"]
+    assert "groups" not in item["note"]
+    # checked in groups of coordinates (issue 30): the note says so, and how close its quantiles are
+    b.update(bound_groups=24, bound_ratio_quantiles={"p50": 0.1234}, bound_ratio_quantile_rel_error=6.1e-5,
+             bound_ratio_quantiles_exact=False)
+    item = {i["label"]: i for i in key_numbers(d)["items"]}["Cauchy-Schwarz bound, first batch"]
+    assert "median |g| / bound 0.1234" in item["note"]
+    assert "checked in 24 groups of coordinates to fit the device, its quantiles to ±6.1e-05 relative" in item["note"]
 
 
 def test_bf16_fisher_states_its_error_against_float32(built):
