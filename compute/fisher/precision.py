@@ -63,11 +63,12 @@ def _checkpoint_index(model: nn.Module) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def float32_weights(model: nn.Module) -> Iterator[dict[str, int]]:
+def float32_weights(model: nn.Module, from_checkpoint: bool = True) -> Iterator[dict[str, int]]:
     """The model with float32 parameters (and floating buffers) for the duration, in place; on
     exit every parameter and buffer is bit for bit what it was. Yields counts: tensors taken from
-    the checkpoint ("from_checkpoint") and upcast ("upcast")."""
-    index = _checkpoint_index(model)
+    the checkpoint ("from_checkpoint") and upcast ("upcast"). from_checkpoint False: every half
+    tensor upcast (its own values, the ones a training run trains: compute.jobs.train_run)."""
+    index = _checkpoint_index(model) if from_checkpoint else {}
     counts = {"from_checkpoint": 0, "upcast": 0}
     params = dict(model.named_parameters())  # tied weights once
     dtypes = {n: p.dtype for n, p in params.items()}

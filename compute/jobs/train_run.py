@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import tempfile
 from collections.abc import Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +18,7 @@ import torch
 
 from compute.contract.jobresult import JobResult, SeriesPoint, null_progress
 from compute.contract.kinds import Ref, Refs
+from compute.fisher.precision import float32_weights
 from compute.jobs.artifact_files import resolved_refs
 from compute.jobs.train import TrainSpec, needs_initial_fisher
 from compute.runtime.memory import mmap_threshold_fixed, release_freed_memory
@@ -336,7 +338,6 @@ def _train_job(
     refs: the resolved model / teacher / mask / fisher (compute/jobs/runners.py).
     The spec's cross-field rules (mask xor mask_select, opd teacher, dtype vs precision) hold by
     construction (compute.contract.specs.TrainSpec)."""
-    import copy
 
     from compute.train import save_checkpoint, save_output, train
 
@@ -349,23 +350,24 @@ def _train_job(
 
     model = run.model
     mask = _mask(run)
-    # float32 twin for the Fisher and the bound when the weights are bf16 (same values, exact)
-    probe = copy.deepcopy(model).float() if spec.precision == "bf16" else model
-    # GRPO's bound check, asked before the initial Fisher is made: a check that will not fit needs none
-    plan = _bound_plan(probe, fisher) if spec.algo == "grpo" and spec.bound else None
-    bound_skip = plan.skip if plan is not None else None
-    if bound_skip is not None:
-        run.summary["bound_skipped"] = bound_skip
-    fisher, fisher_info = _initial_fisher(run, probe, fisher, fisher_info, bound=bound_skip is None)
+    # the Fisher and the bound in float32 when the weights are bf16: the model itself widened in
+    # place for them and narrowed back bit for bit (its own values, exact both ways), not a float32
+    # twin beside it (issue 30: 6 bytes/param where the estimate counts 4; 16 GB more at 8B)
+    with float32_weights(model, from_checkpoint=False) if spec.precision == "bf16" else nullcontext():
+        # GRPO's bound check, asked before the initial Fisher is made: one that will not fit needs none
+        plan = _bound_plan(model, fisher) if spec.algo == "grpo" and spec.bound else None
+        bound_skip = plan.skip if plan is not None else None
+        if bound_skip is not None:
+            run.summary["bound_skipped"] = bound_skip
+        fisher, fisher_info = _initial_fisher(run, model, fisher, fisher_info, bound=bound_skip is None)
+        if plan is not None and bound_skip is None:
+            _bound(run, model, fisher, fisher_info, plan)
     # the base as the checkpoint stores it, for "unchanged" and |delta|: read from the model's
     # file tensor by tensor when that reproduces the loaded weights exactly, else a copy
     stored_base = base_source(model, resolved_refs(spec, refs)["model"], run.summary["base_dtype"],
                               spec.precision)
     release_freed_memory()  # the per-tensor reads of the base check
     run.summary["base_compared_from"] = "file" if isinstance(stored_base, FileBase) else "memory"
-    if plan is not None and bound_skip is None:
-        _bound(run, probe, fisher, fisher_info, plan)
-    del probe
     res = train(model, run.tok, run.task, run.config, mask=mask, teacher=run.teacher,
                 progress=lambda f, m="": progress(0.15 + 0.75 * f, m), step_hook=save_every if spec.save_steps else None)
     release_freed_memory()  # the run's activations and temporaries, before the diff

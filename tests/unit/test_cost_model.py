@@ -695,3 +695,53 @@ def test_the_bound_check_in_groups_holds_its_largest_groups_memory() -> None:
     counted = (C.BOUND_BYTES_PER_PARAM * parts["largest_group"] + 4 * 49152 * 512) / 2**20 + C.BOUND_FIXED_MB
     assert parts["peak_above_weights_mb"] <= counted, (parts, counted)
     assert parts["peak_above_weights_mb"] < 0.8 * whole["peak_above_weights_mb"], (parts, whole)
+
+
+def test_a_bf16_run_makes_its_fisher_and_bound_on_its_own_weights_widened_in_place(zoo_home: Path,
+                                                                                   monkeypatch) -> None:
+    """Issue 30: a bf16 run's initial Fisher and bound check are float32 arithmetic on the bf16
+    weights. They were made on a float32 twin beside the model (6 bytes/param where the estimate
+    counts 4 for the weights: 16 GB more at 8B); the job now widens the model itself for them and
+    narrows it back. The Fisher must be bit for bit the twin's, and the run must train from the
+    bf16 weights it loaded (the checkpoint bf16, the unchanged coordinates of the base)."""
+    import copy
+
+    from compute.jobs import train_run
+    from compute.jobs.train import TrainSpec
+    from compute.lm.causal_lm import load_model
+    from compute.lm.verifiable_tasks import get_task
+    from compute.train import prepare_precision
+
+    monkeypatch.setenv("FISHERLENS_HOME", str(zoo_home))
+    monkeypatch.setenv("FISHERLENS_DEVICE", "cpu")
+    spec = TrainSpec(model="arith-base", algo="grpo", steps=1, batch=4, group=4, max_new_tokens=4, eval_prompts=2,
+                     fisher_prompts=2, fisher_samples=2, precision="bf16", mask_select="random", mask_density=0.1)
+    import compute.train as T
+
+    seen: list[tuple[int, set[torch.dtype]]] = []
+    real, real_train = train_run.independent_fisher, T.train
+
+    def spy(model, *a, **k):  # which model the Fisher is made on, in which dtype
+        seen.append((id(model), {p.dtype for p in model.parameters()}))
+        return real(model, *a, **k)
+
+    def train_spy(model, *a, **k):  # which model trains, in which dtype
+        seen.append((id(model), {p.dtype for p in model.parameters()}))
+        return real_train(model, *a, **k)
+
+    monkeypatch.setattr(train_run, "independent_fisher", spy)
+    monkeypatch.setattr(T, "train", train_spy)
+    res = train_run.run(spec)
+    (fisher_model, fisher_dtypes), (trained, train_dtypes) = seen
+    assert fisher_model == trained, "the Fisher was made on a copy of the model"
+    assert fisher_dtypes == {torch.float32} and train_dtypes == {torch.bfloat16}
+    assert res.summary["bound"]["bound_coordinates"] > 0
+    model, tok = load_model(str(zoo_home / "zoo" / "arith-base"), device="cpu")[:2]
+    prepare_precision(model, "bf16")
+    twin = copy.deepcopy(model).float()
+    want, _ = real(twin, tok, get_task(spec.task), spec)
+    got = res.tensors["fisher"]
+    assert set(got) == set(want) and all(torch.equal(got[n], want[n]) for n in want)
+    # trained from the bf16 weights, narrowed back: stored in bf16, 90% of them bit for bit the base's
+    assert res.summary["precision"] == "bf16" and res.summary["stored_dtype"] == "bfloat16"
+    assert res.summary["update_sparsity"]["unchanged_exact"] >= 0.9
