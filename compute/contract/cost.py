@@ -138,21 +138,25 @@ FOLD_BLOCK_BYTES = 8 << 20
 LOGITS_CHUNK_BYTES = 128 << 20
 INITIAL_FISHER_BYTES_PER_PARAM = 4.0
 # GRPO's Cauchy-Schwarz bound check on the first batch (compute.studies.bound, on by default): two
-# float64 sums per coordinate over the batch's per-sample gradients (16 bytes/param), each row's
-# gradient folded in as autograd finishes it, and a summary streamed over slices. Measured
-# (benchmarks/bench_bound_memory.py, fresh process, 8 completions of 8 tokens, the independent
-# Fisher already held; bench_bound_memory.json): 52 / 34 / 30.5 bytes/param at 17M / 50M / 106M,
-# 27.6 between the last two. Before issue 30's session 15 it was 143-149 (every term flattened in
-# float64 and sorted, every row's gradients alive at once) and counted in no estimate: a GRPO job
-# that fit its steps was admitted and died in the check.
-BOUND_BYTES_PER_PARAM = 32.0
+# float64 sums per coordinate of a group (16 bytes/param), each row's gradient folded in as
+# autograd finishes it, and a summary streamed over slices in one pass. Fitted to
+# benchmarks/results/bench_bound_groups.json (fresh process, 8 completions of 8 tokens, the
+# independent Fisher already held; 20M / 50M / 106M, one group and groups of a quarter and a tenth):
+# the one-group peak grows 18.6-18.7 bytes/param between sizes; with BOUND_FIXED_MB and one float32
+# gradient of the largest parameter (groups) the estimate is 1.03-1.27x every measured peak.
+# Before issue 30's session 15 the check took 143-149 bytes/param and was counted in no estimate;
+# session 15's two-pass summary 52 / 34 / 30.5 at those sizes (bench_bound_memory.json), this
+# code 45.5 / 27.9 / 23.0 in one group.
+BOUND_BYTES_PER_PARAM = 20.0
 
 
 # What the bound check holds beside its per-coordinate sums, whatever the model's size: its
-# summary's samples (2M coordinates for the correlations, with three float64 values each), the
-# ratio's and the grid's fine histograms (8 MiB each), a slice's float64 temporaries and one row's
-# forward+backward. Measured (benchmarks/bench_bound_memory.py) as the peak above the weights less
-# BOUND_BYTES_PER_PARAM x the largest group: see BOUND_FIXED_MB's measurements in docs/scale.md.
+# summary's samples (2M coordinates for the correlations, three float64 values each, drawn with
+# twice that many candidates), the ratio's and the grid's fine histograms (8 MiB each), a slice's
+# float64 temporaries, the sampled batch and one row's forward+backward. Measured as the peak less
+# BOUND_BYTES_PER_PARAM x the largest group less its largest gradient: 306-573 MiB over the nine
+# measurements of bench_bound_groups.json (more in groups: the samples and histograms outlive a
+# group's sums).
 BOUND_FIXED_MB = 600.0
 
 

@@ -197,7 +197,7 @@ def memory(s: TrainSpec, z: Sizing) -> dict[str, float]:
 KIND = JobKind(
     name="train", title="Training run", spec=TrainSpec, contract=CONTRACT, runner="compute.jobs.train_run:run",
     cost=cost, order=30, timing=timing, memory=memory,
-    # the same weights, one forward more a step; GRPO without its bound check (BOUND_BYTES_PER_PARAM)
+    # the same weights, one forward more a step; GRPO without its bound check (cost.bound_plan)
     memory_options=({"gradient_checkpointing": True}, {"bound": False}),
     refs={"model": "model", "teacher": "model", "mask": "mask", "fisher": "fisher"},
     outputs={"model": "model", "mask": "mask", "run_dir": "model"},  # run_dir: checkpoint-N with save_steps

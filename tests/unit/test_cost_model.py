@@ -655,16 +655,14 @@ def test_a_grpo_job_whose_bound_check_does_not_fit_skips_it_and_says_so(zoo_home
 def test_the_bound_checks_measured_peak_is_what_the_estimate_counts() -> None:
     """The GRPO bound check alone, in a fresh process (benchmarks/bench_bound_memory.py's child)
     on bench_scale's 20M Llama: its peak above the weights is within BOUND_BYTES_PER_PARAM per
-    parameter plus a fixed part (the sampled batch's activations, the runtime's first touches),
-    and not far below it (the estimate must move with the check: a leaner check lowers the
-    constant). The check before session 15 measured 145 bytes/param here and fails it.
+    parameter plus BOUND_FIXED_MB, and not far below BOUND_BYTES_PER_PARAM (the estimate must move
+    with the check: a leaner check lowers the constant). The check before session 15 measured 145
+    bytes/param here and fails it.
 
-    The fixed part is wide on purpose, and measured: at this size (17M parameters, 73% of them
-    one tied embedding) the same code peaks at 602-988 MiB above the weights from run to run
-    (two modes locally, 602-661 and 848-851 MiB, the same code; 988 once in a fresh-clone CI
-    run), so the part beyond the float64 sums moves with the allocator's state (what it is made
-    of is not profiled yet); the allowance was 400 MiB and failed that CI run. 600 MiB still
-    fails the 145-bytes/param check (2,390 MiB) by far."""
+    The fixed part is wide on purpose: at this size (17M parameters, 73% of them one tied
+    embedding) session 15's code peaked at 602-988 MiB above the weights from run to run (the
+    allocator's state); the one-pass summary of session 17 measured 731 and 751 (20 bytes/param
+    x 17.3M + 600 MiB = 930)."""
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
@@ -682,7 +680,9 @@ def test_the_bound_check_in_groups_holds_its_largest_groups_memory() -> None:
     fresh process on bench_scale's 50M Llama with room for a quarter of the whole check's sums:
     its peak above the weights is within what the estimate counts for the largest group (its sums
     at BOUND_BYTES_PER_PARAM, the fixed part, one float32 gradient of the largest parameter) and
-    well under the one-group check's peak (measured: 817 against 1,326 MiB)."""
+    well under the one-group check's peak (measured: 817 and 841 against 1,326 and 1,339 MiB; the
+    estimate 936). Allowed 15% above the estimate: the same code's peak moves by the allocator's
+    state from run to run, and the estimate's room is the device's free memory, itself a margin."""
     import sys
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
@@ -693,7 +693,7 @@ def test_the_bound_check_in_groups_holds_its_largest_groups_memory() -> None:
     parts = measure(shape, threads=1, group_share=0.25)
     assert whole["groups"] == 1 and parts["groups"] >= 4 and parts["largest_group"] <= whole["n_params"] // 4
     counted = (C.BOUND_BYTES_PER_PARAM * parts["largest_group"] + 4 * 49152 * 512) / 2**20 + C.BOUND_FIXED_MB
-    assert parts["peak_above_weights_mb"] <= counted, (parts, counted)
+    assert parts["peak_above_weights_mb"] <= 1.15 * counted, (parts, counted)
     assert parts["peak_above_weights_mb"] < 0.8 * whole["peak_above_weights_mb"], (parts, whole)
 
 
