@@ -163,3 +163,53 @@ def test_fisher_job_device_memory_per_parameter(tmp_path, zoo_home, monkeypatch,
           f"{per_param:.2f} bytes/param beyond the budget + 64 MiB")
     assert res.summary["split_half_jaccard"] is not None
     assert per_param <= 6.0
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_bound_check_in_groups_on_device(device):
+    """Issue 30: GRPO's bound check in groups of coordinates on the device, where an 8B model's
+    sums fit only a group at a time: the same numbers as one group (the quantiles within their
+    stated bracket), and on a GPU the device memory the sums take follows the largest group."""
+    from compute.lm.verifiable_tasks import get_task
+    from compute.studies import bound as B
+    from tests.unit.fisher_tiny import char_tokenizer
+
+    class ParityTask:  # a reward a random model earns about half the time: non-zero advantages
+        def __init__(self, base):
+            self.base = base
+
+        def examples(self, *a, **k):
+            return self.base.examples(*a, **k)
+
+        def reward(self, completion, answer):
+            return float(len(completion) % 2)
+
+    tok, task = char_tokenizer(), ParityTask(get_task("arithmetic-add?digits=1"))
+    model = tiny_model("llama", hidden=64, seed=1).to(device)
+    g = torch.Generator().manual_seed(2)
+    indep = {n: (torch.rand(p.shape, generator=g) * 1e-3).to(device) for n, p in model.named_parameters()}
+    sizes = {n: p.numel() for n, p in model.named_parameters()}
+    order = list(sizes)
+    kw = dict(fisher=indep, prompts=3, group=4, max_new_tokens=5, seed=1)
+    peaks = []
+    for groups in (None, [[(n, 0, sizes[n])] for n in order]):  # one group; one per parameter
+        if device == "cuda":
+            torch.cuda.synchronize()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+        out = B.bound_check(model, tok, task, groups=groups, **kw)[0]
+        if device == "cuda":
+            peaks.append(torch.cuda.max_memory_allocated() - base)
+        if groups is None:
+            whole = out
+    assert out["bound_groups"] == len(order) and whole["bound_groups"] == 1
+    assert out["bound_violations"] == whole["bound_violations"] and out["bound_coordinates"] == whole["bound_coordinates"]
+    assert out["bound_max_ratio"] == pytest.approx(whole["bound_max_ratio"], rel=1e-9)
+    err = out["bound_ratio_quantile_rel_error"]
+    for q, exact in whole["bound_ratio_quantiles"].items():
+        assert abs(out["bound_ratio_quantiles"][q] - exact) <= err * exact * (1 + 1e-9), q
+    if peaks:
+        n, largest = sum(sizes.values()), max(sizes.values())
+        print(f"device peak: one group {peaks[0] / 2**20:.1f} MiB, per parameter {peaks[1] / 2**20:.1f} MiB "
+              f"({n:,} coordinates, largest {largest:,})")
+        assert peaks[1] < peaks[0] - 8 * (n - 2 * largest)  # the sums of all but the largest group gone
