@@ -73,6 +73,17 @@ FISHER_ROW_CALLS = 1.0  # per-sample gradient of one row: its own backward's fix
 FISHER_ROW_PASS_FACTOR = 2.0  # per-row backward arithmetic vs the calibration's batched one (SmolLM2-135M: ~2x, as issue 30 measured 1.69-2.20x; revisit when the engine reaches its 1.2x goal)
 EXACT_ROW_CALLS = 0.6  # exact output-layer Fisher of one row
 BOUND_ROW_CALLS = 15.0  # the bound check's per-sample gradient of one row (full gradient, kept)
+# The bound check's per-coordinate work (benchmarks/bench_bound_time.py, 50M / 106M Llama, CPU, 2
+# threads; results/bench_bound_time.json): each row's gradient folded into two float64 sums
+# (read 4, read and write 32 bytes a coordinate: 7.2-9.5e-9 s per coordinate and row beyond the
+# rows' backward), and the summary's one pass and its exact quantiles (8.6e-8-1.06e-7 s per
+# coordinate, and about 1.0 s whatever the size). In calls (the machine's unit) at that run's
+# calibration; they were counted nowhere, and the estimate was 13x short at 100M (1.4 s against
+# 18 s measured). With them: 0.78-1.21x the six measurements of that file (20M-106M, one group and
+# groups of a quarter).
+BOUND_FOLD_CALLS_PER_PARAM_ROW = 1.3e-6
+BOUND_SUMMARY_CALLS_PER_PARAM = 1.5e-5
+BOUND_SUMMARY_CALLS = 155.0  # its fixed part: the 2M-coordinate rank correlations, the quantiles' bins (~1.0 s)
 TRAIN_STEP_CALLS = 2.0  # an optimizer step: objective, backward, clip, step, bookkeeping
 # a Fisher's statistics over all parameters (split-half, Gini, curve, tables), in calls per
 # parameter: streaming since issue 30, 5.2 s for SmolLM2-135M (was 2.4e-7 s/param, ~32 s)
@@ -415,11 +426,14 @@ def train_seconds(z: Sizing, algo: str, steps: int, batch: int, group: int, max_
 
 
 def bound_seconds(z: Sizing, rows: int, max_new_tokens: int, groups: int = 1) -> float:
-    """GRPO's bound check: a per-sample gradient of every row of the first batch, once per group
-    of parameters (bound_plan; counted as a whole backward each, an upper bound: a group's stops
-    below its earliest parameter)."""
+    """GRPO's bound check: its batch sampled, a per-sample gradient of every row of the first
+    batch once per group of coordinates (bound_plan; counted as a whole backward each, an upper
+    bound: a group's stops below its earliest parameter), each row's gradient folded into the
+    sums once per coordinate, and the summary's pass over the coordinates."""
     length = z.prompt_tokens + max_new_tokens
-    return max(1, groups) * (z.calls_s(rows * BOUND_ROW_CALLS) + z.passes_s(rows * length * 3))
+    backward = z.calls_s(rows * BOUND_ROW_CALLS) + z.passes_s(rows * length * 3)
+    return z.generate_s(rows, max_new_tokens, rows) + max(1, groups) * backward + \
+        z.calls_s(BOUND_SUMMARY_CALLS + z.params * (rows * BOUND_FOLD_CALLS_PER_PARAM_ROW + BOUND_SUMMARY_CALLS_PER_PARAM))
 
 
 def train_finish_seconds(z: Sizing) -> float:

@@ -553,7 +553,7 @@ def test_grpo_counts_its_bound_check_when_it_fits_and_skips_it_when_not(api, tmp
     # weights and the Fisher, so it runs in groups of coordinates, each within the room; the
     # estimate counts the largest group and the time of a backward per row per group
     z = C.Sizing(params=8_190_000_000, layers=36, hidden=4096, vocab=151_936, intermediate=12_288,
-                 free_bytes=80e9, prompt_tokens=16)
+                 free_bytes=80e9, prompt_tokens=16, a=5.3e-6, b=1.9e-11)  # a calibration of this CPU
     eight = C.train_memory(z, "grpo", 2, 4, 64, "adamw", 0.01, concentration=False, bound=True)
     held = C.bound_held_bytes(z)
     plan = C.bound_plan_of(z)
@@ -575,8 +575,14 @@ def test_grpo_counts_its_bound_check_when_it_fits_and_skips_it_when_not(api, tmp
     from compute.jobs.registry import parse_spec
     from compute.jobs.train import timing
     grpo = parse_spec("train", {"model": "arith-base", "algo": "grpo", "batch": 2, "group": 4})
-    # timing: the same rule, a backward per row per group
-    assert timing(grpo, z)["bound check"] == pytest.approx(len(plan.groups) * timing(grpo, roomy_z)["bound check"])
+    # timing: the same rule, a backward per row per group, the fold and the summary once
+    rows, tokens = grpo.batch * grpo.group, grpo.max_new_tokens
+    assert timing(grpo, z)["bound check"] == pytest.approx(C.bound_seconds(z, rows, tokens, len(plan.groups)))
+    one = C.bound_seconds(z, rows, tokens, 1)
+    assert timing(grpo, roomy_z)["bound check"] == pytest.approx(one)
+    assert one < timing(grpo, z)["bound check"]
+    per_group = C.bound_seconds(z, rows, tokens, 2) - one  # a group more: one more backward per row
+    assert timing(grpo, z)["bound check"] == pytest.approx(one + (len(plan.groups) - 1) * per_group)
     assert "bound check" not in timing(grpo, tiny_z)
     from compute.jobs.train import memory
     lean = {"model": "arith-base", "algo": "grpo", "batch": 2, "group": 4, "concentration": False}
