@@ -73,17 +73,19 @@ FISHER_ROW_CALLS = 1.0  # per-sample gradient of one row: its own backward's fix
 FISHER_ROW_PASS_FACTOR = 2.0  # per-row backward arithmetic vs the calibration's batched one (SmolLM2-135M: ~2x, as issue 30 measured 1.69-2.20x; revisit when the engine reaches its 1.2x goal)
 EXACT_ROW_CALLS = 0.6  # exact output-layer Fisher of one row
 BOUND_ROW_CALLS = 15.0  # the bound check's per-sample gradient of one row (full gradient, kept)
-# The bound check's per-coordinate work (benchmarks/bench_bound_time.py, 50M / 106M Llama, CPU, 2
-# threads; results/bench_bound_time.json): each row's gradient folded into two float64 sums
-# (read 4, read and write 32 bytes a coordinate: 7.2-9.5e-9 s per coordinate and row beyond the
-# rows' backward), and the summary's one pass and its exact quantiles (8.6e-8-1.06e-7 s per
-# coordinate, and about 1.0 s whatever the size). In calls (the machine's unit) at that run's
-# calibration; they were counted nowhere, and the estimate was 13x short at 100M (1.4 s against
-# 18 s measured). With them: 0.78-1.21x the six measurements of that file (20M-106M, one group and
-# groups of a quarter).
-BOUND_FOLD_CALLS_PER_PARAM_ROW = 1.3e-6
-BOUND_SUMMARY_CALLS_PER_PARAM = 1.5e-5
-BOUND_SUMMARY_CALLS = 155.0  # its fixed part: the 2M-coordinate rank correlations, the quantiles' bins (~1.0 s)
+# The bound check's per-coordinate work (benchmarks/bench_bound_time.py, 20M / 50M / 106M Llama,
+# CPU, 2 threads; results/bench_bound_time.json): each row's gradient folded into two float64 sums
+# beyond the rows' backward (a float32 slice cast once, then same-dtype arithmetic), the summary's
+# one pass and its end (the rank correlations of a 2M-coordinate sample, the exact quantiles), in
+# calls (the machine's unit) at that run's calibration. They were counted nowhere: the estimate was
+# 13x short at 100M (1.4 s against 18 s measured, before the fold and the summary were made 1.4x
+# and 2.7x faster: results/bench_bound_time_207abbd.json). A group after the first repeats the rows'
+# backward only above its earliest parameter: BOUND_GROUP_BACKWARD_SHARE of a whole one (measured
+# 0.44-0.66). With them the estimate is within the ratios the file records.
+BOUND_FOLD_CALLS_PER_PARAM_ROW = 5.0e-7
+BOUND_SUMMARY_CALLS_PER_PARAM = 4.3e-6
+BOUND_SUMMARY_CALLS = 90.0
+BOUND_GROUP_BACKWARD_SHARE = 0.6
 TRAIN_STEP_CALLS = 2.0  # an optimizer step: objective, backward, clip, step, bookkeeping
 # a Fisher's statistics over all parameters (split-half, Gini, curve, tables), in calls per
 # parameter: streaming since issue 30, 5.2 s for SmolLM2-135M (was 2.4e-7 s/param, ~32 s)
@@ -153,11 +155,11 @@ INITIAL_FISHER_BYTES_PER_PARAM = 4.0
 # autograd finishes it, and a summary streamed over slices in one pass. Fitted to
 # benchmarks/results/bench_bound_groups.json (fresh process, 8 completions of 8 tokens, the
 # independent Fisher already held; 20M / 50M / 106M, one group and groups of a quarter and a tenth):
-# the one-group peak grows 18.6-18.7 bytes/param between sizes; with BOUND_FIXED_MB and one float32
-# gradient of the largest parameter (groups) the estimate is 1.03-1.27x every measured peak.
+# the one-group peak grows 15.9-16.3 bytes/param between sizes; with BOUND_FIXED_MB and one float32
+# gradient of the largest parameter (groups) the estimate is 1.03-1.39x every measured peak.
 # Before issue 30's session 15 the check took 143-149 bytes/param and was counted in no estimate;
 # session 15's two-pass summary 52 / 34 / 30.5 at those sizes (bench_bound_memory.json), this
-# code 45.5 / 27.9 / 23.0 in one group.
+# code 47.5 / 27.4 / 21.5 in one group.
 BOUND_BYTES_PER_PARAM = 20.0
 
 
@@ -165,10 +167,10 @@ BOUND_BYTES_PER_PARAM = 20.0
 # summary's samples (2M coordinates for the correlations, three float64 values each, drawn with
 # twice that many candidates), the ratio's and the grid's fine histograms (8 MiB each), a slice's
 # float64 temporaries, the sampled batch and one row's forward+backward. Measured as the peak less
-# BOUND_BYTES_PER_PARAM x the largest group less its largest gradient: 306-573 MiB over the nine
+# BOUND_BYTES_PER_PARAM x the largest group less its largest gradient: 148-624 MiB over the nine
 # measurements of bench_bound_groups.json (more in groups: the samples and histograms outlive a
-# group's sums).
-BOUND_FIXED_MB = 600.0
+# group's sums, and glibc keeps some of a group's freed sums; most at 11 groups of 106M).
+BOUND_FIXED_MB = 650.0
 
 
 @dataclass(frozen=True)
@@ -427,12 +429,14 @@ def train_seconds(z: Sizing, algo: str, steps: int, batch: int, group: int, max_
 
 def bound_seconds(z: Sizing, rows: int, max_new_tokens: int, groups: int = 1) -> float:
     """GRPO's bound check: its batch sampled, a per-sample gradient of every row of the first
-    batch once per group of coordinates (bound_plan; counted as a whole backward each, an upper
-    bound: a group's stops below its earliest parameter), each row's gradient folded into the
-    sums once per coordinate, and the summary's pass over the coordinates."""
+    batch once per group of coordinates (bound_plan; a group after the first counted as
+    BOUND_GROUP_BACKWARD_SHARE of a whole backward: it stops below its earliest parameter), each
+    row's gradient folded into the sums once per coordinate, and the summary's pass over the
+    coordinates."""
     length = z.prompt_tokens + max_new_tokens
     backward = z.calls_s(rows * BOUND_ROW_CALLS) + z.passes_s(rows * length * 3)
-    return z.generate_s(rows, max_new_tokens, rows) + max(1, groups) * backward + \
+    repeats = 1 + BOUND_GROUP_BACKWARD_SHARE * (max(1, groups) - 1)
+    return z.generate_s(rows, max_new_tokens, rows) + repeats * backward + \
         z.calls_s(BOUND_SUMMARY_CALLS + z.params * (rows * BOUND_FOLD_CALLS_PER_PARAM_ROW + BOUND_SUMMARY_CALLS_PER_PARAM))
 
 
