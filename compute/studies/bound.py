@@ -271,8 +271,7 @@ _FINE_BINS = (2 * FINE_OCTAVES) << FINE_MANTISSA_BITS
 def _fine_key(v: torch.Tensor) -> torch.Tensor:
     """Bin of each non-negative float64 value: 0 below 2^-FINE_OCTAVES (zero too), 1 + the bin of
     the value's top bits, _FINE_BINS + 1 at or above 2^FINE_OCTAVES (infinity too)."""
-    k = (v.contiguous().view(torch.int64) >> _FINE_SHIFT) - _FINE_BASE
-    return (k + 1).clamp(0, _FINE_BINS + 1)
+    return (v.contiguous().view(torch.int64) >> _FINE_SHIFT).sub_(_FINE_BASE - 1).clamp_(0, _FINE_BINS + 1)
 
 
 def _fine_edges(b: int) -> tuple[float, float]:
@@ -307,6 +306,7 @@ class _RatioStats:
     def __init__(self, rtol: float, atol: float, quantiles: bool = True):
         self.rtol, self.atol = rtol, atol
         self.fine = torch.zeros(_FINE_BINS + 2, dtype=torch.int64) if quantiles else None
+        self.zeros = 0
         self.n = self.violations = self.zero_rhs = self.m = self.above_05 = self.above_01 = 0
         self.max, self.sum = -math.inf, 0.0
         self.hist = torch.zeros(len(RATIO_EDGES) - 1, dtype=torch.int64)
@@ -322,13 +322,13 @@ class _RatioStats:
         # when the bound is positive everywhere (the masked selects were half of this pass)
         allowed = torch.mul(rhs, 1 + self.rtol).add_(self.atol)
         self.n += lhs.numel()
-        self.violations += lhs.numel() - int(torch.le(lhs, allowed).sum())
+        self.violations += lhs.numel() - int(torch.le(lhs, allowed).count_nonzero())  # a bool sum casts: 4x
         del allowed
         live = rhs > 0
         if bool(live.all()):
             ratio = lhs / rhs
         else:
-            self.zero_rhs += int(((~live) & (lhs > self.atol)).sum())
+            self.zero_rhs += int(((~live) & (lhs > self.atol)).count_nonzero())
             ratio = lhs[live] / rhs[live]
         del live
         self.m += ratio.numel()
@@ -338,12 +338,18 @@ class _RatioStats:
         if self.fine is None:  # the identity: its counts and largest ratio only
             return
         self.sum += float(ratio.sum())
-        self.above_05 += int((ratio > 0.5).sum())
-        self.above_01 += int((ratio > 0.1).sum())
-        self.hist += torch.bincount(torch.bucketize(ratio, self.edges.to(ratio.device), right=True).cpu(),
-                                    minlength=len(RATIO_EDGES) - 1)
+        self.above_05 += int((ratio > 0.5).count_nonzero())
+        self.above_01 += int((ratio > 0.1).count_nonzero())
+        # the coarse histogram from counts at or above each edge (a bucketize was twice the time);
+        # a NaN ratio (a NaN gradient) in the last bin, as bucketize put it
+        at_least = [int((ratio >= e).count_nonzero()) for e in RATIO_EDGES[1:-1]]
+        nan = int(ratio.isnan().count_nonzero())
+        counts = [ratio.numel() - nan - at_least[0]] + [at_least[i] - at_least[i + 1] for i in range(len(at_least) - 1)] \
+            + [at_least[-1] + nan]
+        self.hist += torch.tensor(counts, dtype=torch.int64)
         k = _fine_key(ratio.double()).cpu()
         self.fine.index_add_(0, k, _ones(k.numel()))
+        self.zeros += int((ratio == 0).count_nonzero())  # the smallest ranks, exactly (a zero gradient)
 
     def _bracketed(self, ranks: list[int]) -> tuple[dict[int, float], float]:
         """rank -> the middle of the fine bin that holds the rank-th smallest ratio, and the largest
@@ -352,6 +358,9 @@ class _RatioStats:
         ends = torch.cumsum(self.fine, 0)
         out, err = {}, 0.0
         for r in ranks:
+            if r < self.zeros:  # ratios are >= 0: the smallest ranks are the exact zeros
+                out[r] = 0.0
+                continue
             b = int(torch.searchsorted(ends, torch.tensor(r), right=True))
             lo, hi = _fine_edges(b)
             hi = min(hi, self.max)  # the largest ratio is known exactly
@@ -455,7 +464,7 @@ class _Sample:
             # and, in order, as many equal to it as the size needs (a top-k was 3.6x the time)
             cut = torch.kthvalue(self.keys, self.size).values
             below = self.keys < cut
-            need = self.size - int(below.sum())
+            need = self.size - int(below.count_nonzero())
             keep = torch.cat([below.nonzero().flatten(), (self.keys == cut).nonzero().flatten()[:need]])
             self.keys, self.index = self.keys[keep], self.index[keep]
             self.vals = {k: v[keep] for k, v in self.vals.items()}

@@ -312,3 +312,31 @@ def test_the_check_in_groups_of_parameters_equals_the_whole_check(monkeypatch) -
     with pytest.raises(ValueError, match="^pieces:"):
         B.accumulate_sample_grads(model, roll.input_ids, roll.attention_mask, roll.completion_mask, adv,
                                   pieces=[("nope", 0, 1)])
+
+
+def test_the_ratio_histogram_counts_each_ratio_in_its_bin_edges_included() -> None:
+    """The coarse histogram is counted from the ratios at or above each edge: the same bins as
+    torch.bucketize(right=True) (a ratio on an edge in the bin it opens; infinity and a NaN in the
+    last), and the fine histogram's bracket holds every exact quantile."""
+    from compute.studies import bound as B
+
+    edges = torch.tensor(B.RATIO_EDGES[1:-1], dtype=torch.float64)
+    g = torch.Generator().manual_seed(4)
+    r = torch.cat([torch.rand(5000, generator=g, dtype=torch.float64) * 6, torch.rand(5000, generator=g, dtype=torch.float64) * 1e-2,
+                   torch.tensor(B.RATIO_EDGES[1:-1] + [0.0, math.inf, math.nan], dtype=torch.float64)])
+    st = B._RatioStats(1e-5, 1e-12)
+    st.add(r, torch.ones_like(r))
+    assert torch.equal(st.hist, torch.bincount(torch.bucketize(r, edges, right=True), minlength=len(B.RATIO_EDGES) - 1))
+    st = B._RatioStats(1e-5, 1e-12)
+    finite = r[r.isfinite()]
+    st.add(finite, torch.ones_like(finite))
+    got, exact = st.result(), st.result(lambda: iter([(finite, torch.ones_like(finite))]))
+    assert not got["ratio_quantiles_exact"] and exact["ratio_quantiles_exact"]
+    for q, v in exact["ratio_quantiles"].items():
+        assert abs(got["ratio_quantiles"][q] - v) <= got["ratio_quantile_rel_error"] * v * (1 + 1e-9), q
+    # most gradients zero (embedding rows no token of the batch uses): the median is exactly 0
+    z = torch.cat([torch.zeros(12000, dtype=torch.float64), finite])
+    st = B._RatioStats(1e-5, 1e-12)
+    st.add(z, torch.ones_like(z))
+    got = st.result()
+    assert got["ratio_quantiles"]["p50"] == 0.0 and got["ratio_quantile_rel_error"] <= 2.0 ** -(B.FINE_MANTISSA_BITS + 1)
