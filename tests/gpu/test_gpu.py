@@ -172,17 +172,8 @@ def test_bound_check_in_groups_on_device(device):
     stated bracket), and on a GPU the device memory the sums take follows the largest group."""
     from compute.lm.verifiable_tasks import get_task
     from compute.studies import bound as B
-    from tests.unit.fisher_tiny import char_tokenizer
+    from tests.unit.fisher_tiny import ParityTask, char_tokenizer
 
-    class ParityTask:  # a reward a random model earns about half the time: non-zero advantages
-        def __init__(self, base):
-            self.base = base
-
-        def examples(self, *a, **k):
-            return self.base.examples(*a, **k)
-
-        def reward(self, completion, answer):
-            return float(len(completion) % 2)
 
     tok, task = char_tokenizer(), ParityTask(get_task("arithmetic-add?digits=1"))
     model = tiny_model("llama", hidden=64, seed=1).to(device)

@@ -3,6 +3,8 @@ and the one-backward-per-row Fisher reference the real-model tests hold the engi
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
@@ -185,3 +187,17 @@ def check_sequence_fisher_per_row(model, tok, texts: list[str], prompt_tokens: i
     # every tensor, not just the sum (a zero-filled one would fail here)
     assert check.passes(allow_unreached), check.failures(allow_unreached)
     return check.got
+
+
+class ParityTask:
+    """A verifiable task's prompts with a reward a random model earns about half the time (the
+    completion's length is odd): a GRPO batch with non-zero advantages, for the bound tests."""
+
+    def __init__(self, base: Any):
+        self.base = base
+
+    def examples(self, *a: Any, **k: Any) -> Any:
+        return self.base.examples(*a, **k)
+
+    def reward(self, completion: str, answer: Any) -> float:
+        return float(len(completion) % 2)

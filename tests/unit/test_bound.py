@@ -250,17 +250,8 @@ def test_the_check_in_groups_of_parameters_equals_the_whole_check(monkeypatch) -
     relative error of the exact ones. The sums of a group equal the whole backward's."""
     from compute.lm.verifiable_tasks import get_task
     from compute.studies import bound as B
-    from tests.unit.fisher_tiny import char_tokenizer
+    from tests.unit.fisher_tiny import ParityTask, char_tokenizer
 
-    class ParityTask:  # a reward a random model earns about half the time: non-zero advantages
-        def __init__(self, base):
-            self.base = base
-
-        def examples(self, *a, **k):
-            return self.base.examples(*a, **k)
-
-        def reward(self, completion, answer):
-            return float(len(completion) % 2)
 
     tok, task = char_tokenizer(), ParityTask(get_task("arithmetic-add?digits=1"))
     model = tiny_model("llama")

@@ -20,7 +20,7 @@ from compute.train import (
     prepare_masked_params,
     train,
 )
-from tests.unit.fisher_tiny import char_tokenizer, tiny_model
+from tests.unit.fisher_tiny import ParityTask, char_tokenizer, tiny_model
 
 
 def _lm_loss(model: torch.nn.Module, seed: int) -> torch.Tensor:
@@ -449,15 +449,6 @@ def test_training_gradient_is_n_over_t_times_the_bound_gradient() -> None:
     on the same first batch is -(N/T) g. Checked against the training loop's own gradient."""
     from compute.studies.bound import first_step_bound, summarize
 
-    class ParityTask:  # a reward a random model earns half the time: non-zero advantages
-        def __init__(self, base):
-            self.base = base
-
-        def examples(self, *a, **k):
-            return self.base.examples(*a, **k)
-
-        def reward(self, completion, answer):
-            return float(len(completion) % 2)
 
     tok, task = char_tokenizer(), ParityTask(get_task("arithmetic-add?digits=1"))
     model = tiny_model("qwen3")
