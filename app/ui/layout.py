@@ -131,8 +131,12 @@ def _wire_forms(demo: gr.Blocks, settings: Any, p: Page, built: list[Form], kt: 
         f.button.click(bind(submit, settings, f.d.kind, f.names), inputs=[*f.inputs, f.confirm],
                        outputs=[f.msg, p.view_token, p.tabs, p.sub_token, f.confirm])
         if f.cost is not None:
-            for widget in f.inputs:  # the estimate follows what the user changes
-                widget.input(bind(cost, settings, f.d.kind, f.names), inputs=f.inputs, outputs=f.cost, **FAST)
+            # the estimate follows what the user changes: ONE listener for every field of the form,
+            # so "always_last" holds across fields (the browser sends the next estimate only when
+            # the pending one is back, with the values of then): a listener per field ran them in
+            # parallel, and an earlier field's slower reply could overwrite a later one's line
+            gr.on([w.input for w in f.inputs], bind(cost, settings, f.d.kind, f.names), inputs=f.inputs,
+                  outputs=f.cost, trigger_mode="always_last", **FAST)
     costed = [f for f in built if f.cost is not None]
     model_boxes = [(c, opt) for f in built for c, opt in f.models] + [(kt.model, False)]
     roles = [f"{f.d.kind}.{f.names[f.inputs.index(c)]}" for f in built for c, _ in f.models] + ["tokens.model"]

@@ -504,3 +504,23 @@ def test_model_lists_offer_trained_models_as_job_refs(env, tmp_path):
         m for m in client.get("/api/models").json() if m["name"] == "my-trained").items()
     r = client.post("/api/models", json={"path": "job:99999"})
     assert r.status_code == 422 and "does not exist" in r.json()["detail"][0]["message"]
+
+
+def test_a_forms_cost_line_follows_its_fields_in_one_always_last_listener(env):
+    """The e2e form test once read a stale estimate: a listener per field ran in parallel, and the
+    reply for the first field changed (prompts, with the old samples) came back after the second
+    one's. Each form's cost line now has one listener for all its fields, "always_last": the
+    browser sends the next estimate only when the pending one is back, with the values of then."""
+    from app import ui
+
+    settings, _, _ = env
+    demo = ui.build_ui(settings)
+    costs = {b._id: b.elem_id for b in demo.blocks.values() if str(getattr(b, "elem_id", "")).endswith("-cost")}
+    assert costs
+    fns = list(demo.fns.values()) if isinstance(demo.fns, dict) else list(demo.fns)
+    for cid, elem in costs.items():
+        writers = [fn for fn in fns if [o._id for o in fn.outputs] == [cid]]
+        assert len(writers) == 1, elem  # one listener writes the line (the page load writes all at once)
+        (fn,) = writers
+        assert fn.trigger_mode == "always_last", elem
+        assert {t[0] for t in fn.targets} == {i._id for i in fn.inputs}, elem  # every field triggers it
