@@ -227,12 +227,12 @@ def sizing(settings: Any, kind: str, spec: Any, refs: dict[str, Any], params: in
     else:
         tp = throughput(settings)
         a, b = 0.0, (1.0 / tp[0] if tp else 0.0)
-    free, _ = free_memory(settings, str(getattr(spec, "device", "auto")))
+    free, where = free_memory(settings, str(getattr(spec, "device", "auto")))
     task = getattr(spec, "task", None)
     prompt = prompt_tokens(task, COST_PROMPT_TOKENS) if isinstance(task, str) else COST_PROMPT_TOKENS
     return Sizing(params=params, data_elements=data, a=a, b=b, free_bytes=free,
                   models=max(models, 1) if params else 0, prompt_tokens=prompt,
-                  mask_density=density, **shape)
+                  mask_density=density, device_is_gpu=where.startswith("cuda"), **shape)
 
 
 def estimate(settings: Any, kind: str, spec: Any, refs: dict[str, Any]) -> dict[str, Any]:

@@ -238,10 +238,12 @@ def bound_plan(sizes: list[int], free_bytes: float | None, held_bytes: float = 0
 
 
 def bound_held_bytes(z: Sizing, teacher: bool = False, initial_fisher: bool = True) -> float:
-    """What a GRPO job holds while its bound check runs: the runtime, the weights (a teacher's
-    too), the initial Fisher."""
+    """What a GRPO job holds on its device while its bound check runs: the runtime, the weights
+    (a teacher's too), and the initial Fisher where the device is the host (the job makes it on
+    the CPU: compute.jobs.train_run.independent_fisher; the job's own plan counts it the same way)."""
+    fisher = initial_fisher and not z.device_is_gpu
     return RUNTIME_BASE_MB * MIB + z.params * 4.0 * (2 if teacher else 1) + \
-        (INITIAL_FISHER_BYTES_PER_PARAM * z.params if initial_fisher else 0.0)
+        (INITIAL_FISHER_BYTES_PER_PARAM * z.params if fisher else 0.0)
 
 
 def bound_plan_of(z: Sizing, teacher: bool = False, initial_fisher: bool = True) -> BoundPlan:
@@ -314,6 +316,8 @@ class Sizing:
     prompt_tokens: int = COST_PROMPT_TOKENS
     shared: int = 0  # elements of parameters used twice (a tied embedding)
     mask_density: float | None = None  # a given mask file's density, from its header (None: unknown)
+    # free_bytes is a GPU's: what the job keeps on the host (the initial Fisher) is not in it
+    device_is_gpu: bool = False
 
     def passes_s(self, token_passes: float) -> float:
         """Seconds of `token_passes` of forward/backward at the calibration."""

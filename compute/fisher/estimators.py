@@ -72,7 +72,9 @@ def _auto_batch(model: nn.Module, L: int, budget_bytes: int, shared_numel: int) 
     the cost model's own function (compute.contract.cost.rows_per_forward) on the model's shape,
     a size its config lacks guessed large (ENGINE_SHAPE_GUESS: that only sizes batches smaller)."""
     shape = {**ENGINE_SHAPE_GUESS, **config_shape(getattr(model, "config", None))}
-    return cost_rows_per_forward(Sizing(params=0, shared=shared_numel, **shape), L, budget_bytes)
+    z = Sizing(params=0, shared=shared_numel, layers=shape["layers"], hidden=shape["hidden"],
+               vocab=shape["vocab"], intermediate=shape.get("intermediate", 0))
+    return cost_rows_per_forward(z, L, budget_bytes)
 
 
 def _shared_numel(model: nn.Module, params: dict[str, nn.Parameter]) -> int:

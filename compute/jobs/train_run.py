@@ -579,15 +579,19 @@ def _initial_fisher(
 def _bound_plan(probe: Any, fisher: Any) -> Any:
     """How GRPO's bound check runs here (compute.contract.cost.bound_plan: in groups of coordinates
     sized to the device, or skipped), asked before the initial Fisher is made: the weights are
-    resident (counted in what is free), an initial Fisher still to be made or read (4 bytes/param)
-    is held beside the check."""
+    resident (counted in what is free), an initial Fisher still to be made or read (4 bytes/param,
+    on the host) is held beside the check when the device is the host."""
     from compute.contract.cost import INITIAL_FISHER_BYTES_PER_PARAM, bound_plan
     from compute.lm.device import free_memory_bytes, model_device
     from compute.studies.bound import SLICE
 
     sizes = [p.numel() for p in probe.parameters() if p.requires_grad]
-    held = 0.0 if fisher is not None else INITIAL_FISHER_BYTES_PER_PARAM * sum(sizes)
-    return bound_plan(sizes, free_memory_bytes(model_device(probe)), held, unit=SLICE)
+    device = model_device(probe)
+    # the initial Fisher is made on the host (independent_fisher): it takes the device's room only
+    # where the device is the host (cost.bound_held_bytes counts it the same way)
+    on_host = device.type == "cpu"
+    held = 0.0 if fisher is not None or not on_host else INITIAL_FISHER_BYTES_PER_PARAM * sum(sizes)
+    return bound_plan(sizes, free_memory_bytes(device), held, unit=SLICE)
 
 
 def _bound(run: _Run, probe: Any, fisher: Any, fisher_info: dict[str, Any] | None, plan: Any) -> None:

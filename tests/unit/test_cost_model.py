@@ -563,6 +563,11 @@ def test_grpo_counts_its_bound_check_when_it_fits_and_skips_it_when_not(api, tmp
     steps = sum(v for k, v in eight.items() if k not in ("runtime", "weights", "initial Fisher", label))
     assert eight[label] == pytest.approx(check - steps) and eight[label] > 0
     assert sum(eight.values()) <= 80e9  # the check's phase fits the device, by its groups
+    # on a GPU the initial Fisher is on the host (the job makes it on the CPU): the device's room is
+    # larger and the groups fewer (the job's own plan, train_run._bound_plan, counts it the same way)
+    gpu = C.Sizing(**{**z.__dict__, "device_is_gpu": True})
+    assert C.bound_held_bytes(gpu) == pytest.approx(held - C.INITIAL_FISHER_BYTES_PER_PARAM * z.params)
+    assert C.bound_plan_of(gpu).skip is None and 1 < len(C.bound_plan_of(gpu).groups) < len(plan.groups)
     # a device too small even for one group of 2^20 coordinates: skipped, with the reason
     tiny_z = C.Sizing(**{**z.__dict__, "free_bytes": held + 1e9})
     why = C.bound_plan_of(tiny_z).skip
