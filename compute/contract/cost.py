@@ -237,13 +237,18 @@ def bound_plan(sizes: list[int], free_bytes: float | None, held_bytes: float = 0
     return BoundPlan(groups)
 
 
+def initial_fisher_device_bytes(params: int, device_is_gpu: bool) -> float:
+    """What an initial Fisher still to be made takes of the job's device: the job makes it on the
+    host (compute.jobs.train_run.independent_fisher), so nothing on a GPU. The estimate
+    (bound_held_bytes) and the job's own bound plan (train_run._bound_plan) both ask this."""
+    return 0.0 if device_is_gpu else INITIAL_FISHER_BYTES_PER_PARAM * params
+
+
 def bound_held_bytes(z: Sizing, teacher: bool = False, initial_fisher: bool = True) -> float:
     """What a GRPO job holds on its device while its bound check runs: the runtime, the weights
-    (a teacher's too), and the initial Fisher where the device is the host (the job makes it on
-    the CPU: compute.jobs.train_run.independent_fisher; the job's own plan counts it the same way)."""
-    fisher = initial_fisher and not z.device_is_gpu
+    (a teacher's too), and the initial Fisher where it takes the device (initial_fisher_device_bytes)."""
     return RUNTIME_BASE_MB * MIB + z.params * 4.0 * (2 if teacher else 1) + \
-        (INITIAL_FISHER_BYTES_PER_PARAM * z.params if fisher else 0.0)
+        (initial_fisher_device_bytes(z.params, z.device_is_gpu) if initial_fisher else 0.0)
 
 
 def bound_plan_of(z: Sizing, teacher: bool = False, initial_fisher: bool = True) -> BoundPlan:

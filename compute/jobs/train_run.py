@@ -581,16 +581,13 @@ def _bound_plan(probe: Any, fisher: Any) -> Any:
     sized to the device, or skipped), asked before the initial Fisher is made: the weights are
     resident (counted in what is free), an initial Fisher still to be made or read (4 bytes/param,
     on the host) is held beside the check when the device is the host."""
-    from compute.contract.cost import INITIAL_FISHER_BYTES_PER_PARAM, bound_plan
+    from compute.contract.cost import bound_plan, initial_fisher_device_bytes
     from compute.lm.device import free_memory_bytes, model_device
     from compute.studies.bound import SLICE
 
     sizes = [p.numel() for p in probe.parameters() if p.requires_grad]
     device = model_device(probe)
-    # the initial Fisher is made on the host (independent_fisher): it takes the device's room only
-    # where the device is the host (cost.bound_held_bytes counts it the same way)
-    on_host = device.type == "cpu"
-    held = 0.0 if fisher is not None or not on_host else INITIAL_FISHER_BYTES_PER_PARAM * sum(sizes)
+    held = 0.0 if fisher is not None else initial_fisher_device_bytes(sum(sizes), device.type != "cpu")
     return bound_plan(sizes, free_memory_bytes(device), held, unit=SLICE)
 
 

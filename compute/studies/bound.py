@@ -143,6 +143,7 @@ def accumulate_sample_grads(
                 g = g[ranges[n][0]:ranges[n][1]]
             # into float64 a slice at a time: each float32 value promoted once, then same-dtype
             # arithmetic (the mixed-dtype in-place ops promoted it twice, unvectorised: 2.5x the
+            # time in a one-off timing on this CPU, not committed;
             # time), the same bits
             ag, g2 = sum_ag[n].view(-1), sum_g2[n].view(-1)
             for o in range(0, g.numel(), SLICE):
@@ -209,6 +210,7 @@ def spearman(x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 RATIO_QUANTILES = (0.5, 0.9, 0.99, 0.999)
+MAX_POINTS, MAX_CORR = 3000, 2_000_000  # the scatter's and the correlations' samples of coordinates
 
 
 # coordinates per slice of the summary's passes (issue 30: the summary flattened every coordinate
@@ -286,14 +288,8 @@ def _fine_edges(b: int) -> tuple[float, float]:
 
 
 def _ones(n: int) -> torch.Tensor:
-    """n int64 ones (a view of one cached tensor: index_add_'s counts without a new tensor a slice)."""
-    global _ONES
-    if _ONES.numel() < n:
-        _ONES = torch.ones(max(n, SLICE), dtype=torch.int64)
-    return _ONES[:n]
-
-
-_ONES = torch.ones(0, dtype=torch.int64)
+    """n int64 ones without n values in memory (index_add_'s counts)."""
+    return torch.ones(1, dtype=torch.int64).expand(n)
 
 
 class _RatioStats:
@@ -322,7 +318,7 @@ class _RatioStats:
         # when the bound is positive everywhere (the masked selects were half of this pass)
         allowed = torch.mul(rhs, 1 + self.rtol).add_(self.atol)
         self.n += lhs.numel()
-        self.violations += lhs.numel() - int(torch.le(lhs, allowed).count_nonzero())  # a bool sum casts: 4x
+        self.violations += lhs.numel() - int(torch.le(lhs, allowed).count_nonzero())  # a bool sum casts first (4.5x, one-off)
         del allowed
         live = rhs > 0
         if bool(live.all()):
@@ -461,7 +457,7 @@ class _Sample:
         self._join()
         if self.keys.numel() > self.size:
             # the `size` smallest keys: the size-th smallest by selection, then the keys below it
-            # and, in order, as many equal to it as the size needs (a top-k was 3.6x the time)
+            # and, in order, as many equal to it as the size needs (a top-k was 3.6x the time, one-off timing)
             cut = torch.kthvalue(self.keys, self.size).values
             below = self.keys < cut
             need = self.size - int(below.count_nonzero())
@@ -684,8 +680,8 @@ def summarize(
     rtol: float = 1e-5,
     fisher: Mapping[str, torch.Tensor] | None = None,
     fisher_info: Mapping[str, Any] | None = None,
-    max_points: int = 3000,
-    max_corr: int = 2_000_000,
+    max_points: int = MAX_POINTS,
+    max_corr: int = MAX_CORR,
     seed: int = 0,
     aggregation: str = "token",
 ) -> tuple[dict[str, Any], list[SeriesPoint], list[Heatmap]]:
@@ -809,7 +805,7 @@ def bound_check(
         res = accumulate_sample_grads(model, roll.input_ids, roll.attention_mask, roll.completion_mask,
                                       adv, step, pieces=None if whole else pieces)
         if acc is None:
-            acc = _Summary(res.rms_advantage, rtol, fisher is not None, 3000, 2_000_000, 0)
+            acc = _Summary(res.rms_advantage, rtol, fisher is not None, MAX_POINTS, MAX_CORR, 0)
         for n, lo, _hi in pieces:
             for part in _slices(res, [n], fisher, SLICE, starts[n] + lo):
                 acc.add(*part)
