@@ -237,14 +237,16 @@ def sizing(settings: Any, kind: str, spec: Any, refs: dict[str, Any], params: in
 
 def estimate(settings: Any, kind: str, spec: Any, refs: dict[str, Any]) -> dict[str, Any]:
     """{"token_passes", "params", "cost", "seconds", "seconds_parts", "memory_bytes",
-    "memory_parts", "needs_confirmation", ...}. `params` is the largest model the spec names
-    (None if it cannot be counted); `cost` = token_passes x params (at least one pass over the
-    weights), None when params is None. `seconds`: the kind's timing (compute/jobs/<kind>.py)
+    "memory_parts", "memory_host_parts", "needs_confirmation", ...}. `params` is the largest model
+    the spec names (None if it cannot be counted); `cost` = token_passes x params (at least one pass
+    over the weights), None when params is None. `seconds`: the kind's timing (compute/jobs/<kind>.py)
     on the calibrated machine, else token-passes x (a + b x params); `memory_bytes`: the kind's
-    predicted peak. `refs`: the spec's resolved references, from the one resolver (submit's, or
-    app.services.refs.model_refs for an estimate alone); a model field missing from them
-    (another user's job:N is never resolved) counts exactly like one that does not exist:
-    unknown."""
+    predicted peak on the job's device (the sum of `memory_parts`); `memory_host_parts`: what the
+    kind keeps in host memory beside it on a GPU (its `host_memory`: train's initial Fisher), not
+    in that sum and checked against nothing, {} when none. `refs`: the spec's resolved references,
+    from the one resolver (submit's, or app.services.refs.model_refs for an estimate alone); a
+    model field missing from them (another user's job:N is never resolved) counts exactly like
+    one that does not exist: unknown."""
     from app.services import refs as resolver
 
     values = {f: v for f, v in resolver.spec_values(kind, spec).items() if v[1] == "model"}
@@ -268,6 +270,7 @@ def estimate(settings: Any, kind: str, spec: Any, refs: dict[str, Any]) -> dict[
     timed = seconds_of(settings, passes, params) if cost is not None and params is not None else None
     parts: dict[str, float] | None = None
     mem_parts: dict[str, float] | None = None
+    host_parts: dict[str, float] = {}
     k = registry.get(kind)
     z: Sizing | None = None
     if cost is not None and params is not None:
@@ -277,6 +280,8 @@ def estimate(settings: Any, kind: str, spec: Any, refs: dict[str, Any]) -> dict[
             timed = (sum(parts.values()), timed[1])
         if k.memory is not None:
             mem_parts = {p: float(v) for p, v in k.memory(spec, z).items()}
+        if k.host_memory is not None:
+            host_parts = {p: float(v) for p, v in k.host_memory(spec, z).items()}
     seconds = timed[0] if timed else None
     options = memory_options(k, spec, z, sum(mem_parts.values()) if mem_parts else None, parts is not None)
     confirm_above = settings.confirm_above_s or None
@@ -293,6 +298,7 @@ def estimate(settings: Any, kind: str, spec: Any, refs: dict[str, Any]) -> dict[
         "seconds_parts": parts,
         "memory_bytes": sum(mem_parts.values()) if mem_parts else None,
         "memory_parts": mem_parts,
+        "memory_host_parts": host_parts,
         "memory_options": options,
         # whether the peak fits the memory the job's device has free (None: not predicted / unknown)
         "memory_fits": (None if not mem_parts or z is None or z.free_bytes is None
@@ -349,6 +355,15 @@ def memory_text(est: dict[str, Any]) -> str:
     if not est.get("memory_bytes"):
         return ""
     return f"needs about {size_text(est['memory_bytes'])} of memory"
+
+
+def host_text(est: dict[str, Any]) -> str:
+    """"; in host memory, not on the device: initial Fisher 32.8 GB" (empty when the kind keeps
+    nothing apart: on a CPU its peak counts everything)."""
+    parts = est.get("memory_host_parts") or {}
+    if not parts:
+        return ""
+    return "; in host memory, not on the device: " + ", ".join(f"{p} {size_text(v)}" for p, v in parts.items())
 
 
 def check_confirm(est: dict[str, Any], confirm: bool) -> None:
@@ -414,7 +429,7 @@ def describe(est: dict[str, Any], ceiling: float | None = None, seconds: float |
             f"({est['token_passes']:.3g} token-passes x {est['params']:,} parameters)"
             + _time_text(est))
     if est.get("memory_bytes"):
-        line += f"; {memory_text(est)}"
+        line += f"; {memory_text(est)}{host_text(est)}"
     if est.get("memory_fits") is False:
         line += " (more than the device has free" + "".join(
             f"; with {option_text(o)}" for o in est.get("memory_options") or []) + ")"

@@ -89,7 +89,7 @@ def estimate_lines(kind: str, spec: Any) -> tuple[dict[str, Any], list[str]]:
                           if v >= 1e5)
         free, where = limits.free_memory(settings, str(getattr(spec, "device", "auto")))
         has = f"; {where} has {limits.size_text(free)} free" if free is not None else ""
-        lines.append(f"memory: {limits.memory_text(est)} at the peak ({parts}){has}")
+        lines.append(f"memory: {limits.memory_text(est)} at the peak ({parts}){has}{limits.host_text(est)}")
         for o in est.get("memory_options") or []:
             flags = " ".join(_flag(f, v) for f, v in o["change"].items())
             took = f", about {duration(o['seconds'])}" if o.get("seconds") is not None else ""

@@ -122,10 +122,12 @@ FILE_JOB_BASE_MB = 11.0  # a job that only reads tensor files (mask from a Fishe
 # 4.0 B/param beyond the budget at 50M, 0.7 at 7M: benchmarks/bench_scale.py, test_fisher_memory)
 FISHER_BYTES_PER_PARAM = 6.0
 # A dense training run (every coordinate trained), per parameter of the model: every gradient
-# alive from the backward to the step (4), the optimizer step's temporaries over whole tensors
-# (8) and the initial Fisher (4); the concentration sums (g^2 and |g|: 8) when concentration is
-# on. Fitted before issue 30 on the zoo's 100k-parameter model (errs towards refusing).
-TRAIN_BYTES_PER_PARAM = 16.0
+# alive from the backward to the step (4) and the optimizer step's temporaries over whole tensors
+# (8); the concentration sums (g^2 and |g|: 8) when concentration is on. Fitted before issue 30 on
+# the zoo's 100k-parameter model (errs towards refusing) as 16 with the initial Fisher's 4 in it, on
+# a CPU: issue 30 counts that 4 apart (train_memory's "initial Fisher", initial_fisher_device_bytes),
+# so a CPU's figures are the fitted ones and a GPU's leave out the Fisher the job keeps on the host.
+TRAIN_BYTES_PER_PARAM = 12.0
 CONCENTRATION_BYTES_PER_PARAM = 8.0
 # The optimizer's state per *trained* coordinate (AdamW: two fp32 moments; SGD with momentum:
 # one): masked training keeps it at the mask's coordinates only (compute/train/optimizers.py).
@@ -240,8 +242,16 @@ def bound_plan(sizes: list[int], free_bytes: float | None, held_bytes: float = 0
 def initial_fisher_device_bytes(params: int, device_is_gpu: bool) -> float:
     """What an initial Fisher still to be made takes of the job's device: the job makes it on the
     host (compute.jobs.train_run.independent_fisher), so nothing on a GPU. The estimate
-    (bound_held_bytes) and the job's own bound plan (train_run._bound_plan) both ask this."""
+    (bound_held_bytes, train_memory's "initial Fisher") and the job's own bound plan
+    (train_run._bound_plan) all ask this."""
     return 0.0 if device_is_gpu else INITIAL_FISHER_BYTES_PER_PARAM * params
+
+
+def initial_fisher_host_bytes(params: int, device_is_gpu: bool) -> float:
+    """What an initial Fisher takes of the host beside the device's figure: whatever
+    initial_fisher_device_bytes does not put on the device (all of it on a GPU; nothing where the
+    device is the host, whose figure already counts it)."""
+    return INITIAL_FISHER_BYTES_PER_PARAM * params - initial_fisher_device_bytes(params, device_is_gpu)
 
 
 def bound_held_bytes(z: Sizing, teacher: bool = False, initial_fisher: bool = True) -> float:
@@ -528,25 +538,34 @@ def train_memory(z: Sizing, algo: str, batch: int, group: int, max_new_tokens: i
                  optimizer: str, mask_fraction: float = 1.0, concentration: bool = True,
                  teacher: bool = False, initial_fisher: bool = True, checkpointing: bool = False,
                  bound: bool = False) -> dict[str, float]:
-    """One training run's peak: weights (a teacher's too), the gradients (every one in a dense
-    run; in a masked one, mask_fraction < 1, a block of the largest tensor's rows and the folded
-    trained coordinates), the initial Fisher, the optimizer's state for the trained coordinates, and the
-    activations of one step's rows at their length; `bound` (GRPO's bound check before the first
-    step) what its phase holds (the float64 sums of its largest group of coordinates, bound_plan,
-    and its fixed part) beyond the steps' phase, when it runs at all (else the job skips it and
-    says so)."""
+    """One training run's peak on its device, every part summed: weights (a teacher's too), the
+    gradients (every one in a dense run; in a masked one, mask_fraction < 1, a block of the largest
+    tensor's rows and the folded trained coordinates), the initial Fisher where it takes the device
+    (initial_fisher_device_bytes: nothing on a GPU, train_host_memory names it there), the
+    optimizer's state for the trained coordinates, and the activations of one step's rows at their
+    length; `bound` (GRPO's bound check before the first step) what its phase holds (the float64
+    sums of its largest group of coordinates, bound_plan, and its fixed part) beyond the steps'
+    phase, when it runs at all (else the job skips it and says so)."""
     rows = batch * (1 if algo == "sft" else group)
     length = z.prompt_tokens + max_new_tokens
     state = OPTIMIZER_BYTES_PER_TRAINED_COORD.get(optimizer, 8.0) * mask_fraction
     conc = CONCENTRATION_BYTES_PER_PARAM if concentration else 0.0
     parts = {"runtime": RUNTIME_BASE_MB * MIB, "weights": z.params * 4.0 * (2 if teacher else 1)}
+    # The job makes and keeps its initial Fisher on the host (train_run._initial_fisher: a given
+    # file read there, an estimate's sums handed over .cpu()): a GPU's peak does not hold it, only a
+    # CPU's, where the device is the host (issue 30; before, 4 bytes/param too many on a GPU, 32.8 GB
+    # at 8B, refusing jobs that fit). One rule with the bound plan: initial_fisher_device_bytes.
+    fisher = initial_fisher_device_bytes(z.params, z.device_is_gpu)
     if mask_fraction < 1.0:
         trained = mask_fraction * z.params
         parts["gradients (a block of rows at a time) and mask"] = min(4.0 * z.largest_tensor(), FOLD_BLOCK_BYTES) + \
             (MASKED_BYTES_PER_TRAINED_COORD + conc) * trained
-        parts["initial Fisher"] = INITIAL_FISHER_BYTES_PER_PARAM * z.params if initial_fisher else 0.0
+        parts["initial Fisher"] = fisher if initial_fisher else 0.0
     else:
-        parts["gradients, step temporaries, initial Fisher"] = (TRAIN_BYTES_PER_PARAM + conc) * z.params
+        parts["gradients, step temporaries"] = (TRAIN_BYTES_PER_PARAM + conc) * z.params
+        # the dense constant was fitted with the Fisher in it (TRAIN_BYTES_PER_PARAM): counted
+        # whether or not the run needs one, as before, so a CPU's dense figures are unchanged
+        parts["initial Fisher"] = fisher
     parts |= {"optimizer state": state * z.params,
               "activations": TRAIN_ACTIVATION_SHARE * z.activation_bytes(
                   rows * length, logit_tokens=None if teacher else logits_chunk_tokens(z.vocab),
@@ -556,11 +575,20 @@ def train_memory(z: Sizing, algo: str, batch: int, group: int, max_new_tokens: i
         check = BOUND_BYTES_PER_PARAM * plan.largest + BOUND_FIXED_MB * MIB + \
             (4.0 * max(z.tensor_sizes()) if len(plan.groups) > 1 else 0.0)
         # the check runs before the steps, beside the weights and the initial Fisher, and frees
-        # its sums: the peak holds the larger of the two phases (a dense run's part counts the Fisher)
-        fisher_in_steps = INITIAL_FISHER_BYTES_PER_PARAM * z.params if mask_fraction >= 1.0 else 0.0
-        steps = sum(v for k, v in parts.items() if k not in ("runtime", "weights", "initial Fisher")) - fisher_in_steps
+        # its sums: the peak holds the larger of the two phases
+        steps = sum(v for k, v in parts.items() if k not in ("runtime", "weights", "initial Fisher"))
         parts[BOUND_PART] = max(0.0, check - steps)
     return parts
+
+
+def train_host_memory(z: Sizing, initial_fisher: bool = True) -> dict[str, float]:
+    """What a training run holds in host memory beside its device peak (train_memory), where the
+    device is a GPU (Sizing.device_is_gpu): the initial Fisher, when the run needs one
+    (initial_fisher_host_bytes). Shown with the estimate, never summed into the device's peak nor
+    compared with the device's free memory (no host figure is read on a GPU worker); {} on a CPU,
+    whose peak counts it."""
+    host = initial_fisher_host_bytes(z.params, z.device_is_gpu) if initial_fisher else 0.0
+    return {"initial Fisher": host} if host > 0 else {}
 
 
 # train_memory's part for GRPO's bound check: what its phase holds beyond the steps' phase

@@ -150,6 +150,10 @@ class JobKind:
                 with a cost its result states: a bf16 Fisher its error against float32), in the
                 order they are offered: every estimate prices them by the same `memory` and
                 `timing`, and a job refused for memory names those that would fit, with figures
+    host_memory (spec, Sizing) -> {part: bytes}: what the job keeps in host memory while `memory`
+                counts its device (a GPU: Sizing.device_is_gpu), shown beside the estimate, never
+                summed into the peak nor compared with the device's free memory (train's initial
+                Fisher, issue 30); None or {}: nothing apart (on a CPU `memory` counts it all)
     """
 
     name: str
@@ -169,6 +173,7 @@ class JobKind:
     timing: Callable[[Any, Any], Mapping[str, float]] | None = None
     memory: Callable[[Any, Any], Mapping[str, float]] | None = None
     memory_options: tuple[Mapping[str, Any], ...] = ()
+    host_memory: Callable[[Any, Any], Mapping[str, float]] | None = None
 
     def ref_fields(self, *targets: RefTarget) -> tuple[str, ...]:
         """The reference fields naming one of `targets` (all reference fields when none given)."""

@@ -21,6 +21,7 @@ from compute.contract.cost import (
     fisher_passes,
     fisher_seconds,
     train_finish_seconds,
+    train_host_memory,
     train_memory,
     train_passes,
     train_seconds,
@@ -183,6 +184,11 @@ def memory(s: RetentionSpec, z: Sizing) -> dict[str, float]:
                         ) | {"kept between arms": RETENTION_STATE_MB * MIB}
 
 
+def host_memory(s: RetentionSpec, z: Sizing) -> dict[str, float]:
+    """On a GPU, the Fisher the masks are chosen from, kept on the host (`memory` counts it on a CPU)."""
+    return train_host_memory(z)
+
+
 def implied_refs(s: RetentionSpec) -> dict[str, str]:
     """The OPD teacher the runner loads when none is given."""
     if s.algo == "opd" and not s.teacher and s.model in DEFAULT_TEACHERS:
@@ -193,6 +199,7 @@ def implied_refs(s: RetentionSpec) -> dict[str, str]:
 KIND = JobKind(
     name="retention", title="Retention", spec=RetentionSpec, contract=CONTRACT,
     runner="compute.jobs.retention_run:run", cost=cost, order=40, timing=timing, memory=memory,
+    host_memory=host_memory,
     memory_options=({"gradient_checkpointing": True},),  # every arm's weights the same, a forward more a step
     refs={"model": "model", "teacher": "model"},
     implied_refs=implied_refs,

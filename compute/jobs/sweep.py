@@ -16,6 +16,7 @@ from compute.contract.cost import (
     fisher_passes,
     fisher_seconds,
     train_finish_seconds,
+    train_host_memory,
     train_memory,
     train_passes,
     train_seconds,
@@ -144,9 +145,15 @@ def memory(s: SweepSpec, z: Sizing) -> dict[str, float]:
                         checkpointing=s.gradient_checkpointing)
 
 
+def host_memory(s: SweepSpec, z: Sizing) -> dict[str, float]:
+    """On a GPU, the sweep's one initial Fisher (given or estimated), kept on the host for every point."""
+    return train_host_memory(z)
+
+
 KIND = JobKind(
     name="sweep", title="LR x optimizer sweep", spec=SweepSpec, contract=CONTRACT,
     runner="compute.jobs.sweep_run:run", cost=cost, order=50, timing=timing, memory=memory,
+    host_memory=host_memory,
     memory_options=({"gradient_checkpointing": True},),  # every point's weights the same, a forward more a step
     refs={"model": "model", "teacher": "model", "fisher": "fisher"},
     form=KindForm(tab="LR x optimizer sweep", button="Run sweep",

@@ -20,6 +20,7 @@ from compute.contract.cost import (
     fisher_passes,
     fisher_seconds,
     train_finish_seconds,
+    train_host_memory,
     train_memory,
     train_passes,
     train_seconds,
@@ -194,9 +195,15 @@ def memory(s: TrainSpec, z: Sizing) -> dict[str, float]:
                         checkpointing=s.gradient_checkpointing, bound=s.algo == "grpo" and s.bound)
 
 
+def host_memory(s: TrainSpec, z: Sizing) -> dict[str, float]:
+    """compute.contract.cost.train_host_memory: on a GPU, the initial Fisher the run needs, kept
+    on the host beside the device's peak (`memory`)."""
+    return train_host_memory(z, needs_initial_fisher(s, bound_runs(s, z)))
+
+
 KIND = JobKind(
     name="train", title="Training run", spec=TrainSpec, contract=CONTRACT, runner="compute.jobs.train_run:run",
-    cost=cost, order=30, timing=timing, memory=memory,
+    cost=cost, order=30, timing=timing, memory=memory, host_memory=host_memory,
     # the same weights, one forward more a step; GRPO without its bound check (cost.bound_plan)
     memory_options=({"gradient_checkpointing": True}, {"bound": False}),
     refs={"model": "model", "teacher": "model", "mask": "mask", "fisher": "fisher"},

@@ -378,7 +378,8 @@ def test_masked_train_memory_holds_a_block_of_gradient_rows_not_one_per_paramete
     assert with_fisher["gradients (a block of rows at a time) and mask"] == pytest.approx(
         block + (8 + 8) * 0.01 * z.params)  # concentration sums at the trained coordinates
     dense = C.train_memory(z, "sft", 2, 1, 16, "adamw", 1.0, concentration=False)
-    assert dense["gradients, step temporaries, initial Fisher"] == pytest.approx(C.TRAIN_BYTES_PER_PARAM * z.params)
+    assert dense["gradients, step temporaries"] == pytest.approx(C.TRAIN_BYTES_PER_PARAM * z.params)
+    assert dense["initial Fisher"] == pytest.approx(4 * z.params)  # on a CPU: the fitted 16 B/param in all
     assert sum(masked.values()) < 80e9 < sum(dense.values())
 
 
@@ -422,6 +423,67 @@ def test_train_estimate_names_the_initial_fisher_when_the_run_needs_one(tmp_path
     assert parts(algo="sft", concentration=False)["initial Fisher"] == 0
     assert parts(algo="sft", concentration=True)["initial Fisher"] == pytest.approx(4 * p)
     assert parts(algo="grpo", concentration=False, bound=True)["initial Fisher"] == pytest.approx(4 * p)
+
+
+def test_on_a_gpu_the_initial_fisher_is_on_the_host_not_in_the_device_peak(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Issue 30 item 5: the train job makes and keeps its initial Fisher on the host
+    (train_run._initial_fisher, .cpu()), so where the free-memory figure is a GPU's the device's
+    peak is exactly 4 bytes/param lower than on a CPU (32.8 GB on Qwen3-8B's shape), masked or
+    dense, every other part the same; the estimate names the Fisher as host memory, outside the
+    peak. On a CPU (the device is the host) the figures are the formulas of before: a masked run's
+    4 bytes/param Fisher when it needs one, a dense run's fitted 16 bytes/param (gradients 4, step
+    temporaries 8, Fisher 4) plus the concentration sums."""
+    z = C.Sizing(params=8_190_735_360, layers=36, hidden=4096, vocab=151_936, intermediate=12_288,
+                 prompt_tokens=7)
+    gpu = C.Sizing(**{**z.__dict__, "device_is_gpu": True})
+    fisher = 4.0 * z.params  # one float32 per parameter
+    block = C.FOLD_BLOCK_BYTES
+    for fraction, conc, bound in ((0.01, True, False), (0.01, False, True), (1.0, False, False), (1.0, True, True)):
+        cpu_parts = C.train_memory(z, "grpo", 2, 4, 16, "adamw", fraction, concentration=conc, bound=bound)
+        gpu_parts = C.train_memory(gpu, "grpo", 2, 4, 16, "adamw", fraction, concentration=conc, bound=bound)
+        assert sum(cpu_parts.values()) - sum(gpu_parts.values()) == pytest.approx(fisher)
+        assert cpu_parts["initial Fisher"] == pytest.approx(fisher) and gpu_parts["initial Fisher"] == 0
+        others = {k: v for k, v in cpu_parts.items() if k != "initial Fisher"}
+        assert others == {k: v for k, v in gpu_parts.items() if k != "initial Fisher"}
+        sums = (8.0 if conc else 0.0) * z.params  # the concentration sums, per parameter in a dense run
+        if fraction < 1.0:
+            assert cpu_parts["gradients (a block of rows at a time) and mask"] == pytest.approx(
+                block + (8 + 8 * conc) * fraction * z.params)
+        else:
+            assert cpu_parts["gradients, step temporaries"] + cpu_parts["initial Fisher"] == pytest.approx(
+                16 * z.params + sums)
+        assert (C.BOUND_PART in cpu_parts) == bound  # free memory unknown: the check in one group
+    assert C.train_host_memory(gpu) == {"initial Fisher": pytest.approx(fisher)}
+    assert C.train_host_memory(z) == {} and C.train_host_memory(gpu, initial_fisher=False) == {}
+
+    # the estimate: the same difference in memory_bytes, the Fisher under memory_host_parts (not in
+    # the sum), said on the form's line and by --dry-run; nothing apart on a CPU
+    from app import limits
+    from app.cli import main
+    from compute.jobs.registry import parse_spec
+
+    home = _home(tmp_path / "home")
+    settings = _settings(home)
+    p, _ = _arith()
+    where = {"source": "cpu"}
+    monkeypatch.setattr(limits, "free_memory", lambda _s, _d="auto": (1e12, where["source"]))
+    for extra in ({}, {"mask_select": "random", "mask_density": 0.05}):
+        s = parse_spec("train", {"model": "arith-base", "steps": 2, "concentration": True, **extra})
+        refs = limits.refs_for_estimate(settings, "train", s)
+        where["source"] = "cpu"
+        on_cpu = limits.estimate(settings, "train", s, refs)
+        where["source"] = "cuda:0"
+        on_gpu = limits.estimate(settings, "train", s, refs)
+        assert on_cpu["memory_bytes"] - on_gpu["memory_bytes"] == pytest.approx(4 * p)
+        assert on_gpu["memory_bytes"] == pytest.approx(sum(on_gpu["memory_parts"].values()))
+        assert on_cpu["memory_host_parts"] == {} and on_gpu["memory_host_parts"] == {"initial Fisher": 4 * p}
+        assert "host memory" not in limits.describe(on_cpu)
+        assert f"in host memory, not on the device: initial Fisher {limits.size_text(4 * p)}" in limits.describe(on_gpu)
+    _cli_env(monkeypatch, home)
+    res = CliRunner().invoke(main, ["train", "--model", "arith-base", "--steps", "2",
+                                    "--out", str(tmp_path / "o"), "--dry-run"])
+    assert res.exit_code == 0 and "in host memory, not on the device: initial Fisher" in res.output, res.output
 
 
 def test_a_given_mask_files_recorded_density_sizes_the_masked_estimate(tmp_path: Path) -> None:
