@@ -177,19 +177,29 @@ class HalfView(Mapping):
         slice: compute.fisher.statistics reads a HalfView this way). A compact half comes scaled
         by 2 FRAC_SCALE, T (FRAC_SCALE +- q): the same order, two operations per value fewer
         (the split-half statistics depend on the order only)."""
-        sign = 1.0 if self.k == 0 else -1.0
         for name, t in self.sums.total.items():
             tf, held = t.reshape(-1), self.sums.diff.get(name)
             for o in range(0, tf.numel(), size):
-                tc = tf[o:o + size]
-                if held is None:  # no difference held: each half is half the total
-                    yield tc / 2
-                    continue
-                dc = held.reshape(-1)[o:o + size]
-                if dc.dtype == torch.int16:
-                    yield dc.float().mul_(sign).add_(FRAC_SCALE).mul_(tc)
-                else:
-                    yield (tc + sign * dc).div_(2)
+                yield self._of(tf[o:o + size], None if held is None else held.reshape(-1)[o:o + size])
+
+    def numel_of(self, name: str) -> int:
+        return int(self.sums.total[name].numel())
+
+    def take(self, name: str, idx: torch.Tensor) -> torch.Tensor:
+        """Half k's values of one parameter at flat positions `idx`, as `chunks` gives them (the
+        same operations on the same values: the same bits), for a sample of the values."""
+        held = self.sums.diff.get(name)
+        t = self.sums.total[name].reshape(-1)
+        idx = idx.to(t.device)
+        return self._of(t[idx], None if held is None else held.reshape(-1)[idx])
+
+    def _of(self, tc: torch.Tensor, dc: torch.Tensor | None) -> torch.Tensor:
+        sign = 1.0 if self.k == 0 else -1.0
+        if dc is None:  # no difference held: each half is half the total
+            return tc / 2
+        if dc.dtype == torch.int16:  # S +- q is an integer below 2^16: made in float32 exactly, in one op
+            return (torch.add(dc, FRAC_SCALE) if self.k == 0 else torch.rsub(dc, FRAC_SCALE)).mul_(tc)
+        return (tc + sign * dc).div_(2)
 
 
 class Store:

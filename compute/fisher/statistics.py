@@ -74,15 +74,19 @@ class ValueHistogram:
     sorted float32 copy the Gini and the concentration curve needed was 4 bytes/param).
 
     A bin holds the values between two floats whose bits differ in the low 16 only (7 of the 23
-    mantissa bits fixed: a relative width of at most 2^-7); its smallest and largest value are
-    kept too (as order keys). The concentration shares are exact
+    mantissa bits fixed: a relative width of at most 2^-7). The concentration shares are exact
     (a second pass resolves the bins that hold a cut to single values); the Gini coefficient is
     bracketed: within a bin the rank-weighted sum is between its value with equal values and that
-    plus (bin width) x c^2 / 8 (Chebyshev's sum inequality), so gini_bounds() holds the exact Gini."""
+    plus (bin width) x c^2 / 8 (Chebyshev's sum inequality), so gini_bounds() holds the exact Gini.
+    The width is the bin's own (its edges) unless that leaves the bracket wider than GINI_REFINE
+    (values on a few levels: many equal values in a bin), then its smallest and largest value,
+    found by one more pass (issue 30: keeping them in every pass, two scatters a value, was half
+    of the histogram's time, and continuous values gain nothing from them: bench_stat_ops.py)."""
 
-    def __init__(self, fisher: Mapping[str, Any], counts: Any, sums: Any, low_keys: Any, high_keys: Any):
+    def __init__(self, fisher: Mapping[str, Any], counts: Any, sums: Any,
+                 low_keys: Any = None, high_keys: Any = None):
         self.fisher, self.counts, self.sums = fisher, counts, sums
-        # the smallest and largest order key (_order_keys) in each bin: its smallest and largest value
+        # the smallest and largest order key (_order_keys) in each bin, once a pass found them
         self.low_keys, self.high_keys = low_keys, high_keys
         self.n = int(counts.sum())
         self.total = float(sums.sum())
@@ -96,25 +100,41 @@ class ValueHistogram:
         import torch
 
         nb = 1 << 16
-        # int32 keys, not float64 values, for each bin's extremes (issue 30: the two float64
-        # scatters were a third of the histogram's time; keys order as the values do)
-        return cls(fisher, torch.zeros(nb, dtype=torch.int64), torch.zeros(nb, dtype=torch.float64),
-                   torch.full((nb,), 2**31 - 1, dtype=torch.int32), torch.full((nb,), -(2**31), dtype=torch.int32))
+        return cls(fisher, torch.zeros(nb, dtype=torch.int64), torch.zeros(nb, dtype=torch.float64))
 
     def add(self, c: Any) -> None:
         """Count one chunk of values (a 1-D tensor)."""
         import torch
 
         nb = 1 << 16
-        key = _order_keys(c).cpu()
-        hi = _high(key)
+        hi = _high(_order_keys(c).cpu())
         self.counts += torch.bincount(hi, minlength=nb)
         self.sums += torch.bincount(hi, weights=c.detach().double().cpu(), minlength=nb)
-        self.low_keys.scatter_reduce_(0, hi, key, "amin")
-        self.high_keys.scatter_reduce_(0, hi, key, "amax")
+        self.low_keys = self.high_keys = None
         self.n = int(self.counts.sum())
         self.total = float(self.sums.sum())
         self._top.clear()
+
+    def same(self) -> Any:
+        """Bins whose values are all equal, as far as known without a pass: one value, or all
+        zeros (a float64 sum of 0: the zeros' bin holds no negative value); every such bin once
+        the extremes are known."""
+        one = (self.counts == 1) | ((self.counts > 0) & (self.sums == 0))
+        return one if self.low_keys is None else one | (self.low_keys == self.high_keys)
+
+    def find_extremes(self) -> None:
+        """One pass over the values for each bin's smallest and largest order key."""
+        import torch
+
+        nb = 1 << 16
+        low = torch.full((nb,), 2**31 - 1, dtype=torch.int32)
+        high = torch.full((nb,), -(2**31), dtype=torch.int32)
+        for c in _chunks(self.fisher):
+            key = _order_keys(c).cpu()
+            hi = _high(key)
+            low.scatter_reduce_(0, hi, key, "amin")
+            high.scatter_reduce_(0, hi, key, "amax")
+        self.low_keys, self.high_keys = low, high
 
     @classmethod
     def of(cls, fisher: Mapping[str, Any]) -> ValueHistogram:
@@ -158,7 +178,7 @@ class ValueHistogram:
             cuts[k] = (b, kk - int(above[b]))
         # a bin whose values are all equal (smallest key = largest: e.g. the zeros of a sparse
         # update's squared deltas) gives j of them without looking: j x that value
-        same = (self.low_keys == self.high_keys).tolist()
+        same = self.same().tolist()
         need = sorted({b for b, j in cuts.values() if b >= 0 and j < counts[b] and not same[b]})
         low: dict[int, Any] = {}
         if need:
@@ -205,8 +225,8 @@ class ValueHistogram:
             if j >= counts[b]:
                 out[k] = s + float(self.sums[b])
                 continue
-            if same[b]:  # j values equal to the bin's one value
-                out[k] = s + j * float(self._values(self.low_keys[b:b + 1].long() + _SIGN)[0])
+            if same[b]:  # j values equal to the bin's one value (c x v sums exactly in float64)
+                out[k] = s + j * (float(self.sums[b]) / counts[b])
                 continue
             vals = self._values((b << 16) | torch.arange(1 << 16, dtype=torch.int64))
             cnt = low[b]
@@ -218,7 +238,8 @@ class ValueHistogram:
     def gini_bounds(self) -> tuple[float, float]:
         """(lower, upper) bound of the Gini coefficient G = 2 sum_i i x_(i) / (n S) - (n+1)/n: a
         bin of c values between lo and hi adds between 0 and (hi - lo) floor(c^2 / 8) to the
-        rank-weighted sum beyond its value with all c values equal."""
+        rank-weighted sum beyond its value with all c values equal. lo, hi: the bin's edges, or
+        its extremes (find_extremes) where the edges leave the bracket wider than GINI_REFINE."""
         import torch
 
         n, S = self.n, self.total
@@ -227,12 +248,24 @@ class ValueHistogram:
         c = self.counts.double()
         r = torch.cumsum(c, 0) - c  # values in lower bins
         base = float(((r + (c + 1) / 2) * self.sums).sum())
-        # a bin's smallest and largest value (its order keys, shifted to the int64 keys of _values)
-        lo, hi = self._values(self.low_keys.long() + _SIGN), self._values(self.high_keys.long() + _SIGN)
-        width = torch.where(self.counts > 1, hi - lo, 0.0)
-        slack = float((width * torch.floor(c * c / 8)).sum())
         g = lambda ix: 2 * ix / (n * S) - (n + 1) / n  # noqa: E731
-        return g(base), g(base + slack)
+        while True:
+            if self.low_keys is None:  # the bins' edges, as int64 unsigned keys
+                b = torch.arange(1 << 16, dtype=torch.int64) << 16
+                lo, hi = self._values(b), self._values(b | 0xFFFF)
+            else:  # a bin's smallest and largest value (its order keys, shifted to the int64 keys of _values)
+                lo, hi = self._values(self.low_keys.long() + _SIGN), self._values(self.high_keys.long() + _SIGN)
+            width = torch.where((self.counts > 1) & ~self.same(), hi - lo, 0.0)
+            slack = float((width * torch.floor(c * c / 8)).sum())
+            lower, upper = g(base), g(base + slack)
+            if self.low_keys is not None or (math.isfinite(upper) and (upper - lower) / 2 <= GINI_REFINE):
+                return lower, upper
+            self.find_extremes()
+
+
+# gini_bounds' bins are bracketed by their edges while that keeps the Gini within this of the exact
+# one (continuous values: ~1e-7 at 4M log-normal values, as with the extremes), else by their extremes
+GINI_REFINE = 1e-5
 
 
 def _hist(values: Any) -> ValueHistogram:
@@ -339,6 +372,12 @@ class Reported(Mapping):
     def numel(self) -> int:
         return _numel(self.fisher)
 
+    def take(self, name: str, idx: torch.Tensor) -> torch.Tensor:
+        return _take(self.fisher, name, idx)
+
+    def numel_of(self, name: str) -> int:
+        return _numel_of(self.fisher, name)
+
     def chunks(self, size: int) -> Iterable[torch.Tensor]:
         k, n, done = self.started, max(1, self.numel()), 0
         self.started += 1
@@ -348,6 +387,16 @@ class Reported(Mapping):
             done += c.numel()
             share = min(1.0, (k + done / n) / self.passes)
             self.progress(self.lo + (self.hi - self.lo) * share, message)
+
+
+def _take(fisher: Mapping[str, Any], name: str, idx: torch.Tensor) -> torch.Tensor:
+    """The values of one parameter at flat positions `idx`, as `_chunks` gives them (a mapping
+    with a `take()` method, HalfView, makes them without the whole tensor)."""
+    own = getattr(fisher, "take", None)
+    if own is not None:
+        return own(name, idx)
+    f = fisher[name].detach().reshape(-1)
+    return f[idx.to(f.device)]
 
 
 def _numel(fisher: Mapping[str, Any]) -> int:
@@ -431,7 +480,9 @@ def topk_jaccard(a: Mapping[str, Any], b: Mapping[str, Any], percent: float) -> 
     A positive scale of either side does not change its top-k set, so un-normalised sums serve.
     Memory: slices of CHUNK values (a or b may make theirs on the fly: HalfView), no copy.
 
-    Two passes (issue 30: the statistics were most of a small job's time): the first finds the
+    One pass where a sample brackets each k-th largest (_jaccard_bracketed: above about
+    JACCARD_SAMPLE_MIN x JACCARD_SAMPLE_SHARE values), else two (issue 30: the statistics were
+    most of a small job's time): the first finds the
     high-16-bit bin of each k-th largest value; the second resolves those bins (the low 16 bits)
     and counts the intersection at the same time: certain members on both sides outright, a
     member on one side in the other's cut bin by its low bits, a pair in both cut bins kept (few:
@@ -444,6 +495,10 @@ def topk_jaccard(a: Mapping[str, Any], b: Mapping[str, Any], percent: float) -> 
     import torch
 
     k = _topk_count(a, percent)
+    if topk_jaccard_passes(_numel(a)) == 1:
+        sampled = _jaccard_bracketed(a, b, k, percent)
+        if sampled is not None:
+            return sampled
     nb = 1 << 16
     hists = [torch.zeros(nb, dtype=torch.int64), torch.zeros(nb, dtype=torch.int64)]
     for ca, cb in zip(_chunks(a), _chunks(b), strict=True):
@@ -493,6 +548,156 @@ def topk_jaccard(a: Mapping[str, Any], b: Mapping[str, Any], percent: float) -> 
         inter += int(((pa >= lo_a) & (pb >= lo_b)).sum())
     union = 2 * k - inter
     return inter / union if union else 1.0
+
+
+# The split-half Jaccard's first pass (the high-bits histograms that find each k-th largest's
+# bin) was half of its time and a sixth of a small job's statistics (issue 30; bench_stat_ops.py).
+# A sample brackets each side's k-th largest instead: JACCARD_SAMPLE_SHARE of the values (at most
+# JACCARD_SAMPLE, drawn per tensor in proportion to its size, a fixed seed), and the bracket is the
+# sample's values JACCARD_Z standard deviations of the count above and below the k-th largest's
+# expected rank. One pass then counts the values above the bracket and keeps those inside it (a
+# few per thousand), from which the k-th largest and the intersection are exact. Whether the
+# bracket holds is checked, not assumed: where it misses (odds of about 1e-12 a side at Z = 7),
+# holds more than JACCARD_BAND_MAX values, or the sample is small, the two-pass path runs.
+JACCARD_SAMPLE = 1 << 20
+JACCARD_SAMPLE_SHARE = 256
+JACCARD_SAMPLE_MIN = 1 << 12
+JACCARD_Z = 7.0
+JACCARD_BAND_MAX = 1 << 22
+_INT32_MAX = 2**31 - 1
+
+
+def _sample_size(n: int) -> int:
+    return min(JACCARD_SAMPLE, n // JACCARD_SAMPLE_SHARE)
+
+
+def topk_jaccard_passes(n: int) -> int:
+    """The passes topk_jaccard makes over each side of n values (one with a sample's bracket,
+    two without; one more where ties at a k-th largest or a missed bracket need it)."""
+    return 1 if _sample_size(n) >= JACCARD_SAMPLE_MIN else 2
+
+
+def _sample_keys(fishers: list[Mapping[str, Any]], size: int) -> list[torch.Tensor]:
+    """Order keys of about `size` values of each Fisher (the same positions in each), drawn per
+    tensor in proportion to its size (uniform positions, a fixed seed: the result is the same on
+    every run, and exact whatever the draw)."""
+    import torch
+
+    gen = torch.Generator().manual_seed(0)
+    n = _numel(fishers[0])
+    parts: list[list[torch.Tensor]] = [[] for _ in fishers]
+    for name in fishers[0]:
+        m = _numel_of(fishers[0], name)
+        draw = size * m // n
+        if draw <= 0:
+            continue
+        # in order: the gathers walk the tensor forwards (random order was 4x the time at 20M)
+        idx = torch.randint(0, m, (draw,), generator=gen).sort().values
+        for p, f in zip(parts, fishers, strict=True):
+            p.append(_order_keys(_take(f, name, idx)).cpu())
+    return [torch.cat(p) if p else torch.zeros(0, dtype=torch.int32) for p in parts]
+
+
+def _numel_of(fisher: Mapping[str, Any], name: str) -> int:
+    """Values of one parameter (a mapping that makes them on the fly, HalfView, says without
+    making them)."""
+    own = getattr(fisher, "numel_of", None)
+    return int(own(name)) if own is not None else int(fisher[name].numel())
+
+
+def _bracket(keys: torch.Tensor, k: int, n: int) -> tuple[int, int] | None:
+    """(lower, upper) order keys that hold the k-th largest of n values with odds of about 1e-12
+    a side, from a sample's keys: values above `upper` are surely in the top k, values below
+    `lower` surely not (checked after the pass). None where the sample cannot bound it below."""
+    import torch
+
+    ns = keys.numel()
+    if ns == 0:
+        return None
+    p = k / n
+    mu, sd = ns * p, math.sqrt(ns * p * (1 - p))
+    hi_rank = math.floor(mu - JACCARD_Z * sd)  # the sample's hi_rank-th largest: above the k-th
+    lo_rank = math.ceil(mu + JACCARD_Z * sd) + 1
+    if lo_rank > ns or (lo_rank - max(hi_rank, 0)) / ns * n > JACCARD_BAND_MAX:
+        return None
+    def largest(r: int) -> int:  # the sample's r-th largest key (two selections, not a sort)
+        return int(torch.kthvalue(keys, ns - r + 1).values)
+
+    return largest(lo_rank), largest(hi_rank) if hi_rank >= 1 else _INT32_MAX  # none surely in
+
+
+def _jaccard_bracketed(a: Mapping[str, Any], b: Mapping[str, Any], k: int, percent: float) -> float | None:
+    """topk_jaccard in one pass over each side, each k-th largest bracketed by a sample; None
+    where a bracket misses or holds too many values (the caller runs the two-pass path)."""
+    import torch
+
+    n = _numel(a)
+    sample = _sample_keys([a, b], _sample_size(n))
+    bracket_a, bracket_b = (_bracket(s, k, n) for s in sample)
+    if bracket_a is None or bracket_b is None:
+        return None
+    (la, ua), (lb, ub) = bracket_a, bracket_b
+    sure = [0, 0]
+    sure_both = 0
+    band: list[list[torch.Tensor]] = [[], []]  # each side's keys inside its bracket
+    a_band_b_sure: list[torch.Tensor] = []  # a's keys where a is in its bracket and b surely in
+    b_band_a_sure: list[torch.Tensor] = []  # and the other way round
+    pairs: list[tuple[torch.Tensor, torch.Tensor]] = []  # both inside their brackets
+    held = 0
+    for ca, cb in zip(_chunks(a), _chunks(b), strict=True):
+        ka, kb = _order_keys(ca), _order_keys(cb)
+        ia = (ka >= la).nonzero().squeeze(1)  # a's candidates, and b's keys there
+        xa, ya = ka[ia], kb[ia]
+        a_in, b_in = xa > ua, ya > ub
+        a_band, b_band = ~a_in, (ya >= lb) & ~b_in
+        sure[0] += int(a_in.sum())
+        sure_both += int((a_in & b_in).sum())
+        band[0].append(xa[a_band].cpu())
+        a_band_b_sure.append(xa[a_band & b_in].cpu())
+        b_band_a_sure.append(ya[a_in & b_band].cpu())
+        both = a_band & b_band
+        pairs.append((xa[both].cpu(), ya[both].cpu()))
+        xb = kb[kb >= lb]
+        b_in_b = xb > ub
+        sure[1] += int(b_in_b.sum())
+        band[1].append(xb[~b_in_b].cpu())
+        held += band[0][-1].numel() + band[1][-1].numel()
+        if held > 2 * JACCARD_BAND_MAX:
+            return None
+    thresholds: list[int] = []
+    for side in (0, 1):
+        keys = torch.cat(band[side]) if band[side] else torch.zeros(0, dtype=torch.int32)
+        need = k - sure[side]
+        if not 0 < need <= keys.numel():
+            return None  # the k-th largest is outside the bracket
+        t = int(torch.topk(keys, need).values[-1])
+        if sure[side] + int((keys >= t).sum()) != k:  # values equal to the k-th largest left out
+            return _jaccard_by_masks(
+                a, b, percent, *[_threshold_of_band(band[i], sure[i], k) for i in (0, 1)])  # type: ignore[misc]
+        thresholds.append(t)
+    ta, tb = thresholds
+    inter = sure_both + sum(int((x >= ta).sum()) for x in a_band_b_sure) + \
+        sum(int((y >= tb).sum()) for y in b_band_a_sure) + \
+        sum(int(((x >= ta) & (y >= tb)).sum()) for x, y in pairs)
+    union = 2 * k - inter
+    return inter / union if union else 1.0
+
+
+def _threshold_of_band(band: list[torch.Tensor], sure: int, k: int) -> tuple[float, int]:
+    """topk_threshold's (t, g) from a bracket's keys and the count above it."""
+    import torch
+
+    keys = torch.cat(band) if band else torch.zeros(0, dtype=torch.int32)
+    t = int(torch.topk(keys, k - sure).values[-1])
+    return _key_value(t), sure + int((keys > t).sum())
+
+
+def _key_value(key: int) -> float:
+    """The float32 value of an int32 order key (_order_keys)."""
+    import struct
+
+    bits = key if key >= 0 else key ^ 0x7FFFFFFF
+    return float(struct.unpack("<f", struct.pack("<i", bits))[0])
 
 
 def _cut_bin(hist: Any, k: int) -> tuple[int, int]:

@@ -244,7 +244,7 @@ def finish(spec: FisherSpec, shard_outputs: list[dict], progress: Progress = nul
     # alive, and the job holds 6 bytes/param at most (4 after the split-half statistics).
     split_jaccard = None
     if not batch and denoms[0] > 0 and denoms[1] > 0:
-        progress(0.9, "statistics: split-half overlap (two passes over both halves)")
+        progress(0.9, "statistics: split-half overlap")
         split_jaccard = topk_jaccard_of_halves(halves, spec.topk_percent, progress)
     own = consume or len([o for o in outs if o["sums"]]) > 1  # merged sums are new tensors
     compact, roundings, bound = halves.compact, halves.roundings, halves.half_error_bound()
@@ -367,22 +367,34 @@ def split_half(outs: list[dict], topk_percent: float) -> float | None:
 
 
 def divide(s: torch.Tensor, total: float, in_place: bool = False, chunk: int = 1 << 20) -> torch.Tensor:
-    """s / total as float32, each value divided in float64 (over chunks of `chunk` values: no
-    float64 copy of the whole tensor); in place when the caller owns s."""
+    """s / total as float32, each value the float32 nearest its float64 quotient (over chunks of
+    `chunk` values: no float64 copy of the whole tensor); in place when the caller owns s.
+
+    Where s is float32 and the denominator a float32 (a count of rows or tokens below 2^24), one
+    float32 division gives the same bits (a quotient of two floats rounded to float64 then to
+    float32 equals it rounded once: 53 >= 2 x 24 + 2) at a tenth of the time: the float64 route
+    was the second largest part of a small job's statistics (issue 30, bench_stat_ops.py). The
+    divisor is a one-value tensor on the device, not a Python number: CUDA divides by a CPU scalar
+    as a multiplication by its reciprocal, which is not the same bits."""
     out = s if in_place and s.dtype == torch.float32 else torch.empty(s.shape, dtype=torch.float32,
                                                                         device=s.device)
     src, dst = s.reshape(-1), out.view(-1)
+    if s.dtype == torch.float32 and float(torch.tensor(total, dtype=torch.float32)) == total:
+        torch.div(src, torch.full((1,), total, dtype=torch.float32, device=s.device), out=dst)
+        return out
     for o in range(0, src.numel(), chunk):
         dst[o:o + chunk] = (src[o:o + chunk].double() / total).float()
     return out
 
 
 def topk_jaccard_of_halves(halves: HalfSums, topk_percent: float, progress: Progress | None = None) -> float:
-    """Top-k% Jaccard of the two halves' Fishers, each half made a tensor at a time; `progress`
-    hears of each slice of its two passes (0.90 -> 0.94 of the job)."""
+    """Top-k% Jaccard of the two halves' Fishers, each half made a slice at a time; `progress`
+    hears of each slice of its passes (0.90 -> 0.94 of the job)."""
     a: Any = halves.view(0)
     if progress is not None:  # the halves are read side by side: one side's slices tell both
-        a = analysis.Reported(a, progress, 0.90, 0.94, 2, "statistics: split-half overlap (two passes over both halves)")
+        passes = analysis.topk_jaccard_passes(a.numel())
+        a = analysis.Reported(a, progress, 0.90, 0.94, passes,
+                              f"statistics: split-half overlap ({'one pass' if passes == 1 else 'two passes'} over both halves)")
     return analysis.topk_jaccard(a, halves.view(1), topk_percent)
 
 

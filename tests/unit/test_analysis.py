@@ -99,14 +99,20 @@ def _jaccard_by_sort(a: dict, b: dict, percent: float) -> float:
     return len(A & B) / len(A | B)
 
 
+@pytest.mark.parametrize("path", ["two passes", "sampled bracket"])
 @pytest.mark.parametrize("case", ["continuous", "correlated", "ties", "zeros", "signed"])
-def test_topk_jaccard_in_two_passes_equals_the_sorted_sets(case, monkeypatch):
-    """Two passes over each side (the cut bins resolved while the intersection is counted) give
-    the Jaccard of the sets a full stable sort picks; where more values equal a k-th largest than
-    the set takes, the sets are built value by value (one more pass) and still match."""
+def test_topk_jaccard_in_two_passes_equals_the_sorted_sets(case, path, monkeypatch):
+    """Two passes over each side (the cut bins resolved while the intersection is counted), or
+    one where a sample brackets each k-th largest, give the Jaccard of the sets a full stable sort
+    picks; where more values equal a k-th largest than the set takes, the sets are built value by
+    value (one more pass) and still match."""
     from compute.fisher import statistics as st
 
     monkeypatch.setattr(st, "CHUNK", 1000)  # several chunks per tensor
+    if path == "sampled bracket":  # these 5,077 values: a sample of a quarter of them
+        monkeypatch.setattr(st, "JACCARD_SAMPLE_SHARE", 4)
+        monkeypatch.setattr(st, "JACCARD_SAMPLE_MIN", 64)
+    passes = 1 if path == "sampled bracket" else 2
     g = torch.Generator().manual_seed(7)
     shapes = [(40, 50), (3000,), (7, 11)]
     a = {f"t{i}": torch.rand(s, generator=g).pow(4) for i, s in enumerate(shapes)}
@@ -130,11 +136,43 @@ def test_topk_jaccard_in_two_passes_equals_the_sorted_sets(case, monkeypatch):
         got = topk_jaccard(ca, cb, pct)
         assert got == pytest.approx(_jaccard_by_sort(a, b, pct), abs=1e-12)
         if case in ("continuous", "correlated") or (case == "signed" and pct < 50):  # 50%: ties at b's zeros
-            assert (ca.passes, cb.passes) == (2, 2)
+            assert (ca.passes, cb.passes) == (passes, passes)
     ca, cb = _Counted(a), _Counted(b)
     topk_jaccard(ca, cb, 1.0)
     if case == "ties":
-        assert ca.passes == 3  # the third pass: ties at the cut taken in order
+        assert ca.passes == passes + 1  # one more pass: ties at the cut taken in order
+
+
+def test_topk_jaccard_whose_sampled_bracket_misses_falls_back_to_two_passes(monkeypatch):
+    """A bracket that does not hold the k-th largest (here: forced above every value but the
+    sample's largest) is found out after its pass, and the two-pass path gives the exact sets."""
+    from compute.fisher import statistics as st
+
+    monkeypatch.setattr(st, "CHUNK", 1000)
+    monkeypatch.setattr(st, "JACCARD_SAMPLE_SHARE", 4)
+    monkeypatch.setattr(st, "JACCARD_SAMPLE_MIN", 64)
+    monkeypatch.setattr(st, "_bracket", lambda keys, k, n: (int(keys.max()), st._INT32_MAX))
+    g = torch.Generator().manual_seed(3)
+    a = {"w": torch.rand(60, 70, generator=g), "b": torch.rand(900, generator=g)}
+    b = {n: v + 0.3 * torch.rand(v.shape, generator=g) for n, v in a.items()}
+    ca, cb = _Counted(a), _Counted(b)
+    assert topk_jaccard(ca, cb, 5.0) == pytest.approx(_jaccard_by_sort(a, b, 5.0), abs=1e-12)
+    assert (ca.passes, cb.passes) == (3, 3)
+
+
+def test_a_sampled_bracket_holds_the_kth_largest_of_a_large_fisher():
+    """At the sizes a job meets (here 2.4M values, the sample a 64th of them: the default share),
+    the bracket holds each side's k-th largest: one pass, the sorted sets' Jaccard."""
+    from compute.fisher import statistics as st
+
+    g = torch.Generator().manual_seed(5)
+    a = {"e": (torch.randn(1200, 1000, generator=g) * 2).exp(), "m": torch.rand(1_200_000, generator=g)}
+    b = {n: v * (1 + 0.5 * torch.rand(v.shape, generator=g)) for n, v in a.items()}
+    assert st.topk_jaccard_passes(2_400_000) == 1
+    for pct in (0.01, 1.0, 30.0):
+        ca, cb = _Counted(a), _Counted(b)
+        assert topk_jaccard(ca, cb, pct) == pytest.approx(_jaccard_by_sort(a, b, pct), abs=1e-12)
+        assert (ca.passes, cb.passes) == (1, 1)
 
 
 def test_results_rows():

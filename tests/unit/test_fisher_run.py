@@ -198,3 +198,22 @@ def test_the_statistics_passes_report_their_progress_slice_by_slice(home, monkey
     # the same sums in other slices: float64 bin sums added in another order
     assert res.summary["gini"] == pytest.approx(quiet.summary["gini"], rel=1e-12)
     assert res.summary["top1%_share"] == pytest.approx(quiet.summary["top1%_share"], rel=1e-12)
+
+
+@pytest.mark.parametrize("total", [1.0, 3.0, 7.0, 12_345.0, 2.0**24 - 1, 2.0**24 + 1, 6.5e6 + 0.25])
+def test_divide_gives_the_float64_quotient_rounded_once_bit_for_bit(total):
+    """The Fisher from the sums: one float32 division where the denominator is a float32 (the
+    fast path) and the float64 route otherwise give each value the float32 nearest s / total,
+    subnormal quotients and both the owned (in place) and the copied output included."""
+    import torch
+
+    from compute.jobs.fisher_run import divide
+
+    g = torch.Generator().manual_seed(int(total) % 1000)
+    s = torch.cat([(torch.randn(200_000, generator=g) * 8).exp(), torch.rand(1000, generator=g) * 1e-38,
+                   torch.tensor([0.0, 1.0, 3.0, 2.0**-149, 3.4e38])])
+    want = (s.double() / total).float()
+    assert torch.equal(divide(s, total).view(torch.int32), want.view(torch.int32))
+    own = s.clone()
+    got = divide(own, total, in_place=True)
+    assert got.data_ptr() == own.data_ptr() and torch.equal(got.view(torch.int32), want.view(torch.int32))

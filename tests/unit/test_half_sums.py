@@ -238,3 +238,22 @@ def test_first_squares_are_written_not_added_and_match_a_zeroed_sum(owned):
     assert (st.sums["w"].data_ptr() == first.data_ptr()) is owned
     st.add_groups("w", [(0, b)], owned=owned)
     assert torch.equal(st.finish()["w"][0], a + b)
+
+
+def test_a_halfs_sampled_values_are_its_slices_values_bit_for_bit():
+    """HalfView.take (the split-half Jaccard's sample) makes the same bits as HalfView.chunks at
+    the same positions: a bracket drawn from it is compared with the pass's own values."""
+    g = torch.Generator().manual_seed(2)
+    total = {"w": torch.rand(300, 40, generator=g), "v": torch.rand(500, generator=g)}
+    diff = {"w": ((torch.rand(300, 40, generator=g) * 2 - 1) * 30000).round().to(torch.int16),
+            "v": torch.rand(500, generator=g) * 0.1}  # one compact, one held as a float
+    halves = HalfSums(total, diff, 1)
+    for k in (0, 1):
+        view = halves.view(k)
+        flat = torch.cat(list(view.chunks(1000)))
+        offset = 0
+        for name in view:
+            m = view.numel_of(name)
+            idx = torch.randint(0, m, (77,), generator=g)
+            assert torch.equal(view.take(name, idx).view(torch.int32), flat[offset:offset + m][idx].view(torch.int32))
+            offset += m
