@@ -401,12 +401,36 @@ class Sizing:
         return 4.0 * rows * (length * self.layers * 2 * self.hidden + 2 * self.vocab)
 
 
+# The automatic temporaries budget of every per-sample engine (Fisher, tokens, the precision check):
+# this share of the memory a job may use, within these bounds (MiB). One rule for the job
+# (compute.lm.device.default_budget_mb) and the estimate before it (fisher_budget_bytes): the
+# estimate took a quarter without the bounds (issue 30's "one rule, every kind": 50 GB where
+# the job takes 32 GiB on a 200 GB host; 150 MB where it takes 256 MiB on a small one).
+BUDGET_SHARE = 0.25
+BUDGET_MIN_MB, BUDGET_MAX_MB = 256, 32768
+
+
+def default_budget_mb(free_bytes: float | None) -> int:
+    """The automatic budget (MiB) where a job may use `free_bytes` (unknown: 4 GiB)."""
+    mb = int((free_bytes if free_bytes is not None else 4 * 2**30) * BUDGET_SHARE) // 2**20
+    return max(BUDGET_MIN_MB, min(BUDGET_MAX_MB, mb))
+
+
 def fisher_budget_bytes(memory_budget_mb: int | None, free_bytes: float | None) -> float:
-    """The per-sample temporaries budget a Fisher uses: the spec's, else a quarter of free memory
-    (compute/fisher), what that default is on this machine."""
+    """The per-sample temporaries budget a Fisher uses: the spec's, else default_budget_mb of
+    the memory a job may use (what the engine takes by default, compute.lm.device)."""
     if memory_budget_mb is not None:
         return memory_budget_mb * MIB
-    return (free_bytes or 4 * 2**30) / 4
+    return default_budget_mb(free_bytes) * MIB
+
+
+def job_room_bytes(free_now: float, cap_mb: float | None, in_use: float) -> float:
+    """What a running job may still take on its device: what is free there now, and, where the
+    operator caps a job's memory (MAX_JOB_MEMORY_MB, checked at submit against the estimated
+    peak), no more than the cap less what the job's process holds there already. The estimate
+    reads the cap as the job's whole allowance (app.limits.free_memory) and counts the runtime
+    and weights against it; the running job has them resident, so it subtracts what it holds."""
+    return free_now if cap_mb is None else max(0.0, min(free_now, cap_mb * MIB - in_use))
 
 
 # ---------------------------------------------------------------- the kinds' shared phases

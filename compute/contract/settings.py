@@ -206,8 +206,10 @@ class Settings(BaseSettings):
         default=None,
         gt=0,
         description="Memory (MiB) a job may use on the worker's device, checked at submit against "
-        "the estimated peak (HTTP 422, field `memory`). Default: what the device has free now "
-        "(CPU: MemAvailable of /proc/meminfo; CUDA: torch.cuda.mem_get_info).",
+        "the estimated peak (HTTP 422, field `memory`) and kept to by the running job (its "
+        "automatic temporaries budget and GRPO's bound-check groups are sized within it). Default: "
+        "what the device has free now (CPU: MemAvailable of /proc/meminfo; CUDA: "
+        "torch.cuda.mem_get_info).",
     )
     share_by_default: bool | None = Field(
         default=None,

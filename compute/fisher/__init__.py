@@ -50,7 +50,7 @@ from compute.fisher.estimators import (
 )
 from compute.fisher.exact_output import ExactOutputUnsupported, exact_output_fisher
 from compute.fisher.hooks import UnsupportedModel
-from compute.lm.device import model_device
+from compute.lm.device import default_budget_mb, model_device
 from compute.lm.sampling import Rollout, build_rollout, sample_completions
 
 ESTIMATORS: tuple[str, ...] = get_args(Estimator)
@@ -190,6 +190,12 @@ def estimate_fisher(
     prog(0.3, f"sampled {len(roll)} sequences")
     t_sample = time.perf_counter() - t0
     est = "sequence" if config.estimator == "empirical" else config.estimator
+    asked_budget = config.memory_budget_mb
+    if config.memory_budget_mb is None:
+        # the automatic budget fixed once, before the sums are allocated, for every pass of the
+        # job (each pass had read the free memory again, smaller by the sums), and stated in the
+        # result: what the job used against what the estimate said (issue 30)
+        config = config.model_copy(update={"memory_budget_mb": default_budget_mb(model_device(model))})
     n_tokens = int(roll.completion_mask.sum())
     halves = half_denoms = None
     check_s = 0.0
@@ -203,8 +209,8 @@ def estimate_fisher(
         halves = sums.to_cpu_float32()
         fisher = None  # FisherEstimate.fisher: made from the halves on first use
         half_denoms = (float(denom[0]), float(denom[1]))
-    settings = config.model_dump()
-    settings.update(n_prompts=len(prompts), estimator_used=est,
+    settings = config.model_dump() | {"memory_budget_mb": asked_budget}
+    settings.update(n_prompts=len(prompts), estimator_used=est, memory_budget_mb_used=config.memory_budget_mb,
                     sample_seconds=round(t_sample, 3),
                     check_seconds=round(check_s, 3),
                     total_seconds=round(time.perf_counter() - t0, 3))

@@ -150,7 +150,8 @@ def _shard(spec: FisherSpec, shard_index: int, progress: Progress, loaded: tuple
     t_shard = time.perf_counter() - t0
     out.update(sums=sums, diffs=diffs, diff_roundings=roundings, denoms=denoms, n_rows=res.n_rows,
                n_tokens=res.n_tokens, exact=exact, exact_skipped=skipped, seconds=round(t_shard, 3),
-               compute_dtype=str(next(model.parameters()).dtype).replace("torch.", ""))
+               compute_dtype=str(next(model.parameters()).dtype).replace("torch.", ""),
+               memory_budget_mb=st.get("memory_budget_mb_used"))
     half = next(model.parameters()).dtype in (torch.bfloat16, torch.float16)
     if half and shard_index == 0 and res.rollout is not None and spec.estimator != "batch":
         # issue 18: a half-precision Fisher states its error against float32, measured on the
@@ -274,6 +275,11 @@ def finish(spec: FisherSpec, shard_outputs: list[dict], progress: Progress = nul
     # issue 18: the precision the Fisher was computed, accumulated and stored in
     summary["compute_dtype"] = next((o["compute_dtype"] for o in outs if o.get("compute_dtype")), None)
     summary["accumulate_dtype"] = "float32"
+    # the temporaries budget the engine used (the spec's, or its automatic one: a quarter of what
+    # the job could take on its device, within MAX_JOB_MEMORY_MB), the largest of the shards'
+    budgets = [o["memory_budget_mb"] for o in outs if o.get("memory_budget_mb")]
+    if budgets:
+        summary["memory_budget_mb"] = max(budgets)
     summary["stored_dtype"] = "float32"
     perr = next((o["precision_error"] for o in outs if o.get("precision_error")), None)
     if perr:

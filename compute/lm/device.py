@@ -10,8 +10,10 @@
 - `accumulator_dtype`: the dtype Fisher sums are kept in (float64 for float64 models, else
   float32, whatever the model dtype).
 - `check_tolerance`: how far a float computation may drift from autograd in the model's dtype.
-- `free_memory_bytes` / `default_budget_mb`: the automatic memory budget of the Fisher engine,
-  from free device memory (CUDA: `torch.cuda.mem_get_info`; CPU: available RAM).
+- `free_memory_bytes` / `default_budget_mb`: what a job may still take on its device (CUDA:
+  `torch.cuda.mem_get_info`; CPU: available RAM; capped by MAX_JOB_MEMORY_MB less what the
+  process holds) and the engines' automatic memory budget from it, by the rules the estimate
+  uses (compute.contract.cost.job_room_bytes, default_budget_mb).
 
 Nothing here imports transformers; the module is cheap to import.
 """
@@ -31,9 +33,6 @@ DTYPES = {
     "fp16": torch.float16,
 }
 HALF = (torch.bfloat16, torch.float16)
-# the automatic budget takes this share of free memory, within these bounds (MiB)
-BUDGET_SHARE = 0.25
-BUDGET_MIN_MB, BUDGET_MAX_MB = 256, 32768
 
 
 def resolve_device(device: str | torch.device | None = None) -> torch.device:
@@ -98,7 +97,21 @@ def check_tolerance(dtypes: list[torch.dtype]) -> float:
 
 
 def free_memory_bytes(device: torch.device) -> int:
-    """Free memory of `device` now: CUDA free memory, or available RAM on CPU."""
+    """What a job may still take on `device` now: its free memory (CUDA free memory, or available
+    RAM on CPU), and no more than MAX_JOB_MEMORY_MB less what this process holds there
+    (compute.contract.cost.job_room_bytes: the cap the submit checked the estimate against holds
+    in the job too; before, the job sized its budget and GRPO's bound groups to the device alone)."""
+    from compute.contract.cost import job_room_bytes
+    from compute.contract.settings import get_settings
+
+    cap = get_settings().max_job_memory_mb
+    free = _device_free_bytes(device)
+    if cap is None:
+        return free
+    return int(job_room_bytes(free, cap, _held_bytes(device)))
+
+
+def _device_free_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         return int(free)
@@ -115,10 +128,24 @@ def free_memory_bytes(device: torch.device) -> int:
         return 4 * 2**30
 
 
+def _held_bytes(device: torch.device) -> int:
+    """What this process holds on `device`: CUDA memory torch has reserved there, or the
+    process's resident memory (CPU)."""
+    if device.type == "cuda":
+        return int(torch.cuda.memory_reserved(device))
+    try:
+        with open("/proc/self/statm") as fh:
+            return int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
 def default_budget_mb(device: torch.device) -> int:
-    """The engine's automatic memory budget: a quarter of free memory, 256 MiB .. 32 GiB."""
-    mb = int(free_memory_bytes(device) * BUDGET_SHARE) // 2**20
-    return max(BUDGET_MIN_MB, min(BUDGET_MAX_MB, mb))
+    """The engines' automatic memory budget: compute.contract.cost.default_budget_mb (a quarter,
+    256 MiB .. 32 GiB) of what a job may still take on `device` (free_memory_bytes)."""
+    from compute.contract.cost import default_budget_mb as of_free
+
+    return of_free(free_memory_bytes(device))
 
 
 def model_device(model: torch.nn.Module) -> torch.device:

@@ -67,6 +67,29 @@ def test_fisher_job_runs_and_lands_in_the_database(stack) -> None:
     assert again["reused"] is True and again["id"] == job["id"]
 
 
+def test_a_worker_sizes_its_automatic_budget_within_max_job_memory(redis_stack) -> None:
+    """Issue 30, one rule at submit and in the job: MAX_JOB_MEMORY_MB, checked against the
+    estimate at submit, also bounds what the job takes on its device. A worker capped at 2 GiB
+    on this 24 GB machine runs a Fisher job with the automatic temporaries budget: a quarter of
+    the cap less what the worker holds (256 MiB at the least), stated in the result, and no more
+    than the budget the estimate priced for the same cap. Before, the job took a quarter of the
+    machine's free memory whatever the cap (about 5 GB here)."""
+    from compute.contract.cost import BUDGET_MIN_MB, fisher_budget_bytes
+
+    cap_mb = 2048
+    redis_stack.start_worker("capped@test", extra_env={"MAX_JOB_MEMORY_MB": str(cap_mb)})
+    settings = redis_stack.settings
+    job = services.submit(settings, "fisher", {**SMALL, "seed": 11})
+    done = redis_stack.wait_final(job["id"])
+    assert done["status"] == "succeeded", done["error"]
+    summary = services.result_by_token(settings, job["share_token"])["summary"]
+    used = summary["memory_budget_mb"]
+    priced = fisher_budget_bytes(None, cap_mb * 2**20) / 2**20
+    assert priced == cap_mb / 4
+    assert BUDGET_MIN_MB <= used <= priced, summary
+    assert summary["settings"]["memory_budget_mb"] is None  # the automatic budget was asked for
+
+
 def test_invalid_spec_is_refused_and_nothing_reaches_the_worker(stack) -> None:
     settings = stack.settings
     with pytest.raises(SpecError) as err:

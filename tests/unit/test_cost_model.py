@@ -818,3 +818,50 @@ def test_a_bf16_run_makes_its_fisher_and_bound_on_its_own_weights_widened_in_pla
     # trained from the bf16 weights, narrowed back: stored in bf16, 90% of them bit for bit the base's
     assert res.summary["precision"] == "bf16" and res.summary["stored_dtype"] == "bfloat16"
     assert res.summary["update_sparsity"]["unchanged_exact"] >= 0.9
+
+
+def test_the_automatic_budget_is_one_rule_for_the_estimate_and_the_job():
+    """Issue 30: the estimate priced a quarter of the free memory, unbounded; the engine takes a
+    quarter within 256 MiB .. 32 GiB. Both now read cost.default_budget_mb, and a capped job's room
+    is the cap less what it holds, never more than is free (job_room_bytes)."""
+    from compute.contract.cost import (
+        BUDGET_MAX_MB,
+        BUDGET_MIN_MB,
+        default_budget_mb,
+        fisher_budget_bytes,
+        job_room_bytes,
+    )
+
+    gib = 2**30
+    assert fisher_budget_bytes(None, 200 * gib) == BUDGET_MAX_MB * 2**20 == 32 * gib  # was 50 GiB
+    assert fisher_budget_bytes(None, 0.6 * gib) == BUDGET_MIN_MB * 2**20  # was 0.15 GiB
+    assert fisher_budget_bytes(None, 8 * gib) == 2 * gib
+    assert fisher_budget_bytes(None, None) == 1 * gib  # unknown: a quarter of 4 GiB
+    assert fisher_budget_bytes(700, 8 * gib) == 700 * 2**20  # the spec's own
+    assert default_budget_mb(8 * gib + 3 * 2**20 + 5) == 2048  # whole MiB, rounded down
+    assert job_room_bytes(20 * gib, None, 5 * gib) == 20 * gib
+    assert job_room_bytes(20 * gib, 2048, 0.5 * gib) == 1.5 * gib
+    assert job_room_bytes(1 * gib, 2048, 0.5 * gib) == 1 * gib  # the device's free memory first
+    assert job_room_bytes(20 * gib, 2048, 3 * gib) == 0.0
+
+
+def test_the_job_reads_max_job_memory_mb_as_the_estimate_does(monkeypatch):
+    """compute.lm.device.free_memory_bytes on the CPU: the free RAM, and with MAX_JOB_MEMORY_MB
+    at most the cap less this process's resident memory."""
+    import os
+
+    import torch
+
+    from compute.lm.device import default_budget_mb, free_memory_bytes
+
+    cpu = torch.device("cpu")
+    monkeypatch.delenv("MAX_JOB_MEMORY_MB", raising=False)
+    uncapped = free_memory_bytes(cpu)
+    with open("/proc/self/statm") as fh:
+        rss = int(fh.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    cap_mb = (rss + 2**29) // 2**20  # 512 MiB above what this process holds
+    monkeypatch.setenv("MAX_JOB_MEMORY_MB", str(cap_mb))
+    capped = free_memory_bytes(cpu)
+    assert capped < uncapped
+    assert abs(capped - 2**29) < 64 * 2**20  # the process's memory moves a little between reads
+    assert default_budget_mb(cpu) == 256  # a quarter of ~512 MiB, raised to the least budget

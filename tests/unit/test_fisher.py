@@ -468,7 +468,8 @@ def test_groups_without_rows_are_zero_and_row_order_does_not_matter(tok):
 
 
 def test_default_memory_budget_comes_from_free_memory():
-    from compute.lm.device import BUDGET_MAX_MB, BUDGET_MIN_MB, default_budget_mb, free_memory_bytes
+    from compute.contract.cost import BUDGET_MAX_MB, BUDGET_MIN_MB
+    from compute.lm.device import default_budget_mb, free_memory_bytes
 
     mb = default_budget_mb(torch.device("cpu"))
     assert BUDGET_MIN_MB <= mb <= BUDGET_MAX_MB
