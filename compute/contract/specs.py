@@ -35,6 +35,10 @@ Estimator = Literal["sequence", "token", "empirical", "batch"]
 Selector = Literal[
     "fisher", "fisher-tensor", "fisher-bottom", "random", "magnitude", "magnitude-bottom", "gradient"
 ]
+# the selectors that rank coordinates by a Fisher: a job that chooses a mask with one estimates a
+# Fisher where none is given (compute.jobs.train_run.build_mask_in_memory); the others (random,
+# magnitude, gradient) need none, and the estimate counts none for them (compute.jobs.train)
+FISHER_SELECTORS: tuple[str, ...] = ("fisher", "fisher-tensor", "fisher-bottom")
 Algo = Literal["grpo", "opd", "sft"]
 Precision = Literal["fp32", "bf16-mixed", "bf16"]
 class Spec(BaseModel):

@@ -138,7 +138,8 @@ def _fisher(lo: _Loaded, shared: dict[Any, Any], progress: Any) -> tuple[dict[st
 def _mask(lo: _Loaded, shared: dict[Any, Any], key: tuple[str, float], seed: int,
           progress: Any) -> tuple[Any, float]:
     """The mask of one arm and its actual density; seed-independent masks built once per `shared`."""
-    from compute.jobs.train_run import FISHER_SELECTORS, build_mask_in_memory
+    from compute.contract.specs import FISHER_SELECTORS
+    from compute.jobs.train_run import build_mask_in_memory
     from compute.studies.retention import SEED_DEPENDENT, with_seed
 
     sel, dens = key

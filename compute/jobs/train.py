@@ -28,6 +28,7 @@ from compute.contract.cost import (
 from compute.contract.kinds import JobKind, KindForm
 from compute.contract.results import Contract, Family, Summary, TypedResult
 from compute.contract.specs import (
+    FISHER_SELECTORS,
     PRECISION_DTYPES,
     AllowOtherModel,
     Dtype,
@@ -112,6 +113,8 @@ CONCENTRATION_AUC = tuple(f"concentration_auc_{t}" for t in CONCENTRATION_TARGET
 
 
 class TrainSummary(Summary):
+    # where the job's time went, by its estimate's parts (timing below): issue 30
+    seconds_parts: dict[str, float] | None = None
     algo: str | None = None
     precision: str | None = None
     accuracy_before: float | None = None
@@ -141,7 +144,7 @@ CONTRACT = Contract("train", TrainResult, heatmaps=(BOUND_HIST, *CONCENTRATION_A
 def cost(s: TrainSpec) -> int:
     n = train_passes(s.algo, s.steps, s.batch, s.group, s.max_new_tokens, s.eval_prompts,
                      s.gradient_checkpointing)
-    if s.mask_select:
+    if s.mask_select in FISHER_SELECTORS:  # a mask chosen by a Fisher estimates one in the job
         n += fisher_passes(s.fisher_prompts, s.fisher_samples, s.max_new_tokens)
     bound = s.algo == "grpo" and s.bound
     if not s.fisher and (s.concentration or bound):
@@ -162,7 +165,7 @@ def timing(s: TrainSpec, z: Sizing) -> dict[str, float]:
     """Load, the Fisher a mask or the concentration needs, the bound check, the steps, the
     held-out accuracy before and after, and the run's end (update sparsity, saving)."""
     out = {"load": z.load_s()}
-    fishers = int(bool(s.mask_select)) + int(not s.fisher and (s.concentration or bound_runs(s, z)))
+    fishers = int(s.mask_select in FISHER_SELECTORS) + int(not s.fisher and (s.concentration or bound_runs(s, z)))
     if fishers:
         one = fisher_seconds(z, s.fisher_prompts, s.fisher_samples, s.max_new_tokens, statistics=False)
         out["initial Fisher"] = fishers * sum(one.values())

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import tempfile
+import time
 from collections.abc import Mapping
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -18,13 +19,12 @@ import torch
 
 from compute.contract.jobresult import JobResult, SeriesPoint, null_progress
 from compute.contract.kinds import Ref, Refs
+from compute.contract.specs import FISHER_SELECTORS
 from compute.fisher.precision import float32_weights
 from compute.jobs.artifact_files import resolved_refs
 from compute.jobs.train import TrainSpec, needs_initial_fisher
 from compute.runtime.memory import mmap_threshold_fixed, release_freed_memory
 from compute.sparsity.masks import CompactMask
-
-FISHER_SELECTORS = ("fisher", "fisher-tensor", "fisher-bottom")
 
 
 def config_from_spec(spec: Any, seed: int | None = None, **over: Any) -> Any:
@@ -341,7 +341,12 @@ def _train_job(
 
     from compute.train import save_checkpoint, save_output, train
 
+    # where the job's time went, by the names of its estimate's parts (compute.jobs.train.timing:
+    # load, initial Fisher, bound check, steps, evaluation, finish), as the Fisher job says its
+    # own (issue 30: time against the estimate and the floor, measured, for every kind)
+    clock = _Clock()
     run = _start(spec, progress, refs)
+    clock.lap("load")
     out = Path(tempfile.mkdtemp(prefix="fisherlens-train-")) / "model"
 
     def save_every(step: int, model: Any, curve: list[dict[str, float]]) -> None:  # --save-steps
@@ -350,6 +355,8 @@ def _train_job(
 
     model = run.model
     mask = _mask(run)
+    # a mask chosen here by a Fisher estimates one; any other mask is read or made with the load
+    clock.lap("initial Fisher" if spec.mask_select in FISHER_SELECTORS else "load")
     # the Fisher and the bound in float32 when the weights are bf16: the model itself widened in
     # place for them and narrowed back bit for bit (its own values, exact both ways), not a float32
     # twin beside it (issue 30: 6 bytes/param where the estimate counts 4; 16 GB more at 8B)
@@ -360,16 +367,22 @@ def _train_job(
         if bound_skip is not None:
             run.summary["bound_skipped"] = bound_skip
         fisher, fisher_info = _initial_fisher(run, model, fisher, fisher_info, bound=bound_skip is None)
+        clock.lap("initial Fisher")
         if plan is not None and bound_skip is None:
             _bound(run, model, fisher, fisher_info, plan)
+            clock.lap("bound check")
     # the base as the checkpoint stores it, for "unchanged" and |delta|: read from the model's
     # file tensor by tensor when that reproduces the loaded weights exactly, else a copy
     stored_base = base_source(model, resolved_refs(spec, refs)["model"], run.summary["base_dtype"],
                               spec.precision)
     release_freed_memory()  # the per-tensor reads of the base check
     run.summary["base_compared_from"] = "file" if isinstance(stored_base, FileBase) else "memory"
+    clock.lap("finish")  # the base's check against its file
     res = train(model, run.tok, run.task, run.config, mask=mask, teacher=run.teacher,
                 progress=lambda f, m="": progress(0.15 + 0.75 * f, m), step_hook=save_every if spec.save_steps else None)
+    trained = clock.lap(None)  # the loop's own time (res.seconds: steps, evaluation excluded)
+    clock.add("steps", min(res.seconds, trained))
+    clock.add("evaluation", max(0.0, trained - res.seconds))
     release_freed_memory()  # the run's activations and temporaries, before the diff
     progress(0.92, "update sparsity")
     _record_run(run, res)
@@ -393,8 +406,31 @@ def _train_job(
         # made dense now, after the run (the job held it compact until here)
         run.result.tensors["mask"] = {n: mask[n].cpu() for n in mask}
     run.result.files["model"] = str(out)
+    clock.lap("finish")  # update sparsity, concentration, the model saved
+    run.summary["seconds_parts"] = clock.parts()
     progress(1.0, f"accuracy {res.accuracy_before:.3f} -> {res.accuracy_after:.3f}")
     return run.result
+
+
+class _Clock:
+    """Seconds by part, each lap added to the part it names (parts in first-seen order)."""
+
+    def __init__(self) -> None:
+        self.t = time.perf_counter()
+        self._parts: dict[str, float] = {}
+
+    def lap(self, part: str | None) -> float:
+        now = time.perf_counter()
+        took, self.t = now - self.t, now
+        if part is not None:
+            self.add(part, took)
+        return took
+
+    def add(self, part: str, seconds: float) -> None:
+        self._parts[part] = self._parts.get(part, 0.0) + seconds
+
+    def parts(self) -> dict[str, float]:
+        return {k: round(v, 3) for k, v in self._parts.items()}
 
 
 def train_metrics(curve: list[dict[str, float]], summary: Mapping[str, Any], spec: TrainSpec,

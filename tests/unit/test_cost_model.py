@@ -689,9 +689,23 @@ def test_a_grpo_job_whose_bound_check_does_not_fit_skips_it_and_says_so(zoo_home
     assert any(w.startswith("GRPO's bound check on the first batch was not measured")
                for w in key_numbers(res.to_dict())["warnings"])
     monkeypatch.setattr(device, "free_memory_bytes", lambda _dev: 64 * 2**30)
+    import time
+
+    t0 = time.perf_counter()
     res = train_run.run(spec)
+    wall = time.perf_counter() - t0
     assert "bound_skipped" not in res.summary and res.summary["bound"]["bound_coordinates"] > 0
     assert res.summary["initial_fisher"] and "fisher" in res.tensors
+    # where the job's time went, by the estimate's own parts (compute.jobs.train.timing), every
+    # phase of the run in one of them: together the job's wall time, less the runner's own edges
+    from compute.contract.cost import Sizing
+    from compute.jobs.train import timing
+
+    took = res.summary["seconds_parts"]
+    assert list(took) == ["load", "initial Fisher", "bound check", "finish", "steps", "evaluation"]
+    assert set(took) <= set(timing(spec, Sizing(params=10**5, free_bytes=64 * 2**30)))
+    assert all(v > 0 for v in took.values()), took
+    assert 0.8 * wall - 0.5 <= sum(took.values()) <= wall, (took, wall)
 
     # room for a tenth of the sums (groups cut at multiples of 4,096 coordinates here, 2^20 in
     # the product): the same job checks the bound in groups and finds the same numbers. A batch
@@ -865,3 +879,25 @@ def test_the_job_reads_max_job_memory_mb_as_the_estimate_does(monkeypatch):
     assert capped < uncapped
     assert abs(capped - 2**29) < 64 * 2**20  # the process's memory moves a little between reads
     assert default_budget_mb(cpu) == 256  # a quarter of ~512 MiB, raised to the least budget
+
+
+def test_a_mask_chosen_without_a_fisher_counts_no_fisher_in_the_estimate():
+    """A train job that chooses its mask with `random`, `magnitude` or `gradient` estimates no
+    Fisher (train_run.build_mask_in_memory): its cost and time count none; a Fisher selector's
+    count exactly one more Fisher (fisher_passes, fisher_seconds). Before, any mask_select did."""
+    from compute.contract.specs import FISHER_SELECTORS
+    from compute.jobs.registry import parse_spec
+    from compute.jobs.train import cost, timing
+
+    z = C.Sizing(params=135_000_000, layers=30, hidden=576, vocab=49_152, intermediate=1536, prompt_tokens=7)
+    base = {"model": "arith-base", "algo": "sft", "concentration": False, "steps": 3}
+    none = parse_spec("train", base)
+    for sel in ("random", "magnitude", "magnitude-bottom", "gradient", *FISHER_SELECTORS):
+        s = parse_spec("train", {**base, "mask_select": sel, "mask_density": 0.01})
+        fisher = sel in FISHER_SELECTORS
+        one = C.fisher_passes(s.fisher_prompts, s.fisher_samples, s.max_new_tokens)
+        assert cost(s) == cost(none) + (one if fisher else 0), sel
+        assert ("initial Fisher" in timing(s, z)) is fisher, sel
+    s = parse_spec("train", {**base, "mask_select": "fisher", "mask_density": 0.01})
+    assert timing(s, z)["initial Fisher"] == pytest.approx(sum(C.fisher_seconds(
+        z, s.fisher_prompts, s.fisher_samples, s.max_new_tokens, statistics=False).values()))
