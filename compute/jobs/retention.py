@@ -156,6 +156,8 @@ CONTRACT = Contract("retention", RetentionResult, heatmaps=("retention",),
 
 
 def cost(s: RetentionSpec) -> int:
+    """Every arm's run, and a Fisher per seed: a ceiling (queued, each worker that runs an arm
+    needing it estimates the one Fisher again; in one process it is made once, see timing)."""
     runs = s.seeds * (len(s.densities) * len(s.selectors) + 1)
     one = train_passes(s.algo, s.steps, s.batch, s.group, s.max_new_tokens, s.eval_prompts,
                        s.gradient_checkpointing)
@@ -165,14 +167,16 @@ def cost(s: RetentionSpec) -> int:
 
 def timing(s: RetentionSpec, z: Sizing) -> dict[str, float]:
     """In one process (queued, the arms run on as many workers at once): the base's evaluation,
-    the Fisher once per seed, and every arm's training run and evaluation."""
+    the Fisher once (its sampling seed is the same for every arm, retention_run.FISHER_SEED: the
+    process makes it once and keeps it; it had been counted once per seed), and every arm's
+    training run and evaluation."""
     runs = s.seeds * (len(s.densities) * len(s.selectors) + 1)
     one = train_seconds(z, s.algo, s.steps, s.batch, s.group, s.max_new_tokens, s.eval_prompts,
                         checkpointing=s.gradient_checkpointing)
     fisher = sum(fisher_seconds(z, s.fisher_prompts, s.fisher_samples, s.max_new_tokens,
                                 statistics=False).values())
     share = ONE_THREAD_CALL_SHARE if z.params < ONE_THREAD_BELOW_PARAMS else 1.0
-    return {"load": z.load_s(), "initial Fisher": s.seeds * fisher,
+    return {"load": z.load_s(), "initial Fisher": fisher,
             "arms": runs * share * (one["steps"] + one["evaluation"] / 2 + train_finish_seconds(z)),
             "base evaluation": share * one["evaluation"] / 2}
 

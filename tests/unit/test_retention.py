@@ -183,8 +183,21 @@ def test_grid_units_apart_equal_the_run_and_density_one_equals_full(zoo_home, mo
                                     "group": 2, "max_new_tokens": 4, "device": "cpu"})
     n = children(spec)
     assert n == 1 + 2 * (1 + 4)
+    import compute.fisher as fisher_mod
+
+    made = []  # the Fishers the grid estimates, in one process: one for both seeds (FISHER_SEED)
+    real = fisher_mod.estimate_fisher
+    monkeypatch.setattr(fisher_mod, "estimate_fisher", lambda *a, **k: made.append(1) or real(*a, **k))
     shared: dict = {}
     outputs = [run_child(spec, i, shared=shared) for i in range(n)]
+    assert len(made) == 1
+    from compute.contract import cost as C
+    from compute.jobs.retention import timing
+
+    z = C.Sizing(params=10**5, layers=2, hidden=64, vocab=32, intermediate=128, prompt_tokens=7)
+    one = sum(C.fisher_seconds(z, 4, 2, 4, statistics=False).values())
+    assert timing(spec, z)["initial Fisher"] == pytest.approx(one)  # was counted once per seed
+    monkeypatch.setattr(fisher_mod, "estimate_fisher", real)
     whole = combine(spec, outputs)
     apart = {i: _as_shipped(run_child(spec, i)) for i in reversed(range(n))}
     assert _comparable(combine(spec, [apart[i] for i in range(n)])) == _comparable(whole)
