@@ -31,8 +31,12 @@ from compute.lm.device import wide
 # per-row gradients of at most this many elements in total are formed in one batched op; larger
 # ones one row at a time into a reused buffer (no (B, out, in) temporary)
 SMALL_BATCHED = 1 << 20
-# the block of a weight's square sum kept in a CPU core's cache (linear_square_sum)
-CPU_BLOCK_BYTES = 512 * 1024
+# the block of a weight's square sum kept in the CPU's cache (linear_square_sum): 4 MiB, from a
+# sweep of 512 KiB - 8 MiB on nine Llama-like shapes (benchmarks/bench_square_blocks.py
+# --sweep-kib, bench_square_blocks_sweep.json, session 18): summed over the shapes, time over one
+# batched product 18.5 -> 16.2 on one thread and 45.8 -> 25.6 on two (512 KiB blocks: a block and
+# its row buffer outgrew the core's half-MiB L2 anyway, and two threads split a small block badly)
+CPU_BLOCK_BYTES = 4 << 20
 
 
 def is_conv1d(module: nn.Module) -> bool:

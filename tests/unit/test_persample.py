@@ -47,6 +47,19 @@ def test_linear_square_sum(small, monkeypatch):
     assert_close(ps.linear_square_sum(x=X, g=G, conv1d=True), want.T)
 
 
+@pytest.mark.parametrize("rows_per_block", [1, 3, 7, 1000])
+def test_linear_square_sum_in_cpu_blocks_of_output_rows(rows_per_block, monkeypatch):
+    """The row loop a block of output rows at a time (CPU_BLOCK_BYTES; 4 MiB since session 18,
+    so a test-sized weight is one block unless the block is made small): every block size gives
+    the brute-force sum over rows of each row's squared gradient, the last block partial."""
+    monkeypatch.setattr(ps, "SMALL_BATCHED", 0)
+    g = torch.Generator().manual_seed(4)
+    x, gr = torch.randn(5, 6, 11, generator=g, dtype=F64), torch.randn(5, 6, 17, generator=g, dtype=F64)
+    monkeypatch.setattr(ps, "CPU_BLOCK_BYTES", rows_per_block * 11 * 8)
+    want = sum(torch.einsum("to,ti->oi", gr[n], x[n]) ** 2 for n in range(5))
+    assert_close(ps.linear_square_sum(x=x, g=gr), want)
+
+
 def test_rank1_rows():
     g = t([[[0, 0], [2, -1]], [[1, 1], [0, 0]]])  # row 0 non-zero at t=1 only, row 1 at t=0
     pos = ps.single_positions(g)
