@@ -161,7 +161,7 @@ def token_passes(kind: str, spec: Any) -> int:
     return int(registry.get(kind).cost(spec))
 
 
-def model_shape(ref: Any) -> dict[str, int]:
+def model_shape(ref: Any) -> dict[str, Any]:
     """{"layers", "hidden", "vocab", "intermediate"} of a resolved model reference from its config.json (text
     config of a multimodal one); {} when unreadable here."""
     path = Path(ref.local) / "config.json" if getattr(ref, "local", None) else None
@@ -171,7 +171,14 @@ def model_shape(ref: Any) -> dict[str, int]:
         cfg = json.loads(path.read_text())
     except (OSError, ValueError):
         return {}
-    out = config_shape(cfg) if isinstance(cfg, dict) else {}
+    out: dict[str, Any] = config_shape(cfg) if isinstance(cfg, dict) else {}
+    # the Fisher job skips its exact output-layer check for a tied embedding (fisher_run: the
+    # shared matrix's Monte-Carlo Fisher includes its input use); the estimate too, where the
+    # config says so (a key left out is read as untied: the check counted, as before)
+    text = cfg.get("text_config") if isinstance(cfg, dict) else None
+    if (text if isinstance(text, dict) else cfg if isinstance(cfg, dict) else {}).get("tie_word_embeddings") is True \
+            or (isinstance(cfg, dict) and cfg.get("tie_word_embeddings") is True):
+        out["tied"] = True
     # a tied input/output embedding needs no per-row gradient buffer in the Fisher engine since
     # issue 30 (compute/fisher/accumulate.py: the head's squares plus the touched rows whole), so
     # Sizing.shared stays 0 for it (compute/fisher/estimators.py _shared_numel)
@@ -212,7 +219,7 @@ def sizing(settings: Any, kind: str, spec: Any, refs: dict[str, Any], params: in
     the calibration (seconds = token_passes x (a + b x params)) and the free memory."""
     from app.services import refs as resolver
 
-    shape: dict[str, int] = {}
+    shape: dict[str, Any] = {}
     models = 0
     for field, (_, target) in resolver.spec_values(kind, spec).items():
         if target != "model" or field not in refs:

@@ -4,6 +4,9 @@ Fisher, per parameter, each size in a fresh process (issue 30: the check was cou
 memory estimate; compute.contract.cost.BOUND_BYTES_PER_PARAM is fitted from this).
 
     python benchmarks/bench_bound_memory.py [--sizes 20m,50m] [--group-shares 0.25] [--out FILE]
+    python benchmarks/bench_bound_memory.py --small   # 78k-17M params, vocabularies 64-49k, one
+        # group: the part beside the sums below the sizes BOUND_FIXED_MB was fitted at
+        # (compute.contract.cost.bound_fixed_bytes); writes results/bench_bound_small.json
 
 Each size a random-init Llama of bench_scale.py's shapes (tied 49,152-token embedding), CPU, the
 first GRPO batch of 2 prompts x 4 completions of 8 new tokens (the arithmetic task).
@@ -31,7 +34,7 @@ torch.set_num_threads(int(os.environ["THREADS"]))
 from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 from peakmem import rss_peak_of
 from compute.lm.verifiable_tasks import get_task
-from compute.contract.cost import BOUND_BYTES_PER_PARAM as PER, BOUND_FIXED_MB, MIB, bound_plan
+from compute.contract.cost import BOUND_BYTES_PER_PARAM as PER, bound_fixed_bytes, bound_plan
 from compute.studies.bound import SLICE, bound_check
 import compute.lm.sampling, compute.train.objectives.grpo  # imported before the mark
 H, L, I, A, KV = json.loads(os.environ["SHAPE"])
@@ -49,7 +52,7 @@ sizes = [p.numel() for p in model.parameters()]
 # GROUP_SHARE: the room bound_plan is given, as a share of what the whole check's sums need (the
 # job's free memory less what it holds); unset: one group of all
 share = os.environ.get("GROUP_SHARE")
-plan = bound_plan(sizes, None if share is None else float(share) * PER * n + BOUND_FIXED_MB * MIB + 4 * max(sizes),
+plan = bound_plan(sizes, None if share is None else float(share) * PER * n + bound_fixed_bytes(n) + 4 * max(sizes),
                   0.0, unit=SLICE)
 groups = [[(names[i], lo, hi) for i, lo, hi in g] for g in plan.groups]
 out = {}
@@ -78,6 +81,11 @@ def measure(shape: tuple, threads: int = 2, vocab: int = 49152, root: Path = ROO
     return json.loads(p.stdout.strip().splitlines()[-1])
 
 
+# (hidden, layers, intermediate, heads, kv heads), vocabulary: from the zoo's size to bench_scale's 20m
+SMALL = [((64, 2, 128, 4, 2), 64), ((128, 4, 384, 4, 2), 1024), ((128, 4, 384, 4, 2), 49152),
+         ((256, 6, 768, 4, 2), 1024), ((256, 6, 768, 4, 2), 49152)]
+
+
 def main(argv: list[str] | None = None) -> int:
     from bench_scale import SHAPES
 
@@ -89,12 +97,26 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--group-shares", default="",
                     help="also measure the check in groups: comma-separated shares of the whole check's sums "
                          "the room holds (bound_plan), e.g. 0.25")
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "bench_bound_memory.json"))
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--small", action="store_true", help="the small shapes and vocabularies (SMALL)")
     a = ap.parse_args(argv)
     t0 = time.time()
     rows = []
+    if a.small:
+        from compute.contract.cost import MIB, bound_fixed_bytes
+
+        for shape, vocab in SMALL:
+            row = {"shape": list(shape), "vocab": vocab, **measure(shape, a.threads, vocab=vocab)}
+            row["estimate_mb"] = round((PER * row["n_params"] + bound_fixed_bytes(row["n_params"])) / MIB, 1)
+            row["estimate_over_peak"] = round(row["estimate_mb"] / row["peak_above_weights_mb"], 2)
+            print(f"{shape} vocab {vocab}: {row['n_params']:,} params, peak {row['peak_above_weights_mb']:.0f} MiB "
+                  f"({row['beyond_largest_group_mb']:.0f} beyond the sums), estimate {row['estimate_mb']:.0f} MiB "
+                  f"= {row['estimate_over_peak']}x", flush=True)
+            rows.append(row)
+        a.out = a.out or str(ROOT / "benchmarks" / "results" / "bench_bound_small.json")
+    a.out = a.out or str(ROOT / "benchmarks" / "results" / "bench_bound_memory.json")
     shares: list[float | None] = [None] + [float(x) for x in a.group_shares.split(",") if x]
-    for size in a.sizes.split(","):
+    for size in [] if a.small else a.sizes.split(","):
         for share in shares:
             row = {"size": size, "shape": SHAPES[size], "group_share": share,
                    **measure(SHAPES[size], a.threads, group_share=share)}

@@ -79,7 +79,7 @@ def main(argv: list[str] | None = None) -> int:
                      b=cal["seconds_per_param_token_pass"],
                      prompt_tokens=prompt_tokens("arithmetic", C.COST_PROMPT_TOKENS))
         for share in [None] + [float(x) for x in a.group_shares.split(",") if x]:
-            free = None if share is None else share * C.BOUND_BYTES_PER_PARAM * n + C.BOUND_FIXED_MB * C.MIB + 4 * max(sizes)
+            free = None if share is None else share * C.BOUND_BYTES_PER_PARAM * n + C.bound_fixed_bytes(n) + 4 * max(sizes)
             plan = C.bound_plan(sizes, free, 0.0, unit=B.SLICE)
             groups = [[(names[i], lo, hi) for i, lo, hi in g] for g in plan.groups]
             for k in parts:

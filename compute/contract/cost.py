@@ -15,6 +15,7 @@ Pure: no imports beyond the standard library (the web process estimates with it)
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 COST_PROMPT_TOKENS = 64
@@ -88,8 +89,10 @@ BOUND_SUMMARY_CALLS = 90.0
 BOUND_GROUP_BACKWARD_SHARE = 0.6
 TRAIN_STEP_CALLS = 2.0  # an optimizer step: objective, backward, clip, step, bookkeeping
 # a Fisher's statistics over all parameters (split-half, Gini, curve, tables), in calls per
-# parameter: streaming since issue 30, 5.2 s for SmolLM2-135M (was 2.4e-7 s/param, ~32 s)
-STATS_CALLS_PER_PARAM = 7.9e-6
+# parameter: streaming since issue 30, 5.2 s for SmolLM2-135M (was 2.4e-7 s/param, ~32 s); refitted
+# in session 18 after the statistics' fewer operations a value: 3.07-3.31 s measured for
+# SmolLM2-135M against 15.5 s at 7.9e-6 with the same calibration (bench_estimates.json)
+STATS_CALLS_PER_PARAM = 1.7e-6
 TRAIN_FINISH_S = 10.0  # a train's end: update sparsity, concentration, saving model and metrics
 TRAIN_FINISH_S_PER_PARAM = 3e-7
 # retention runs a model below 20M parameters on one torch thread (compute/jobs/retention_run.py
@@ -173,6 +176,18 @@ BOUND_BYTES_PER_PARAM = 20.0
 # measurements of bench_bound_groups.json (more in groups: the samples and histograms outlive a
 # group's sums, and glibc keeps some of a group's freed sums; most at 11 groups of 106M).
 BOUND_FIXED_MB = 650.0
+# ... at the sizes measured there (17M parameters and up). Below them it is not fixed: measured on
+# random Llamas of 78k-17M parameters with vocabularies of 64-49k (session 18,
+# `bench_bound_memory.py --small`, bench_bound_small.json) the same part was 45 MiB at 78k, 202 at
+# 0.92M, 433-444 from 5M to 17M whatever the vocabulary: about BOUND_FIXED_MB_PER_SQRT_PARAM x the
+# square root of the parameter count (an empirical fit, 1.0-1.5x those points), capped at
+# BOUND_FIXED_MB. The flat 650 MB had made a zoo model's GRPO estimate 3.8x its measured peak.
+BOUND_FIXED_MB_PER_SQRT_PARAM = 0.25
+
+
+def bound_fixed_bytes(params: int) -> float:
+    """The bound check's part beside its sums (BOUND_FIXED_MB, smaller below ~7M parameters)."""
+    return min(BOUND_FIXED_MB, BOUND_FIXED_MB_PER_SQRT_PARAM * math.sqrt(max(params, 0))) * MIB
 
 
 @dataclass(frozen=True)
@@ -198,7 +213,7 @@ def bound_plan(sizes: list[int], free_bytes: float | None, held_bytes: float = 0
     """GRPO's bound check in groups of coordinates (compute.studies.bound.bound_check), one rule for
     the estimate and the job. The room is the memory free on the device beside what the job holds
     then (`held_bytes`: what `free_bytes` does not count yet, the initial Fisher to be made), less
-    BOUND_FIXED_MB and one float32 gradient of the largest parameter (autograd makes it whole
+    bound_fixed_bytes and one float32 gradient of the largest parameter (autograd makes it whole
     before the group's part of it is folded). A group holds at most that room at
     BOUND_BYTES_PER_PARAM: consecutive parameters in the model's order, one larger than the room
     cut at multiples of `unit` coordinates. One group of all when it fits, or when free memory is
@@ -207,13 +222,13 @@ def bound_plan(sizes: list[int], free_bytes: float | None, held_bytes: float = 0
     every = [(i, 0, n) for i, n in enumerate(sizes)]
     if free_bytes is None:
         return BoundPlan([every])
-    room = free_bytes - held_bytes - BOUND_FIXED_MB * MIB - 4.0 * max(sizes, default=0)
+    room = free_bytes - held_bytes - bound_fixed_bytes(sum(sizes)) - 4.0 * max(sizes, default=0)
     cap = int(max(room, 0.0) / BOUND_BYTES_PER_PARAM)  # coordinates per group
     if sum(sizes) <= cap:
         return BoundPlan([every])
     cap -= cap % unit
     if cap < unit:
-        need = BOUND_BYTES_PER_PARAM * unit + BOUND_FIXED_MB * MIB + 4.0 * max(sizes, default=0)
+        need = BOUND_BYTES_PER_PARAM * unit + bound_fixed_bytes(sum(sizes)) + 4.0 * max(sizes, default=0)
         return BoundPlan([], f"not measured: the bound check needs at least {need / 1e9:.3g} GB (its fixed part, "
                              "the largest parameter's gradient and a group of "
                              f"{unit:,} coordinates at {BOUND_BYTES_PER_PARAM:g} bytes each), more than the "
@@ -333,6 +348,9 @@ class Sizing:
     mask_density: float | None = None  # a given mask file's density, from its header (None: unknown)
     # free_bytes is a GPU's: what the job keeps on the host (the initial Fisher) is not in it
     device_is_gpu: bool = False
+    # the input and output embeddings are one matrix (the config says so): the Fisher job skips
+    # its exact output-layer check, whose time the estimate then leaves out
+    tied: bool = False
 
     def passes_s(self, token_passes: float) -> float:
         """Seconds of `token_passes` of forward/backward at the calibration."""
@@ -596,7 +614,7 @@ def train_memory(z: Sizing, algo: str, batch: int, group: int, max_new_tokens: i
                   checkpointed=checkpointing)}
     plan = bound_plan_of(z, teacher, initial_fisher) if bound else None
     if plan is not None and plan.skip is None:  # a check that does not fit at all is skipped
-        check = BOUND_BYTES_PER_PARAM * plan.largest + BOUND_FIXED_MB * MIB + \
+        check = BOUND_BYTES_PER_PARAM * plan.largest + bound_fixed_bytes(sum(z.tensor_sizes())) + \
             (4.0 * max(z.tensor_sizes()) if len(plan.groups) > 1 else 0.0)
         # the check runs before the steps, beside the weights and the initial Fisher, and frees
         # its sums: the peak holds the larger of the two phases

@@ -130,7 +130,7 @@ def timing(s: FisherSpec, z: Sizing) -> dict[str, float]:
     """Load, sampling, the per-row gradients, the exact output-layer check and the statistics
     (compute.contract.cost.fisher_seconds), for until_reliable's worst case."""
     return {"load": z.load_s(), **fisher_seconds(z, _prompts(s), s.samples, s.max_new_tokens,
-                                                 s.estimator, s.exact_output)}
+                                                 s.estimator, s.exact_output and not z.tied)}
 
 
 def memory(s: FisherSpec, z: Sizing) -> dict[str, float]:

@@ -604,7 +604,7 @@ def test_grpo_counts_its_bound_check_when_it_fits_and_skips_it_when_not(api, tmp
             - (C.INITIAL_FISHER_BYTES_PER_PARAM * plain["params"] if "initial Fisher" not in parts else 0.0)
 
     part = plain["memory_parts"][label]
-    check = C.BOUND_BYTES_PER_PARAM * plain["params"] + C.BOUND_FIXED_MB * C.MIB
+    check = C.BOUND_BYTES_PER_PARAM * plain["params"] + C.bound_fixed_bytes(plain["params"])
     assert part == pytest.approx(check - steps_of(plain["memory_parts"])) and part > 0
     assert plain["memory_bytes"] - off["memory_bytes"] == pytest.approx(part)
     assert label not in off["memory_parts"] and label not in sft["memory_parts"]  # SFT has no bound check
@@ -620,8 +620,8 @@ def test_grpo_counts_its_bound_check_when_it_fits_and_skips_it_when_not(api, tmp
     held = C.bound_held_bytes(z)
     plan = C.bound_plan_of(z)
     assert plan.skip is None and len(plan.groups) > 1
-    assert C.BOUND_BYTES_PER_PARAM * plan.largest <= z.free_bytes - held - C.BOUND_FIXED_MB * C.MIB
-    check = C.BOUND_BYTES_PER_PARAM * plan.largest + C.BOUND_FIXED_MB * C.MIB + 4.0 * max(z.tensor_sizes())
+    assert C.BOUND_BYTES_PER_PARAM * plan.largest <= z.free_bytes - held - C.bound_fixed_bytes(z.params)
+    check = C.BOUND_BYTES_PER_PARAM * plan.largest + C.bound_fixed_bytes(z.params) + 4.0 * max(z.tensor_sizes())
     steps = sum(v for k, v in eight.items() if k not in ("runtime", "weights", "initial Fisher", label))
     assert eight[label] == pytest.approx(check - steps) and eight[label] > 0
     assert sum(eight.values()) <= 80e9  # the check's phase fits the device, by its groups
@@ -637,7 +637,7 @@ def test_grpo_counts_its_bound_check_when_it_fits_and_skips_it_when_not(api, tmp
     assert label not in C.train_memory(tiny_z, "grpo", 2, 4, 64, "adamw", 0.01, concentration=False, bound=True)
     roomy_z = C.Sizing(**{**z.__dict__, "free_bytes": 1e13})
     roomy = C.train_memory(roomy_z, "grpo", 2, 4, 64, "adamw", 0.01, concentration=False, bound=True)
-    assert roomy[label] == pytest.approx(C.BOUND_BYTES_PER_PARAM * z.params + C.BOUND_FIXED_MB * C.MIB - steps)
+    assert roomy[label] == pytest.approx(C.BOUND_BYTES_PER_PARAM * z.params + C.bound_fixed_bytes(z.params) - steps)
     assert C.bound_plan([5, 7], None).groups == [[(0, 0, 5), (1, 0, 7)]]  # free memory unknown: one group
     from compute.jobs.registry import parse_spec
     from compute.jobs.train import timing
@@ -722,7 +722,7 @@ def test_a_grpo_job_whose_bound_check_does_not_fit_skips_it_and_says_so(zoo_home
     monkeypatch.setattr(B, "SLICE", 4096)
     sizes = [t.numel() for t in load_file(str(zoo_home / "zoo" / "arith-base" / "model.safetensors")).values()]
     n, largest = sum(sizes), max(sizes)
-    free = 4.0 * n + C.BOUND_FIXED_MB * C.MIB + 4.0 * largest + C.BOUND_BYTES_PER_PARAM * (n // 10)
+    free = 4.0 * n + C.bound_fixed_bytes(n) + 4.0 * largest + C.BOUND_BYTES_PER_PARAM * (n // 10)
     monkeypatch.setattr(device, "free_memory_bytes", lambda _dev: int(free))
     res = train_run.run(spec)
     parts = res.summary["bound"]
@@ -901,3 +901,24 @@ def test_a_mask_chosen_without_a_fisher_counts_no_fisher_in_the_estimate():
     s = parse_spec("train", {**base, "mask_select": "fisher", "mask_density": 0.01})
     assert timing(s, z)["initial Fisher"] == pytest.approx(sum(C.fisher_seconds(
         z, s.fisher_prompts, s.fisher_samples, s.max_new_tokens, statistics=False).values()))
+
+
+def test_a_tied_models_fisher_estimate_leaves_out_the_check_the_job_skips(tmp_path: Path) -> None:
+    """The Fisher job skips its exact output-layer check for a tied input/output embedding
+    (fisher_run: exact_output_skipped); the estimate read it anyway (24 s of SmolLM2-135M's, whose
+    job spent 0.004 s there). Now where config.json says tie_word_embeddings: true, the estimate
+    has no such part; the same model's config untied has it, and its total is that much more."""
+    from app import limits
+    from compute.jobs.registry import parse_spec
+
+    home = _home(tmp_path / "home")
+    folder = home / "zoo" / "arith-base"
+    settings = _settings(home, max_job_memory_mb=1_000_000)
+    spec = parse_spec("fisher", {"model": "arith-base", "prompts": 8, "samples": 2, "max_new_tokens": 16})
+    cfg = json.loads((folder / "config.json").read_text())
+    assert cfg["tie_word_embeddings"] is False
+    untied = limits.estimate(settings, "fisher", spec, limits.refs_for_estimate(settings, "fisher", spec))
+    (folder / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
+    tied = limits.estimate(settings, "fisher", spec, limits.refs_for_estimate(settings, "fisher", spec))
+    assert "exact output" in untied["seconds_parts"] and "exact output" not in tied["seconds_parts"]
+    assert untied["seconds"] - tied["seconds"] == pytest.approx(untied["seconds_parts"]["exact output"])
