@@ -176,8 +176,7 @@ def model_shape(ref: Any) -> dict[str, Any]:
     # shared matrix's Monte-Carlo Fisher includes its input use); the estimate too, where the
     # config says so (a key left out is read as untied: the check counted, as before)
     text = cfg.get("text_config") if isinstance(cfg, dict) else None
-    if (text if isinstance(text, dict) else cfg if isinstance(cfg, dict) else {}).get("tie_word_embeddings") is True \
-            or (isinstance(cfg, dict) and cfg.get("tie_word_embeddings") is True):
+    if any(isinstance(c, dict) and c.get("tie_word_embeddings") is True for c in (cfg, text)):
         out["tied"] = True
     # a tied input/output embedding needs no per-row gradient buffer in the Fisher engine since
     # issue 30 (compute/fisher/accumulate.py: the head's squares plus the touched rows whole), so

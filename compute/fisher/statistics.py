@@ -440,13 +440,9 @@ def topk_thresholds(fishers: list[Mapping[str, Any]], k: int) -> list[tuple[floa
 def _threshold(hi: int, above: int, low: Any, k: int) -> tuple[float, int]:
     """(t, g) of topk_threshold from the cut bin `hi`, the values in higher bins and the bin's
     low-bits histogram: t the k-th largest overall, g the values above t."""
-    import struct
-
     lo, _ = _cut_low(low, k - above)
     g = above + int(low[lo + 1:].sum())
-    kth = ((hi << 16) | lo) - _SIGN
-    bits = kth if kth >= 0 else kth ^ 0x7FFFFFFF
-    return float(struct.unpack("<f", struct.pack("<i", bits))[0]), g
+    return _key_value(((hi << 16) | lo) - _SIGN), g
 
 
 def _topk_chunk_masks(fisher: Mapping[str, Any], percent: float,
@@ -664,32 +660,26 @@ def _jaccard_bracketed(a: Mapping[str, Any], b: Mapping[str, Any], k: int, perce
         held += band[0][-1].numel() + band[1][-1].numel()
         if held > 2 * JACCARD_BAND_MAX:
             return None
-    thresholds: list[int] = []
+    thresholds: list[int] = []  # each side's k-th largest key
+    above: list[int] = []  # each side's values above it
+    ties = False  # more values equal to a k-th largest than the set takes
     for side in (0, 1):
         keys = torch.cat(band[side]) if band[side] else torch.zeros(0, dtype=torch.int32)
         need = k - sure[side]
         if not 0 < need <= keys.numel():
             return None  # the k-th largest is outside the bracket
         t = int(torch.topk(keys, need).values[-1])
-        if sure[side] + int((keys >= t).sum()) != k:  # values equal to the k-th largest left out
-            return _jaccard_by_masks(
-                a, b, percent, *[_threshold_of_band(band[i], sure[i], k) for i in (0, 1)])  # type: ignore[misc]
         thresholds.append(t)
+        above.append(sure[side] + int((keys > t).sum()))
+        ties = ties or sure[side] + int((keys >= t).sum()) != k
+    if ties:
+        return _jaccard_by_masks(a, b, percent, *((_key_value(t), g) for t, g in zip(thresholds, above, strict=True)))
     ta, tb = thresholds
     inter = sure_both + sum(int((x >= ta).sum()) for x in a_band_b_sure) + \
         sum(int((y >= tb).sum()) for y in b_band_a_sure) + \
         sum(int(((x >= ta) & (y >= tb)).sum()) for x, y in pairs)
     union = 2 * k - inter
     return inter / union if union else 1.0
-
-
-def _threshold_of_band(band: list[torch.Tensor], sure: int, k: int) -> tuple[float, int]:
-    """topk_threshold's (t, g) from a bracket's keys and the count above it."""
-    import torch
-
-    keys = torch.cat(band) if band else torch.zeros(0, dtype=torch.int32)
-    t = int(torch.topk(keys, k - sure).values[-1])
-    return _key_value(t), sure + int((keys > t).sum())
 
 
 def _key_value(key: int) -> float:
