@@ -69,11 +69,29 @@ CALL_TOKEN_PASSES = 3 * 8 * 48
 # (measured 1.95 s for arith-base, 2.3 s for SmolLM2-135M with its 540 MB of weights)
 MODEL_LOAD_CALLS = 370.0
 LOAD_BYTES_PER_S = 400e6  # reading safetensors weights into the model (CPU, page cache warm)
-DECODE_STEP_CALLS = 2.0  # one generation step (sampling, logits processors, KV cache update)
-FISHER_ROW_CALLS = 1.0  # per-sample gradient of one row: its own backward's fixed part
-FISHER_ROW_PASS_FACTOR = 2.0  # per-row backward arithmetic vs the calibration's batched one (SmolLM2-135M: ~2x, as issue 30 measured 1.69-2.20x; revisit when the engine reaches its 1.2x goal)
-EXACT_ROW_CALLS = 0.6  # exact output-layer Fisher of one row
-BOUND_ROW_CALLS = 15.0  # the bound check's per-sample gradient of one row (full gradient, kept)
+# a model loaded again in the same process (a sweep's points): the imports, the tokenizer and the
+# classes are warm; its weights are read again (arith-base: 24 ms a point, 5 calls at that run's
+# calibration; bench_estimates.json, session 19)
+MODEL_RELOAD_CALLS = 5.0
+# one generation step (sampling, logits processors, KV cache update) per decoder layer: a decode
+# step's fixed part grows with the layers it runs through (session 19, CPU, 2 threads, 8 and 64
+# rows: arith-base, 2 layers, 0.33-0.51 calls; arith-deep-base, 8 layers, 0.96-1.05; SmolLM2-135M,
+# 30 layers, 8.5-11.6). It was 2.0 calls whatever the depth: 4x the clock on the zoo models
+DECODE_STEP_CALLS_PER_LAYER = 0.25
+# per-sample gradient of one row, its fixed part beyond the batched backward it shares (the engine
+# runs many rows a forward since issue 30: arith-base's 256 rows took 0.23 s, 0.1 calls a row; session 19)
+FISHER_ROW_CALLS = 0.1
+# per-row backward arithmetic vs the calibration's batched one: 2.0 when issue 30 measured the engine
+# at 1.69-2.20x its floor; SmolLM2-135M's default and held-out Fishers measured 1.33 / 1.25 with the
+# engine at 1.3x (bench_estimates.json, session 19; 1.33 set from the default row alone)
+FISHER_ROW_PASS_FACTOR = 1.33
+EXACT_ROW_CALLS = 0.02  # exact output-layer Fisher of one row (arith-base: 256 rows in 0.074 s, session 19; was 0.6)
+# the bound check's per-sample gradient of one row (full gradient, kept): its fixed part per decoder
+# layer. It was 15 calls whatever the depth, fitted at 6-16 layers: 9x the clock on the 2-layer zoo
+# model. Refitted with the fold below on bench_bound_time.json's one-group rows (20M / 50M / 106M,
+# 6 / 8 / 16 layers: each row's backward and fold 0.96 / 0.94 / 1.06x the estimate) and the zoo
+# model's GRPO train (session 19)
+BOUND_ROW_CALLS_PER_LAYER = 1.7
 # The bound check's per-coordinate work (benchmarks/bench_bound_time.py, 20M / 50M / 106M Llama,
 # CPU, 2 threads; results/bench_bound_time.json): each row's gradient folded into two float64 sums
 # beyond the rows' backward (a float32 slice cast once, then same-dtype arithmetic), the summary's
@@ -85,7 +103,10 @@ BOUND_ROW_CALLS = 15.0  # the bound check's per-sample gradient of one row (full
 # 0.44-0.66). With them the estimate is within the ratios the file records.
 BOUND_FOLD_CALLS_PER_PARAM_ROW = 5.0e-7
 BOUND_SUMMARY_CALLS_PER_PARAM = 4.3e-6
+# the summary's end, at BOUND_CORR_COORDS coordinates or more: its rank correlations run over a
+# sample of that many (compute.studies.bound), fewer on a smaller model, and its time with them
 BOUND_SUMMARY_CALLS = 90.0
+BOUND_CORR_COORDS = 2_000_000
 BOUND_GROUP_BACKWARD_SHARE = 0.6
 TRAIN_STEP_CALLS = 2.0  # an optimizer step: objective, backward, clip, step, bookkeeping
 # a Fisher's statistics over all parameters (split-half, Gini, curve, tables), in calls per
@@ -93,25 +114,36 @@ TRAIN_STEP_CALLS = 2.0  # an optimizer step: objective, backward, clip, step, bo
 # in session 18 after the statistics' fewer operations a value: 3.07-3.31 s measured for
 # SmolLM2-135M against 15.5 s at 7.9e-6 with the same calibration (bench_estimates.json)
 STATS_CALLS_PER_PARAM = 1.7e-6
-TRAIN_FINISH_S = 10.0  # a train's end: update sparsity, concentration, saving model and metrics
-TRAIN_FINISH_S_PER_PARAM = 3e-7
-# retention runs a model below 20M parameters on one torch thread (compute/jobs/retention_run.py
-# SMALL_MODEL_PARAMS): a call's fixed part is then this share of the calibration's (2 threads).
-# Fitted on the default retention sweep of arith-base (30 arms, 927 s measured), with prompts
-# counted at the task's length (7 tokens for arithmetic; 0.4 when every prompt counted as 64)
-ONE_THREAD_CALL_SHARE = 0.7
-ONE_THREAD_BELOW_PARAMS = 20_000_000
+# a train's end (the base checked against its file, update sparsity, concentration, the model and
+# its metrics saved), in calls (the machine's unit) and calls per parameter. It was 10 s + 3e-7
+# s/param, seconds that do not move with the machine: 10 s where arith-base's end takes 0.99
+# and 0.91 s in two runs that day, 210 and 111 calls at their calibrations; a sweep point's 0.66 and
+# 0.82 s, 140 and 100: bench_estimates.json, session 19); the per-parameter part is the old 3e-7 s
+# at the calibration it was fitted under (14.6 ms a call)
+TRAIN_FINISH_CALLS = 150.0
+TRAIN_FINISH_CALLS_PER_PARAM = 2e-5
 # retention keeps the loaded models, the Fisher, the seed-independent masks and every arm's
 # curves and held-out rewards in one process
 RETENTION_STATE_MB = 200.0
-FILE_JOB_S = 0.3  # a job over tensor files: opening, the result, its figures data
-CHECKPOINT_S_PER_PARAM = 2e-7  # diff / series: reading, comparing and summarising one checkpoint
+# Jobs over tensor files, in calls too (they were seconds, fitted at a call of 15 ms, and did not
+# move with the machine). Refitted in session 19 (bench_estimates.json; a SmolLM2-135M diff against
+# a perturbed copy, 12.6 s at a call of 7.0 ms, estimated 3.3x over with the converted seconds):
+FILE_JOB_CALLS = 2.0  # a job over tensor files: opening, the result, its figures data
+# a series' reading of the run folder and references in a fresh process (profiled on the default
+# series of arith-base: 0.2-0.5 s, of which 0.035 s comparing and the rest first imports)
+SERIES_OPEN_CALLS = 40.0
+CHECKPOINT_CALLS_PER_PARAM = 5.3e-6  # diff / series: reading, comparing and summarising one checkpoint
 DIFF_SPECTRA_MB = 4.0  # diff: the linear-algebra workspace of the spectra (LAPACK, its first use)
-DIFF_S_PER_MATRIX = 0.17  # diff: the rank / spectrum of one 2-D delta (7 per block + embeddings)
-MASK_SELECT_S = 0.6  # mask: selecting from a Fisher (per-tensor thresholds, statistics)
-MASK_S_PER_ELEMENT = 2e-8
-TOKEN_GRAD_CALLS = 1.2  # the token explorer: one backward per token it traces
-TOKEN_SETUP_CALLS = 240.0  # its forward over the context and the factored-gradient check
+# diff: the rank / spectrum of one 2-D delta (7 per block + embeddings): fitted with the above on
+# arith-base (16 matrices of at most 64 x 128, 0.27 s in all) and SmolLM2-135M (212, up to 49k x 576)
+DIFF_CALLS_PER_MATRIX = 1.8
+MASK_SELECT_CALLS = 1.0  # mask: selecting from a Fisher (per-tensor thresholds, statistics)
+MASK_CALLS_PER_ELEMENT = 1.33e-6
+# the token explorer: one backward per token it traces, and its forward over the context and the
+# factored-gradient check (were 1.2 and 240 calls: the default tokens job took 2.3 s with its model
+# load, estimated 6.1; refitted on that, session 19)
+TOKEN_GRAD_CALLS = 0.3
+TOKEN_SETUP_CALLS = 30.0
 # A half-precision Fisher's float32 check (compute/jobs/fisher_run.py precision_check_plan) runs
 # within what the job's allowance leaves, with at least this temporaries budget, else it is
 # skipped and the result says why (issue 30)
@@ -363,12 +395,21 @@ class Sizing:
     def load_s(self) -> float:
         return self.calls_s(MODEL_LOAD_CALLS) + self.models * self.params * 4 / LOAD_BYTES_PER_S
 
+    def reload_s(self) -> float:
+        """A model loaded again in a process that has loaded it (a sweep's next point)."""
+        return self.calls_s(MODEL_RELOAD_CALLS) + self.models * self.params * 4 / LOAD_BYTES_PER_S
+
+    def decode_step_calls(self) -> float:
+        return DECODE_STEP_CALLS_PER_LAYER * max(self.layers, 1)
+
     def generate_s(self, seqs: int, new_tokens: int, batch: int, prompt: int | None = None) -> float:
         """Sampling `seqs` completions of `new_tokens` in batches of `batch`: the token-passes of
-        prompt and completion, plus a call's fixed part per decode step (one step after another)."""
+        prompt and completion, plus a decode step's fixed part per step (one step after another).
+        Every completion counted at its full length: a batch whose rows all end early (an
+        arithmetic answer and its end-of-sequence token) takes less."""
         prompt = self.prompt_tokens if prompt is None else prompt
         steps = -(-max(seqs, 0) // max(batch, 1)) * new_tokens
-        return self.passes_s(seqs * (prompt + new_tokens)) + self.calls_s(steps * DECODE_STEP_CALLS)
+        return self.passes_s(seqs * (prompt + new_tokens)) + self.calls_s(steps * self.decode_step_calls())
 
     def weight_bytes(self, dtype_bytes: float = 4.0) -> float:
         return self.models * self.params * dtype_bytes
@@ -495,14 +536,15 @@ def bound_seconds(z: Sizing, rows: int, max_new_tokens: int, groups: int = 1) ->
     row's gradient folded into the sums once per coordinate, and the summary's pass over the
     coordinates."""
     length = z.prompt_tokens + max_new_tokens
-    backward = z.calls_s(rows * BOUND_ROW_CALLS) + z.passes_s(rows * length * 3)
+    backward = z.calls_s(rows * BOUND_ROW_CALLS_PER_LAYER * max(z.layers, 1)) + z.passes_s(rows * length * 3)
     repeats = 1 + BOUND_GROUP_BACKWARD_SHARE * (max(1, groups) - 1)
+    summary_end = BOUND_SUMMARY_CALLS * min(1.0, z.params / BOUND_CORR_COORDS)
     return z.generate_s(rows, max_new_tokens, rows) + repeats * backward + \
-        z.calls_s(BOUND_SUMMARY_CALLS + z.params * (rows * BOUND_FOLD_CALLS_PER_PARAM_ROW + BOUND_SUMMARY_CALLS_PER_PARAM))
+        z.calls_s(summary_end + z.params * (rows * BOUND_FOLD_CALLS_PER_PARAM_ROW + BOUND_SUMMARY_CALLS_PER_PARAM))
 
 
 def train_finish_seconds(z: Sizing) -> float:
-    return TRAIN_FINISH_S + TRAIN_FINISH_S_PER_PARAM * z.params
+    return z.calls_s(TRAIN_FINISH_CALLS + TRAIN_FINISH_CALLS_PER_PARAM * z.params)
 
 
 def fisher_temporaries(z: Sizing, rows: int, length: int, budget: float) -> float:

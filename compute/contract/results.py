@@ -18,7 +18,7 @@ types of the keys it reads. No torch here: the web process imports this.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Generic, Literal, TypeVar
 
@@ -95,6 +95,19 @@ class Summary(Row):
     compute_dtype: str | None = None  # dtype the forward/backward (or arithmetic) ran in
     stored_dtype: str | None = None  # dtype of the stored tensors (artifact / checkpoint)
     fisher_reliability: dict[str, Any] | None = None  # the verdict of the Fisher a result used
+    # where the job's time went, by the names of its kind's estimate (JobKind.timing), so a run's
+    # estimate and its clock compare part by part (issue 30); a job of units (sweep, retention)
+    # adds its units' parts, like `seconds`
+    seconds_parts: dict[str, float] | None = None
+
+
+def sum_parts(outputs: Sequence[Mapping[str, Any]]) -> dict[str, float]:
+    """The units' `seconds_parts` added by name (first-seen order), in seconds to the millisecond."""
+    total: dict[str, float] = {}
+    for o in outputs:
+        for k, v in (o.get("seconds_parts") or {}).items():
+            total[k] = total.get(k, 0.0) + float(v)
+    return {k: round(v, 3) for k, v in total.items()}
 
 
 # ---------------------------------------------------------------- reliability (issue 18)

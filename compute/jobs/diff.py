@@ -11,10 +11,10 @@ from typing import Any, Literal
 from pydantic import Field
 
 from compute.contract.cost import (
-    CHECKPOINT_S_PER_PARAM,
-    DIFF_S_PER_MATRIX,
+    CHECKPOINT_CALLS_PER_PARAM,
+    DIFF_CALLS_PER_MATRIX,
     DIFF_SPECTRA_MB,
-    FILE_JOB_S,
+    FILE_JOB_CALLS,
     Sizing,
     file_memory,
 )
@@ -105,8 +105,8 @@ def cost(s: DiffSpec) -> int:
 def timing(s: DiffSpec, z: Sizing) -> dict[str, float]:
     """Opening both checkpoints and comparing them tensor by tensor (the rank of 2-D deltas
     included), with the Fisher when given."""
-    return {"open": FILE_JOB_S, "compare": 2 * CHECKPOINT_S_PER_PARAM * z.params,
-            "spectra": DIFF_S_PER_MATRIX * (7 * z.layers + 2)}
+    return {"open": z.calls_s(FILE_JOB_CALLS), "compare": z.calls_s(2 * CHECKPOINT_CALLS_PER_PARAM * z.params),
+            "spectra": z.calls_s(DIFF_CALLS_PER_MATRIX * (7 * z.layers + 2))}
 
 
 def memory(s: DiffSpec, z: Sizing) -> dict[str, float]:

@@ -92,7 +92,6 @@ class FisherSummary(Summary):
     split_half_topk_percent: float | None = None
     # issue 30: the halves as a float32 total + int16 difference: their stated rounding bound
     split_half_precision: dict[str, Any] | None = None
-    seconds_parts: dict[str, float] | None = None  # where the job's time went (issue 30)
     # the per-sample temporaries budget the engine used (the spec's or its automatic one, MiB)
     memory_budget_mb: int | None = None
     exact_output: dict[str, ExactOutputRow] | None = None

@@ -12,9 +12,9 @@ from pydantic import Field, model_validator
 
 from compute.contract.cost import (
     COST_PROMPT_TOKENS,
-    FILE_JOB_S,
-    MASK_S_PER_ELEMENT,
-    MASK_SELECT_S,
+    FILE_JOB_CALLS,
+    MASK_CALLS_PER_ELEMENT,
+    MASK_SELECT_CALLS,
     Sizing,
     file_memory,
 )
@@ -101,7 +101,7 @@ def cost(s: MaskSpec) -> int:
 def timing(s: MaskSpec, z: Sizing) -> dict[str, float]:
     """Reading the Fisher and selecting (a pass over its elements); the gradient selector also
     loads the model and runs one backward per prompt."""
-    out = {"select": FILE_JOB_S + MASK_SELECT_S + MASK_S_PER_ELEMENT * max(z.data_elements, z.params)}
+    out = {"select": z.calls_s(FILE_JOB_CALLS + MASK_SELECT_CALLS + MASK_CALLS_PER_ELEMENT * max(z.data_elements, z.params))}
     if s.select == "gradient":
         out["gradient"] = z.load_s() + z.calls_s(s.prompts) + z.passes_s(cost(s))
     return out

@@ -33,6 +33,7 @@ from typing import Any
 
 from compute.contract.jobresult import Heatmap, JobResult, SeriesPoint, null_progress
 from compute.contract.kinds import Refs
+from compute.contract.results import sum_parts
 from compute.jobs.retention import DEFAULT_TEACHERS, RetentionSpec
 
 SMALL_MODEL_PARAMS = 20_000_000  # below this, CPU runs use one torch thread
@@ -130,8 +131,10 @@ def _fisher(lo: _Loaded, shared: dict[Any, Any], progress: Any) -> tuple[dict[st
         from compute.fisher import estimate_fisher
 
         progress(0.0, "initial Fisher")
+        t0 = time.perf_counter()
         fr = estimate_fisher(lo.model, lo.tokenizer, lo.task, lo.config.fisher)
         shared["fisher"] = (fr.fisher, {"estimator": fr.estimator, "rows": fr.n_rows, "tokens": fr.n_tokens})
+        shared["fisher_seconds"] = time.perf_counter() - t0  # the unit that made it reports it
     return shared["fisher"]
 
 
@@ -164,7 +167,14 @@ def run_child(spec: RetentionSpec, index: int, progress: Any = null_progress,
 
     t0 = time.perf_counter()
     shared = {} if shared is None else shared
+    # where the unit's time went, by the names of the kind's estimate (retention.timing): the
+    # load and the Fisher in the unit that made them, the masks, the steps, the evaluations, a
+    # full arm's update sparsity ("finish")
+    parts: dict[str, float] = {}
+    fresh = "loaded" not in shared
     lo = _load(spec, shared, progress, refs)
+    if fresh:
+        parts["load"] = time.perf_counter() - t0
     plan = lo.config.plan()
     if not 0 <= index <= len(plan):
         raise ValueError(f"index: got {index}; accepted range: 0 .. {len(plan)}")
@@ -172,27 +182,39 @@ def run_child(spec: RetentionSpec, index: int, progress: Any = null_progress,
         torch.manual_seed(0)  # each unit alike, whatever ran before it in this process
         if index == 0:
             progress(0.0, "base accuracy")
+            t = time.perf_counter()
             base = heldout_rewards(lo.model, lo.tokenizer, lo.task, lo.config.eval_prompts,
                                    lo.config.eval_max_new_tokens)
-            return {"base": base, "torch_threads": threads, "seconds": time.perf_counter() - t0}
+            parts["evaluation"] = time.perf_counter() - t
+            return {"base": base, "torch_threads": threads, "seconds": time.perf_counter() - t0,
+                    "seconds_parts": parts}
         seed, key = plan[index - 1]
         label = f"seed {seed} {arm_label(key)}"
+        t, had_fisher = time.perf_counter(), "fisher" in shared
         mask, actual = (None, None) if key is None else _mask(lo, shared, key, seed, progress)
         fisher, info = _fisher(lo, shared, progress) if key is None else (None, None)
+        fisher_s = 0.0 if had_fisher or "fisher" not in shared else float(shared["fisher_seconds"])
+        if fisher_s:
+            parts["initial Fisher"] = fisher_s
+        if key is not None:
+            parts["masks"] = time.perf_counter() - t - fisher_s
 
         def arm_progress(f: float, msg: str = "") -> None:
             progress(f, f"{label}: {msg}")
 
         m, rewards, curve = train_arm(lo.model, lo.tokenizer, lo.task, lo.config, seed, mask, lo.teacher,
-                                      progress=arm_progress)
+                                      progress=arm_progress, parts=parts)
         out: dict[str, Any] = {"seed": seed, "selector": None if key is None else key[0],
                                "density": None if key is None else key[1], "rewards": rewards,
                                "curve": curve, "actual_density": actual, "torch_threads": threads}
         if key is None:
+            t = time.perf_counter()
             base_sd = {n: p.detach().cpu() for n, p in lo.model.named_parameters()}
             out["update_sparsity"] = update_sparsity(base_sd, m, fisher)
             out["fisher"] = info
+            parts["finish"] = time.perf_counter() - t
         out["seconds"] = time.perf_counter() - t0
+        out["seconds_parts"] = parts
         return out
 
 
@@ -240,6 +262,7 @@ def combine(spec: RetentionSpec, outputs: list[Any], progress: Any = null_progre
     table = grid_table(rcfg, outputs[0]["base"], outputs[1:])
     table["markdown"] = markdown_table(table)
     table["seconds"] = round(sum(float(o["seconds"]) for o in outputs), 1)
+    table["seconds_parts"] = sum_parts(outputs)
     curves = table.pop("curves")
     per_prompt = table.pop("per_prompt_rewards")  # (S, n) lists: an artifact, not a summary field
     summary: dict[str, Any] = {

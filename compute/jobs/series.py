@@ -15,7 +15,7 @@ from typing import Any, Literal
 
 from pydantic import Field
 
-from compute.contract.cost import CHECKPOINT_S_PER_PARAM, FILE_JOB_S, Sizing, file_memory
+from compute.contract.cost import CHECKPOINT_CALLS_PER_PARAM, SERIES_OPEN_CALLS, Sizing, file_memory
 from compute.contract.kinds import JobKind, KindForm, TensorView
 from compute.contract.results import Contract, Family, Summary, TypedResult
 from compute.contract.specs import AllowOtherModel, ModelRef, Spec
@@ -104,7 +104,7 @@ def cost(s: SeriesSpec) -> int:
 def timing(s: SeriesSpec, z: Sizing) -> dict[str, float]:
     """Reading the base and each checkpoint tensor by tensor (their count is not known before
     the folder is listed: priced as the base and one checkpoint, per parameter)."""
-    return {"open": FILE_JOB_S, "compare": 2 * CHECKPOINT_S_PER_PARAM * z.params}
+    return {"open": z.calls_s(SERIES_OPEN_CALLS), "compare": z.calls_s(2 * CHECKPOINT_CALLS_PER_PARAM * z.params)}
 
 
 def memory(s: SeriesSpec, z: Sizing) -> dict[str, float]:

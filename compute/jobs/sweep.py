@@ -128,13 +128,18 @@ def cost(s: SweepSpec) -> int:
 
 def timing(s: SweepSpec, z: Sizing) -> dict[str, float]:
     """Every point in one process (queued, the points run on as many workers at once): the
-    initial Fisher once, then per point a load, a training run and its end (diff, saving)."""
+    initial Fisher once (its model loaded for it), then per point a training run's parts (load,
+    steps, evaluation, its end: diff, saving), by the names a train's estimate and the job's
+    `seconds_parts` use."""
     points = len(s.lrs) * len(s.optimizers) * len(s.precision)
     one = train_seconds(z, s.algo, s.steps, s.batch, s.group, s.max_new_tokens, s.eval_prompts,
                         checkpointing=s.gradient_checkpointing)
     out = {"initial Fisher": 0.0 if s.fisher else sum(fisher_seconds(
         z, s.fisher_prompts, s.fisher_samples, s.max_new_tokens, statistics=False).values()) + z.load_s()}
-    out["points"] = points * (z.load_s() + sum(one.values()) + train_finish_seconds(z))
+    # the first point's model in a fresh process when the Fisher is given, else warm: loaded again
+    out["load"] = (z.load_s() - z.reload_s() if s.fisher else 0.0) + points * z.reload_s()
+    out.update({k: points * v for k, v in one.items()})
+    out["finish"] = points * train_finish_seconds(z)
     return out
 
 

@@ -38,6 +38,7 @@ from typing import Any
 
 from compute.contract.jobresult import Heatmap, JobResult, SeriesPoint, null_progress
 from compute.contract.kinds import Refs
+from compute.contract.results import sum_parts
 from compute.jobs.artifact_files import resolved_refs
 from compute.jobs.sweep import SweepSpec
 from compute.jobs.train import TrainSpec
@@ -204,15 +205,24 @@ def run_child(spec: SweepSpec, index: int, progress: Any = null_progress,
     prec, opt, lr = pts[index]
     label = f"point {index + 1}/{len(pts)}: {opt} lr {lr:g} {prec}"
     shared = {} if shared is None else shared
+    # where the unit's time went, by the names of the kind's estimate (sweep.timing): the initial
+    # Fisher in the unit that made it (its model load included), then the point's training run's
+    # own parts, its diff and clean-up added to "finish"
+    parts: dict[str, float] = {}
     if "fisher" not in shared:
         shared["fisher"] = initial_fisher(spec, lambda f, m="": progress(0.05 * f, f"{label}: {m}"), refs)
+        parts["initial Fisher"] = time.perf_counter() - t0
     fisher, info = shared["fisher"]
 
     def sub(f: float, m: str = "") -> None:
         progress(0.05 + 0.95 * min(max(f, 0.0), 1.0), f"{label}: {m}" if m else label)
 
     model_refs = {"model": resolved_refs(spec, refs)["model"]}  # the Fisher is given above
+    t1 = time.perf_counter()
     res = train_job(point_spec(spec, prec, opt, lr), sub, fisher=fisher, fisher_info=info, refs=model_refs)
+    t2 = time.perf_counter()
+    for k, v in (res.summary.get("seconds_parts") or {}).items():
+        parts[k] = parts.get(k, 0.0) + float(v)
     folder = res.files.get("model")
     if folder:
         shutil.rmtree(Path(folder).parent, ignore_errors=True)
@@ -220,8 +230,13 @@ def run_child(spec: SweepSpec, index: int, progress: Any = null_progress,
     un = row["unchanged_bf16"]
     progress(1.0, f"{label}: unchanged (bf16) {'-' if un is None else f'{un:.3f}'}")
     keep = index == 0 and not spec.fisher
+    end = time.perf_counter()
+    # the train's own account covers its wall time but for its result's assembly: that, and the
+    # point's diff and clean-up, are the point's end
+    parts["finish"] = parts.get("finish", 0.0) + (t2 - t1 - sum(
+        float(v) for v in (res.summary.get("seconds_parts") or {}).values())) + (end - t2)
     return {"row": row, "initial_fisher": dict(info), "fisher": dict(fisher) if keep else None,
-            "seconds": time.perf_counter() - t0}
+            "seconds": end - t0, "seconds_parts": {k: round(v, 3) for k, v in parts.items()}}
 
 
 def run(spec: SweepSpec, progress: Any = null_progress, refs: Refs | None = None) -> JobResult:
@@ -286,6 +301,7 @@ def combine(spec: SweepSpec, outputs: list[Any], progress: Any = null_progress,
     summary["points"] = points
     summary["markdown"] = markdown_table(points)
     summary["seconds"] = round(sum(float(o.get("seconds") or 0.0) for o in outputs), 1)
+    summary["seconds_parts"] = sum_parts(outputs)
     summary["definitions"] = DEFINITIONS
     result.heatmaps += _heatmaps(spec, points)
     progress(1.0, f"{len(points)} points in {summary['seconds']:.0f} s")

@@ -113,8 +113,6 @@ CONCENTRATION_AUC = tuple(f"concentration_auc_{t}" for t in CONCENTRATION_TARGET
 
 
 class TrainSummary(Summary):
-    # where the job's time went, by its estimate's parts (timing below): issue 30
-    seconds_parts: dict[str, float] | None = None
     algo: str | None = None
     precision: str | None = None
     accuracy_before: float | None = None

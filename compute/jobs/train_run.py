@@ -380,9 +380,9 @@ def _train_job(
     clock.lap("finish")  # the base's check against its file
     res = train(model, run.tok, run.task, run.config, mask=mask, teacher=run.teacher,
                 progress=lambda f, m="": progress(0.15 + 0.75 * f, m), step_hook=save_every if spec.save_steps else None)
-    trained = clock.lap(None)  # the loop's own time (res.seconds: steps, evaluation excluded)
-    clock.add("steps", min(res.seconds, trained))
-    clock.add("evaluation", max(0.0, trained - res.seconds))
+    trained = clock.lap(None)  # the loop's time: its steps and its evaluations (res.eval_seconds)
+    clock.add("steps", max(0.0, trained - res.eval_seconds))
+    clock.add("evaluation", min(res.eval_seconds, trained))
     release_freed_memory()  # the run's activations and temporaries, before the diff
     progress(0.92, "update sparsity")
     _record_run(run, res)

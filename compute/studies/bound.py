@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from compute.contract.cost import BOUND_UNIT
+from compute.contract.cost import BOUND_CORR_COORDS, BOUND_UNIT
 from compute.contract.jobresult import Heatmap, Progress, SeriesPoint
 
 
@@ -210,7 +210,7 @@ def spearman(x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 RATIO_QUANTILES = (0.5, 0.9, 0.99, 0.999)
-MAX_POINTS, MAX_CORR = 3000, 2_000_000  # the scatter's and the correlations' samples of coordinates
+MAX_POINTS, MAX_CORR = 3000, BOUND_CORR_COORDS  # the scatter's and the correlations' samples of coordinates
 
 
 # coordinates per slice of the summary's passes (issue 30: the summary flattened every coordinate

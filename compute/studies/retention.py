@@ -35,6 +35,7 @@ from __future__ import annotations
 import copy
 import math
 import statistics
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -360,15 +361,22 @@ def train_arm(
     mask: dict[str, torch.Tensor] | None = None,
     teacher: torch.nn.Module | None = None,
     progress: Callable[[float, str], None] | None = None,
+    parts: dict[str, float] | None = None,
 ) -> tuple[torch.nn.Module, torch.Tensor, list[dict[str, float]]]:
     """One arm: a copy of `model` trained with the paired seed (full when mask is None), and its
-    (n,) held-out rewards and per-step curve. The caller's model is not modified."""
+    (n,) held-out rewards and per-step curve. The caller's model is not modified. `parts`, when
+    given, gets the seconds of the training ("steps") and of the evaluation added."""
     from compute.train import train
 
+    t0 = time.perf_counter()
     m = copy.deepcopy(model)
     res = train(m, tokenizer, task, with_seed(config.train, seed), mask=mask, teacher=teacher,
                 evaluate=False, progress=progress)
+    t1 = time.perf_counter()
     rewards = heldout_rewards(m, tokenizer, task, config.eval_prompts, config.eval_max_new_tokens)
+    if parts is not None:
+        parts["steps"] = parts.get("steps", 0.0) + t1 - t0
+        parts["evaluation"] = parts.get("evaluation", 0.0) + time.perf_counter() - t1
     return m, rewards, res.curve
 
 

@@ -49,6 +49,7 @@ class TrainOutcome:
     seconds: float
     trainable_fraction: float
     updates: int = 0  # optimizer updates taken (steps x inner steps, minus skipped steps)
+    eval_seconds: float = 0.0  # of `seconds`, the greedy held-out evaluations (before, during, after)
     # with config.track_gradients: per coordinate sum over updates of g^2 and of |g|, where g is
     # the masked, unclipped gradient of the training loss (float32, CPU; accumulated at the
     # mask's coordinates only, each tensor made dense when read: 0 off the mask)
@@ -124,7 +125,16 @@ def train(
         params = prepare_masked_params(model, mask)
         update = _Step(model, params, config, grad_hook)
         t0 = time.perf_counter()
-        before = _accuracy(model, tokenizer, task, config) if evaluate else math.nan
+        evals = [0.0]  # seconds of the evaluations among the loop's
+
+        def accuracy() -> float:
+            t = time.perf_counter()
+            try:
+                return _accuracy(model, tokenizer, task, config)
+            finally:
+                evals[0] += time.perf_counter() - t
+
+        before = accuracy() if evaluate else math.nan
         curve: list[dict[str, float]] = []
         for step in range(config.steps):
             model.train()
@@ -133,13 +143,13 @@ def train(
             for _ in range(objective.updates if len(batch) else 0):  # no rows: nothing to learn
                 row.update(update(objective, model, batch, step))
             if config.eval_every and (step + 1) % config.eval_every == 0 and step + 1 < config.steps:
-                row["accuracy"] = _accuracy(model, tokenizer, task, config)
+                row["accuracy"] = accuracy()
             curve.append(row)
             if step_hook is not None:
                 step_hook(step + 1, model, curve)
             progress((step + 1) / config.steps, _message(row, step, config.steps, len(batch)))
         model.eval()
-        after = _accuracy(model, tokenizer, task, config) if evaluate else math.nan
+        after = accuracy() if evaluate else math.nan
     finally:
         if checkpointing:
             _checkpointing_method(model, "disable")()
@@ -149,7 +159,9 @@ def train(
         for n, p in model.named_parameters():
             p.requires_grad_(flags[n])
     assert update is not None  # set before any step (an exception above propagates)
-    return _result(model, config, mask, params, update, curve, before, after, time.perf_counter() - t0)
+    res = _result(model, config, mask, params, update, curve, before, after, time.perf_counter() - t0)
+    res.eval_seconds = evals[0]
+    return res
 
 
 def _gradient_checkpointing(model: torch.nn.Module, on: bool) -> bool:

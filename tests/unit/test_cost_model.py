@@ -63,8 +63,9 @@ def test_fisher_estimate_parts_are_the_formulas_on_the_models_config(tmp_path: P
     call = C.CALL_TOKEN_PASSES * A
     parts = est["seconds_parts"]
     assert parts["load"] == pytest.approx(C.MODEL_LOAD_CALLS * call + p * 4 / C.LOAD_BYTES_PER_S)
-    # 16 rows sampled in one batch of <= 64: 16 decode steps, each a call's fixed part x 2
-    assert parts["sampling"] == pytest.approx(rows * length * per + 16 * C.DECODE_STEP_CALLS * call)
+    # 16 rows sampled in one batch of <= 64: 16 decode steps, each a fixed part per decoder layer
+    step = C.DECODE_STEP_CALLS_PER_LAYER * cfg["num_hidden_layers"] * call
+    assert parts["sampling"] == pytest.approx(rows * length * per + 16 * step)
     assert parts["gradients"] == pytest.approx(rows * C.FISHER_ROW_CALLS * call
                                                + C.FISHER_ROW_PASS_FACTOR * rows * length * 3 * per)
     assert parts["exact output"] == pytest.approx(rows * C.EXACT_ROW_CALLS * call + rows * length * per)
@@ -922,3 +923,69 @@ def test_a_tied_models_fisher_estimate_leaves_out_the_check_the_job_skips(tmp_pa
     tied = limits.estimate(settings, "fisher", spec, limits.refs_for_estimate(settings, "fisher", spec))
     assert "exact output" in untied["seconds_parts"] and "exact output" not in tied["seconds_parts"]
     assert untied["seconds"] - tied["seconds"] == pytest.approx(untied["seconds_parts"]["exact output"])
+
+
+# A spec of every kind that has a timing: its form's defaults, references named by path or label
+# (the timing reads only the spec and the Sizing: nothing here is resolved or run)
+_TIMED_SPECS = {
+    "fisher": {"model": "arith-base"},
+    "mask": {"fisher": "fisher.safetensors"},
+    "train": {"model": "arith-base"},
+    "diff": {"base": "arith-base", "tuned": "tuned"},
+    "series": {"base": "arith-base", "run_dir": "run"},
+    "tokens": {"model": "arith-base", "context": "12+34="},
+    "sweep": {"model": "arith-base"},
+    "retention": {},
+}
+
+
+def test_every_kinds_time_estimate_moves_with_the_machines_calibration(monkeypatch) -> None:
+    """One rule, every kind: an estimate's every second comes from the calibration (a call's
+    fixed part, a token-pass's arithmetic), none from a constant in seconds, so a machine twice as
+    slow by its calibration gets every part twice as long (the disk's read rate aside). A train's
+    end (10 s) and the file jobs' parts (mask, diff, series) were seconds, fitted at one
+    calibration, until session 19."""
+    from compute.jobs import registry
+    from compute.jobs.registry import parse_spec
+
+    timed = {name for name, k in registry.KINDS.items() if k.timing is not None}
+    assert timed == set(_TIMED_SPECS), "a new kind with a timing: add its spec above"
+    monkeypatch.setattr(C, "LOAD_BYTES_PER_S", float("inf"))  # the disk, not the machine's arithmetic
+    z = C.Sizing(params=2_000_000, layers=4, hidden=256, vocab=1000, intermediate=512, data_elements=2_000_000,
+                 a=1e-5, b=2e-11, prompt_tokens=7)
+    slow = C.Sizing(**{**z.__dict__, "a": 2e-5, "b": 4e-11})
+    for kind, data in _TIMED_SPECS.items():
+        spec = parse_spec(kind, data)
+        fast_parts, slow_parts = registry.get(kind).timing(spec, z), registry.get(kind).timing(spec, slow)
+        assert list(fast_parts) == list(slow_parts), kind
+        for part, s in fast_parts.items():
+            assert slow_parts[part] == pytest.approx(2 * s, rel=1e-9), (kind, part, s, slow_parts[part])
+        assert sum(fast_parts.values()) > 0, kind
+
+
+def test_fixed_parts_follow_the_models_depth_and_size() -> None:
+    """A decode step's and a bound-check row's fixed parts grow with the decoder layers they run
+    through (session 19: 0.33-0.51 calls a decode step at 2 layers, 8.5-11.6 at 30), and the bound
+    summary's end with the coordinates its rank correlations sample (at most BOUND_CORR_COORDS)."""
+    call = C.CALL_TOKEN_PASSES * 1e-5
+    shallow = C.Sizing(params=100_000, layers=2, a=1e-5, b=0.0)
+    deep = C.Sizing(**{**shallow.__dict__, "layers": 30})
+    assert shallow.generate_s(64, 16, 64) == pytest.approx(
+        64 * (shallow.prompt_tokens + 16) * 1e-5 + 16 * C.DECODE_STEP_CALLS_PER_LAYER * 2 * call)
+    assert deep.generate_s(64, 16, 64) - deep.passes_s(64 * (deep.prompt_tokens + 16)) == pytest.approx(
+        15 * (shallow.generate_s(64, 16, 64) - shallow.passes_s(64 * (shallow.prompt_tokens + 16))))
+    rows, new = 8, 4
+    one_row = C.bound_seconds(shallow, rows + 1, new) - C.bound_seconds(shallow, rows, new)
+    sampled = shallow.generate_s(rows + 1, new, rows + 1) - shallow.generate_s(rows, new, rows)
+    fold = C.BOUND_FOLD_CALLS_PER_PARAM_ROW * shallow.params * call
+    assert one_row - sampled - fold == pytest.approx(
+        C.BOUND_ROW_CALLS_PER_LAYER * 2 * call + shallow.passes_s((shallow.prompt_tokens + new) * 3))
+    # the summary's end: a twentieth of it on a model of a twentieth of the sample, all of it above
+    big = C.Sizing(params=40_000_000, layers=2, a=1e-5, b=0.0)
+    bigger = C.Sizing(**{**big.__dict__, "params": 80_000_000})
+    per_param = C.BOUND_SUMMARY_CALLS_PER_PARAM + rows * C.BOUND_FOLD_CALLS_PER_PARAM_ROW
+    end = [C.bound_seconds(m, rows, new) - m.generate_s(rows, new, rows) - rows * (
+        C.BOUND_ROW_CALLS_PER_LAYER * 2 * call + m.passes_s((m.prompt_tokens + new) * 3))
+        - per_param * m.params * call for m in (shallow, big, bigger)]
+    assert end[0] == pytest.approx(C.BOUND_SUMMARY_CALLS * call * 100_000 / C.BOUND_CORR_COORDS)
+    assert end[1] == pytest.approx(end[2]) == pytest.approx(C.BOUND_SUMMARY_CALLS * call)

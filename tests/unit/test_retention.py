@@ -163,6 +163,7 @@ def _comparable(result: object) -> dict:
 
     d = json.loads(json.dumps(result.to_dict(), default=str))  # type: ignore[attr-defined]
     d["summary"].pop("seconds")
+    d["summary"].pop("seconds_parts")
     return d
 
 
@@ -199,6 +200,13 @@ def test_grid_units_apart_equal_the_run_and_density_one_equals_full(zoo_home, mo
     assert timing(spec, z)["initial Fisher"] == pytest.approx(one)  # was counted once per seed
     monkeypatch.setattr(fisher_mod, "estimate_fisher", real)
     whole = combine(spec, outputs)
+    # where the time went, by the estimate's own parts (timing): the load and the Fisher once,
+    # the masks, the steps and evaluations of every arm, the full arms' end; together the units' time
+    took = whole.summary["seconds_parts"]
+    assert set(took) == {"load", "initial Fisher", "masks", "steps", "evaluation", "finish"}, took
+    assert set(took) - {"masks"} <= set(timing(spec, z))
+    assert all(v > 0 for v in took.values()), took
+    assert sum(took.values()) == pytest.approx(whole.summary["seconds"], rel=0.02, abs=0.1)
     apart = {i: _as_shipped(run_child(spec, i)) for i in reversed(range(n))}
     assert _comparable(combine(spec, [apart[i] for i in range(n)])) == _comparable(whole)
     assert _comparable(run(spec)) == _comparable(whole)

@@ -198,6 +198,7 @@ def _comparable(result: object) -> dict:
     for p in d["summary"]["points"]:
         p.pop("seconds")
     d["summary"].pop("seconds")
+    d["summary"].pop("seconds_parts")
     d["summary"].pop("markdown")  # holds no seconds, but is checked through the points
     return d
 
@@ -230,6 +231,17 @@ def test_sweep_units_run_apart_combine_to_the_in_process_run(zoo_home, monkeypat
     p_lo, p_hi = apart.summary["points"]
     assert (p_lo["lr"], p_hi["lr"]) == (1e-6, 1e-2)
     assert p_lo["stored_dtype"] == p_hi["stored_dtype"] == "bfloat16"
+    # where the time went, by the estimate's own parts (compute.jobs.sweep.timing): the initial
+    # Fisher once (the unit that made it), each point's train parts, together the units' time
+    from compute.contract.cost import Sizing
+    from compute.jobs.sweep import timing
+
+    took = whole.summary["seconds_parts"]
+    assert set(took) <= set(timing(spec, Sizing(params=10**5))), took
+    assert {"initial Fisher", "load", "steps", "evaluation", "finish"} <= set(took)
+    assert all(v > 0 for v in took.values()), took
+    assert sum(took.values()) == pytest.approx(whole.summary["seconds"], rel=0.02, abs=0.1)
+    assert apart.summary["seconds_parts"]["initial Fisher"] > 0  # each unit made its own
     with pytest.raises(ValueError, match="index"):
         run_child(spec, 2)
     with pytest.raises(ValueError, match="outputs"):
