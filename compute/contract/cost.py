@@ -83,8 +83,15 @@ DECODE_STEP_CALLS_PER_LAYER = 0.25
 FISHER_ROW_CALLS = 0.1
 # per-row backward arithmetic vs the calibration's batched one: 2.0 when issue 30 measured the engine
 # at 1.69-2.20x its floor; SmolLM2-135M's default and held-out Fishers measured 1.33 / 1.25 with the
-# engine at 1.3x (bench_estimates.json, session 19; 1.33 set from the default row alone)
-FISHER_ROW_PASS_FACTOR = 1.33
+# engine at 1.3x (bench_estimates.json, session 19; 1.29 from the default row alone, its per-sample
+# passes without the self-check)
+FISHER_ROW_PASS_FACTOR = 1.29
+# the engine's self-check (compute.fisher.estimators._verify): CHECK_ROWS rows' positions forward and
+# one forward + backward, its fixed part, and the comparison over every parameter (SmolLM2-135M:
+# 1.84 s, 0.5 s of it the rows' passes; arith-base 0.035 s; session 19)
+CHECK_ROWS = 2
+CHECK_CALLS = 2.0
+CHECK_CALLS_PER_PARAM = 1.2e-6
 EXACT_ROW_CALLS = 0.02  # exact output-layer Fisher of one row (arith-base: 256 rows in 0.074 s, session 19; was 0.6)
 # the bound check's per-sample gradient of one row (full gradient, kept): its fixed part per decoder
 # layer. It was 15 calls whatever the depth, fitted at 6-16 layers: 9x the clock on the 2-layer zoo
@@ -129,9 +136,10 @@ RETENTION_STATE_MB = 200.0
 # move with the machine). Refitted in session 19 (bench_estimates.json; a SmolLM2-135M diff against
 # a perturbed copy, 12.6 s at a call of 7.0 ms, estimated 3.3x over with the converted seconds):
 FILE_JOB_CALLS = 2.0  # a job over tensor files: opening, the result, its figures data
-# a series' reading of the run folder and references in a fresh process (profiled on the default
-# series of arith-base: 0.2-0.5 s, of which 0.035 s comparing and the rest first imports)
-SERIES_OPEN_CALLS = 40.0
+# a series' reading of the run folder and references in a fresh process (the default series of
+# arith-base: 0.1-0.5 s between runs, of which 0.035 s comparing and the rest first imports,
+# profiled; 25 calls is their middle at session 19's calibrations)
+SERIES_OPEN_CALLS = 25.0
 CHECKPOINT_CALLS_PER_PARAM = 5.3e-6  # diff / series: reading, comparing and summarising one checkpoint
 DIFF_SPECTRA_MB = 4.0  # diff: the linear-algebra workspace of the spectra (LAPACK, its first use)
 # diff: the rank / spectrum of one 2-D delta (7 per block + embeddings): fitted with the above on
@@ -498,18 +506,21 @@ def job_room_bytes(free_now: float, cap_mb: float | None, in_use: float) -> floa
 def fisher_seconds(z: Sizing, prompts: int, samples: int, max_new_tokens: int,
                    estimator: str = "sequence", exact_output: bool = False,
                    sample_batch: int = 64, statistics: bool = True) -> dict[str, float]:
-    """A Fisher estimate's phases: sampling, the per-row gradients, the exact output-layer check,
-    the statistics over every parameter."""
+    """A Fisher estimate's phases, by the names the job reports its own (fisher_run:
+    `summary.seconds_parts`): sampling, the engine's self-check (a few rows' per-row gradients
+    against autograd's, compared over every parameter), the per-row gradients, the exact
+    output-layer check, the statistics over every parameter."""
     rows = prompts * samples
     length = z.prompt_tokens + max_new_tokens
     per_row = max_new_tokens if estimator == "token" else 1
-    out = {
-        "sampling": 0.0 if estimator == "empirical" else z.generate_s(rows, max_new_tokens, sample_batch),
-        "gradients": (z.calls_s(rows * FISHER_ROW_CALLS)
-                      + FISHER_ROW_PASS_FACTOR * z.passes_s(rows * length * 3 * per_row)),
-    }
+    out = {"sampling": 0.0 if estimator == "empirical" else z.generate_s(rows, max_new_tokens, sample_batch)}
+    if estimator != "batch":  # the per-sample engine checks itself once (estimators._verify)
+        out["self-check"] = (z.calls_s(CHECK_CALLS + CHECK_CALLS_PER_PARAM * z.params)
+                             + z.passes_s(min(rows, CHECK_ROWS) * length * 4))
+    out["per-sample passes"] = (z.calls_s(rows * FISHER_ROW_CALLS)
+                                + FISHER_ROW_PASS_FACTOR * z.passes_s(rows * length * 3 * per_row))
     if exact_output:
-        out["exact output"] = z.calls_s(rows * EXACT_ROW_CALLS) + z.passes_s(rows * length)
+        out["exact output check"] = z.calls_s(rows * EXACT_ROW_CALLS) + z.passes_s(rows * length)
     if statistics:
         out["statistics"] = z.calls_s(STATS_CALLS_PER_PARAM * z.params)
     return out

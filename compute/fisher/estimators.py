@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 import torch
 from torch import nn
 
-from compute.contract.cost import ENGINE_SHAPE_GUESS, Sizing, config_shape
+from compute.contract.cost import CHECK_ROWS, ENGINE_SHAPE_GUESS, Sizing, config_shape
 from compute.contract.cost import rows_per_forward as cost_rows_per_forward
 from compute.fisher.accumulate import Accumulator, Store
 from compute.fisher.hooks import (
@@ -34,7 +34,7 @@ from compute.runtime.memory import release_freed_memory
 
 # models whose per-row gradients were verified against autograd (see module doc)
 _VERIFIED: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
-_VERIFY_ROWS = 2
+_VERIFY_ROWS = CHECK_ROWS  # the estimate counts the same rows (compute.contract.cost)
 
 
 def trainable_parameters(model: nn.Module) -> dict[str, nn.Parameter]:

@@ -105,7 +105,9 @@ def _shard(spec: FisherSpec, shard_index: int, progress: Progress, loaded: tuple
     if hi <= lo:
         return empty
     task = get_task(spec.task)
+    t_load = time.perf_counter()
     model, tok = loaded or _load(spec, refs)
+    load_s = time.perf_counter() - t_load  # a shard run alone (a queued fan-out) loads its model
     examples = task.examples(hi - lo, seed=spec.seed, split="train", start=spec.prompt_start + lo)
     cfg = _config(spec, hi - lo, spec.prompt_start + lo)
     after = 0.9 if spec.exact_output or next(model.parameters()).dtype != torch.float32 else 1.0
@@ -143,9 +145,11 @@ def _shard(spec: FisherSpec, shard_index: int, progress: Progress, loaded: tuple
     st = res.settings
     est_s, sample_s, check_s = (float(st.get(k) or 0.0) for k in ("total_seconds", "sample_seconds", "check_seconds"))
     # where the shard's time went (issue 30: time against the floor is profiled, not guessed)
-    parts = {"sampling": sample_s, "self-check": check_s,
+    parts = {"load": load_s, "sampling": sample_s, "self-check": check_s,
              "per-sample passes": max(0.0, est_s - sample_s - check_s),
-             "exact output check": max(0.0, time.perf_counter() - t0 - est_s)}
+             "exact output check": max(0.0, time.perf_counter() - t0 - est_s - load_s)}
+    if loaded:
+        del parts["load"]  # loaded once by `run`, which reports it
     out["seconds_parts"] = parts
     t_shard = time.perf_counter() - t0
     out.update(sums=sums, diffs=diffs, diff_roundings=roundings, denoms=denoms, n_rows=res.n_rows,
@@ -332,7 +336,9 @@ def finish(spec: FisherSpec, shard_outputs: list[dict], progress: Progress = nul
 def run(spec: FisherSpec, progress: Progress = null_progress, refs: Refs | None = None) -> JobResult:
     """Every shard in this process (model loaded once), then `finish`."""
     progress(0.0, "loading model")
+    t_load = time.perf_counter()
     loaded = _load(spec, refs)
+    load_s = time.perf_counter() - t_load
     from compute.lm.causal_lm import model_info
 
     info = model_info(loaded[0])
@@ -343,7 +349,10 @@ def run(spec: FisherSpec, progress: Progress = null_progress, refs: Refs | None 
 
         outs.append(_shard(spec, i, sub, loaded, refs))
     spec, outs, rounds = extend_until_reliable(spec, outs, progress, loaded, refs)
-    return finish(spec, outs, progress, extra={"model_info": info, **rounds}, refs=refs, consume=True)
+    result = finish(spec, outs, progress, extra={"model_info": info, **rounds}, refs=refs, consume=True)
+    # the parts by the estimate's names (fisher.timing), the model's load first
+    result.summary["seconds_parts"] = {"load": round(load_s, 3), **result.summary["seconds_parts"]}
+    return result
 
 
 # -- until_reliable (issue 18): more prompts until the split-half verdict is at least "fair" ----

@@ -66,9 +66,11 @@ def test_fisher_estimate_parts_are_the_formulas_on_the_models_config(tmp_path: P
     # 16 rows sampled in one batch of <= 64: 16 decode steps, each a fixed part per decoder layer
     step = C.DECODE_STEP_CALLS_PER_LAYER * cfg["num_hidden_layers"] * call
     assert parts["sampling"] == pytest.approx(rows * length * per + 16 * step)
-    assert parts["gradients"] == pytest.approx(rows * C.FISHER_ROW_CALLS * call
-                                               + C.FISHER_ROW_PASS_FACTOR * rows * length * 3 * per)
-    assert parts["exact output"] == pytest.approx(rows * C.EXACT_ROW_CALLS * call + rows * length * per)
+    assert parts["self-check"] == pytest.approx((C.CHECK_CALLS + C.CHECK_CALLS_PER_PARAM * p) * call
+                                                + C.CHECK_ROWS * length * 4 * per)
+    assert parts["per-sample passes"] == pytest.approx(rows * C.FISHER_ROW_CALLS * call
+                                                       + C.FISHER_ROW_PASS_FACTOR * rows * length * 3 * per)
+    assert parts["exact output check"] == pytest.approx(rows * C.EXACT_ROW_CALLS * call + rows * length * per)
     assert est["seconds"] == pytest.approx(sum(parts.values()))
     assert est["seconds_from"].startswith("calibrated")
 
@@ -921,8 +923,8 @@ def test_a_tied_models_fisher_estimate_leaves_out_the_check_the_job_skips(tmp_pa
     untied = limits.estimate(settings, "fisher", spec, limits.refs_for_estimate(settings, "fisher", spec))
     (folder / "config.json").write_text(json.dumps({**cfg, "tie_word_embeddings": True}))
     tied = limits.estimate(settings, "fisher", spec, limits.refs_for_estimate(settings, "fisher", spec))
-    assert "exact output" in untied["seconds_parts"] and "exact output" not in tied["seconds_parts"]
-    assert untied["seconds"] - tied["seconds"] == pytest.approx(untied["seconds_parts"]["exact output"])
+    assert "exact output check" in untied["seconds_parts"] and "exact output check" not in tied["seconds_parts"]
+    assert untied["seconds"] - tied["seconds"] == pytest.approx(untied["seconds_parts"]["exact output check"])
 
 
 # A spec of every kind that has a timing: its form's defaults, references named by path or label
@@ -989,3 +991,27 @@ def test_fixed_parts_follow_the_models_depth_and_size() -> None:
         - per_param * m.params * call for m in (shallow, big, bigger)]
     assert end[0] == pytest.approx(C.BOUND_SUMMARY_CALLS * call * 100_000 / C.BOUND_CORR_COORDS)
     assert end[1] == pytest.approx(end[2]) == pytest.approx(C.BOUND_SUMMARY_CALLS * call)
+
+
+def test_the_fisher_job_reports_its_time_by_its_estimates_parts(zoo_home, monkeypatch) -> None:
+    """One rule, every kind: the Fisher job's own account of its time (summary.seconds_parts)
+    uses its estimate's part names (fisher.timing), its model's load included, and covers the
+    run's wall time: the estimate and the clock compare part by part (bench_estimates)."""
+    import time
+
+    from compute.jobs import fisher_run
+    from compute.jobs.fisher import timing
+    from compute.jobs.registry import parse_spec
+
+    monkeypatch.setenv("FISHERLENS_HOME", str(zoo_home))
+    spec = parse_spec("fisher", {"model": "arith-base", "prompts": 4, "samples": 2, "max_new_tokens": 4,
+                                 "exact_output": True, "device": "cpu"})
+    t0 = time.perf_counter()
+    res = fisher_run.run(spec)
+    wall = time.perf_counter() - t0
+    took = res.summary["seconds_parts"]
+    named = timing(spec, C.Sizing(params=10**5, a=1e-5, b=1e-11))
+    assert list(took) == [p for p in named if p in took], (took, named)
+    assert set(took) == set(named), (took, named)
+    assert all(v >= 0 for v in took.values()) and took["load"] > 0 and took["per-sample passes"] > 0, took
+    assert 0.8 * wall - 0.5 <= sum(took.values()) <= wall, (took, wall)
