@@ -71,7 +71,33 @@ def cases(out: Path, smollm2_prompts: int | None) -> list[dict[str, Any]]:
         # held out: no constant was set from it (twice the samples, twice the completion length)
         {"name": "fisher smollm2-135m, held out", "kind": "fisher", "real": True, "held_out": True,
          "spec": {"model": "smollm2-135m", "prompts": 16, "samples": 8, "max_new_tokens": 32}},
+        # a real model's diff: SmolLM2-135M against a copy with 5% of its coordinates moved
+        # (perturbed_copy), where the comparison and the spectra take seconds, not milliseconds
+        {"name": "diff smollm2-135m", "kind": "diff", "real": True,
+         "spec": {"base": "smollm2-135m", "tuned": str(out / "smollm2-perturbed")},
+         "prepare": {"perturbed_copy": ["smollm2-135m", str(out / "smollm2-perturbed")]}},
     ]
+
+
+def perturbed_copy(name: str, dest: str) -> None:
+    """The zoo model `name` copied to `dest` with 5% of every tensor's coordinates moved by
+    N(0, 0.01) (seed 0), stored in its own dtype: a stand-in for a fine-tuned checkpoint."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from compute.contract.modelref import resolve_model
+
+    if Path(dest).exists():
+        return
+    shutil.copytree(resolve_model(name), dest)
+    g = torch.Generator().manual_seed(0)
+    for f in Path(dest).glob("*.safetensors"):
+        moved = {}
+        for k, v in load_file(str(f)).items():
+            x = v.float()
+            moved[k] = (x + (torch.rand(x.shape, generator=g) < 0.05) * torch.randn(x.shape, generator=g) * 1e-2
+                        ).to(v.dtype).contiguous()
+        save_file(moved, str(f), metadata={"format": "pt"})
 
 
 # ---------------------------------------------------------------- the child: one timed run
@@ -197,6 +223,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             continue
         if (args.only and case["name"] not in args.only) or case["name"] in done:
             continue
+        for name, dest in (case.get("prepare") or {}).values():
+            perturbed_copy(name, dest)
         est = estimate_of(case)
         load_before = os.getloadavg()
         proc = subprocess.run([sys.executable, __file__, "--child", json.dumps(case)], env=_env(home),
@@ -240,11 +268,15 @@ def reestimate(home: str | None) -> dict[str, Any]:
     specs = {c["name"]: c for c in cases(out, data.get("smollm2_prompts"))}
     for row in data["rows"]:  # a case measured with its own spec (fewer SmolLM2 prompts)
         if row["name"] in specs and row.get("calibration"):
-            specs[row["name"]] = {**specs[row["name"]], "spec": row["spec"]}
+            # its paths were written as OUT/... (write): the scratch folder's again
+            spec = json.loads(json.dumps(row["spec"]).replace('"OUT/', json.dumps(str(scratch))[:-1] + "/"))
+            specs[row["name"]] = {**specs[row["name"]], "spec": spec}
     for row in data["rows"]:
         # a row measured in a later run carries the calibration taken just before it
         cal.write(scratch / "throughput.json", row.get("calibration") or data["calibration"])
         case = specs.get(row["name"], {"kind": row["kind"], "spec": row["spec"]})
+        for name, dest in (case.get("prepare") or {}).values():
+            perturbed_copy(name, dest)
         if case.get("save") and not all(Path(p).exists() for p in case["save"].values()):
             subprocess.run([sys.executable, __file__, "--child", json.dumps(case)], env=_env(scratch),
                            check=True, capture_output=True, cwd=str(ROOT))

@@ -133,25 +133,32 @@ TRAIN_FINISH_CALLS_PER_PARAM = 2e-5
 # curves and held-out rewards in one process
 RETENTION_STATE_MB = 200.0
 # Jobs over tensor files, in calls too (they were seconds, fitted at a call of 15 ms, and did not
-# move with the machine). Refitted in session 19 (bench_estimates.json; a SmolLM2-135M diff against
-# a perturbed copy, 12.6 s at a call of 7.0 ms, estimated 3.3x over with the converted seconds):
+# move with the machine). Refitted in session 19 by the parts the jobs now report (arith-base's
+# default diff and series; a SmolLM2-135M diff against a perturbed copy of it: open 0.04 s,
+# compare 5.1 s, spectra 5.6 s at a call of 4.5 ms):
 FILE_JOB_CALLS = 2.0  # a job over tensor files: opening, the result, its figures data
-# a series' reading of the run folder and references in a fresh process (the default series of
-# arith-base: 0.1-0.5 s between runs, of which 0.035 s comparing and the rest first imports,
-# profiled; 25 calls is their middle at session 19's calibrations)
-SERIES_OPEN_CALLS = 25.0
-CHECKPOINT_CALLS_PER_PARAM = 5.3e-6  # diff / series: reading, comparing and summarising one checkpoint
-DIFF_SPECTRA_MB = 4.0  # diff: the linear-algebra workspace of the spectra (LAPACK, its first use)
-# diff: the rank / spectrum of one 2-D delta (7 per block + embeddings): fitted with the above on
-# arith-base (16 matrices of at most 64 x 128, 0.27 s in all) and SmolLM2-135M (212, up to 49k x 576)
-DIFF_CALLS_PER_MATRIX = 1.8
+# a series' reading of the run folder and references (first imports included: 0.1-0.5 s between
+# runs of arith-base's default series, of which 0.04 s comparing)
+SERIES_OPEN_CALLS = 15.0
+CHECKPOINT_CALLS_PER_PARAM = 3.25e-6  # diff / series: reading and comparing one checkpoint, per parameter
+CHECKPOINT_CALLS_PER_TENSOR = 0.94  # diff: each tensor's statistics (counts, histogram, top shares)
+# diff: the linear-algebra workspace of the spectra (LAPACK, its first use): arith-base's diff
+# peaks at 28-29 MiB whatever its size (was 4)
+DIFF_SPECTRA_MB = 16.0
+DIFF_BYTES_PER_LARGEST = 6.0  # diff: the largest tensor's two sides and its chunks' temporaries
+# diff: the singular values of each 2-D delta up to diff.SVD_MAX_NUMEL elements: a fixed part a
+# matrix (arith-base's 16 took 6 ms) and min(m, n)^2 max(m, n) multiply-adds at this many times the
+# calibration's arithmetic per parameter-token-pass (SmolLM2-135M's 210: 5.6 s)
+DIFF_CALLS_PER_MATRIX = 0.06
+DIFF_SVD_PASSES = 4.8
+SVD_MAX_NUMEL = 16_000_000  # compute.sparsity.diff.SVD_MAX_NUMEL, the diff's default
 MASK_SELECT_CALLS = 1.0  # mask: selecting from a Fisher (per-tensor thresholds, statistics)
 MASK_CALLS_PER_ELEMENT = 1.33e-6
 # the token explorer: one backward per token it traces, and its forward over the context and the
-# factored-gradient check (were 1.2 and 240 calls: the default tokens job took 2.3 s with its model
-# load, estimated 6.1; refitted on that, session 19)
-TOKEN_GRAD_CALLS = 0.3
-TOKEN_SETUP_CALLS = 30.0
+# factored-gradient check (were 1.2 and 240 calls: the default tokens job's sensitivities took 0.05 s
+# beside a 2.1 s load, estimated 3.1 s; refitted on its parts, session 19)
+TOKEN_GRAD_CALLS = 0.05
+TOKEN_SETUP_CALLS = 5.0
 # A half-precision Fisher's float32 check (compute/jobs/fisher_run.py precision_check_plan) runs
 # within what the job's allowance leaves, with at least this temporaries budget, else it is
 # skipped and the result says why (issue 30)
@@ -442,6 +449,21 @@ class Sizing:
         for _ in range(self.layers):
             out += [attn] * 4 + [mlp] * 3
         return out + ([head] if head else [])
+
+    def matrices(self) -> list[tuple[int, int]]:
+        """A decoder's 2-D weights (rows, cols) from the shape: per layer q, k, v, o (taken as
+        hidden x hidden: grouped-query k, v are smaller) and three hidden x intermediate MLP
+        matrices, and the embedding (a second one when the head is untied)."""
+        inter = self.intermediate or 4 * self.hidden
+        per_layer = [(self.hidden, self.hidden)] * 4 + [(self.hidden, inter)] * 3
+        return [(self.vocab, self.hidden)] * (1 if self.tied else 2) + per_layer * max(self.layers, 0)
+
+    def svd_s(self, max_numel: int) -> float:
+        """Seconds of the singular values of every 2-D weight-sized delta of at most `max_numel`
+        elements (the diff's spectra): a fixed part each and their multiply-adds."""
+        shapes = [(m, n) for m, n in self.matrices() if m * n <= max_numel]
+        work = sum(min(m, n) ** 2 * max(m, n) for m, n in shapes)
+        return self.calls_s(DIFF_CALLS_PER_MATRIX * len(shapes)) + DIFF_SVD_PASSES * self.b * work
 
     def largest_tensor(self) -> int:
         """Elements of the model's largest weight (the embedding, or an MLP matrix)."""

@@ -12,11 +12,14 @@ from pydantic import Field
 
 from compute.contract.cost import (
     CHECKPOINT_CALLS_PER_PARAM,
-    DIFF_CALLS_PER_MATRIX,
+    CHECKPOINT_CALLS_PER_TENSOR,
+    DIFF_BYTES_PER_LARGEST,
     DIFF_SPECTRA_MB,
+    FILE_JOB_BASE_MB,
     FILE_JOB_CALLS,
+    MIB,
+    SVD_MAX_NUMEL,
     Sizing,
-    file_memory,
 )
 from compute.contract.kinds import JobKind, KindForm, TensorView
 from compute.contract.results import Contract, Family, Summary, TypedResult
@@ -41,7 +44,7 @@ class DiffSpec(Spec):
         description="top-k% used for the Fisher/|delta| overlap")
     store_delta: bool = Field(False, description="also store the full float32 delta as an artifact (large)")
     svd_max_numel: int = Field(
-        16_000_000, ge=0, le=10_000_000_000, description="skip rank/SVD of 2-D deltas above this size"
+        SVD_MAX_NUMEL, ge=0, le=10_000_000_000, description="skip rank/SVD of 2-D deltas above this size"
     )
 
 
@@ -105,14 +108,25 @@ def cost(s: DiffSpec) -> int:
 def timing(s: DiffSpec, z: Sizing) -> dict[str, float]:
     """Opening both checkpoints and comparing them tensor by tensor (the rank of 2-D deltas
     included), with the Fisher when given."""
-    return {"open": z.calls_s(FILE_JOB_CALLS), "compare": z.calls_s(2 * CHECKPOINT_CALLS_PER_PARAM * z.params),
-            "spectra": z.calls_s(DIFF_CALLS_PER_MATRIX * (7 * z.layers + 2))}
+    tensors = 9 * max(z.layers, 1) + 2  # a decoder's weights and norms (its matrices: Sizing.matrices)
+    return {"open": z.calls_s(FILE_JOB_CALLS),
+            "compare": z.calls_s(CHECKPOINT_CALLS_PER_TENSOR * tensors + 2 * CHECKPOINT_CALLS_PER_PARAM * z.params),
+            "spectra": z.svd_s(s.svd_max_numel)}
 
 
 def memory(s: DiffSpec, z: Sizing) -> dict[str, float]:
-    """The two checkpoints are read tensor by tensor (no model is built)."""
-    return file_memory(z, models=0) | {"tensors": 3 * 4.0 * z.params,
-                                       "spectra": DIFF_SPECTRA_MB * 2**20}
+    """The two checkpoints are read tensor by tensor (no model is built): the largest tensor's
+    two sides and its chunked temporaries at a time; with a Fisher, every tensor's |delta|, base
+    weights and Fisher held for the overlap (12 bytes/param), with store_delta every float32
+    delta. It counted 12 bytes/param always: 1.55 GB for SmolLM2-135M's diff, which peaked at
+    184 MiB (bench_estimates.json, session 19)."""
+    out = {"runtime": FILE_JOB_BASE_MB * MIB, "largest tensor": DIFF_BYTES_PER_LARGEST * z.largest_tensor(),
+           "spectra": DIFF_SPECTRA_MB * MIB}
+    if s.fisher:
+        out["held for the Fisher overlap"] = 12.0 * z.params
+    if s.store_delta:
+        out["stored delta"] = 4.0 * z.params
+    return out
 
 
 KIND = JobKind(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -70,6 +71,7 @@ def _finite(x: float) -> float | None:
 
 
 def run(spec: DiffSpec, progress: Any = null_progress, refs: Refs | None = None) -> JobResult:
+    t0 = time.perf_counter()
     progress(0.0, "opening checkpoints")
     refs = resolved_refs(spec, refs)
     base = open_checkpoint(refs["base"], "base")
@@ -77,6 +79,7 @@ def run(spec: DiffSpec, progress: Any = null_progress, refs: Refs | None = None)
     fisher_ref = refs.get("fisher")
     fisher = load_scores(fisher_ref, "fisher") if fisher_ref is not None else None
     within, construction = trained_mask(tuned.folder, fisher_ref) if fisher is not None else (None, None)
+    t_open = time.perf_counter()
     res = diff_checkpoints(base, tuned, fisher=fisher, topk_percent=spec.topk_percent,
                            keep_delta=spec.store_delta, svd_max_numel=spec.svd_max_numel,
                            progress=progress, within=within)
@@ -98,6 +101,10 @@ def run(spec: DiffSpec, progress: Any = null_progress, refs: Refs | None = None)
     series += [SeriesPoint("unchanged/atol_bf16delta", a, g[f"unchanged_bf16delta_atol_{a:g}"]) for a in ATOLS]
     series += [SeriesPoint("unchanged/rel_rms", r, g[f"unchanged_rel_{r:g}"]) for r in REL_TOLS]
     tensors = {"delta": res.delta} if res.delta is not None else {}
+    # where the time went, by diff.timing's parts (the summary's assembly with the comparison)
+    summary["seconds_parts"] = {"open": round(t_open - t0, 3),
+                                "compare": round(time.perf_counter() - t_open - res.spectra_seconds, 3),
+                                "spectra": round(res.spectra_seconds, 3)}
     progress(1.0, "done")
     return JobResult(kind="diff", summary=summary, layer_stats=_layer_rows(res), heatmaps=heatmaps,
                      series=series, tensors=tensors)

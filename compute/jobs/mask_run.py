@@ -7,6 +7,7 @@ Also home of the layer x module heatmap helper the diff job reuses. References a
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -105,7 +106,9 @@ def build_mask(spec: MaskSpec, progress: Any = null_progress, refs: Refs | None 
             info["scores"] = f"|gradient| from {spec.gradient}"
         elif model is not None:
             progress(0.1, "computing the gradient")
+            t0 = time.perf_counter()
             scores = sft_gradient(model, spec.task, spec.prompts, spec.seed, spec.device)
+            info["gradient_seconds"] = time.perf_counter() - t0  # mask.timing's "gradient" part
             info["scores"] = (f"|gradient| of the mean gold-answer NLL over {spec.prompts} "
                               f"train prompts of {spec.task!r} (seed {spec.seed})")
         else:
@@ -148,7 +151,9 @@ def _restrict(d: Mapping[str, torch.Tensor], ref: Mapping[str, torch.Tensor]) ->
 
 
 def run(spec: MaskSpec, progress: Any = null_progress, refs: Refs | None = None) -> JobResult:
+    t0 = time.perf_counter()
     mask, info = build_mask(spec, progress, refs)
+    gradient_s = float(info.pop("gradient_seconds", 0.0))
     fisher = info.pop("fisher_tensors")
     progress(0.8, "statistics")
     kept = {n: int(m.sum()) for n, m in mask.items()}
@@ -205,6 +210,10 @@ def run(spec: MaskSpec, progress: Any = null_progress, refs: Refs | None = None)
 
         summary["fisher_reliability"] = fisher_provenance(fisher_ref)
         metadata["fisher_reliability"] = json.dumps(summary["fisher_reliability"], default=str)
+    # where the time went, by mask.timing's parts
+    summary["seconds_parts"] = {"select": round(time.perf_counter() - t0 - gradient_s, 3)}
+    if gradient_s:
+        summary["seconds_parts"]["gradient"] = round(gradient_s, 3)
     progress(1.0, "done")
     return JobResult(kind="mask", summary=summary, layer_stats=rows, heatmaps=[heat],
                      tensors={"mask": mask}, metadata={"mask": metadata} if metadata else {})

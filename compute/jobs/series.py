@@ -11,6 +11,7 @@ imports torch and the engine inside the function.
 from __future__ import annotations
 
 import math
+import time
 from typing import Any, Literal
 
 from pydantic import Field
@@ -132,6 +133,7 @@ def run(spec: SeriesSpec, progress: Any = None, refs: Any = None) -> Any:
     the summary, the curves as series rows, layer x module over steps as heatmaps, and the whole
     series (every grouping) as the file artifact "series" (series.json). `refs`: the resolved
     references (the worker and the CLI pass them; read where they are, no database)."""
+    t0 = time.perf_counter()  # the run's imports are the job's "open" part
     import tempfile
     from pathlib import Path
 
@@ -161,12 +163,15 @@ def run(spec: SeriesSpec, progress: Any = None, refs: Any = None) -> Any:
         if construction is not None:
             summary_extra["construction"] = construction
     config = SeriesConfig(atol=spec.atol, support_percent=spec.support_percent)
+    t_open = time.perf_counter()
     res = checkpoint_series(base, run_dir, fisher=fisher, config=config,
                             progress=lambda f, m="": progress(0.95 * f, m), within=within)
     out = Path(tempfile.mkdtemp(prefix="fisherlens-series-"))
     path = write_series(res, out)
     summary = _summary(spec, res)
     summary.update(summary_extra)
+    # where the time went, by series.timing's parts
+    summary["seconds_parts"] = {"open": round(t_open - t0, 3), "compare": round(time.perf_counter() - t_open, 3)}
     result = JobResult(kind="series", summary=summary, series=_curves(res, spec.atol),
                        heatmaps=_heatmaps(res, spec.atol), files={"series": str(path)})
     progress(1.0, f"{len(res.points)} checkpoints")

@@ -95,11 +95,12 @@ def cost(s: TokensSpec) -> int:
 
 
 def timing(s: TokensSpec, z: Sizing) -> dict[str, float]:
-    """Load, a forward over the context, one backward per traced token (its fixed part and its
-    arithmetic over the context)."""
+    """Load, then the sensitivities: a forward over the context and the factored-gradient check,
+    and one backward per traced token (its fixed part and its arithmetic over the context). Two
+    parts, as the job reports its time (tokens_run: `summary.seconds_parts`)."""
     grads = s.top_k + s.random_k + s.low_k + min(s.max_tokens, z.vocab)
-    return {"load": z.load_s(), "forward and check": z.calls_s(TOKEN_SETUP_CALLS),
-            "gradients": z.calls_s(grads * TOKEN_GRAD_CALLS) + z.passes_s(cost(s))}
+    return {"load": z.load_s(),
+            "sensitivities": z.calls_s(TOKEN_SETUP_CALLS + grads * TOKEN_GRAD_CALLS) + z.passes_s(cost(s))}
 
 
 def memory(s: TokensSpec, z: Sizing) -> dict[str, float]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from typing import Any
 
 from compute.contract.jobresult import Heatmap, JobResult, LayerStat, null_progress
@@ -41,10 +42,12 @@ def run(spec: TokensSpec, progress: Any = null_progress, refs: Refs | None = Non
     from compute.jobs.artifact_files import resolved_refs
     from compute.lm.causal_lm import load_model, model_info
 
+    t0 = time.perf_counter()
     progress(0.0, "loading the model")
     ref = resolved_refs(spec, refs).get("model")
     assert ref is not None  # the spec requires a model
     model, tokenizer = load_model(ref, device=spec.device, dtype=spec.dtype, progress=progress)
+    t_load = time.perf_counter()
     progress(0.02, "forward pass and the top tokens' sensitivities")
     dev = next(model.parameters()).device
     ids = encode_context(tokenizer, spec.context, dev)
@@ -100,4 +103,6 @@ def run(spec: TokensSpec, progress: Any = null_progress, refs: Refs | None = Non
                       values={"mass": m, "share": m / total if total > 0 else 0.0})
             for n, m in res.tensor_fisher.items()]
     progress(1.0, "done")
+    # where the time went, by tokens.timing's parts
+    summary["seconds_parts"] = {"load": round(t_load - t0, 3), "sensitivities": round(time.perf_counter() - t_load, 3)}
     return JobResult(kind="tokens", summary=summary, layer_stats=rows, heatmaps=heatmaps)

@@ -366,8 +366,11 @@ def _train_job(
         bound_skip = plan.skip if plan is not None else None
         if bound_skip is not None:
             run.summary["bound_skipped"] = bound_skip
+        had = fisher is not None
         fisher, fisher_info = _initial_fisher(run, model, fisher, fisher_info, bound=bound_skip is None)
-        clock.lap("initial Fisher")
+        # a part the estimate has only when the run makes a Fisher (timing: none given, and the
+        # concentration or the bound needs one); a given Fisher's reading is the load's
+        clock.lap("initial Fisher" if fisher is not None and not had else "load")
         if plan is not None and bound_skip is None:
             _bound(run, model, fisher, fisher_info, plan)
             clock.lap("bound check")

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import json
 import math
+import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +41,7 @@ from typing import Any
 
 import torch
 
+from compute.contract.cost import SVD_MAX_NUMEL as COST_SVD_MAX_NUMEL
 from compute.contract.jobresult import Progress
 from compute.sparsity.masks import group_key
 
@@ -48,7 +50,7 @@ REL_TOLS = (1e-4, 1e-3, 1e-2)
 ENERGY_TOP_PERCENT = (0.1, 1.0, 5.0)
 SVD_TOPK = (1, 4, 16)
 RANK_RTOL_DOC = "max(m, n) * eps(float32) * s_max (numpy.linalg.matrix_rank's default)"
-SVD_MAX_NUMEL = 16_000_000
+SVD_MAX_NUMEL = COST_SVD_MAX_NUMEL  # one number for the job and its estimate
 GROUPINGS = ("global", "layer", "module", "layer_module")
 
 
@@ -301,7 +303,7 @@ class _SquaredDeltas:
 
 
 def tensor_diff_stats(base: torch.Tensor, tuned: torch.Tensor, svd_max_numel: int = SVD_MAX_NUMEL,
-                      need_delta: bool = True, chunk: int = DIFF_CHUNK,
+                      need_delta: bool = True, chunk: int = DIFF_CHUNK, clock: dict[str, float] | None = None,
                       ) -> tuple[dict[str, float], torch.Tensor | None]:
     """Counts and statistics of delta = tuned - base for one tensor; returns (stats, delta fp32,
     or None when not `need_delta` and no SVD is taken).
@@ -388,7 +390,10 @@ def tensor_diff_stats(base: torch.Tensor, tuned: torch.Tensor, svd_max_numel: in
         base = base.full()
     delta = tuned.to(torch.float32) - base.to(torch.float32)  # same shape as base
     if svd:
+        t0 = time.perf_counter()
         s.update(svd_stats(delta))
+        if clock is not None:  # where the job's time went: the spectra apart (diff.timing's parts)
+            clock["spectra"] = clock.get("spectra", 0.0) + time.perf_counter() - t0
     return s, delta
 
 
@@ -438,6 +443,7 @@ class CheckpointDiff:
     settings: dict[str, Any] = field(default_factory=dict)
     # stored dtypes of both sides and the convention of "unchanged_common" (comparison_convention)
     precision: dict[str, Any] = field(default_factory=dict)
+    spectra_seconds: float = 0.0  # of the comparison's time, the 2-D deltas' singular values
 
 
 def diff_checkpoints(
@@ -466,6 +472,7 @@ def diff_checkpoints(
     base_w: dict[str, torch.Tensor] = {}
     deltas: dict[str, torch.Tensor] = {}
     dtypes: tuple[set[str], set[str]] = (set(), set())
+    clock: dict[str, float] = {}
     for i, n in enumerate(names):
         if progress:
             progress(0.9 * i / max(1, len(names)), f"diff {n}")
@@ -478,7 +485,7 @@ def diff_checkpoints(
         dtypes[0].add(str(tb.dtype).replace("torch.", ""))
         dtypes[1].add(str(tt.dtype).replace("torch.", ""))
         want = keep_delta or (fisher is not None and n in fisher and tb.dtype == tt.dtype)
-        stats, delta = tensor_diff_stats(tb, tt, svd_max_numel, need_delta=want)
+        stats, delta = tensor_diff_stats(tb, tt, svd_max_numel, need_delta=want, clock=clock)
         raw[n] = stats
         per_tensor[n] = {**_fractions(stats), **{k: v for k, v in stats.items()
                                                    if k.startswith(("energy_", "svd_", "rank"))}}
@@ -509,7 +516,7 @@ def diff_checkpoints(
             fisher, {n: d > 0 for n, d in abs_delta.items()}, base_w)
     settings = _diff_settings(svd_max_numel, topk_percent)
     return CheckpointDiff(per_tensor, groups, skipped, fisher_res, deltas if keep_delta else None, settings,
-                      comparison_convention(*dtypes))
+                          comparison_convention(*dtypes), spectra_seconds=clock.get("spectra", 0.0))
 
 
 def _check_fisher_fits(fisher: Mapping[str, torch.Tensor], src: Any, names: list[str]) -> None:

@@ -1015,3 +1015,54 @@ def test_the_fisher_job_reports_its_time_by_its_estimates_parts(zoo_home, monkey
     assert set(took) == set(named), (took, named)
     assert all(v >= 0 for v in took.values()) and took["load"] > 0 and took["per-sample passes"] > 0, took
     assert 0.8 * wall - 0.5 <= sum(took.values()) <= wall, (took, wall)
+
+
+@pytest.mark.slow
+def test_every_kind_reports_its_time_by_its_estimates_parts(zoo_home, tmp_path, monkeypatch) -> None:
+    """One rule, every kind: each job's `summary.seconds_parts` names parts of its own estimate
+    (JobKind.timing) and covers its wall time, so estimate and clock compare part by part for
+    every kind (bench_estimates). Run here through each kind's runner on small specs: a Fisher,
+    masks from it and from a gradient, a train that saves checkpoints, the diff and series of
+    that train, tokens (sweep and retention: tests/unit/test_sweep.py, test_retention.py)."""
+    import time
+
+    from compute.jobs import registry
+    from compute.jobs.registry import parse_spec
+    from compute.jobs.runners import get_runner
+
+    monkeypatch.setenv("FISHERLENS_HOME", str(zoo_home))
+    monkeypatch.setenv("ALLOWED_MODEL_ROOTS", str(tmp_path))
+    z = C.Sizing(params=10**5, layers=2, a=1e-5, b=1e-11)
+
+    def run(kind: str, data: dict) -> object:
+        spec = parse_spec(kind, data)
+        t0 = time.perf_counter()
+        res = get_runner(kind)(spec, lambda f, m="": None, refs=None)
+        wall = time.perf_counter() - t0
+        took = res.summary["seconds_parts"]
+        named = registry.get(kind).timing(spec, z)
+        assert took and set(took) <= set(named), (kind, took, named)
+        assert all(v >= 0 for v in took.values()), (kind, took)
+        assert 0.8 * wall - 0.3 <= sum(took.values()) <= wall + 1e-3, (kind, took, wall)
+        return res
+
+    from safetensors.torch import save_file
+
+    fisher = run("fisher", {"model": "arith-base", "prompts": 2, "samples": 2, "max_new_tokens": 4})
+    fpath = tmp_path / "fisher.safetensors"
+    save_file({n: t.float().contiguous() for n, t in fisher.tensors["fisher"].items()}, str(fpath))
+    assert set(run("mask", {"fisher": str(fpath)}).summary["seconds_parts"]) == {"select"}
+    grad = run("mask", {"model": "arith-base", "select": "gradient", "prompts": 2})
+    assert set(grad.summary["seconds_parts"]) == {"select", "gradient"}
+    trained = run("train", {"model": "arith-base", "algo": "sft", "steps": 2, "batch": 2, "save_steps": 1,
+                            "eval_prompts": 4, "bound": False, "concentration": False})
+    folder = tmp_path / "run"
+    import shutil
+
+    shutil.move(str(trained.files["model"]), folder)
+    assert set(run("diff", {"base": "arith-base", "tuned": str(folder / "checkpoint-2")}).summary[
+        "seconds_parts"]) == {"open", "compare", "spectra"}
+    assert set(run("series", {"base": "arith-base", "run_dir": str(folder)}).summary["seconds_parts"]) == \
+        {"open", "compare"}
+    assert set(run("tokens", {"model": "arith-base", "context": "12+34=", "max_tokens": 8}).summary[
+        "seconds_parts"]) == {"load", "sensitivities"}
