@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -312,6 +313,13 @@ def estimate(settings: Any, kind: str, spec: Any, refs: dict[str, Any]) -> dict[
         "confirm_above_s": confirm_above,
         "needs_confirmation": bool(confirm_above and seconds is not None and seconds > confirm_above),
     }
+
+
+def submitted_estimate(est: Mapping[str, Any]) -> dict[str, Any] | None:
+    """What a job keeps of its estimate at submit (jobs.estimate): the seconds, where they come
+    from, by part, and the predicted peak memory; None when nothing was estimated."""
+    keep = {k: est.get(k) for k in ("seconds", "seconds_from", "seconds_parts", "memory_bytes")}
+    return keep if keep["seconds"] is not None or keep["memory_bytes"] is not None else None
 
 
 def memory_options(k: Any, spec: Any, z: Sizing | None, need: float | None, timed: bool) -> list[dict[str, Any]]:

@@ -52,6 +52,7 @@ def create_job(
     owner_id: int | None = None,
     refs: dict[str, Any] | None = None,
     shared: bool = True,
+    estimate: dict[str, Any] | None = None,
 ) -> Job:
     """A queued job (`shared`: whether its share link works from the start). `revisions` (the parts, e.g. ['model=<sha256>', 'mask=job:3:<sha256>'])
     are stored as they are and their digest becomes model_revision (unless one is given).
@@ -64,6 +65,7 @@ def create_job(
         kind=kind, spec=spec, spec_hash=spec_hash, model_revision=model_revision,
         revisions=list(revisions) if revisions else None, owner_id=owner_id, refs=refs,
         parent_id=parent_id, shard_index=shard_index, shared=shared,
+        estimate=json_safe(estimate) if estimate else None,
     )
     session.add(job)
     session.commit()

@@ -96,6 +96,9 @@ class Job(Base):
     # {field: Ref as JSON} resolved once at submit (app.services.refs; migration 0005); the
     # worker re-verifies their sha256 and never resolves a reference again.
     refs: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
+    # the estimate its submitter saw (seconds, seconds_parts, memory_bytes, from app.limits.estimate;
+    # migration 0007): the result compares it with what the job took, part by part
+    estimate: Mapped[dict[str, Any] | None] = mapped_column(JSON, default=None)
     status: Mapped[str] = mapped_column(String(16), default="queued", index=True)
     progress: Mapped[float] = mapped_column(Float, default=0.0)
     message: Mapped[str] = mapped_column(Text, default="")

@@ -75,6 +75,7 @@ def job_dict(job: Job) -> dict[str, Any]:
         "combine_state": job.combine_state,
         "owner_id": job.owner_id,
         "shared": job.shared,
+        "estimate": job.estimate,
     }
 
 

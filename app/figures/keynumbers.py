@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from app.ceiling import duration
 from app.figures.common import finite
 from app.figures.registry import key_numbers_builder
 from app.render import significant
@@ -114,6 +115,50 @@ def _precision_item(r: TypedResult[Any], out: dict[str, Any]) -> None:
         out["items"].append(item("Precision", ", ".join(b for b in bits if b), note))
 
 
+def _secs(v: float) -> str:
+    return f"{v:.2g} s" if v < 10 else duration(v)
+
+
+def _wall_seconds(job: Mapping[str, Any]) -> float | None:
+    from datetime import datetime
+
+    try:
+        t0, t1 = (datetime.fromisoformat(str(job[k])) for k in ("started_at", "finished_at"))
+    except (KeyError, TypeError, ValueError):
+        return None
+    return max(0.0, (t1 - t0).total_seconds())
+
+
+def time_item(result: TypedResult[Any] | Mapping[str, Any]) -> Item | None:
+    """What a job took, against what it was estimated to take when it was submitted, part by part
+    (summary.seconds_parts uses its kind's estimate's part names; jobs.estimate keeps the
+    estimate): every kind, one rule. None when the result holds neither."""
+    if not isinstance(result, Mapping):
+        return None
+    job = result.get("job") or {}
+    est = job.get("estimate") or {}
+    took = dict((result.get("summary") or {}).get("seconds_parts") or {})
+    wall = _wall_seconds(job)
+    if wall is None and not took:
+        return None
+    total = wall if wall is not None else sum(float(v) for v in took.values())
+    value = f"took {_secs(total)}"
+    if est.get("seconds") is not None:
+        value += f", estimated {_secs(float(est['seconds']))} at submit"
+    guessed = dict(est.get("seconds_parts") or {})
+    if not (took or guessed):
+        return item("Time", value)
+    if guessed:
+        parts = [f"{p} {_secs(float(took[p])) if p in took else '-'} / {_secs(float(v))}" for p, v in guessed.items()]
+        parts += [f"{p} {_secs(float(v))} / -" for p, v in took.items() if p not in guessed]
+        note = "by part, took / estimated: " + "; ".join(parts)
+    else:
+        note = "by part: " + "; ".join(f"{p} {_secs(float(v))}" for p, v in took.items())
+    if took and job.get("n_children"):
+        note += " (the units' times added: they may have run on several workers at once)"
+    return item("Time", value, note)
+
+
 def key_numbers(result: TypedResult[Any] | Mapping[str, Any]) -> dict[str, Any]:
     """The key numbers of a result: its kind's builder (`@key_numbers(kind)` in
     app/figures/<kind>.py) fills items, warnings, verdict and table; nothing for a kind without
@@ -128,4 +173,7 @@ on (summary "fisher_reliability") when the builder gave none, and the precision 
         if rel and out["verdict"] is None:  # a mask, train, diff ... shows its Fisher's verdict
             out["verdict"] = fisher_verdict(rel)
         _precision_item(r, out)
+    when = time_item(result)
+    if when is not None:
+        out["items"].append(when)
     return out

@@ -56,6 +56,7 @@ def submit(settings: Any, kind: str, data: dict[str, Any], *, reuse: bool = True
             revisions=parts,
             refs={f: r.stored() for f, r in refs.items()},
             shared=share_default(settings),
+            estimate=limits.submitted_estimate(est),
         )
         out = repo.job_dict(job)
     _queue(settings, out["id"])

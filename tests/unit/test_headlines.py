@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from app.ceiling import duration
 from app.figures.keynumbers import fmt, key_numbers, pct
 from app.figures.registry import entries, titled_figures_for
 from compute.contract.results import reliability_level
@@ -342,6 +343,10 @@ def check_headlines(kind: str, d: dict[str, Any]) -> dict[str, Any]:
     nums = key_numbers(d)
     got = {i["label"]: i["value"] for i in nums["items"]}
     want = EXPECTED[kind](d)
+    parts = (d.get("summary") or {}).get("seconds_parts")
+    if parts and not (d.get("job") or {}).get("started_at"):  # every kind: the parts' sum it took
+        total = sum(parts.values())
+        want["Time"] = f"took {total:.2g} s" if total < 10 else f"took {duration(total)}"
     assert got == want, (kind, got, want)
     r = parse_result(d)
     registered = {e.name: e.title for e in entries(r.kind)}

@@ -1,0 +1,60 @@
+"""What a job took against what it was estimated to take, part by part, for every kind: the
+estimate its submitter saw is kept with the job (jobs.estimate, migration 0007), the job reports
+its time by the estimate's part names (summary.seconds_parts), and the result's key numbers and
+share page show both (app.figures.keynumbers.time_item)."""
+
+from __future__ import annotations
+
+import shutil
+
+from app.figures.keynumbers import key_numbers, time_item
+
+
+def test_a_submitted_job_keeps_its_estimate_and_its_result_shows_it_by_part(zoo_home, tmp_path, monkeypatch) -> None:
+    from fastapi.testclient import TestClient
+
+    from app.web import create_app
+    from compute.contract.settings import Settings
+    from compute.worker.execute import execute_job
+
+    home = tmp_path / "home"
+    shutil.copytree(zoo_home / "zoo" / "arith-base", home / "zoo" / "arith-base")
+    (home / "throughput.json").write_text('{"seconds_per_token_pass": 1e-5, "seconds_per_param_token_pass": 2e-11}')
+    monkeypatch.setenv("FISHERLENS_HOME", str(home))
+    monkeypatch.delenv("DATABASE_URL", raising=False)
+    monkeypatch.delenv("REDIS_URL", raising=False)
+    settings = Settings(fisherlens_home=home, database_url=None, redis_url=None, public_url="http://testserver")
+    client = TestClient(create_app(settings), follow_redirects=False, base_url="http://127.0.0.1")
+    spec = {"model": "arith-base", "prompts": 2, "samples": 2, "max_new_tokens": 4, "device": "cpu"}
+    shown = client.post("/api/estimate", json={"kind": "fisher", "spec": spec}).json()
+    r = client.post("/api/jobs", json={"kind": "fisher", "spec": spec})
+    assert r.status_code == 201, r.text
+    job = r.json()
+    # the job row keeps what the submitter was shown, and nothing else of the estimate
+    assert job["estimate"]["seconds"] == shown["seconds"] and job["estimate"]["seconds_parts"] == shown["seconds_parts"]
+    assert set(job["estimate"]) == {"seconds", "seconds_from", "seconds_parts", "memory_bytes"}
+    assert execute_job(settings, job["id"]) == "succeeded"
+    res = client.get(f"/api/results/{job['share_token']}").json()
+    assert res["job"]["estimate"] == job["estimate"]
+    took = res["summary"]["seconds_parts"]
+    assert set(took) == set(shown["seconds_parts"]), (took, shown["seconds_parts"])
+    when = next(i for i in key_numbers(res)["items"] if i["label"] == "Time")
+    assert when["value"].startswith("took ") and "estimated" in when["value"] and "at submit" in when["value"]
+    assert when["note"].startswith("by part, took / estimated: load ")
+    for part in shown["seconds_parts"]:
+        assert f"{part} " in when["note"], (part, when["note"])
+    page = client.get(f"/r/{job['share_token']}").text
+    assert "estimated" in page and "by part, took / estimated" in page
+
+
+def test_the_time_item_without_an_estimate_or_a_job() -> None:
+    """A direct CLI run has no estimate row: the parts alone; a part the estimate did not name is
+    shown against '-'; nothing at all when the result holds no time."""
+    res = {"kind": "fisher", "summary": {"seconds_parts": {"sampling": 0.5, "statistics": 12.0}}}
+    assert time_item(res) == {"label": "Time", "value": "took 12 s", "note": "by part: sampling 0.5 s; statistics 12 s"}
+    res["job"] = {"started_at": "2026-12-07T03:00:00+00:00", "finished_at": "2026-12-07T03:03:00+00:00",
+                  "estimate": {"seconds": 150.0, "seconds_parts": {"sampling": 1.0, "load": 3.0}}}
+    got = time_item(res)
+    assert got is not None and got["value"] == "took 3 min, estimated 2 min at submit"
+    assert got["note"] == "by part, took / estimated: sampling 0.5 s / 1 s; load - / 3 s; statistics 12 s / -"
+    assert time_item({"kind": "fisher", "summary": {}}) is None
