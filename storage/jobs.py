@@ -18,7 +18,7 @@ from sqlalchemy import Connection, bindparam, select, update
 from sqlalchemy.orm import Session
 
 from storage.models import FINAL_STATUSES, Job, User, revision_digest, utcnow
-from storage.serialize import iso, json_safe
+from storage.serialize import JOB_DATES, JOB_DICT_COLUMNS, iso, json_safe
 
 MAX_ID = 2**31 - 1  # jobs.id is a 32-bit INTEGER on PostgreSQL (and what SQLite binds safely)
 
@@ -176,17 +176,10 @@ def list_jobs(
 
 
 # job_dict's fields, in its order: what a job listing reads (no refs, no summary JSON).
-_DICT_COLUMNS = ("id", "kind", "spec", "spec_hash", "model_revision", "revisions", "status",
-                 "progress", "message", "error", "share_token", "created_at", "started_at",
-                 "finished_at", "heartbeat_at", "worker", "attempts", "cancel_requested",
-                 "parent_id", "shard_index", "n_children", "combine_state", "owner_id", "shared")
-_DATES = frozenset(("created_at", "started_at", "finished_at", "heartbeat_at"))
-
-
 @lru_cache(maxsize=32)
 def _listing(owner: bool, kind: bool, status: bool, include_shards: bool) -> Any:
     """The listing's select for one combination of filters, built once (values are bound)."""
-    q = select(*(getattr(Job, c) for c in _DICT_COLUMNS))
+    q = select(*(getattr(Job, c) for c in JOB_DICT_COLUMNS))
     if owner:
         q = q.where(Job.owner_id == bindparam("owner_id"))
     if kind:
@@ -214,7 +207,7 @@ def list_job_dicts(
     params = {"owner_id": owner_id, "kind": kind, "status": status,
               "limit": max(1, min(int(limit), 1000)), "offset": max(0, int(offset))}
     rows = session.execute(q, {k: v for k, v in params.items() if v is not None})
-    return [{c: iso(v) if c in _DATES else v for c, v in zip(_DICT_COLUMNS, r, strict=True)}
+    return [{c: iso(v) if c in JOB_DATES else v for c, v in zip(JOB_DICT_COLUMNS, r, strict=True)}
             for r in rows]
 
 

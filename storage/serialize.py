@@ -49,34 +49,18 @@ def model_dict(m: Model) -> dict[str, Any]:
     }
 
 
+# A job's public fields, in order: job_dict reads them from the ORM row, the listing
+# (storage.jobs.list_job_dicts) selects the same columns without the ORM; one list for both
+JOB_DICT_COLUMNS = ("id", "kind", "spec", "spec_hash", "model_revision", "revisions", "status",
+                    "progress", "message", "error", "share_token", "created_at", "started_at",
+                    "finished_at", "heartbeat_at", "worker", "attempts", "cancel_requested",
+                    "parent_id", "shard_index", "n_children", "combine_state", "owner_id", "shared",
+                    "estimate")
+JOB_DATES = frozenset(("created_at", "started_at", "finished_at", "heartbeat_at"))
+
+
 def job_dict(job: Job) -> dict[str, Any]:
-    return {
-        "id": job.id,
-        "kind": job.kind,
-        "spec": job.spec,
-        "spec_hash": job.spec_hash,
-        "model_revision": job.model_revision,
-        "revisions": job.revisions,
-        "status": job.status,
-        "progress": job.progress,
-        "message": job.message,
-        "error": job.error,
-        "share_token": job.share_token,
-        "created_at": iso(job.created_at),
-        "started_at": iso(job.started_at),
-        "finished_at": iso(job.finished_at),
-        "heartbeat_at": iso(job.heartbeat_at),
-        "worker": job.worker,
-        "attempts": job.attempts,
-        "cancel_requested": job.cancel_requested,
-        "parent_id": job.parent_id,
-        "shard_index": job.shard_index,
-        "n_children": job.n_children,
-        "combine_state": job.combine_state,
-        "owner_id": job.owner_id,
-        "shared": job.shared,
-        "estimate": job.estimate,
-    }
+    return {c: iso(getattr(job, c)) if c in JOB_DATES else getattr(job, c) for c in JOB_DICT_COLUMNS}
 
 
 def artifact_dict(a: ArtifactRow) -> dict[str, Any]:
