@@ -276,6 +276,8 @@ def estimate(settings: Any, kind: str, spec: Any, refs: dict[str, Any]) -> dict[
     tp = throughput(settings)
     timed = seconds_of(settings, passes, params) if cost is not None and params is not None else None
     parts: dict[str, float] | None = None
+    model_parts: dict[str, float] | None = None  # the cost model's parts, before the clock's corrections
+    corrections: dict[str, dict[str, Any]] = {}
     mem_parts: dict[str, float] | None = None
     host_parts: dict[str, float] = {}
     k = registry.get(kind)
@@ -284,7 +286,11 @@ def estimate(settings: Any, kind: str, spec: Any, refs: dict[str, Any]) -> dict[
         z = sizing(settings, kind, spec, refs, params, data, mask_density(files))
         if k.timing is not None and timed is not None and timed[1].startswith("calibrated"):
             parts = {p: float(v) for p, v in k.timing(spec, z).items()}
-            timed = (sum(parts.values()), timed[1])
+            model_parts = dict(parts)
+            corrections = clock_corrections(settings, kind, spec, parts)
+            for p, c in corrections.items():
+                parts[p] *= c["factor"]
+            timed = (sum(parts.values()), timed[1] + correction_text(corrections))
         if k.memory is not None:
             mem_parts = {p: float(v) for p, v in k.memory(spec, z).items()}
         if k.host_memory is not None:
@@ -303,6 +309,8 @@ def estimate(settings: Any, kind: str, spec: Any, refs: dict[str, Any]) -> dict[
         "seconds": seconds,
         "seconds_from": timed[1] if timed else None,
         "seconds_parts": parts,
+        "model_seconds_parts": model_parts,
+        "seconds_corrections": corrections,
         "memory_bytes": sum(mem_parts.values()) if mem_parts else None,
         "memory_parts": mem_parts,
         "memory_host_parts": host_parts,
@@ -315,10 +323,83 @@ def estimate(settings: Any, kind: str, spec: Any, refs: dict[str, Any]) -> dict[
     }
 
 
+# The estimate learns from the clock: each part of a job's estimate is scaled by how long that part
+# took against its cost-model estimate in the latest jobs of the same kind on the same model (the
+# median of at most CORRECTION_JOBS, kept within CORRECTION_RANGE). What the cost model cannot know
+# before a run, it learns from the runs: how early a model's completions stop (sampling is counted
+# to max_new_tokens), how loaded the machine is.
+CORRECTION_JOBS = 5
+CORRECTION_RANGE = (0.25, 4.0)
+
+
+def _model_named(kind: str, spec: Any) -> str | None:
+    """The first model a spec names (its `model`, a diff's `base`), as written."""
+    from app.services import refs as resolver
+
+    return next((str(v) for v, target in resolver.spec_values(kind, spec).values() if target == "model"), None)
+
+
+def clock_corrections(settings: Any, kind: str, spec: Any, parts: Mapping[str, float]) -> dict[str, dict[str, Any]]:
+    """{part: {"factor", "jobs"}} from the latest succeeded jobs of `kind` on the same model that
+    kept their estimate: each part's measured seconds over its cost-model seconds (their
+    `model_seconds_parts`, so corrections never compound), the median of at most CORRECTION_JOBS
+    jobs, within CORRECTION_RANGE. {} when there are none or no database to ask (an embedded
+    store that does not exist yet is not created for an estimate)."""
+    model = _model_named(kind, spec)
+    url = str(getattr(settings, "db_url", "") or "")
+    if model is None or not url or (url.startswith("sqlite:///") and not Path(url[len("sqlite:///"):]).exists()):
+        return {}
+    try:
+        from app.services import sessions
+        from storage import repo
+
+        with sessions(settings)() as s:
+            rows = repo.recent_timings(session=s, kind=kind)
+    except Exception:  # noqa: BLE001 - an estimate never fails for want of history
+        return {}
+    ratios: dict[str, list[float]] = {p: [] for p in parts}
+    for spec_j, est_j, took_j in rows:
+        if _model_named(kind, _SpecView(spec_j)) != model:
+            continue
+        base = est_j.get("model_seconds_parts") or est_j.get("seconds_parts") or {}
+        for p, r in ratios.items():
+            b, t = base.get(p), took_j.get(p)
+            if len(r) < CORRECTION_JOBS and isinstance(b, int | float) and isinstance(t, int | float) and b > 0:
+                r.append(float(t) / float(b))
+    lo, hi = CORRECTION_RANGE
+    out = {}
+    for p, r in ratios.items():
+        if r:
+            r.sort()
+            mid = r[len(r) // 2] if len(r) % 2 else (r[len(r) // 2 - 1] + r[len(r) // 2]) / 2
+            out[p] = {"factor": min(hi, max(lo, mid)), "jobs": len(r)}
+    return out
+
+
+class _SpecView:
+    """A stored spec (a dict) read as a spec object by the reference fields' getattr."""
+
+    def __init__(self, data: Mapping[str, Any]) -> None:
+        self._data = data
+
+    def __getattr__(self, name: str) -> Any:
+        return self._data.get(name)
+
+
+def correction_text(corrections: Mapping[str, Mapping[str, Any]]) -> str:
+    """", corrected by the clock of N earlier jobs: sampling x0.31, ..." or ""."""
+    if not corrections:
+        return ""
+    n = max(int(c["jobs"]) for c in corrections.values())
+    shown = ", ".join(f"{p} x{c['factor']:.2g}" for p, c in corrections.items() if abs(c["factor"] - 1) >= 0.05)
+    return f"; by the clock of {n} earlier job{'s' if n > 1 else ''} on this model" + (f": {shown}" if shown else "")
+
+
 def submitted_estimate(est: Mapping[str, Any]) -> dict[str, Any] | None:
     """What a job keeps of its estimate at submit (jobs.estimate): the seconds, where they come
     from, by part, and the predicted peak memory; None when nothing was estimated."""
-    keep = {k: est.get(k) for k in ("seconds", "seconds_from", "seconds_parts", "memory_bytes")}
+    keep = {k: est.get(k) for k in ("seconds", "seconds_from", "seconds_parts", "model_seconds_parts",
+                                     "memory_bytes")}
     return keep if keep["seconds"] is not None or keep["memory_bytes"] is not None else None
 
 

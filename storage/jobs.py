@@ -72,6 +72,22 @@ def create_job(
     return job
 
 
+def recent_timings(*, session: Session, kind: str, limit: int = 20) -> list[tuple[dict[str, Any], dict[str, Any], dict[str, Any]]]:
+    """(spec, estimate, summary.seconds_parts) of the latest succeeded top-level jobs of `kind`
+    that kept their estimate (jobs.estimate) and reported their parts, newest first: what the
+    estimate of the next such job learns from (app.limits.clock_corrections)."""
+    rows = session.execute(
+        select(Job.spec, Job.estimate, Job.summary)
+        .where(Job.kind == kind, Job.status == "succeeded", Job.parent_id.is_(None), Job.estimate.is_not(None))
+        .order_by(Job.id.desc()).limit(limit))
+    out = []
+    for spec, est, summary in rows:
+        took = (summary or {}).get("seconds_parts") if isinstance(summary, dict) else None
+        if isinstance(est, dict) and isinstance(took, dict) and took:
+            out.append((dict(spec or {}), est, took))
+    return out
+
+
 def create_job_within_quota(
     *, session: Session, owner_id: int, check: Callable[[int], None], **fields: Any
 ) -> Job:

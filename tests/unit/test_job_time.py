@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import shutil
 
+import pytest
+
 from app.figures.keynumbers import key_numbers, time_item
 
 
@@ -30,9 +32,11 @@ def test_a_submitted_job_keeps_its_estimate_and_its_result_shows_it_by_part(zoo_
     r = client.post("/api/jobs", json={"kind": "fisher", "spec": spec})
     assert r.status_code == 201, r.text
     job = r.json()
-    # the job row keeps what the submitter was shown, and nothing else of the estimate
+    # the job row keeps what the submitter was shown (and the cost model's parts before any
+    # correction by the clock: none yet, no job has run), nothing else of the estimate
+    assert shown["seconds_corrections"] == {} and shown["model_seconds_parts"] == shown["seconds_parts"]
     assert job["estimate"]["seconds"] == shown["seconds"] and job["estimate"]["seconds_parts"] == shown["seconds_parts"]
-    assert set(job["estimate"]) == {"seconds", "seconds_from", "seconds_parts", "memory_bytes"}
+    assert set(job["estimate"]) == {"seconds", "seconds_from", "seconds_parts", "model_seconds_parts", "memory_bytes"}
     assert execute_job(settings, job["id"]) == "succeeded"
     res = client.get(f"/api/results/{job['share_token']}").json()
     assert res["job"]["estimate"] == job["estimate"]
@@ -45,6 +49,26 @@ def test_a_submitted_job_keeps_its_estimate_and_its_result_shows_it_by_part(zoo_
         assert f"{part} " in when["note"], (part, when["note"])
     page = client.get(f"/r/{job['share_token']}").text
     assert "estimated" in page and "by part, took / estimated" in page
+
+    # the next estimate on this model learns from that job's clock, part by part: each part
+    # scaled by took / cost-model estimate (within 1/4..4), said in seconds_from
+    again = client.post("/api/estimate", json={"kind": "fisher", "spec": {**spec, "prompts": 3}}).json()
+    corr = again["seconds_corrections"]
+    assert set(corr) == set(took) and all(c["jobs"] == 1 for c in corr.values()), corr
+    for p, c in corr.items():
+        want = min(4.0, max(0.25, took[p] / job["estimate"]["model_seconds_parts"][p]))
+        assert c["factor"] == pytest.approx(want), (p, c, want)
+        assert again["seconds_parts"][p] == pytest.approx(again["model_seconds_parts"][p] * c["factor"])
+    assert again["seconds"] == pytest.approx(sum(again["seconds_parts"].values()))
+    assert "by the clock of 1 earlier job on this model" in again["seconds_from"]
+    # another model: nothing to learn from
+    other = client.post("/api/estimate", json={"kind": "fisher", "spec": {**spec, "model": "arith-teacher"}}).json()
+    assert other.get("seconds_corrections") in ({}, None), other
+    # a second job keeps the uncorrected parts too: its own correction is measured against
+    # them, so corrections never compound
+    second = client.post("/api/jobs", json={"kind": "fisher", "spec": {**spec, "prompts": 3}}).json()
+    assert second["estimate"]["model_seconds_parts"] == pytest.approx(again["model_seconds_parts"])
+    assert second["estimate"]["seconds_parts"] == pytest.approx(again["seconds_parts"])
 
 
 def test_the_time_item_without_an_estimate_or_a_job() -> None:
