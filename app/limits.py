@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -334,9 +335,9 @@ CORRECTION_RANGE = (0.25, 4.0)
 
 def _model_named(kind: str, spec: Any) -> str | None:
     """The first model a spec names (its `model`, a diff's `base`), as written."""
-    from app.services import refs as resolver
+    from compute.jobs import registry
 
-    return next((str(v) for v, target in resolver.spec_values(kind, spec).values() if target == "model"), None)
+    return next((str(v) for v, target in registry.ref_values(kind, spec).values() if target == "model"), None)
 
 
 def clock_corrections(settings: Any, kind: str, spec: Any, parts: Mapping[str, float]) -> dict[str, dict[str, Any]]:
@@ -350,10 +351,10 @@ def clock_corrections(settings: Any, kind: str, spec: Any, parts: Mapping[str, f
     if model is None or not url or (url.startswith("sqlite:///") and not Path(url[len("sqlite:///"):]).exists()):
         return {}
     try:
-        from app.services import sessions
         from storage import repo
+        from storage.db import migrated_session_factory
 
-        with sessions(settings)() as s:
+        with migrated_session_factory(url)() as s:
             rows = repo.recent_timings(session=s, kind=kind)
     except Exception:  # noqa: BLE001 - an estimate never fails for want of history
         return {}
@@ -367,13 +368,7 @@ def clock_corrections(settings: Any, kind: str, spec: Any, parts: Mapping[str, f
             if len(r) < CORRECTION_JOBS and isinstance(b, int | float) and isinstance(t, int | float) and b > 0:
                 r.append(float(t) / float(b))
     lo, hi = CORRECTION_RANGE
-    out = {}
-    for p, r in ratios.items():
-        if r:
-            r.sort()
-            mid = r[len(r) // 2] if len(r) % 2 else (r[len(r) // 2 - 1] + r[len(r) // 2]) / 2
-            out[p] = {"factor": min(hi, max(lo, mid)), "jobs": len(r)}
-    return out
+    return {p: {"factor": min(hi, max(lo, statistics.median(r))), "jobs": len(r)} for p, r in ratios.items() if r}
 
 
 class _SpecView:
@@ -387,7 +382,8 @@ class _SpecView:
 
 
 def correction_text(corrections: Mapping[str, Mapping[str, Any]]) -> str:
-    """", corrected by the clock of N earlier jobs: sampling x0.31, ..." or ""."""
+    """"; by the clock of N earlier jobs on this model: sampling x0.31, ..." (the parts it moved by
+    5% or more), or "" without corrections."""
     if not corrections:
         return ""
     n = max(int(c["jobs"]) for c in corrections.values())
