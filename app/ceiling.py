@@ -66,7 +66,10 @@ def seconds_of(settings: Any, token_passes: float, params: int) -> tuple[float, 
     tp = throughput(settings)
     if tp is None:
         return None
-    return max(token_passes, 1) * params / tp[0], f"{tp[0]:.3g} parameter-token-passes/s ({tp[1]})"
+    # no calibration of this machine: one constant measured elsewhere, off by up to two orders of
+    # magnitude at either end of the model sizes (docs/lab.md); the text says how to do better
+    return max(token_passes, 1) * params / tp[0], (f"{tp[0]:.3g} parameter-token-passes/s ({tp[1]}); "
+                                                   "not this machine's: `fisherlens calibrate` measures it in seconds")
 
 
 def _throughput_file(path: Path) -> float | None:

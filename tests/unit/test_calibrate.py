@@ -53,3 +53,4 @@ def test_without_a_calibration_the_one_constant_file_applies(tmp_path: Path) -> 
     assert tp is not None
     got = ceiling.seconds_of(settings, 1000, 1_000_000)
     assert got is not None and got[0] == pytest.approx(1000 * 1_000_000 / tp[0])
+    assert "not this machine's: `fisherlens calibrate`" in got[1]  # the estimate says how to do better
