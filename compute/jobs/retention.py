@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, model_validator
 
 from compute.contract.cost import (
+    MASK_CALLS_PER_ELEMENT,
+    MASK_SELECT_CALLS,
     MIB,
     RETENTION_STATE_MB,
     Sizing,
@@ -176,7 +178,9 @@ def timing(s: RetentionSpec, z: Sizing) -> dict[str, float]:
     # a model below 20M parameters runs on one torch thread (retention_run.SMALL_MODEL_PARAMS):
     # counted as the calibration's two, which a quiet machine measures within 0.9-1.3x of one at
     # that size (session 19; the 0.7 share once fitted here came from a run at a load of 6-9)
+    masks = s.seeds * len(s.densities) * len(s.selectors)  # each arm's mask (a selection over the weights)
     return {"load": z.load_s(), "initial Fisher": fisher,
+            "masks": masks * z.calls_s(MASK_SELECT_CALLS + MASK_CALLS_PER_ELEMENT * z.params),
             "steps": runs * one["steps"],
             # the base's held-out accuracy and every arm's: one greedy evaluation each
             "evaluation": (runs + 1) * one["evaluation"] / 2,

@@ -233,7 +233,7 @@ def run_child(spec: SweepSpec, index: int, progress: Any = null_progress,
     end = time.perf_counter()
     # the train's own account covers its wall time but for its result's assembly: that, and the
     # point's diff and clean-up, are the point's end
-    parts["finish"] = parts.get("finish", 0.0) + (t2 - t1 - sum(
+    parts["finish"] = parts.get("finish", 0.0) + max(0.0, t2 - t1 - sum(
         float(v) for v in (res.summary.get("seconds_parts") or {}).values())) + (end - t2)
     return {"row": row, "initial_fisher": dict(info), "fisher": dict(fisher) if keep else None,
             "seconds": end - t0, "seconds_parts": {k: round(v, 3) for k, v in parts.items()}}
