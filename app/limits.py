@@ -333,11 +333,11 @@ CORRECTION_JOBS = 5
 CORRECTION_RANGE = (0.25, 4.0)
 
 
-def _model_named(kind: str, spec: Any) -> str | None:
-    """The first model a spec names (its `model`, a diff's `base`), as written."""
+def _model_field(kind: str, spec: Any) -> tuple[str, str] | None:
+    """(field, value as written) of the first model a spec names (its `model`, a diff's `base`)."""
     from compute.jobs import registry
 
-    return next((str(v) for v, target in registry.ref_values(kind, spec).values() if target == "model"), None)
+    return next(((f, str(v)) for f, (v, target) in registry.ref_values(kind, spec).items() if target == "model"), None)
 
 
 def clock_corrections(settings: Any, kind: str, spec: Any, parts: Mapping[str, float]) -> dict[str, dict[str, Any]]:
@@ -346,9 +346,9 @@ def clock_corrections(settings: Any, kind: str, spec: Any, parts: Mapping[str, f
     `model_seconds_parts`, so corrections never compound), the median of at most CORRECTION_JOBS
     jobs, within CORRECTION_RANGE. {} when there are none or no database to ask (an embedded
     store that does not exist yet is not created for an estimate)."""
-    model = _model_named(kind, spec)
+    named = _model_field(kind, spec)
     url = str(getattr(settings, "db_url", "") or "")
-    if model is None or not url or (url.startswith("sqlite:///") and not Path(url[len("sqlite:///"):]).exists()):
+    if named is None or not url or (url.startswith("sqlite:///") and not Path(url[len("sqlite:///"):]).exists()):
         return {}
     try:
         from storage import repo
@@ -360,7 +360,7 @@ def clock_corrections(settings: Any, kind: str, spec: Any, parts: Mapping[str, f
         return {}
     ratios: dict[str, list[float]] = {p: [] for p in parts}
     for spec_j, est_j, took_j in rows:
-        if _model_named(kind, _SpecView(spec_j)) != model:
+        if str(spec_j.get(named[0])) != named[1]:  # the stored spec, as submitted
             continue
         base = est_j.get("model_seconds_parts") or est_j.get("seconds_parts") or {}
         for p, r in ratios.items():
@@ -369,16 +369,6 @@ def clock_corrections(settings: Any, kind: str, spec: Any, parts: Mapping[str, f
                 r.append(float(t) / float(b))
     lo, hi = CORRECTION_RANGE
     return {p: {"factor": min(hi, max(lo, statistics.median(r))), "jobs": len(r)} for p, r in ratios.items() if r}
-
-
-class _SpecView:
-    """A stored spec (a dict) read as a spec object by the reference fields' getattr."""
-
-    def __init__(self, data: Mapping[str, Any]) -> None:
-        self._data = data
-
-    def __getattr__(self, name: str) -> Any:
-        return self._data.get(name)
 
 
 def correction_text(corrections: Mapping[str, Mapping[str, Any]]) -> str:

@@ -74,9 +74,10 @@ LOAD_BYTES_PER_S = 400e6  # reading safetensors weights into the model (CPU, pag
 # calibration; bench_estimates.json, session 19)
 MODEL_RELOAD_CALLS = 5.0
 # one generation step (sampling, logits processors, KV cache update) per decoder layer: a decode
-# step's fixed part grows with the layers it runs through (session 19, CPU, 2 threads, 8 and 64
-# rows: arith-base, 2 layers, 0.33-0.51 calls; arith-deep-base, 8 layers, 0.96-1.05; SmolLM2-135M,
-# 30 layers, 8.5-11.6). It was 2.0 calls whatever the depth: 4x the clock on the zoo models
+# step's fixed part grows with the layers it runs through (benchmarks/bench_estimate_parts.py,
+# results/bench_estimate_parts.json, CPU, 2 threads, 8 and 64 rows: arith-base, 2 layers,
+# 0.31-0.36 calls; arith-deep-base, 8 layers, 0.84-1.10; SmolLM2-135M, 30 layers, 17.7-23.7 with a
+# test run beside it, 8.5-11.6 alone in an uncommitted run). It was 2.0 calls whatever the depth
 DECODE_STEP_CALLS_PER_LAYER = 0.25
 # per-sample gradient of one row, its fixed part beyond the batched backward it shares (the engine
 # runs many rows a forward since issue 30: arith-base's 256 rows took 0.23 s, 0.1 calls a row; session 19)

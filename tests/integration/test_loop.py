@@ -56,6 +56,18 @@ def test_fisher_mask_train_diff_tokens_and_opd_through_workers(redis_stack):
     fisher = _run(stack, "fisher", {"model": "arith-base", "prompts": 4, "samples": 2, **SMALL})
     f_res = services.result_by_token(settings, fisher["share_token"])
     assert f_res["layer_stats"] and f_res["summary"]["n_samples"] == 8
+    # the estimate shown at submit is kept with the job on PostgreSQL, and the result says what
+    # the job took on the worker process against it, by the job's parts (jobs.estimate, Time)
+    from app.figures.keynumbers import key_numbers
+
+    est = f_res["job"]["estimate"]
+    assert est and est["seconds"] > 0 and est["memory_bytes"] > 0, est
+    took = f_res["summary"]["seconds_parts"]
+    assert {"load", "sampling", "self-check", "per-sample passes", "statistics"} <= set(took), took
+    if est.get("seconds_parts"):  # a calibrated worker home: the same part names
+        assert set(took) <= set(est["seconds_parts"]), (took, est["seconds_parts"])
+    when = next(i for i in key_numbers(f_res)["items"] if i["label"] == "Time")
+    assert when["value"].startswith("took ") and "estimated" in when["value"], when
     fisher_file = _artifact(stack, fisher, "fisher")
 
     mask = _run(stack, "mask", {"fisher": f"job:{fisher['id']}", "density": 0.05})
