@@ -152,9 +152,11 @@ def test_sign_in_submit_own_jobs_share_and_sign_out(browser, auth_server):
     share = page.input_value("#fl-share-url textarea, #fl-share-url input")
     assert "share link off" in share  # a shared server: off until the owner turns it on
     page.click("#fl-reshare")  # "New link" turns one on
-    page.wait_for_function("() => { const b = document.querySelector('#fl-share-url textarea, "
-                           "#fl-share-url input'); return b && b.value.includes('/r/'); }")
-    share = page.input_value("#fl-share-url textarea, #fl-share-url input")
+    # the link read in the same check that sees it (a job-status refresh may redraw the box
+    # between a wait and a second read: CI once read "share link off" here)
+    share = page.wait_for_function("() => { const b = document.querySelector('#fl-share-url textarea, "
+                                   "#fl-share-url input'); return b && b.value.includes('/r/') && b.value; }"
+                                   ).json_value()
 
     # only her own jobs: Bob's is not listed, and the admin's owner filter is not offered
     page.click("#tab-jobs-button")
@@ -175,9 +177,9 @@ def test_sign_in_submit_own_jobs_share_and_sign_out(browser, auth_server):
     # the owner replaces the share link: the old one answers 404, the new one opens the result
     page.click("#tab-result-button")
     page.click("#fl-reshare")
-    page.wait_for_function(f"() => {{ const b = document.querySelector('#fl-share-url textarea, "
-                           f"#fl-share-url input'); return b && b.value && b.value !== {share!r}; }}")
-    old, share = share, page.input_value("#fl-share-url textarea, #fl-share-url input")
+    old, share = share, page.wait_for_function(
+        f"() => {{ const b = document.querySelector('#fl-share-url textarea, #fl-share-url input'); "
+        f"return b && b.value && b.value.includes('/r/') && b.value !== {share!r} && b.value; }}").json_value()
     assert "/r/" in share and share != old
     ctx_old = browser.new_context()
     assert ctx_old.new_page().goto(old).status == 404
