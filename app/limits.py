@@ -215,7 +215,8 @@ def free_memory(settings: Any, device: str = "auto") -> tuple[float | None, str]
 
 
 def sizing(settings: Any, kind: str, spec: Any, refs: dict[str, Any], params: int,
-           data: int, density: float | None = None) -> Sizing:
+           data: int, density: float | None = None,
+           history: Mapping[float, list[tuple[int, dict[str, Any]]]] | None = None) -> Sizing:
     """The Sizing a kind's timing and memory read: the largest model's shape, the files read,
     the calibration (seconds = token_passes x (a + b x params)) and the free memory."""
     from app.services import refs as resolver
@@ -238,9 +239,10 @@ def sizing(settings: Any, kind: str, spec: Any, refs: dict[str, Any], params: in
     free, where = free_memory(settings, str(getattr(spec, "device", "auto")))
     task = getattr(spec, "task", None)
     prompt = prompt_tokens(task, COST_PROMPT_TOKENS) if isinstance(task, str) else COST_PROMPT_TOKENS
+    stops = {t: [r for _, r in recs] for t, recs in (history or {}).items()}
     return Sizing(params=params, data_elements=data, a=a, b=b, free_bytes=free,
                   models=max(models, 1) if params else 0, prompt_tokens=prompt,
-                  mask_density=density, device_is_gpu=where.startswith("cuda"), **shape)
+                  mask_density=density, device_is_gpu=where.startswith("cuda"), stops=stops or None, **shape)
 
 
 def estimate(settings: Any, kind: str, spec: Any, refs: dict[str, Any]) -> dict[str, Any]:
@@ -278,20 +280,23 @@ def estimate(settings: Any, kind: str, spec: Any, refs: dict[str, Any]) -> dict[
     timed = seconds_of(settings, passes, params) if cost is not None and params is not None else None
     parts: dict[str, float] | None = None
     model_parts: dict[str, float] | None = None  # the cost model's parts, before the clock's corrections
+    lengths_from: dict[str, Any] | None = None  # the recorded completion lengths its sampling is priced on
     corrections: dict[str, dict[str, Any]] = {}
     mem_parts: dict[str, float] | None = None
     host_parts: dict[str, float] = {}
     k = registry.get(kind)
     z: Sizing | None = None
     if cost is not None and params is not None:
-        z = sizing(settings, kind, spec, refs, params, data, mask_density(files))
+        history = stop_history(settings, kind, spec) if k.timing is not None else {}
+        z = sizing(settings, kind, spec, refs, params, data, mask_density(files), history)
         if k.timing is not None and timed is not None and timed[1].startswith("calibrated"):
             parts = {p: float(v) for p, v in k.timing(spec, z).items()}
             model_parts = dict(parts)
-            corrections = clock_corrections(settings, kind, spec, parts)
+            lengths_from = lengths_basis(history, spec)
+            corrections = clock_corrections(settings, kind, spec, parts, lengths_from is not None)
             for p, c in corrections.items():
                 parts[p] *= c["factor"]
-            timed = (sum(parts.values()), timed[1] + correction_text(corrections))
+            timed = (sum(parts.values()), timed[1] + lengths_text(lengths_from) + correction_text(corrections))
         if k.memory is not None:
             mem_parts = {p: float(v) for p, v in k.memory(spec, z).items()}
         if k.host_memory is not None:
@@ -312,6 +317,7 @@ def estimate(settings: Any, kind: str, spec: Any, refs: dict[str, Any]) -> dict[
         "seconds_parts": parts,
         "model_seconds_parts": model_parts,
         "seconds_corrections": corrections,
+        "completion_lengths_from": lengths_from,
         "memory_bytes": sum(mem_parts.values()) if mem_parts else None,
         "memory_parts": mem_parts,
         "memory_host_parts": host_parts,
@@ -331,6 +337,10 @@ def estimate(settings: Any, kind: str, spec: Any, refs: dict[str, Any]) -> dict[
 # to max_new_tokens), how loaded the machine is.
 CORRECTION_JOBS = 5
 CORRECTION_RANGE = (0.25, 4.0)
+# The kinds whose estimate prices sampled completions (a Fisher's, a training run's, a sweep's and
+# a retention study's), and how many of the latest jobs' recorded lengths it reads (stop_history)
+SAMPLING_KINDS = ("fisher", "train", "sweep", "retention")
+LENGTH_JOBS = 10
 
 
 def _model_field(kind: str, spec: Any) -> tuple[str, str] | None:
@@ -340,15 +350,19 @@ def _model_field(kind: str, spec: Any) -> tuple[str, str] | None:
     return next(((f, str(v)) for f, (v, target) in registry.ref_values(kind, spec).items() if target == "model"), None)
 
 
-def clock_corrections(settings: Any, kind: str, spec: Any, parts: Mapping[str, float]) -> dict[str, dict[str, Any]]:
+def clock_corrections(settings: Any, kind: str, spec: Any, parts: Mapping[str, float],
+                      on_lengths: bool = False) -> dict[str, dict[str, Any]]:
     """{part: {"factor", "jobs"}} from the latest succeeded jobs of `kind` on the same model that
     kept their estimate: each part's measured seconds over its cost-model seconds (their
     `model_seconds_parts`, so corrections never compound), the median of at most CORRECTION_JOBS
-    jobs, within CORRECTION_RANGE. {} when there are none or no database to ask (an embedded
-    store that does not exist yet is not created for an estimate)."""
+    jobs, within CORRECTION_RANGE. Only jobs whose sampling was priced on the same basis
+    (`on_lengths`: on recorded completion lengths, stop_history, or to max_new_tokens) count: a
+    correction learned against the upper bound would shrink an estimate already priced on the
+    lengths a second time. {} when there are none or no database to ask (an embedded store that
+    does not exist yet is not created for an estimate)."""
     named = _model_field(kind, spec)
-    url = str(getattr(settings, "db_url", "") or "")
-    if named is None or not url or (url.startswith("sqlite:///") and not Path(url[len("sqlite:///"):]).exists()):
+    url = _history_url(settings)
+    if named is None or url is None:
         return {}
     try:
         from storage import repo
@@ -361,6 +375,8 @@ def clock_corrections(settings: Any, kind: str, spec: Any, parts: Mapping[str, f
     ratios: dict[str, list[float]] = {p: [] for p in parts}
     for spec_j, est_j, took_j in rows:
         if str(spec_j.get(named[0])) != named[1]:  # the stored spec, as submitted
+            continue
+        if bool(est_j.get("completion_lengths_from")) != on_lengths:
             continue
         base = est_j.get("model_seconds_parts") or est_j.get("seconds_parts") or {}
         for p, r in ratios.items():
@@ -381,11 +397,65 @@ def correction_text(corrections: Mapping[str, Mapping[str, Any]]) -> str:
     return f"; by the clock of {n} earlier job{'s' if n > 1 else ''} on this model" + (f": {shown}" if shown else "")
 
 
+def _history_url(settings: Any) -> str | None:
+    """The database an estimate may read history from, None where there is none yet (an embedded
+    store that does not exist is not created for an estimate)."""
+    url = str(getattr(settings, "db_url", "") or "")
+    if not url or (url.startswith("sqlite:///") and not Path(url[len("sqlite:///"):]).exists()):
+        return None
+    return url
+
+
+def stop_history(settings: Any, kind: str, spec: Any) -> dict[float, list[tuple[int, dict[str, Any]]]]:
+    """{temperature: [(job id, completion_lengths record)]} of the latest jobs that sampled the
+    model `spec` samples from (its `model` field, as written) on its task (storage
+    recent_completion_lengths, at most LENGTH_JOBS), newest first: what compute.contract.cost's
+    Sizing.generate_s prices a sampled batch's length by. {} for a kind that samples nothing, or
+    with no history."""
+    model, task = getattr(spec, "model", None), getattr(spec, "task", None)
+    url = _history_url(settings)
+    if kind not in SAMPLING_KINDS or not isinstance(model, str) or not isinstance(task, str) or url is None:
+        return {}
+    try:
+        from storage import repo
+        from storage.db import migrated_session_factory
+
+        with migrated_session_factory(url)() as s:
+            rows = repo.recent_completion_lengths(session=s, model=model, task=task, limit=LENGTH_JOBS)
+    except Exception:  # noqa: BLE001 - an estimate never fails for want of history
+        return {}
+    out: dict[float, list[tuple[int, dict[str, Any]]]] = {}
+    for job_id, temperature, rec in rows:
+        out.setdefault(float(temperature), []).append((job_id, rec))
+    return out
+
+
+def lengths_basis(history: Mapping[float, list[tuple[int, dict[str, Any]]]], spec: Any) -> dict[str, Any] | None:
+    """{"jobs": [ids], "rows": n, "temperature"} of the recorded lengths (stop_history) the
+    estimate's sampling at the spec's temperature is priced on, None when none are (priced to
+    max_new_tokens)."""
+    recs = history.get(float(getattr(spec, "temperature", 1.0) or 1.0))
+    if not recs:
+        return None
+    return {"jobs": [i for i, _ in recs], "rows": sum(int(r.get("rows") or 0) for _, r in recs),
+            "temperature": float(getattr(spec, "temperature", 1.0) or 1.0)}
+
+
+def lengths_text(basis: Mapping[str, Any] | None) -> str:
+    """"; sampling priced on how long 64 completions of this model ran (jobs 3, 5)", or ""."""
+    if not basis:
+        return ""
+    jobs = basis["jobs"]
+    named = ", ".join(str(j) for j in jobs[:3]) + (", ..." if len(jobs) > 3 else "")
+    return (f"; sampling priced on how long {basis['rows']:,} completions of this model on this task ran "
+            f"(job{'s' if len(jobs) > 1 else ''} {named})")
+
+
 def submitted_estimate(est: Mapping[str, Any]) -> dict[str, Any] | None:
     """What a job keeps of its estimate at submit (jobs.estimate): the seconds, where they come
     from, by part, and the predicted peak memory; None when nothing was estimated."""
     keep = {k: est.get(k) for k in ("seconds", "seconds_from", "seconds_parts", "model_seconds_parts",
-                                     "memory_bytes")}
+                                     "completion_lengths_from", "memory_bytes")}
     return keep if keep["seconds"] is not None or keep["memory_bytes"] is not None else None
 
 

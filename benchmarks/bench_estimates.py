@@ -16,7 +16,9 @@ data) and reads its RSS high-water mark above the RSS before the job (benchmarks
 method: /proc/self/clear_refs, VmHWM). The ratio estimate/measured should lie in [0.5, 2] for time
 and [1/1.3, 1.3] for memory. The load average before and after each case is recorded: the machine
 may be shared, and a loaded machine slows the job and the calibration alike only if they run at
-the same time, which is why they run back to back.
+the same time, which is why they run back to back. A case that samples is recorded in the home's
+database as a worker records its job (record_lengths), so a later case's estimate prices its
+sampling by how long those completions ran, as on a real install after that job.
 
 Default specs: the kind's spec defaults on the zoo model arith-base (what the New job form starts
 with); the kinds that need a reference get the output of an earlier case (mask <- the Fisher, diff
@@ -150,8 +152,32 @@ def child(case: dict[str, Any]) -> dict[str, Any]:
     # the job's own account of its time, by its estimate's parts where the kind gives one (the
     # Fisher, train): the estimate compared part by part, not only in total
     parts = (getattr(result, "summary", None) or {}).get("seconds_parts")
+    lengths = (getattr(result, "summary", None) or {}).get("completion_lengths")
     return {"seconds": seconds, "peak_mib": peak_mib, "rss_before_mib": before / 1024, "trace": trace,
-            "seconds_parts": parts}
+            "seconds_parts": parts, "completion_lengths": lengths}
+
+
+def record_lengths(case: dict[str, Any], lengths: dict[str, Any]) -> None:
+    """A case that sampled is recorded in the home's database as a worker records a job that
+    succeeded (its spec, its summary's completion_lengths), so later estimates on the same model
+    and task price their sampling by how long its completions ran (app.limits.stop_history), as
+    they would after that job on a real install. No estimate is kept with the row: the clock's
+    corrections (app.limits.clock_corrections) learn only from jobs that kept theirs, so no later
+    case's estimate is corrected by an earlier case's clock."""
+    import hashlib
+
+    from compute.contract.settings import get_settings
+    from compute.jobs.registry import parse_spec
+    from storage import repo
+    from storage.db import migrated_session_factory
+
+    spec = parse_spec(case["kind"], case["spec"]).model_dump(mode="json")
+    with migrated_session_factory(get_settings().db_url)() as s:
+        job = repo.create_job(session=s, kind=case["kind"], spec=spec,
+                              spec_hash=hashlib.sha256(json.dumps(spec, sort_keys=True).encode()).hexdigest())
+        job.summary = {"completion_lengths": lengths}
+        s.commit()
+        repo.mark_succeeded(session=s, job_id=job.id)
 
 
 # ---------------------------------------------------------------- the parent
@@ -166,7 +192,7 @@ def estimate_of(case: dict[str, Any]) -> dict[str, Any]:
     spec = parse_spec(case["kind"], case["spec"])
     est = limits.estimate(settings, case["kind"], spec, limits.refs_for_estimate(settings, case["kind"], spec))
     keep = ("token_passes", "params", "seconds", "seconds_from", "seconds_parts", "memory_bytes",
-            "memory_parts", "memory_device")
+            "memory_parts", "memory_device", "completion_lengths_from")
     return {k: est.get(k) for k in keep}
 
 
@@ -236,6 +262,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                "helper": bool(case.get("helper")), "held_out": bool(case.get("held_out")),
                "estimate": est, "measured": meas,
                "load": {"before": load_before, "after": os.getloadavg()}}
+        if meas.get("completion_lengths"):
+            record_lengths(case, meas["completion_lengths"])
         _ratios(row)
         rows.append(row)
         print(f"{case['name']:<22} estimate {est.get('seconds') or 0:9.1f} s  measured "
@@ -282,6 +310,8 @@ def reestimate(home: str | None) -> dict[str, Any]:
                            check=True, capture_output=True, cwd=str(ROOT))
         row["estimate"] = estimate_of(case)
         row["spec"] = case["spec"]
+        if row["measured"].get("completion_lengths"):  # as measure() did: later rows price by them
+            record_lengths(case, row["measured"]["completion_lengths"])
         _ratios(row)
     data["reestimated_at"] = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
     return data

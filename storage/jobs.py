@@ -75,17 +75,37 @@ def create_job(
 def recent_timings(*, session: Session, kind: str, limit: int = 20) -> list[tuple[dict[str, Any], dict[str, Any], dict[str, Any]]]:
     """(spec, estimate, summary.seconds_parts) of the latest succeeded top-level jobs of `kind`
     that kept their estimate (jobs.estimate) and reported their parts, newest first: what the
-    estimate of the next such job learns from (app.limits.clock_corrections)."""
+    estimate of the next such job learns from (app.limits.clock_corrections). Only the summary's
+    seconds_parts is read from the database (a JSON path), not the whole summary."""
+    took_col = Job.summary["seconds_parts"]
     rows = session.execute(
-        select(Job.spec, Job.estimate, Job.summary)
+        select(Job.spec, Job.estimate, took_col)
         .where(Job.kind == kind, Job.status == "succeeded", Job.parent_id.is_(None), Job.estimate.is_not(None))
         .order_by(Job.id.desc()).limit(limit))
     out = []
-    for spec, est, summary in rows:
-        took = (summary or {}).get("seconds_parts") if isinstance(summary, dict) else None
+    for spec, est, took in rows:
         if isinstance(est, dict) and isinstance(took, dict) and took:
             out.append((dict(spec or {}), est, took))
     return out
+
+
+def recent_completion_lengths(*, session: Session, model: str, task: str,
+                              limit: int = 10) -> list[tuple[int, float, dict[str, Any]]]:
+    """(job id, sampling temperature, summary.completion_lengths) of the latest succeeded jobs
+    whose spec samples `model` (its `model` field, as written) on `task` and that recorded how long
+    their completions ran (compute.contract.cost.length_record), newest first: what a later
+    estimate on that model prices its sampling by (app.limits.stop_history). JSON paths: only those
+    values are read."""
+    lengths = Job.summary["completion_lengths"]
+    rows = session.execute(
+        select(Job.id, Job.spec["temperature"].as_float(), lengths)
+        .where(Job.status == "succeeded", Job.spec["model"].as_string() == model,
+               Job.spec["task"].as_string() == task,
+               # not `lengths IS NOT NULL`: SQLite's JSON path of a missing key reads 'null' there
+               Job.summary[("completion_lengths", "rows")].as_integer() > 0)
+        .order_by(Job.id.desc()).limit(limit))
+    return [(int(i), float(t if t is not None else 1.0), rec) for i, t, rec in rows
+            if isinstance(rec, dict) and rec.get("rows")]
 
 
 def create_job_within_quota(

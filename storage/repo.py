@@ -49,6 +49,7 @@ from storage.jobs import (
     mark_succeeded,
     new_share_token,
     queued_since,
+    recent_completion_lengths,
     recent_timings,
     release_lost,
     request_cancel,
@@ -67,7 +68,7 @@ __all__ = [
     "get_job", "get_job_by_token", "get_model", "heartbeat", "job_dict", "job_head_by_token",
     "json_safe", "list_job_dicts", "list_jobs", "list_models", "mark_cancelled", "mark_combine_resent",
     "mark_failed", "mark_resent", "mark_running", "mark_succeeded", "model_dict",
-    "new_share_token", "queued_since", "recent_timings", "refresh_parent_progress", "register_model",
+    "new_share_token", "queued_since", "recent_completion_lengths", "recent_timings", "refresh_parent_progress", "register_model",
     "release_combine", "release_lost", "request_cancel", "request_combine", "requeue",
     "result_dict", "save_result", "set_sharing", "shard_jobs", "update_progress",
 ]

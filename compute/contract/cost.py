@@ -16,6 +16,7 @@ Pure: no imports beyond the standard library (the web process estimates with it)
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 COST_PROMPT_TOKENS = 64
@@ -373,6 +374,82 @@ def fisher_chunks(estimator: str, prompts: int, engine_rows: int, rows_per_forwa
     return max(1, min(prompts, PROMPT_CHUNKS, forwards))
 
 
+# How long sampled completions run. A batch of completions decodes until every row has ended (its
+# end-of-sequence token) or reached max_new_tokens; the estimate had priced every batch at
+# max_new_tokens, an upper bound about 2x the clock of a GRPO job on a model that answers in a few
+# tokens (benchmarks/results/bench_estimate_parts.json, "stops"). The jobs that sample record
+# their completions' lengths (summary["completion_lengths"], length_record); a later estimate on
+# the same model, task and temperature reads them (app.limits.stop_history) and prices each batch
+# at its expected length, expected_batch_steps: the Kaplan-Meier survival of a completion's length
+# (a row that reached its job's limit without ending is censored there, so a longer limit than any
+# recorded is priced as running on), and a batch ends with the longest of its rows.
+
+
+def length_record(lengths: list[tuple[int, bool]], max_new_tokens: int) -> dict[str, object]:
+    """{"max_new_tokens", "rows", "stopped": {length: rows that ended there}, "open": rows that
+    reached max_new_tokens without ending} of sampled completions [(tokens generated, ended)]."""
+    stopped: dict[str, int] = {}
+    open_ = 0
+    for n, ended in lengths:
+        if ended:
+            stopped[str(int(n))] = stopped.get(str(int(n)), 0) + 1
+        else:
+            open_ += 1
+    return {"max_new_tokens": int(max_new_tokens), "rows": len(lengths),
+            "stopped": dict(sorted(stopped.items(), key=lambda kv: int(kv[0]))), "open": open_}
+
+
+def merge_length_records(records: list[dict]) -> dict | None:
+    """One record of several with the same max_new_tokens (a job's shards, its steps); None when
+    there are none. Records of different limits cannot merge: ValueError."""
+    if not records:
+        return None
+    limits = {int(r["max_new_tokens"]) for r in records}
+    if len(limits) != 1:
+        raise ValueError(f"completion_lengths: records of different max_new_tokens {sorted(limits)}")
+    stopped: dict[str, int] = {}
+    for r in records:
+        for k, v in r["stopped"].items():
+            stopped[k] = stopped.get(k, 0) + int(v)
+    return {"max_new_tokens": limits.pop(), "rows": sum(int(r["rows"]) for r in records),
+            "stopped": dict(sorted(stopped.items(), key=lambda kv: int(kv[0]))),
+            "open": sum(int(r["open"]) for r in records)}
+
+
+def length_survival(records: list[dict], upto: int) -> list[float]:
+    """S(l) = P(a completion runs more than l tokens) for l = 0..upto-1, the Kaplan-Meier estimate
+    over every record's rows: a row that ended at length L is an event at L, one that reached its
+    record's max_new_tokens M without ending is censored at M (at risk up to M). Past the last
+    length any row was at risk, S stays where it was: rows not seen to end are priced as running on."""
+    events: dict[int, int] = {}
+    at_least: dict[int, int] = {}  # rows observed to run at least L tokens, by the L they leave at
+    for r in records:
+        for k, v in r["stopped"].items():
+            events[int(k)] = events.get(int(k), 0) + int(v)
+            at_least[int(k)] = at_least.get(int(k), 0) + int(v)
+        if int(r["open"]):
+            m = int(r["max_new_tokens"])
+            at_least[m] = at_least.get(m, 0) + int(r["open"])
+    risk = sum(at_least.values())  # every row runs at least 1 token
+    out, s = [], 1.0
+    for length in range(0, upto):
+        out.append(s)
+        nxt = length + 1  # the rows at risk of ending at length+1 are those that ran past `length`
+        if risk > 0 and events.get(nxt):
+            s *= 1.0 - events[nxt] / risk
+        risk -= at_least.get(nxt, 0)
+    return out
+
+
+def expected_batch_steps(records: list[dict] | None, batch: int, max_new_tokens: int) -> float:
+    """Expected decode steps of one batch of `batch` sampled rows capped at max_new_tokens: the
+    batch runs while any row runs, E[min(m, max_i L_i)] = sum_{l<m} 1 - (1 - S(l))^batch with the
+    rows independent draws of length_survival. max_new_tokens when nothing is recorded."""
+    if not records or batch < 1:
+        return float(max_new_tokens)
+    return float(sum(1.0 - (1.0 - s) ** batch for s in length_survival(records, max_new_tokens)))
+
+
 @dataclass(frozen=True)
 class Sizing:
     """What a kind's timing and memory read: the (largest) model's size and shape, the files it
@@ -399,6 +476,9 @@ class Sizing:
     # the input and output embeddings are one matrix (the config says so): the Fisher job skips
     # its exact output-layer check, whose time the estimate then leaves out
     tied: bool = False
+    # sampled completions' recorded lengths on this model and task, by temperature (length_record
+    # dicts, app.limits.stop_history): what generate_s prices a sampled batch's steps by
+    stops: Mapping[float, list[dict]] | None = None
 
     def passes_s(self, token_passes: float) -> float:
         """Seconds of `token_passes` of forward/backward at the calibration."""
@@ -418,14 +498,25 @@ class Sizing:
     def decode_step_calls(self) -> float:
         return DECODE_STEP_CALLS_PER_LAYER * max(self.layers, 1)
 
-    def generate_s(self, seqs: int, new_tokens: int, batch: int, prompt: int | None = None) -> float:
-        """Sampling `seqs` completions of `new_tokens` in batches of `batch`: the token-passes of
-        prompt and completion, plus a decode step's fixed part per step (one step after another).
-        Every completion counted at its full length: a batch whose rows all end early (an
-        arithmetic answer and its end-of-sequence token) takes less."""
+    def generate_s(self, seqs: int, new_tokens: int, batch: int, prompt: int | None = None,
+                   temperature: float | None = None) -> float:
+        """Sampling `seqs` completions of at most `new_tokens` in batches of `batch`: the token-passes
+        of the prompt and of every decode step over the whole batch (a row that has ended is still
+        carried), plus a decode step's fixed part per step (one step after another). A batch runs
+        expected_batch_steps on the lengths recorded at this temperature (`stops`), else to
+        new_tokens (greedy decoding, temperature None, always to new_tokens: an upper bound)."""
         prompt = self.prompt_tokens if prompt is None else prompt
-        steps = -(-max(seqs, 0) // max(batch, 1)) * new_tokens
-        return self.passes_s(seqs * (prompt + new_tokens)) + self.calls_s(steps * self.decode_step_calls())
+        seqs, batch = max(seqs, 0), max(batch, 1)
+        records = (self.stops or {}).get(float(temperature)) if temperature is not None else None
+        sizes = [batch] * (seqs // batch) + ([seqs % batch] if seqs % batch else [])
+        steps = {b: expected_batch_steps(records, b, new_tokens) for b in set(sizes)}
+        return (self.passes_s(sum(b * (prompt + steps[b]) for b in sizes))
+                + self.calls_s(sum(steps[b] for b in sizes) * self.decode_step_calls()))
+
+    def batch_steps(self, batch: int, new_tokens: int, temperature: float | None) -> float:
+        """Expected decode steps of one sampled batch (new_tokens without recorded lengths)."""
+        records = (self.stops or {}).get(float(temperature)) if temperature is not None else None
+        return expected_batch_steps(records, batch, new_tokens)
 
     def weight_bytes(self, dtype_bytes: float = 4.0) -> float:
         return self.models * self.params * dtype_bytes
@@ -528,15 +619,20 @@ def job_room_bytes(free_now: float, cap_mb: float | None, in_use: float) -> floa
 
 def fisher_seconds(z: Sizing, prompts: int, samples: int, max_new_tokens: int,
                    estimator: str = "sequence", exact_output: bool = False,
-                   sample_batch: int = 64, statistics: bool = True) -> dict[str, float]:
+                   sample_batch: int = 64, statistics: bool = True,
+                   temperature: float = 1.0) -> dict[str, float]:
     """A Fisher estimate's phases, by the names the job reports its own (fisher_run:
     `summary.seconds_parts`): sampling, the engine's self-check (a few rows' per-row gradients
     against autograd's, compared over every parameter), the per-row gradients, the exact
     output-layer check, the statistics over every parameter."""
     rows = prompts * samples
-    length = z.prompt_tokens + max_new_tokens
-    per_row = max_new_tokens if estimator == "token" else 1
-    out = {"sampling": 0.0 if estimator == "empirical" else z.generate_s(rows, max_new_tokens, sample_batch)}
+    # a row's tokens as sampled (its batch's expected length where lengths are recorded: the
+    # passes run over the padded rows, no longer than their batch)
+    new = z.batch_steps(min(rows, sample_batch), max_new_tokens, temperature)
+    length = z.prompt_tokens + new
+    per_row = new if estimator == "token" else 1
+    out = {"sampling": 0.0 if estimator == "empirical" else
+           z.generate_s(rows, max_new_tokens, sample_batch, temperature=temperature)}
     if estimator != "batch":  # the per-sample engine checks itself once (estimators._verify)
         out["self-check"] = (z.calls_s(CHECK_CALLS + CHECK_CALLS_PER_PARAM * z.params)
                              + z.passes_s(min(rows, CHECK_ROWS) * length * 4))
@@ -550,30 +646,34 @@ def fisher_seconds(z: Sizing, prompts: int, samples: int, max_new_tokens: int,
 
 
 def train_seconds(z: Sizing, algo: str, steps: int, batch: int, group: int, max_new_tokens: int,
-                  eval_prompts: int, eval_new_tokens: int = 8, checkpointing: bool = False) -> dict[str, float]:
+                  eval_prompts: int, eval_new_tokens: int = 8, checkpointing: bool = False,
+                  temperature: float = 1.0, sft_source: str = "gold") -> dict[str, float]:
     """One training run's phases: greedy accuracy before and after, and per step the sampling
-    (GRPO, OPD), the teacher (OPD) and one gradient step over every sequence (a forward more with
-    gradient checkpointing)."""
-    rows = batch * (1 if algo == "sft" else group)
-    length = z.prompt_tokens + max_new_tokens
-    sample = 0.0 if algo == "sft" else z.generate_s(rows, max_new_tokens, rows)
+    (GRPO, OPD, and SFT on near-policy data, which samples `group` completions a prompt and keeps
+    the rewarded ones; SFT on gold answers samples nothing), the teacher (OPD) and one gradient
+    step over every sequence (a forward more with gradient checkpointing)."""
+    sampled = algo != "sft" or sft_source != "gold"
+    rows = batch * (group if sampled else 1)
+    length = z.prompt_tokens + (z.batch_steps(rows, max_new_tokens, temperature) if sampled else max_new_tokens)
+    sample = z.generate_s(rows, max_new_tokens, rows, temperature=temperature) if sampled else 0.0
     teacher = z.passes_s(rows * length) if algo == "opd" else 0.0
     step = sample + teacher + z.calls_s(TRAIN_STEP_CALLS) + z.passes_s(rows * length * (4 if checkpointing else 3))
     evals = 2 * z.generate_s(eval_prompts, eval_new_tokens, 256)
     return {"steps": steps * step, "evaluation": evals}
 
 
-def bound_seconds(z: Sizing, rows: int, max_new_tokens: int, groups: int = 1) -> float:
+def bound_seconds(z: Sizing, rows: int, max_new_tokens: int, groups: int = 1,
+                  temperature: float = 1.0) -> float:
     """GRPO's bound check: its batch sampled, a per-sample gradient of every row of the first
     batch once per group of coordinates (bound_plan; a group after the first counted as
     BOUND_GROUP_BACKWARD_SHARE of a whole backward: it stops below its earliest parameter), each
     row's gradient folded into the sums once per coordinate, and the summary's pass over the
     coordinates."""
-    length = z.prompt_tokens + max_new_tokens
+    length = z.prompt_tokens + z.batch_steps(rows, max_new_tokens, temperature)
     backward = z.calls_s(rows * BOUND_ROW_CALLS_PER_LAYER * max(z.layers, 1)) + z.passes_s(rows * length * 3)
     repeats = 1 + BOUND_GROUP_BACKWARD_SHARE * (max(1, groups) - 1)
     summary_end = BOUND_SUMMARY_CALLS * min(1.0, z.params / BOUND_CORR_COORDS)
-    return z.generate_s(rows, max_new_tokens, rows) + repeats * backward + \
+    return z.generate_s(rows, max_new_tokens, rows, temperature=temperature) + repeats * backward + \
         z.calls_s(summary_end + z.params * (rows * BOUND_FOLD_CALLS_PER_PARAM_ROW + BOUND_SUMMARY_CALLS_PER_PARAM))
 
 

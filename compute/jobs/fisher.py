@@ -129,7 +129,8 @@ def timing(s: FisherSpec, z: Sizing) -> dict[str, float]:
     """Load, sampling, the per-row gradients, the exact output-layer check and the statistics
     (compute.contract.cost.fisher_seconds), for until_reliable's worst case."""
     return {"load": z.load_s(), **fisher_seconds(z, _prompts(s), s.samples, s.max_new_tokens,
-                                                 s.estimator, s.exact_output and not z.tied)}
+                                                 s.estimator, s.exact_output and not z.tied,
+                                                 temperature=s.temperature)}
 
 
 def memory(s: FisherSpec, z: Sizing) -> dict[str, float]:

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from compute.contract.cost import length_record, merge_length_records
 from compute.contract.jobresult import JobResult, Progress, null_progress
 from compute.contract.kinds import Refs
 from compute.fisher import (
@@ -156,6 +157,8 @@ def _shard(spec: FisherSpec, shard_index: int, progress: Progress, loaded: tuple
                n_tokens=res.n_tokens, exact=exact, exact_skipped=skipped, seconds=round(t_shard, 3),
                compute_dtype=str(next(model.parameters()).dtype).replace("torch.", ""),
                memory_budget_mb=st.get("memory_budget_mb_used"))
+    if res.rollout is not None and res.rollout.lengths is not None:  # sampled: how long the rows ran
+        out["completion_lengths"] = length_record(res.rollout.lengths, spec.max_new_tokens)
     half = next(model.parameters()).dtype in (torch.bfloat16, torch.float16)
     if half and shard_index == 0 and res.rollout is not None and spec.estimator != "batch":
         # issue 18: a half-precision Fisher states its error against float32, measured on the
@@ -276,6 +279,9 @@ def finish(spec: FisherSpec, shard_outputs: list[dict], progress: Progress = nul
             parts[k] = round(parts.get(k, 0.0) + v, 3)
     summary["seconds_parts"] = parts
     summary["n_samples"] = summary["n_tokens"] if spec.estimator == "token" else summary["n_rows"]
+    lengths = merge_length_records([o["completion_lengths"] for o in outs if o.get("completion_lengths")])
+    if lengths is not None:
+        summary["completion_lengths"] = lengths
     # issue 18: the precision the Fisher was computed, accumulated and stored in
     summary["compute_dtype"] = next((o["compute_dtype"] for o in outs if o.get("compute_dtype")), None)
     summary["accumulate_dtype"] = "float32"

@@ -172,9 +172,9 @@ def timing(s: RetentionSpec, z: Sizing) -> dict[str, float]:
     training run and evaluation."""
     runs = s.seeds * (len(s.densities) * len(s.selectors) + 1)
     one = train_seconds(z, s.algo, s.steps, s.batch, s.group, s.max_new_tokens, s.eval_prompts,
-                        checkpointing=s.gradient_checkpointing)
+                        checkpointing=s.gradient_checkpointing, temperature=s.temperature)
     fisher = sum(fisher_seconds(z, s.fisher_prompts, s.fisher_samples, s.max_new_tokens,
-                                statistics=False).values())
+                                statistics=False, temperature=s.temperature).values())
     # a model below 20M parameters runs on one torch thread (retention_run.SMALL_MODEL_PARAMS):
     # counted as the calibration's two, which a quiet machine measures within 0.9-1.3x of one at
     # that size (session 19; the 0.7 share once fitted here came from a run at a load of 6-9)

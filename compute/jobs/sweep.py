@@ -133,9 +133,11 @@ def timing(s: SweepSpec, z: Sizing) -> dict[str, float]:
     `seconds_parts` use."""
     points = len(s.lrs) * len(s.optimizers) * len(s.precision)
     one = train_seconds(z, s.algo, s.steps, s.batch, s.group, s.max_new_tokens, s.eval_prompts,
-                        checkpointing=s.gradient_checkpointing)
+                        checkpointing=s.gradient_checkpointing, temperature=s.temperature,
+                        sft_source=s.sft_source)
     out = {"initial Fisher": 0.0 if s.fisher else sum(fisher_seconds(
-        z, s.fisher_prompts, s.fisher_samples, s.max_new_tokens, statistics=False).values()) + z.load_s()}
+        z, s.fisher_prompts, s.fisher_samples, s.max_new_tokens, statistics=False,
+        temperature=s.temperature).values()) + z.load_s()}
     # the first point's model in a fresh process when the Fisher is given, else warm: loaded again
     out["load"] = (z.load_s() - z.reload_s() if s.fisher else 0.0) + points * z.reload_s()
     out.update({k: points * v for k, v in one.items()})

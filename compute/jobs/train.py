@@ -165,13 +165,15 @@ def timing(s: TrainSpec, z: Sizing) -> dict[str, float]:
     out = {"load": z.load_s()}
     fishers = int(s.mask_select in FISHER_SELECTORS) + int(not s.fisher and (s.concentration or bound_runs(s, z)))
     if fishers:
-        one = fisher_seconds(z, s.fisher_prompts, s.fisher_samples, s.max_new_tokens, statistics=False)
+        one = fisher_seconds(z, s.fisher_prompts, s.fisher_samples, s.max_new_tokens, statistics=False,
+                             temperature=s.temperature)
         out["initial Fisher"] = fishers * sum(one.values())
     if bound_runs(s, z):
         groups = len(bound_plan_of(z, s.algo == "opd", True).groups)
-        out["bound check"] = bound_seconds(z, s.batch * s.group, s.max_new_tokens, groups)
+        out["bound check"] = bound_seconds(z, s.batch * s.group, s.max_new_tokens, groups, s.temperature)
     out.update(train_seconds(z, s.algo, s.steps, s.batch, s.group, s.max_new_tokens, s.eval_prompts,
-                             checkpointing=s.gradient_checkpointing))
+                             checkpointing=s.gradient_checkpointing, temperature=s.temperature,
+                             sft_source=s.sft_source))
     out["finish"] = train_finish_seconds(z)
     return out
 

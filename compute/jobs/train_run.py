@@ -660,6 +660,8 @@ def _record_run(run: _Run, res: Any) -> None:
         trainable_fraction=res.trainable_fraction, settings=res.settings,
         eval={"split": "test", "prompts": run.spec.eval_prompts, "decoding": "greedy"},
     )
+    if res.completion_lengths is not None:  # how long the sampled completions ran (the next estimate's)
+        s["completion_lengths"] = res.completion_lengths
     rewards = [row["reward"] for row in res.curve if "reward" in row]
     if rewards:
         window = max(1, min(5, len(rewards) // 2))

@@ -34,7 +34,8 @@ class Rollout:
     input_ids: (N, L) long; attention_mask: (N, L) long (1 = real token);
     completion_mask: (N, L) bool (tokens whose log-prob counts: the completion, incl. eos);
     prompt_index: (N,) long, index into `prompts` of each row; completions: decoded text per row
-    (special tokens stripped).
+    (special tokens stripped); lengths: of sampled rows, (tokens generated, ended with eos) per
+    row as sampled (None for gold rows; a sub-rollout keeps none: they describe the sampling).
     """
 
     input_ids: torch.Tensor
@@ -43,6 +44,7 @@ class Rollout:
     prompt_index: torch.Tensor
     prompts: list[str]
     completions: list[str]
+    lengths: list[tuple[int, bool]] | None = None
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])
@@ -55,6 +57,7 @@ class Rollout:
             self.prompt_index.to(device),
             list(self.prompts),
             list(self.completions),
+            None if self.lengths is None else list(self.lengths),
         )
 
     def select(self, rows: torch.Tensor | Sequence[int]) -> Rollout:
@@ -300,8 +303,12 @@ def sample_completions(
             )
     finally:
         model.train(was_training)
-    return _pack(tokenizer, prompts, prompt_ids, completion_ids, [p for p, _ in keys],
+    roll = _pack(tokenizer, prompts, prompt_ids, completion_ids, [p for p, _ in keys],
                  model_device(model))
+    # how long each row ran (the estimate of a later job prices its batches by these:
+    # compute.contract.cost.length_record)
+    roll.lengths = [(len(c), eos_id is not None and bool(c) and c[-1] == eos_id) for c in completion_ids]
+    return roll
 
 
 def build_rollout(

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 
+from compute.contract.cost import length_record
 from compute.contract.jobresult import Progress, null_progress
 from compute.train.config import TrainConfig
 from compute.train.objectives import Batch, Objective, make_objective
@@ -55,6 +56,9 @@ class TrainOutcome:
     # mask's coordinates only, each tensor made dense when read: 0 off the mask)
     grad_sq_sum: Mapping[str, torch.Tensor] | None = None  # a SparseSums
     grad_abs_sum: Mapping[str, torch.Tensor] | None = None
+    # how long the sampled completions ran, every step's (compute.contract.cost.length_record;
+    # None when nothing was sampled: SFT on gold answers)
+    completion_lengths: dict[str, Any] | None = None
 
 
 class _Step:
@@ -136,9 +140,11 @@ def train(
 
         before = accuracy() if evaluate else math.nan
         curve: list[dict[str, float]] = []
+        lengths: list[tuple[int, bool]] = []
         for step in range(config.steps):
             model.train()
             batch = objective.make_batch(model, step)
+            lengths += batch.sampled or []
             row: dict[str, float] = {"step": step + 1, **batch.metrics}
             for _ in range(objective.updates if len(batch) else 0):  # no rows: nothing to learn
                 row.update(update(objective, model, batch, step))
@@ -161,6 +167,7 @@ def train(
     assert update is not None  # set before any step (an exception above propagates)
     res = _result(model, config, mask, params, update, curve, before, after, time.perf_counter() - t0)
     res.eval_seconds = evals[0]
+    res.completion_lengths = length_record(lengths, config.max_new_tokens) if lengths else None
     return res
 
 

@@ -32,10 +32,15 @@ class Batch:
     completion_mask: torch.Tensor
     metrics: dict[str, float] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+    # the step's sampled completions as sampled, (tokens generated, ended) per row, all of them
+    # (near-policy SFT keeps some): what the run records of how long they ran (None: gold rows)
+    sampled: list[tuple[int, bool]] | None = None
 
     @classmethod
-    def of(cls, roll: Rollout, metrics: dict[str, float] | None = None, **extra: Any) -> Batch:
-        return cls(roll.input_ids, roll.attention_mask, roll.completion_mask[:, 1:], metrics or {}, extra)
+    def of(cls, roll: Rollout, metrics: dict[str, float] | None = None, *,
+           sampled: list[tuple[int, bool]] | None = None, **extra: Any) -> Batch:
+        return cls(roll.input_ids, roll.attention_mask, roll.completion_mask[:, 1:], metrics or {}, extra,
+                   sampled if sampled is not None else roll.lengths)
 
     def __len__(self) -> int:
         return int(self.input_ids.shape[0])

@@ -38,7 +38,8 @@ class SFT:
             return Batch.of(gold_rollout(model, self.tokenizer, self.task, self.config, step))
         roll, rewards = sampled_rollout(model, self.tokenizer, self.task, self.config, step)
         keep = keep_rewarded(rewards)
-        return Batch.of(roll.select(keep), {"reward": float(rewards.mean()), "kept": float(len(keep))})
+        return Batch.of(roll.select(keep), {"reward": float(rewards.mean()), "kept": float(len(keep))},
+                        sampled=roll.lengths)
 
     def loss(self, model: torch.nn.Module, batch: Batch) -> tuple[torch.Tensor, dict[str, float]]:
         lp, _ = policy_logprobs(model, batch)
