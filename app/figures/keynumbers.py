@@ -159,11 +159,47 @@ def time_item(result: TypedResult[Any] | Mapping[str, Any]) -> Item | None:
     return item("Time", value, note)
 
 
+# A sampled completion that reaches max_new_tokens without its end-of-sequence token is cut: at or
+# above this share of them, the result warns that what it measured is of cut completions
+TRUNCATED_WARN_SHARE = 0.1
+
+
+def completions_item(result: TypedResult[Any] | Mapping[str, Any]) -> tuple[Item | None, str | None]:
+    """How long the job's sampled completions ran (summary.completion_lengths, recorded by every
+    job that samples: compute.contract.cost.length_record): how many, their median length, the
+    share cut at max_new_tokens; and a warning when that share is TRUNCATED_WARN_SHARE or more.
+    (None, None) when the job sampled nothing."""
+    if not isinstance(result, Mapping):
+        return None, None
+    rec = (result.get("summary") or {}).get("completion_lengths")
+    if not isinstance(rec, Mapping) or not rec.get("rows"):
+        return None, None
+    rows, cut, limit = int(rec["rows"]), int(rec.get("open") or 0), int(rec["max_new_tokens"])
+    seen, median = 0, None
+    for k, v in sorted(((int(k), int(v)) for k, v in (rec.get("stopped") or {}).items())):
+        seen += v
+        if 2 * seen >= rows:
+            median = k
+            break
+    mid = f"median {median} tokens" if median is not None else f"median at the limit ({limit} tokens or more)"
+    share = cut / rows
+    value = f"{rows:,} sampled, {mid}"
+    note = (f"{pct(share)} reached max_new_tokens = {limit} without ending (cut there); each batch "
+            "decodes until its longest row ends, and the next estimate on this model prices its "
+            "sampling by these lengths")
+    warn = None
+    if share >= TRUNCATED_WARN_SHARE:
+        warn = (f"{pct(share)} of the sampled completions reached max_new_tokens = {limit} without ending: "
+                "what this job measured is of completions cut there. Raise max_new_tokens to include the rest.")
+    return item("Completions", value, note), warn
+
+
 def key_numbers(result: TypedResult[Any] | Mapping[str, Any]) -> dict[str, Any]:
     """The key numbers of a result: its kind's builder (`@key_numbers(kind)` in
     app/figures/<kind>.py) fills items, warnings, verdict and table; nothing for a kind without
     one (or an unknown kind). Then, for every kind: the verdict of the Fisher a result was built
-on (summary "fisher_reliability") when the builder gave none, and the precision item."""
+on (summary "fisher_reliability") when the builder gave none, the precision item, how long the
+sampled completions ran (completions_item) and the time (time_item)."""
     out: dict[str, Any] = {"items": [], "warnings": [], "verdict": None, "table": None}
     build = key_numbers_builder(result_kind(result))
     if build is not None:
@@ -173,6 +209,11 @@ on (summary "fisher_reliability") when the builder gave none, and the precision 
         if rel and out["verdict"] is None:  # a mask, train, diff ... shows its Fisher's verdict
             out["verdict"] = fisher_verdict(rel)
         _precision_item(r, out)
+    sampled, cut = completions_item(result)
+    if sampled is not None:
+        out["items"].append(sampled)
+    if cut is not None:
+        out["warnings"].append(cut)
     when = time_item(result)
     if when is not None:
         out["items"].append(when)

@@ -110,3 +110,31 @@ def test_the_jobs_that_sample_record_how_long_their_completions_ran(zoo_home) ->
         out = train_run.run(TrainSpec(**base, algo=algo, **extra)).summary
         got = out.get("completion_lengths")
         assert (got or {}).get("rows") == rows, (algo, extra, got)
+
+
+def test_a_result_says_how_long_its_completions_ran_and_warns_when_they_were_cut(zoo_home) -> None:
+    """Every kind's key numbers, from the job's own record: how many completions, their median
+    length, and a warning when TRUNCATED_WARN_SHARE or more were cut at max_new_tokens (a Fisher
+    of cut completions is not the Fisher of the model's answers). A job whose arithmetic answers
+    need 3+ tokens, sampled at 2, is cut almost everywhere; at 12, not."""
+    from app.figures.keynumbers import TRUNCATED_WARN_SHARE, completions_item, key_numbers
+    from compute.jobs import fisher_run
+    from compute.jobs.fisher import FisherSpec
+
+    rec = {"max_new_tokens": 16, "rows": 10, "stopped": {"4": 3, "6": 3}, "open": 4}
+    got, warn = completions_item({"summary": {"completion_lengths": rec}})
+    assert got == {"label": "Completions", "value": "10 sampled, median 6 tokens", "note": got["note"]}
+    assert got["note"].startswith("40% reached max_new_tokens = 16 without ending")
+    assert warn is not None and warn.startswith("40% of the sampled completions reached max_new_tokens = 16")
+    got, warn = completions_item({"summary": {"completion_lengths": {**rec, "stopped": {"4": 3}, "open": 7}}})
+    assert got["value"] == "10 sampled, median at the limit (16 tokens or more)" and warn
+    assert completions_item({"summary": {"completion_lengths": {**rec, "stopped": {"4": 10}, "open": 0}}})[1] is None
+    assert completions_item({"summary": {"n_rows": 3}}) == (None, None)
+
+    for new, cut in ((2, True), (12, False)):
+        res = fisher_run.run(FisherSpec(model="arith-base", prompts=4, samples=2, max_new_tokens=new)).to_dict()
+        share = res["summary"]["completion_lengths"]["open"] / 8
+        assert (share >= TRUNCATED_WARN_SHARE) == cut, share
+        nums = key_numbers(res)
+        assert any(i["label"] == "Completions" for i in nums["items"])
+        assert any("reached max_new_tokens" in w for w in nums["warnings"]) == cut

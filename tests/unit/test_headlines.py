@@ -11,6 +11,7 @@ diff must lead with the bf16 comparison (>= 90% unchanged), not exact equality a
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from collections.abc import Callable
@@ -343,6 +344,12 @@ def check_headlines(kind: str, d: dict[str, Any]) -> dict[str, Any]:
     nums = key_numbers(d)
     got = {i["label"]: i["value"] for i in nums["items"]}
     want = EXPECTED[kind](d)
+    rec = (d.get("summary") or {}).get("completion_lengths")
+    if rec:  # every kind that sampled: how many completions, the lower median of their lengths
+        lengths = sorted([int(k) for k, v in rec["stopped"].items() for _ in range(v)] + [math.inf] * rec["open"])
+        mid = lengths[(len(lengths) - 1) // 2]
+        want["Completions"] = f"{rec['rows']:,} sampled, " + (
+            f"median {mid} tokens" if mid != math.inf else f"median at the limit ({rec['max_new_tokens']} tokens or more)")
     parts = (d.get("summary") or {}).get("seconds_parts")
     if parts and not (d.get("job") or {}).get("started_at"):  # every kind: the parts' sum it took
         total = sum(parts.values())
