@@ -31,6 +31,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from compute.contract.cost import merge_length_records
 from compute.contract.jobresult import Heatmap, JobResult, SeriesPoint, null_progress
 from compute.contract.kinds import Refs
 from compute.contract.results import sum_parts
@@ -202,11 +203,13 @@ def run_child(spec: RetentionSpec, index: int, progress: Any = null_progress,
         def arm_progress(f: float, msg: str = "") -> None:
             progress(f, f"{label}: {msg}")
 
+        lengths: list[dict[str, Any]] = []
         m, rewards, curve = train_arm(lo.model, lo.tokenizer, lo.task, lo.config, seed, mask, lo.teacher,
-                                      progress=arm_progress, parts=parts)
+                                      progress=arm_progress, parts=parts, lengths=lengths)
         out: dict[str, Any] = {"seed": seed, "selector": None if key is None else key[0],
                                "density": None if key is None else key[1], "rewards": rewards,
-                               "curve": curve, "actual_density": actual, "torch_threads": threads}
+                               "curve": curve, "actual_density": actual, "torch_threads": threads,
+                               "completion_lengths": lengths[0] if lengths else None}
         if key is None:
             t = time.perf_counter()
             base_sd = {n: p.detach().cpu() for n, p in lo.model.named_parameters()}
@@ -263,6 +266,7 @@ def combine(spec: RetentionSpec, outputs: list[Any], progress: Any = null_progre
     table["markdown"] = markdown_table(table)
     table["seconds"] = round(sum(float(o["seconds"]) for o in outputs), 1)
     table["seconds_parts"] = sum_parts(outputs)
+    lengths = merge_length_records([o["completion_lengths"] for o in outputs[1:] if o.get("completion_lengths")])
     curves = table.pop("curves")
     per_prompt = table.pop("per_prompt_rewards")  # (S, n) lists: an artifact, not a summary field
     summary: dict[str, Any] = {
@@ -279,6 +283,8 @@ def combine(spec: RetentionSpec, outputs: list[Any], progress: Any = null_progre
         "compute_dtype": "bfloat16" if rcfg.train.precision == "bf16" else "float32",
         "stored_dtype": "float32",  # the per-prompt rewards artifact
     }
+    if lengths is not None:  # every arm's sampled completions (the base's greedy evaluation samples none)
+        summary["completion_lengths"] = lengths
     z = [[next((r["retention"] for r in table["rows"]
                 if r["selector"] == s and r["density"] == d), None) for d in rcfg.densities]
          for s in rcfg.selectors]

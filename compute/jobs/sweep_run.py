@@ -36,6 +36,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from compute.contract.cost import merge_length_records
 from compute.contract.jobresult import Heatmap, JobResult, SeriesPoint, null_progress
 from compute.contract.kinds import Refs
 from compute.contract.results import sum_parts
@@ -236,7 +237,8 @@ def run_child(spec: SweepSpec, index: int, progress: Any = null_progress,
     parts["finish"] = parts.get("finish", 0.0) + max(0.0, t2 - t1 - sum(
         float(v) for v in (res.summary.get("seconds_parts") or {}).values())) + (end - t2)
     return {"row": row, "initial_fisher": dict(info), "fisher": dict(fisher) if keep else None,
-            "seconds": end - t0, "seconds_parts": {k: round(v, 3) for k, v in parts.items()}}
+            "seconds": end - t0, "seconds_parts": {k: round(v, 3) for k, v in parts.items()},
+            "completion_lengths": res.summary.get("completion_lengths")}
 
 
 def run(spec: SweepSpec, progress: Any = null_progress, refs: Refs | None = None) -> JobResult:
@@ -302,6 +304,9 @@ def combine(spec: SweepSpec, outputs: list[Any], progress: Any = null_progress,
     summary["markdown"] = markdown_table(points)
     summary["seconds"] = round(sum(float(o.get("seconds") or 0.0) for o in outputs), 1)
     summary["seconds_parts"] = sum_parts(outputs)
+    lengths = merge_length_records([o["completion_lengths"] for o in outputs if o.get("completion_lengths")])
+    if lengths is not None:  # every point's sampled completions (one max_new_tokens: the spec's)
+        summary["completion_lengths"] = lengths
     summary["definitions"] = DEFINITIONS
     result.heatmaps += _heatmaps(spec, points)
     progress(1.0, f"{len(points)} points in {summary['seconds']:.0f} s")

@@ -362,10 +362,12 @@ def train_arm(
     teacher: torch.nn.Module | None = None,
     progress: Callable[[float, str], None] | None = None,
     parts: dict[str, float] | None = None,
+    lengths: list[dict[str, Any]] | None = None,
 ) -> tuple[torch.nn.Module, torch.Tensor, list[dict[str, float]]]:
     """One arm: a copy of `model` trained with the paired seed (full when mask is None), and its
     (n,) held-out rewards and per-step curve. The caller's model is not modified. `parts`, when
-    given, gets the seconds of the training ("steps") and of the evaluation added."""
+    given, gets the seconds of the training ("steps") and of the evaluation added; `lengths` the
+    run's record of how long its sampled completions ran (TrainOutcome.completion_lengths)."""
     from compute.train import train
 
     t0 = time.perf_counter()
@@ -377,6 +379,8 @@ def train_arm(
     if parts is not None:
         parts["steps"] = parts.get("steps", 0.0) + t1 - t0
         parts["evaluation"] = parts.get("evaluation", 0.0) + time.perf_counter() - t1
+    if lengths is not None and res.completion_lengths is not None:
+        lengths.append(res.completion_lengths)
     return m, rewards, res.curve
 
 

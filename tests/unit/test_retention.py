@@ -207,6 +207,10 @@ def test_grid_units_apart_equal_the_run_and_density_one_equals_full(zoo_home, mo
     assert set(took) == set(timing(spec, z))
     assert all(v > 0 for v in took.values()), took
     assert sum(took.values()) == pytest.approx(whole.summary["seconds"], rel=0.02, abs=0.1)
+    # how long every arm's sampled completions ran, one record (10 arms x 2 steps x 4 x 2 rows;
+    # the base's greedy evaluation samples none)
+    rec = whole.summary["completion_lengths"]
+    assert rec["rows"] == 10 * 2 * 4 * 2 and rec["max_new_tokens"] == 4
     apart = {i: _as_shipped(run_child(spec, i)) for i in reversed(range(n))}
     assert _comparable(combine(spec, [apart[i] for i in range(n)])) == _comparable(whole)
     assert _comparable(run(spec)) == _comparable(whole)

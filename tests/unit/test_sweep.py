@@ -242,6 +242,10 @@ def test_sweep_units_run_apart_combine_to_the_in_process_run(zoo_home, monkeypat
     assert all(v > 0 for v in took.values()), took
     assert sum(took.values()) == pytest.approx(whole.summary["seconds"], rel=0.02, abs=0.1)
     assert apart.summary["seconds_parts"]["initial Fisher"] > 0  # each unit made its own
+    # how long every point's sampled completions ran, one record (2 points x 1 step x 2 x 2 rows)
+    rec = whole.summary["completion_lengths"]
+    assert rec["rows"] == 2 * 1 * 2 * 2 and rec["max_new_tokens"] == 4
+    assert apart.summary["completion_lengths"] == rec
     with pytest.raises(ValueError, match="index"):
         run_child(spec, 2)
     with pytest.raises(ValueError, match="outputs"):
