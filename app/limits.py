@@ -287,7 +287,7 @@ def estimate(settings: Any, kind: str, spec: Any, refs: dict[str, Any]) -> dict[
     k = registry.get(kind)
     z: Sizing | None = None
     if cost is not None and params is not None:
-        history = stop_history(settings, kind, spec) if k.timing is not None else {}
+        history = stop_history(settings, spec) if k.timing is not None else {}
         z = sizing(settings, kind, spec, refs, params, data, mask_density(files), history)
         if k.timing is not None and timed is not None and timed[1].startswith("calibrated"):
             parts = {p: float(v) for p, v in k.timing(spec, z).items()}
@@ -337,9 +337,7 @@ def estimate(settings: Any, kind: str, spec: Any, refs: dict[str, Any]) -> dict[
 # to max_new_tokens), how loaded the machine is.
 CORRECTION_JOBS = 5
 CORRECTION_RANGE = (0.25, 4.0)
-# The kinds whose estimate prices sampled completions (a Fisher's, a training run's, a sweep's and
-# a retention study's), and how many of the latest jobs' recorded lengths it reads (stop_history)
-SAMPLING_KINDS = ("fisher", "train", "sweep", "retention")
+# How many of the latest jobs' recorded completion lengths an estimate reads (stop_history)
 LENGTH_JOBS = 10
 
 
@@ -406,15 +404,15 @@ def _history_url(settings: Any) -> str | None:
     return url
 
 
-def stop_history(settings: Any, kind: str, spec: Any) -> dict[float, list[tuple[int, dict[str, Any]]]]:
+def stop_history(settings: Any, spec: Any) -> dict[float, list[tuple[int, dict[str, Any]]]]:
     """{temperature: [(job id, completion_lengths record)]} of the latest jobs that sampled the
     model `spec` samples from (its `model` field, as written) on its task (storage
     recent_completion_lengths, at most LENGTH_JOBS), newest first: what compute.contract.cost's
-    Sizing.generate_s prices a sampled batch's length by. {} for a kind that samples nothing, or
-    with no history."""
+    Sizing.generate_s prices a sampled batch's length by. {} for a spec that samples nothing (no
+    model, task and temperature of its own: a mask, a diff, a tokens job), or with no history."""
     model, task = getattr(spec, "model", None), getattr(spec, "task", None)
     url = _history_url(settings)
-    if kind not in SAMPLING_KINDS or not isinstance(model, str) or not isinstance(task, str) or url is None:
+    if not isinstance(model, str) or not isinstance(task, str) or not hasattr(spec, "temperature") or url is None:
         return {}
     try:
         from storage import repo
