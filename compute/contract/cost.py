@@ -507,14 +507,15 @@ class Sizing:
         new_tokens (greedy decoding, temperature None, always to new_tokens: an upper bound)."""
         prompt = self.prompt_tokens if prompt is None else prompt
         seqs, batch = max(seqs, 0), max(batch, 1)
-        records = (self.stops or {}).get(float(temperature)) if temperature is not None else None
         sizes = [batch] * (seqs // batch) + ([seqs % batch] if seqs % batch else [])
-        steps = {b: expected_batch_steps(records, b, new_tokens) for b in set(sizes)}
+        steps = {b: self.batch_steps(b, new_tokens, temperature) for b in set(sizes)}
         return (self.passes_s(sum(b * (prompt + steps[b]) for b in sizes))
                 + self.calls_s(sum(steps[b] for b in sizes) * self.decode_step_calls()))
 
     def batch_steps(self, batch: int, new_tokens: int, temperature: float | None) -> float:
-        """Expected decode steps of one sampled batch (new_tokens without recorded lengths)."""
+        """Expected decode steps of one sampled batch of `batch` rows (new_tokens without recorded
+        lengths at this temperature, or for greedy decoding, None); batch 1: a row's expected
+        length, the tokens it counts."""
         records = (self.stops or {}).get(float(temperature)) if temperature is not None else None
         return expected_batch_steps(records, batch, new_tokens)
 
@@ -630,7 +631,8 @@ def fisher_seconds(z: Sizing, prompts: int, samples: int, max_new_tokens: int,
     # passes run over the padded rows, no longer than their batch)
     new = z.batch_steps(min(rows, sample_batch), max_new_tokens, temperature)
     length = z.prompt_tokens + new
-    per_row = new if estimator == "token" else 1
+    # the token estimator: a row per counted token, a completion's own length (not its batch's)
+    per_row = z.batch_steps(1, max_new_tokens, temperature) if estimator == "token" else 1
     out = {"sampling": 0.0 if estimator == "empirical" else
            z.generate_s(rows, max_new_tokens, sample_batch, temperature=temperature)}
     if estimator != "batch":  # the per-sample engine checks itself once (estimators._verify)

@@ -65,6 +65,14 @@ def test_sampling_is_priced_by_the_lengths_recorded_at_its_temperature() -> None
     assert short["evaluation"] == C.train_seconds(bare, "grpo", 3, 4, 4, 16, 8)["evaluation"]
     fisher = C.fisher_seconds(seen, 8, 4, 16)
     assert fisher == pytest.approx(C.fisher_seconds(bare, 8, 4, 5))
+    # the token estimator counts a row per completion token: its passes follow the completions'
+    # mean length (5 or 8 here), its rows' width the longest of a batch (8 in both)
+    half = {"max_new_tokens": 16, "rows": 64, "stopped": {"2": 32, "8": 32}, "open": 0}
+    full = {"max_new_tokens": 16, "rows": 64, "stopped": {"8": 64}, "open": 0}
+    passes = [C.fisher_seconds(C.Sizing(params=10**6, layers=4, hidden=64, a=1e-5, b=2e-11, stops={1.0: [r]}),
+                               8, 4, 16, estimator="token")["per-sample passes"]
+              - C.Sizing(params=10**6, a=1e-5).calls_s(32 * C.FISHER_ROW_CALLS) for r in (half, full)]
+    assert passes[0] / passes[1] == pytest.approx(5 / 8, rel=1e-6)
     # SFT on gold answers samples nothing; on near-policy data it samples `group` a prompt
     assert C.train_seconds(bare, "sft", 3, 4, 4, 16, 8)["steps"] < C.train_seconds(
         bare, "sft", 3, 4, 4, 16, 8, sft_source="self")["steps"]
