@@ -639,7 +639,8 @@ def _jaccard_bracketed(a: Mapping[str, Any], b: Mapping[str, Any], k: int, perce
     # surely in, and the other way round; the coordinates inside both brackets (keys of a, of b,
     # positions). The positions decide ties at a k-th largest (taken in flat order, as
     # _topk_chunk_masks takes them) without another pass: at 100M values two equal float32
-    # values at the cut are common, and that pass was a fifth of the statistics (session 20)
+    # values at the cut are common, and that pass was a fifth of the statistics (session 20). The
+    # positions are int64 beside the int32 keys: at most 2 JACCARD_BAND_MAX of them (64 MiB)
     band: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[], []]
     a_band_b_sure: list[tuple[torch.Tensor, torch.Tensor]] = []
     b_band_a_sure: list[tuple[torch.Tensor, torch.Tensor]] = []
