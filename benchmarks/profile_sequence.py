@@ -114,14 +114,14 @@ def main(argv: list[str] | None = None) -> int:
     faults: dict[str, list[int]] = {k: [] for k in cases}
     squares: list[float] = []
     for _ in range(a.rounds):
-        for name, f in cases.items():
+        for case, f in cases.items():
             square[0] = 0.0
             f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             t = time.perf_counter()
             f()
-            times[name].append(time.perf_counter() - t)
-            faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
-            if name == "sequence":
+            times[case].append(time.perf_counter() - t)
+            faults[case].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+            if case == "sequence":
                 squares.append(square[0])
     med = {k: statistics.median(v) for k, v in times.items()}
     med["sequence: linear square sums"] = statistics.median(squares)
