@@ -184,9 +184,8 @@ def completions_item(result: TypedResult[Any] | Mapping[str, Any]) -> tuple[Item
     mid = f"median {median} tokens" if median is not None else f"median at the limit ({limit} tokens or more)"
     share = cut / rows
     value = f"{rows:,} sampled, {mid}"
-    note = (f"{pct(share)} reached max_new_tokens = {limit} without ending (cut there); each batch "
-            "decodes until its longest row ends, and the next estimate on this model prices its "
-            "sampling by these lengths")
+    note = (f"{pct(share)} reached max_new_tokens = {limit} without ending (cut there); a submitted "
+            "job's lengths price the sampling of the next estimates on this model and task")
     warn = None
     if share >= TRUNCATED_WARN_SHARE:
         warn = (f"{pct(share)} of the sampled completions reached max_new_tokens = {limit} without ending: "
