@@ -708,7 +708,8 @@ def test_a_grpo_job_whose_bound_check_does_not_fit_skips_it_and_says_so(zoo_home
     assert list(took) == ["load", "initial Fisher", "bound check", "finish", "steps", "evaluation"]
     assert set(took) <= set(timing(spec, Sizing(params=10**5, free_bytes=64 * 2**30)))
     assert all(v > 0 for v in took.values()), took
-    assert 0.8 * wall - 0.5 <= sum(took.values()) <= wall, (took, wall)
+    # each part is reported to the millisecond: their sum may pass the wall time by half a ms a part
+    assert 0.8 * wall - 0.5 <= sum(took.values()) <= wall + 5e-4 * len(took), (took, wall)
 
     # room for a tenth of the sums (groups cut at multiples of 4,096 coordinates here, 2^20 in
     # the product): the same job checks the bound in groups and finds the same numbers. A batch
@@ -1014,7 +1015,8 @@ def test_the_fisher_job_reports_its_time_by_its_estimates_parts(zoo_home, monkey
     assert list(took) == [p for p in named if p in took], (took, named)
     assert set(took) == set(named), (took, named)
     assert all(v >= 0 for v in took.values()) and took["load"] > 0 and took["per-sample passes"] > 0, took
-    assert 0.8 * wall - 0.5 <= sum(took.values()) <= wall, (took, wall)
+    # each part is reported to the millisecond: their sum may pass the wall time by half a ms a part
+    assert 0.8 * wall - 0.5 <= sum(took.values()) <= wall + 5e-4 * len(took), (took, wall)
 
 
 @pytest.mark.slow
@@ -1043,7 +1045,7 @@ def test_every_kind_reports_its_time_by_its_estimates_parts(zoo_home, tmp_path, 
         named = registry.get(kind).timing(spec, z)
         assert took and set(took) <= set(named), (kind, took, named)
         assert all(v >= 0 for v in took.values()), (kind, took)
-        assert 0.8 * wall - 0.3 <= sum(took.values()) <= wall + 1e-3, (kind, took, wall)
+        assert 0.8 * wall - 0.3 <= sum(took.values()) <= wall + 5e-4 * len(took), (kind, took, wall)
         return res
 
     from safetensors.torch import save_file
