@@ -78,9 +78,10 @@ def test_sampling_is_priced_by_the_lengths_recorded_at_its_temperature() -> None
         bare, "sft", 3, 4, 4, 16, 8, sft_source="self")["steps"]
 
 
-def test_the_sampler_reports_how_long_each_row_ran(zoo_home) -> None:
+def test_the_sampler_reports_how_long_each_row_ran(zoo_home, monkeypatch) -> None:
     """Each sampled row's (tokens generated, ended with eos): its completion mask's length, and
     whether its last completion token is eos; a sub-rollout describes no sampling."""
+    monkeypatch.setenv("FISHERLENS_HOME", str(zoo_home))
     import torch
 
     from compute.lm.causal_lm import load_model
@@ -99,10 +100,11 @@ def test_the_sampler_reports_how_long_each_row_ran(zoo_home) -> None:
         assert roll.select(torch.tensor([0, 1])).lengths is None
 
 
-def test_the_jobs_that_sample_record_how_long_their_completions_ran(zoo_home) -> None:
+def test_the_jobs_that_sample_record_how_long_their_completions_ran(zoo_home, monkeypatch) -> None:
     """A Fisher job records every sampled row once (its tokens: the job's n_tokens), a GRPO run
     every step's rows, near-policy SFT every row it sampled (kept or not), SFT on gold answers
     nothing."""
+    monkeypatch.setenv("FISHERLENS_HOME", str(zoo_home))
     from compute.jobs import fisher_run, train_run
     from compute.jobs.fisher import FisherSpec
     from compute.jobs.train import TrainSpec
@@ -120,11 +122,12 @@ def test_the_jobs_that_sample_record_how_long_their_completions_ran(zoo_home) ->
         assert (got or {}).get("rows") == rows, (algo, extra, got)
 
 
-def test_a_result_says_how_long_its_completions_ran_and_warns_when_they_were_cut(zoo_home) -> None:
+def test_a_result_says_how_long_its_completions_ran_and_warns_when_they_were_cut(zoo_home, monkeypatch) -> None:
     """Every kind's key numbers, from the job's own record: how many completions, their median
     length, and a warning when TRUNCATED_WARN_SHARE or more were cut at max_new_tokens (a Fisher
     of cut completions is not the Fisher of the model's answers). A job whose arithmetic answers
     need 3+ tokens, sampled at 2, is cut almost everywhere; at 12, not."""
+    monkeypatch.setenv("FISHERLENS_HOME", str(zoo_home))
     from app.figures.keynumbers import TRUNCATED_WARN_SHARE, completions_item, key_numbers
     from compute.jobs import fisher_run
     from compute.jobs.fisher import FisherSpec
