@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import Any
 
 REPO_THROUGHPUT = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "throughput.json"
+# calibration()'s source for the committed file: the reference machine's, not this one's
+REFERENCE = "reference"
 
 
 def throughput(settings: Any) -> tuple[float, str] | None:
@@ -31,11 +33,14 @@ def throughput(settings: Any) -> tuple[float, str] | None:
 def calibration(settings: Any) -> tuple[float, float, str] | None:
     """(a, b, where it comes from) of the calibrated cost model seconds = token_passes x (a + b x
     params) (compute.lm.calibrate; `fisherlens calibrate` writes FISHERLENS_HOME/throughput.json):
-    THROUGHPUT_FILE, else FISHERLENS_HOME/throughput.json; None when neither holds a calibration
-    (an explicit THROUGHPUT, or the committed one-constant benchmark file, then applies)."""
+    the first readable of THROUGHPUT_FILE, FISHERLENS_HOME/throughput.json and the committed
+    benchmarks/results/throughput.json (the reference machine's calibration, REFERENCE: a machine
+    with none of its own is priced by it, and the estimate says so). None under an explicit
+    THROUGHPUT, or when the first readable file holds only that one constant (an operator's
+    benchmark file of the earlier form): then the one constant applies."""
     if settings.throughput:
         return None
-    for path in (settings.throughput_file, settings.home / "throughput.json"):
+    for path in (settings.throughput_file, settings.home / "throughput.json", REPO_THROUGHPUT):
         if path is None:
             continue
         try:
@@ -43,8 +48,22 @@ def calibration(settings: Any) -> tuple[float, float, str] | None:
         except OSError:
             continue
         if got is not None:
-            return got[0], got[1], str(Path(path).name)
+            return got[0], got[1], REFERENCE if Path(path) == REPO_THROUGHPUT else str(Path(path).name)
+        if _throughput_file(Path(path)) is not None:
+            return None
     return None
+
+
+def _reference_text() -> str:
+    try:
+        data = json.loads(REPO_THROUGHPUT.read_text())
+    except (OSError, ValueError):
+        data = {}
+    where = data.get("device_name") or data.get("device") or "?"
+    cpus = data.get("cpus")
+    machine = f"{where} with {cpus} cores" if cpus and data.get("device") == "cpu" else str(where)
+    return (f"the reference machine's calibration, {machine} (benchmarks/results/throughput.json); "
+            "not this machine's: `fisherlens calibrate` measures it in seconds")
 
 
 @functools.lru_cache(maxsize=8)
@@ -62,7 +81,8 @@ def seconds_of(settings: Any, token_passes: float, params: int) -> tuple[float, 
     comes from: the calibration of this machine when there is one, else cost / throughput."""
     cal = calibration(settings)
     if cal is not None:
-        return max(token_passes, 1) * (cal[0] + cal[1] * params), f"calibrated ({cal[2]})"
+        where = _reference_text() if cal[2] == REFERENCE else f"calibrated ({cal[2]})"
+        return max(token_passes, 1) * (cal[0] + cal[1] * params), where
     tp = throughput(settings)
     if tp is None:
         return None

@@ -8,10 +8,11 @@ per token-pass makes `2 * cost` a rough FLOP count. Each job kind says its token
 compute/contract/cost.py: prompts counted as `COST_PROMPT_TOKENS` tokens, every completion as
 `max_new_tokens`), so the estimate is an upper bound for the given prompt length.
 
-Ceiling: by default a user's job may not run longer than MAX_JOB_SECONDS (2 h) at the
-throughput a benchmark measured on the workers' machine (`benchmarks/bench_throughput.py` writes
-parameter-token-passes per second to a JSON; THROUGHPUT / THROUGHPUT_FILE override it), so the
-cost ceiling is `seconds x throughput` and every estimate also says its time. An explicit cost
+Ceiling: by default a user's job may not run longer than MAX_JOB_SECONDS (2 h), compared with
+the estimated seconds: the kind's timing on the machine's calibration (app/ceiling.calibration:
+`fisherlens calibrate`'s file, else the committed reference machine's, and the estimate says
+which). The cost ceiling it also stands for is `seconds x throughput`, the one constant
+`benchmarks/bench_throughput.py` measured on real jobs (THROUGHPUT / THROUGHPUT_FILE override it). An explicit cost
 ceiling (MAX_JOB_COST, a user's own `max_job_cost`) or a user's own `max_job_seconds` replaces
 it; admins and the local user have none unless MAX_JOB_SECONDS_ADMIN / MAX_JOB_COST_ADMIN is set.
 """
@@ -289,7 +290,7 @@ def estimate(settings: Any, kind: str, spec: Any, refs: dict[str, Any]) -> dict[
     if cost is not None and params is not None:
         history = stop_history(settings, spec) if k.timing is not None else {}
         z = sizing(settings, kind, spec, refs, params, data, mask_density(files), history)
-        if k.timing is not None and timed is not None and timed[1].startswith("calibrated"):
+        if k.timing is not None and timed is not None and calibration(settings) is not None:
             parts = {p: float(v) for p, v in k.timing(spec, z).items()}
             model_parts = dict(parts)
             lengths_from = lengths_basis(history, spec)

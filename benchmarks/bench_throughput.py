@@ -11,6 +11,13 @@ this machine, give or take the spread shown).
     python benchmarks/bench_throughput.py                     # zoo models, CPU or the GPU found
     python benchmarks/bench_throughput.py --out /srv/fisherlens/throughput.json
 
+It also runs `fisherlens calibrate`'s measurement (compute.lm.calibrate: seconds = token_passes x
+(a + b x params)) and writes its a and b into the same file, so the file is a calibration too:
+the committed one (benchmarks/results/throughput.json) is what estimates use, labelled "the
+reference machine's, not this machine's", where a machine has no calibration of its own (a single
+constant measured on the 108,800-parameter zoo model priced SmolLM2-135M's default Fisher, 101 s,
+at 12.8 days).
+
 Run it on a worker machine and point THROUGHPUT_FILE at its output (or put it at
 $FISHERLENS_HOME/throughput.json); the web reads the file, it never runs the benchmark.
 """
@@ -94,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for label, kind, data in JOBS:
         spec = parse_spec(kind, data)
-        est = limits.estimate(settings, kind, spec)
+        est = limits.estimate(settings, kind, spec, limits.refs_for_estimate(settings, kind, spec))
         run = get_runner(kind)
         if not args.no_warmup:
             run(spec, _Progress())  # warm-up: imports, first-call allocations
@@ -112,13 +119,26 @@ def main(argv: list[str] | None = None) -> int:
 
     slowest = min(rows, key=lambda r: r["throughput"])
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    from compute.lm.calibrate import calibrate
+
+    cal = calibrate(device)
+    print(f"calibration: a = {cal['seconds_per_token_pass']:.3g} s per token-pass, "
+          f"b = {cal['seconds_per_param_token_pass']:.3g} s per parameter-token-pass", flush=True)
     out = {
+        # the calibrated cost model (what app/ceiling.calibration reads) ...
+        "model": cal["model"],
+        "seconds_per_token_pass": cal["seconds_per_token_pass"],
+        "seconds_per_param_token_pass": cal["seconds_per_param_token_pass"],
+        "calibration": {k: v for k, v in cal.items() if k not in (
+            "model", "seconds_per_token_pass", "seconds_per_param_token_pass", "param_token_passes_per_s")},
+        # ... and the one constant of the real jobs below (a cost ceiling's conversion)
         "param_token_passes_per_s": slowest["throughput"],
         "from_job": slowest["job"],
         "jobs": rows,
         "device": device,
         "device_name": torch.cuda.get_device_name(0) if device == "cuda" else platform.processor()
         or platform.machine(),
+        "cpus": os.cpu_count(),
         "torch_threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "repeats": args.repeats,

@@ -22,6 +22,11 @@ RESULTS = ROOT / "benchmarks" / "results"
 DOCS = [ROOT / "benchmarks" / "README.md"]
 
 
+# issue 30's goal for the Fisher engine: its passes at most this many times their floor (it was
+# 1.5x, an earlier issue's, until session 21: the tables called 1.44x "met" while issue 30 asks 1.2x)
+FISHER_GOAL = 1.2
+
+
 def _q(st: dict[str, float], fmt: str) -> str:
     return f"{st['median']:{fmt}} [{st['q1']:{fmt}}, {st['q3']:{fmt}}]"
 
@@ -61,8 +66,8 @@ def fisher_table(data: dict[str, Any]) -> str:
                 f"{st['peak_mb']:.0f} | {'; '.join(note)} |"
             )
     lines.append("")
-    lines.append("Goal (median of interleaved rounds): `sequence` <= 1.5x floor, `token` <= 1.5x "
-                 "token-floor.")
+    lines.append(f"Goal (issue 30; median of interleaved rounds): `sequence` <= {FISHER_GOAL}x floor, "
+                 f"`token` <= {FISHER_GOAL}x token-floor.")
     lines.append("")
     for row in data["results"]:
         for name in ("sequence", "token"):
@@ -70,7 +75,7 @@ def fisher_table(data: dict[str, Any]) -> str:
             if "x_ref" not in st:
                 continue
             x = st["x_ref"]["median"]
-            verdict = "met" if x <= 1.5 else f"**not met** (measured gap: {x / 1.5:.2f}x the goal)"
+            verdict = "met" if x <= FISHER_GOAL else f"**not met** (measured gap: {x / FISHER_GOAL:.2f}x the goal)"
             lines.append(f"- {row['model']}, `{name}`: {x:.2f}x {st['ref']}: {verdict}")
     return "\n".join(lines)
 

@@ -46,11 +46,25 @@ def test_run_time_limit_compares_the_estimated_seconds(tmp_path: Path) -> None:
         limits.check_cost(est, 1e20, 10.0)
 
 
-def test_without_a_calibration_the_one_constant_file_applies(tmp_path: Path) -> None:
+def test_without_a_calibration_of_its_own_a_machine_is_priced_by_the_reference_one(tmp_path: Path) -> None:
+    """No calibration here: the committed benchmarks/results/throughput.json's a and b (the
+    reference machine's, measured by `fisherlens calibrate`'s code in bench_throughput.py) price
+    the job, and the estimate says whose they are and how to do better; an operator's file of
+    the one-constant form wins over the reference (it is this deployment's own)."""
+    committed = json.loads(ceiling.REPO_THROUGHPUT.read_text())
+    a, b = committed["seconds_per_token_pass"], committed["seconds_per_param_token_pass"]
     settings = Settings(fisherlens_home=tmp_path)
-    assert ceiling.calibration(settings) is None
-    tp = ceiling.throughput(settings)
-    assert tp is not None
+    assert ceiling.calibration(settings) == (a, b, ceiling.REFERENCE)
     got = ceiling.seconds_of(settings, 1000, 1_000_000)
-    assert got is not None and got[0] == pytest.approx(1000 * 1_000_000 / tp[0])
+    assert got is not None and got[0] == pytest.approx(1000 * (a + b * 1_000_000))
+    assert got[1].startswith("the reference machine's calibration")
     assert "not this machine's: `fisherlens calibrate`" in got[1]  # the estimate says how to do better
+    # SmolLM2-135M's default Fisher (101 s on that machine) is priced in minutes, not days (the
+    # one constant of the 108,800-parameter zoo model said 12.8 days)
+    smol = ceiling.seconds_of(settings, 102_400, 134_515_008)
+    assert smol is not None and 30 < smol[0] < 600
+    (tmp_path / "throughput.json").write_text(json.dumps({"param_token_passes_per_s": 2e9}))
+    assert ceiling.calibration(settings) is None
+    got = ceiling.seconds_of(settings, 1000, 1_000_000)
+    assert got is not None and got[0] == pytest.approx(1000 * 1_000_000 / 2e9)
+    assert "not this machine's: `fisherlens calibrate`" in got[1]
