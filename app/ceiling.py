@@ -5,8 +5,12 @@ Apart from app/limits.py so that app/auth (Principal's limits) can use it withou
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import json
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -30,16 +34,71 @@ def throughput(settings: Any) -> tuple[float, str] | None:
     return None
 
 
+# Set while a direct CLI command estimates a job it will run in its own process (app/commands/
+# kinds.py preflight): then this machine's figures apply, not the queue's workers'.
+_here: contextvars.ContextVar[bool] = contextvars.ContextVar("fisherlens_estimate_here", default=False)
+# How long the web keeps the workers table it read (one estimate reads it several times)
+WORKERS_CACHE_S = 2.0
+_workers_cache: dict[str, tuple[float, list[dict[str, Any]]]] = {}
+
+
+@contextlib.contextmanager
+def here() -> Iterator[None]:
+    """Estimates inside are for a job run in this process, on this machine's device."""
+    token = _here.set(True)
+    try:
+        yield
+    finally:
+        _here.reset(token)
+
+
+def worker_devices(settings: Any) -> list[dict[str, Any]]:
+    """The live workers' device rows (storage/workers.py: what each one's device offers a job),
+    [] inside `here()`, without a database, or when it cannot be read (then the web's own
+    figures apply, as before workers wrote them)."""
+    if _here.get() or not getattr(settings, "db_url", None):
+        return []
+    now = time.monotonic()
+    got = _workers_cache.get(settings.db_url)
+    if got is not None and now - got[0] < WORKERS_CACHE_S:
+        return got[1]
+    try:
+        from sqlalchemy.engine import make_url
+
+        from storage import workers
+        from storage.db import session_factory
+
+        url = make_url(settings.db_url)
+        if url.get_backend_name() == "sqlite" and not (url.database and Path(url.database).exists()):
+            rows: list[dict[str, Any]] = []  # no database yet (a direct CLI run's home): no workers
+        else:
+            with session_factory(settings.db_url)() as s:
+                rows = workers.live(session=s)
+    except Exception:  # noqa: BLE001 - no table yet, database away: the web's own figures
+        rows = []
+    _workers_cache[settings.db_url] = (now, rows)
+    return rows
+
+
 def calibration(settings: Any) -> tuple[float, float, str] | None:
     """(a, b, where it comes from) of the calibrated cost model seconds = token_passes x (a + b x
     params) (compute.lm.calibrate; `fisherlens calibrate` writes FISHERLENS_HOME/throughput.json):
-    the first readable of THROUGHPUT_FILE, FISHERLENS_HOME/throughput.json and the committed
+    the live workers' own (worker_devices: the slowest of those that measured theirs; not under
+    an operator's THROUGHPUT_FILE), else the first readable of THROUGHPUT_FILE,
+    FISHERLENS_HOME/throughput.json and the committed
     benchmarks/results/throughput.json (the reference machine's calibration, REFERENCE: a machine
     with none of its own is priced by it, and the estimate says so). None under an explicit
     THROUGHPUT, or when the first readable file holds only that one constant (an operator's
     benchmark file of the earlier form): then the one constant applies."""
     if settings.throughput:
         return None
+    # the queue's workers measured their own devices: the slowest prices a job (it may run there)
+    measured = [w for w in worker_devices(settings)
+                if w["seconds_per_token_pass"] is not None and w["seconds_per_param_token_pass"] is not None]
+    if measured and settings.throughput_file is None:
+        w = max(measured, key=lambda w: (w["seconds_per_param_token_pass"], w["seconds_per_token_pass"]))
+        return (float(w["seconds_per_token_pass"]), float(w["seconds_per_param_token_pass"]),
+                f"worker {w['name']}, {w['device']}")
     for path in (settings.throughput_file, settings.home / "throughput.json", REPO_THROUGHPUT):
         if path is None:
             continue

@@ -26,7 +26,15 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from app.ceiling import REPO_THROUGHPUT, calibration, duration, job_ceiling, seconds_of, throughput
+from app.ceiling import (
+    REPO_THROUGHPUT,
+    calibration,
+    duration,
+    job_ceiling,
+    seconds_of,
+    throughput,
+    worker_devices,
+)
 from app.services.compat import safetensors_header
 from compute.contract.cost import COST_PROMPT_TOKENS, MIB, Sizing, config_shape
 from compute.contract.specs import SpecError
@@ -189,11 +197,22 @@ def model_shape(ref: Any) -> dict[str, Any]:
 
 def free_memory(settings: Any, device: str = "auto") -> tuple[float | None, str]:
     """(bytes a job may use on the device a job of this spec runs on, where the figure comes
-    from): MAX_JOB_MEMORY_MB when set; CUDA: torch.cuda.mem_get_info of the device (only where
+    from): MAX_JOB_MEMORY_MB when set; the live workers' devices as they wrote them
+    (app.ceiling.worker_devices: the smallest, since a queued job may run on any; a cpu spec on a
+    GPU worker: its host's RAM), except for a job run here (app.ceiling.here); CUDA: torch.cuda.mem_get_info of the device (only where
     torch is already imported: the web process does not import it for this); CPU: MemAvailable
     of /proc/meminfo. (None, why) when unknown."""
     if settings.max_job_memory_mb:
         return float(settings.max_job_memory_mb) * MIB, "MAX_JOB_MEMORY_MB"
+    figures = []  # (free, where) of each live worker's device for this spec (storage/workers.py)
+    for w in worker_devices(settings):
+        on_host = device == "cpu" and not str(w["device"]).startswith("cpu")
+        free = w["host_free_bytes"] if on_host else w["free_bytes"]
+        if free is not None:
+            figures.append((float(free), f"{'cpu' if on_host else w['device']} of worker {w['name']}"))
+    if figures:  # a queued job may run on any of them: the smallest is what it can count on
+        free, where = min(figures)
+        return free, (where if len(figures) == 1 else f"the smallest of {len(figures)} workers' devices, {where},")
     import sys
 
     torch = sys.modules.get("torch")

@@ -1,6 +1,7 @@
 """SQLAlchemy 2.x models. Alembic owns the schema (storage/migrations); keep both in step.
 
-Tables: models, jobs, layer_stats, heatmaps, series, artifacts. Result rows hang off a job and are
+Tables: models, jobs, layer_stats, heatmaps, series, artifacts; users, api_tokens, rate_limits;
+workers (what each live worker's device offers a job). Result rows hang off a job and are
 deleted with it; a re-delivered job replaces its result rows (see repo.save_result).
 """
 
@@ -252,3 +253,27 @@ class RateLimit(Base):
     key: Mapped[str] = mapped_column(String(255), primary_key=True)
     count: Mapped[int] = mapped_column(Integer, default=0)
     expires_at: Mapped[float] = mapped_column(Float, default=0.0)
+
+
+class WorkerDevice(Base):
+    """What a live worker's device offers a job (migration 0008): written by the worker at start,
+    after each job and with its reconcile beat, read by the web's estimate so a job is checked
+    against the memory and priced at the speed of the device it will run on, not the web
+    process's (which has no GPU in a deployment and never imports torch). compute/worker/device.py
+    writes it; storage/workers.py reads and writes it; app/limits.py uses it."""
+
+    __tablename__ = "workers"
+
+    name: Mapped[str] = mapped_column(String(255), primary_key=True)  # the Celery node name
+    host: Mapped[str] = mapped_column(String(255), default="")
+    device: Mapped[str] = mapped_column(String(32), default="cpu")  # where a job on device=auto runs
+    device_name: Mapped[str] = mapped_column(String(255), default="")
+    # what a job may take there now (free memory, within MAX_JOB_MEMORY_MB), measured while idle
+    free_bytes: Mapped[int | None] = mapped_column(BigInteger, default=None)
+    total_bytes: Mapped[int | None] = mapped_column(BigInteger, default=None)
+    host_free_bytes: Mapped[int | None] = mapped_column(BigInteger, default=None)  # RAM beside a GPU
+    # the cost model measured on that device (compute.lm.calibrate): seconds = passes x (a + b x params)
+    seconds_per_token_pass: Mapped[float | None] = mapped_column(Float, default=None)
+    seconds_per_param_token_pass: Mapped[float | None] = mapped_column(Float, default=None)
+    torch_version: Mapped[str] = mapped_column(String(64), default="")
+    seen_at: Mapped[datetime] = mapped_column(UTCDateTime(), default=utcnow, index=True)

@@ -261,7 +261,9 @@ def up_cmd(host: str | None, port: int | None, no_worker: bool) -> None:
     click.echo(f"database: {_safe_url(settings.db_url)}")
     click.echo(f"queue: {settings.redis_url or f'filesystem {settings.queue_dir}'}")
     _ensure_zoo(settings.zoo_dir)
-    calibrating = _calibrate_in_background(settings)
+    # the embedded worker calibrates its own device at start (compute/worker/device.py); a web
+    # without one calibrates this machine for the estimates made before any worker is seen
+    calibrating = _calibrate_in_background(settings) if no_worker else None
     supervisor = (
         None if no_worker else WorkerSupervisor(f"embedded-{os.getpid()}@{socket.gethostname()}")
     )

@@ -110,7 +110,6 @@ def preflight(kind: str, options: dict[str, Any], dry_run: bool, yes: bool) -> N
     (nothing run, nothing submitted); a job that cannot fit the device's free memory exits 2 with
     both figures; a job estimated above CONFIRM_ABOVE_S asks y/N on a terminal, and without one
     exits 2 unless --yes."""
-    from app import limits
     from compute.jobs.registry import parse_spec
 
     data = {k: v for k, v in options.items() if v is not None and k in KINDS[kind].spec.model_fields}
@@ -120,16 +119,27 @@ def preflight(kind: str, options: dict[str, Any], dry_run: bool, yes: bool) -> N
         if dry_run:
             fail("; ".join(f"--{e['field'].replace('_', '-')}: {e['message']}" for e in exc.errors))
         return  # the command reports it, flag by flag
-    est, lines = estimate_lines(kind, spec)
-    if dry_run:
-        for line in lines:
-            click.echo(line)
-        click.echo("dry run: nothing was run or submitted")
-        raise SystemExit(0)
+    from app.ceiling import here
     from compute.contract.settings import get_settings
 
+    if str(getattr(spec, "device", "auto")) != "cpu":
+        import torch  # noqa: F401 - the job loads it next; its CUDA figures are this device's
+
+    with here():  # this process runs the job: this machine's device, not the queue's workers'
+        est, lines = estimate_lines(kind, spec)
+        if dry_run:
+            for line in lines:
+                click.echo(line)
+            click.echo("dry run: nothing was run or submitted")
+            raise SystemExit(0)
+        _checks(est, spec, yes, get_settings())
+
+
+def _checks(est: dict[str, Any], spec: Any, yes: bool, settings: Any) -> None:
+    from app import limits
+
     try:
-        limits.check_memory(get_settings(), est, spec)
+        limits.check_memory(settings, est, spec)
         limits.check_confirm(est, yes)
     except limits.ConfirmationRequired as exc:
         message = exc.errors[0]["message"].split(": resend")[0]

@@ -189,8 +189,9 @@ class Settings(BaseSettings):
     )
     calibrate_on_up: bool = Field(
         default=True,
-        description="`fisherlens up` runs `fisherlens calibrate` in the background when "
-        "FISHERLENS_HOME has no throughput.json yet.",
+        description="A worker measures its device's cost model (`fisherlens calibrate`) at start "
+        "when FISHERLENS_HOME has no throughput.json measured on that kind of device, and "
+        "`fisherlens up --no-worker` in the background when it has none.",
     )
     max_job_cost_admin: float | None = Field(
         default=None, gt=0, description="The same for admins and the local user (none: no limit)."

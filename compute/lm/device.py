@@ -105,13 +105,13 @@ def free_memory_bytes(device: torch.device) -> int:
     from compute.contract.settings import get_settings
 
     cap = get_settings().max_job_memory_mb
-    free = _device_free_bytes(device)
+    free = device_free_bytes(device)
     if cap is None:
         return free
     return int(job_room_bytes(free, cap, _held_bytes(device)))
 
 
-def _device_free_bytes(device: torch.device) -> int:
+def device_free_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         free, _total = torch.cuda.mem_get_info(device)
         return int(free)

@@ -257,14 +257,17 @@ def _reconcile_parent(
 _stop = threading.Event()
 
 
-def start_reconciler(settings: Any) -> None:
+def start_reconciler(settings: Any, beat: Any = None) -> None:
     """While this worker lives, reconcile every RECONCILE_INTERVAL_S (a thread: it runs while the
     solo pool is busy with a job), so a lost message or a dead worker is noticed even when no
-    worker restarts."""
+    worker restarts. `beat()`, when given, runs first each period (the worker's device row is
+    kept seen: compute/worker/device.py)."""
     every = float(settings.reconcile_interval_s)
 
     def loop() -> None:
         while not _stop.wait(every):
+            if beat is not None:
+                beat()
             try:
                 reconcile(settings, hostname=None)
             except Exception as exc:  # broker or database away: try again next period

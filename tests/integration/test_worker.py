@@ -4,6 +4,7 @@ fault points (compute.runtime.control), never at "a moment when the job is hopef
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 
 import pytest
@@ -197,3 +198,45 @@ def test_sharded_fisher_over_two_workers_equals_one_worker(redis_stack) -> None:
         torch.testing.assert_close(stored[k], t, rtol=1e-5, atol=1e-12)
     assert [s["param"] for s in res["layer_stats"]] == [s.param for s in one.layer_stats]
     assert res["summary"]["n_rows"] == one.summary["n_rows"]
+
+
+def test_a_worker_writes_what_its_device_offers_and_submit_checks_against_it(stack) -> None:
+    """Issue 30 item 5 on a deployment: a real worker process writes its device, the memory a
+    job may take there (within its MAX_JOB_MEMORY_MB less what it holds) and keeps the row after
+    a job; the web's submit (this process: no MAX_JOB_MEMORY_MB, its own RAM 20+ GB) checks a
+    job against that figure and names the worker; the row goes when the worker shuts down."""
+    from app import ceiling, limits
+    from storage import workers
+
+    cap_mb = 3072
+    w = stack.start_worker("dev@test", extra_env={"MAX_JOB_MEMORY_MB": str(cap_mb)})
+    settings = stack.settings
+
+    def rows() -> list[dict]:
+        ceiling._workers_cache.clear()
+        with services.sessions(settings)() as s:
+            return workers.live(session=s)
+
+    deadline = time.monotonic() + 60  # written beside the worker's start-up, not before "ready"
+    while not rows() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    (row,) = rows()
+    assert row["name"] == "dev@test" and row["device"] == "cpu"
+    assert 0 < row["free_bytes"] < cap_mb * 2**20  # the cap less what the worker holds
+    free, where = limits.free_memory(settings)
+    assert (free, where) == (row["free_bytes"], "cpu of worker dev@test")
+    # an SFT step of 256 rows x 1,024 tokens (about 3.1 GB of activations, fits this machine's
+    # RAM, not the worker's cap): refused at submit, nothing queued
+    with pytest.raises(SpecError) as err:
+        services.submit(settings, "train", {"model": "arith-base", "algo": "sft", "batch": 256,
+                                            "max_new_tokens": 1024, "steps": 1})
+    (e,) = err.value.errors
+    assert e["field"] == "memory" and "cpu of worker dev@test has" in e["message"], e
+    assert services.list_jobs(settings) == []
+    job = services.submit(settings, "fisher", {**SMALL, "seed": 21})
+    done = stack.wait_final(job["id"])
+    assert done["status"] == "succeeded", done["error"]
+    (after,) = rows()
+    assert after["seen_at"] >= row["seen_at"] and 0 < after["free_bytes"] < cap_mb * 2**20
+    w.stop()
+    assert rows() == []
