@@ -212,7 +212,8 @@ def free_memory(settings: Any, device: str = "auto") -> tuple[float | None, str]
             figures.append((float(free), f"{'cpu' if on_host else w['device']} of worker {w['name']}"))
     if figures:  # a queued job may run on any of them: the smallest is what it can count on
         free, where = min(figures)
-        return free, (where if len(figures) == 1 else f"the smallest of {len(figures)} workers' devices, {where},")
+        # the figure's device first: Sizing.device_is_gpu reads it ("cuda...")
+        return free, (where if len(figures) == 1 else f"{where} (the smallest of {len(figures)} workers' devices)")
     import sys
 
     torch = sys.modules.get("torch")

@@ -87,7 +87,10 @@ def test_a_job_is_checked_against_the_memory_of_the_workers_device(home: Path) -
     _write(settings, "gpu0@box", free_bytes=need * 4)
     _write(settings, "gpu1@box", free_bytes=need * 2, **GPU)
     free, where = limits.free_memory(settings)
-    assert free == need * 2 and where == "the smallest of 2 workers' devices, cuda:0 of worker gpu1@box,"
+    assert free == need * 2 and where == "cuda:0 of worker gpu1@box (the smallest of 2 workers' devices)"
+    # a GPU worker's figure sizes the job as a GPU job (what it keeps on the host counted apart)
+    assert limits.sizing(settings, "fisher", spec, limits.refs_for_estimate(settings, "fisher", spec),
+                         est["params"], 0).device_is_gpu
     limits.check_memory(settings, est, spec)  # fits both
 
     _write(settings, "gpu2@box", ago_s=workers.LIVE_AFTER_S + 5, free_bytes=1, **GPU)  # gone
