@@ -85,18 +85,29 @@ def profile(settings: Any) -> dict[str, Any]:
     }
 
 
-def publish(settings: Any, name: str) -> None:
-    """Write this worker's row now (never raises: a worker that cannot write it still runs jobs;
-    the web then falls back to its own figures)."""
+def _write(settings: Any, what: str, fn: Any) -> Any:
+    """fn(storage.workers, session) in a session of the jobs database; None, logged, when it
+    fails (the device row is advice for the web, never a reason for a worker to stop)."""
     from storage import workers
     from storage.db import session_factory
 
     try:
-        fields = profile(settings)
         with session_factory(settings.db_url)() as s:
-            workers.publish(session=s, name=name, **fields)
-    except Exception:  # noqa: BLE001 - the device row is advice for the web, not the job
-        log.warning("could not write this worker's device row", exc_info=True)
+            return fn(workers, s)
+    except Exception:  # noqa: BLE001
+        log.warning("could not %s this worker's device row", what, exc_info=True)
+        return None
+
+
+def publish(settings: Any, name: str) -> None:
+    """Write this worker's row now (never raises: a worker that cannot write it still runs jobs;
+    the web then falls back to its own figures)."""
+    try:
+        fields = profile(settings)
+    except Exception:  # noqa: BLE001
+        log.warning("could not describe this worker's device", exc_info=True)
+        return
+    _write(settings, "write", lambda w, s: w.publish(session=s, name=name, **fields))
 
 
 # the reconcile beat may run every second (tests); the row is kept seen at most this often, well
@@ -109,29 +120,13 @@ def touch(settings: Any, name: str) -> None:
     """Keep the row seen (the reconcile beat); writes it whole when it is missing."""
     import time
 
-    from storage import workers
-    from storage.db import session_factory
-
     now = time.monotonic()
     if now - _touched[0] < TOUCH_EVERY_S:
         return
     _touched[0] = now
-    try:
-        with session_factory(settings.db_url)() as s:
-            found = workers.touch(session=s, name=name)
-    except Exception:  # noqa: BLE001
-        log.warning("could not refresh this worker's device row", exc_info=True)
-        return
-    if not found:
+    if _write(settings, "refresh", lambda w, s: w.touch(session=s, name=name)) is False:
         publish(settings, name)
 
 
 def remove(settings: Any, name: str) -> None:
-    from storage import workers
-    from storage.db import session_factory
-
-    try:
-        with session_factory(settings.db_url)() as s:
-            workers.remove(session=s, name=name)
-    except Exception:  # noqa: BLE001
-        log.warning("could not remove this worker's device row", exc_info=True)
+    _write(settings, "remove", lambda w, s: w.remove(session=s, name=name))
