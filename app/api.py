@@ -427,7 +427,7 @@ def _add_result_routes(r: APIRouter, settings: Any) -> None:
 
 
 def _add_model_routes(r: APIRouter, settings: Any) -> None:
-    """/models (list, register) and /health."""
+    """/models (list, register), /workers and /health."""
 
     @r.get("/models", tags=["models"], summary="Zoo, registered and trained (job:N) models")
     def list_models() -> Any:
@@ -441,6 +441,11 @@ def _add_model_routes(r: APIRouter, settings: Any) -> None:
             return register_local_model(settings, req.path, req.name)
         except SpecError as exc:
             return spec_error_response(exc)
+
+    @r.get("/workers", tags=["meta"],
+           summary="The live workers' devices, and what a queued job is checked against and priced by")
+    def list_workers() -> Any:
+        return services.workers(settings)
 
     @r.get("/health", tags=["meta"], include_in_schema=False)
     def health(request: Request) -> Any:

@@ -113,6 +113,11 @@ def calibration(settings: Any) -> tuple[float, float, str] | None:
     return None
 
 
+def calibration_text(cal: tuple[float, float, str]) -> str:
+    """Where a calibration (calibration()'s value) comes from, as an estimate states it."""
+    return _reference_text() if cal[2] == REFERENCE else f"calibrated ({cal[2]})"
+
+
 def _reference_text() -> str:
     try:
         data = json.loads(REPO_THROUGHPUT.read_text())
@@ -140,8 +145,7 @@ def seconds_of(settings: Any, token_passes: float, params: int) -> tuple[float, 
     comes from: the calibration of this machine when there is one, else cost / throughput."""
     cal = calibration(settings)
     if cal is not None:
-        where = _reference_text() if cal[2] == REFERENCE else f"calibrated ({cal[2]})"
-        return max(token_passes, 1) * (cal[0] + cal[1] * params), where
+        return max(token_passes, 1) * (cal[0] + cal[1] * params), calibration_text(cal)
     tp = throughput(settings)
     if tp is None:
         return None

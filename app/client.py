@@ -1,4 +1,4 @@
-"""What the CLI's queue commands (submit, status, jobs, cancel, rerun) call: the same functions
+"""What the CLI's queue commands (submit, status, jobs, cancel, rerun, workers) call: the same functions
 as app.services, run either
 
 * over HTTP, against a server, when `FISHERLENS_URL` is set or `fisherlens login` saved one:
@@ -189,3 +189,15 @@ def cancel(settings: Any, job_id: int) -> dict[str, Any]:
 
 def rerun(settings: Any, job_id: int) -> dict[str, Any]:
     return _job_action("rerun", job_id)
+
+
+def workers(settings: Any) -> dict[str, Any]:
+    """services.workers here (no user needed: it reads the workers table), or GET /api/workers."""
+    r = remote()
+    if r is None:
+        from app import services
+
+        return services.workers(settings)
+    status, payload = request("GET", r[0], r[1], "/api/workers")
+    _raise_for(status, payload, server=r)
+    return dict(payload)

@@ -1,4 +1,4 @@
-"""Job commands: up, worker, submit, status, jobs, cancel, rerun, db upgrade.
+"""Job commands: up, worker, submit, status, jobs, workers, cancel, rerun, db upgrade.
 
 Only `worker` and `up` (zoo build) import compute code that needs torch, inside the command.
 """
@@ -159,6 +159,42 @@ def jobs_cmd(limit: int, status: str | None, kind: str | None) -> None:
             f"{j['id']:>5}  {j['kind']:<9} {j['status']:<10} {j['progress']:>8.0%}  "
             f"{created:<19}  {(j['message'] or '')[:60]}"
         )
+
+
+@click.command("workers")
+@click.option("--json", "as_json", is_flag=True, help="Print the JSON of GET /api/workers.")
+def workers_cmd(as_json: bool) -> None:
+    """The live workers' devices, and what a queued job is checked against and priced by."""
+    from app import client as services  # HTTP with a token, or in-process (app/client.py)
+    from app.limits import size_text
+
+    out = services.workers(get_settings())
+    if as_json:
+        click.echo(json.dumps(out, indent=1))
+        return
+
+    def size(n: Any) -> str:
+        return "-" if n is None else size_text(float(n))
+
+    rows = out["workers"]
+    if rows:
+        click.echo(f"{'worker':<24} {'device':<7} {'name':<24} {'free for a job':>14} {'total':>9} "
+                   f"{'host free':>9}  {'calibration: s per token-pass':<32} seen")
+    for w in rows:
+        c = w["calibration"]
+        cal = "not measured" if c is None else \
+            f"{c['seconds_per_token_pass']:.3g} + {c['seconds_per_param_token_pass']:.3g} x params"
+        click.echo(f"{w['name'][:24]:<24} {w['device'][:7]:<7} {(w['device_name'] or '')[:24]:<24} "
+                   f"{size(w['free_bytes']):>14} {size(w['total_bytes']):>9} {size(w['host_free_bytes']):>9}  "
+                   f"{cal:<32} {w['seen_seconds_ago']:.0f} s ago")
+    click.echo(out["note"] + ".")
+    for spec, fig in out["checked_against"].items():
+        click.echo(f"a queued job on device {spec!r} is checked against: "
+                   f"{size(fig['free_bytes'])} ({fig['where']})")
+    p = out["priced_by"]
+    click.echo("estimates are priced by: " + ("THROUGHPUT (one constant)" if p is None else
+               f"{p['seconds_per_token_pass']:.3g} + {p['seconds_per_param_token_pass']:.3g} x params "
+               f"seconds per token-pass ({p['where']})"))
 
 
 @click.command("cancel")
@@ -447,6 +483,7 @@ commands: list[click.Command] = [
     submit_cmd,
     status_cmd,
     jobs_cmd,
+    workers_cmd,
     cancel_cmd,
     rerun_cmd,
     db_group,

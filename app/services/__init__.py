@@ -6,7 +6,8 @@ Every function takes `settings` (compute.contract.settings.Settings) and returns
 Modules: ``common`` (the session factory, the public form of a job), ``validation`` (what a spec
 alone cannot say: model and artifact references, layer ranges, jsonl tasks), ``compat``
 (safetensors headers: does a Fisher/mask fit the model, do two checkpoints match), ``jobs``
-(submit, list, cancel, rerun, sharing) and ``results`` (stored results and artifact downloads).
+(submit, list, cancel, rerun, sharing), ``results`` (stored results and artifact downloads) and
+``workers`` (what the live workers' devices offer a job).
 """
 
 from app.services.common import (
@@ -30,6 +31,7 @@ from app.services.jobs import (
 )
 from app.services.results import artifact_path, artifact_url, result_by_id, result_by_token
 from app.services.validation import check_spec, validate
+from app.services.workers import workers
 
 __all__ = [
     "artifact_path",
@@ -53,4 +55,5 @@ __all__ = [
     "trained_models",
     "validate",
     "without_error",
+    "workers",
 ]

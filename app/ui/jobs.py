@@ -1,5 +1,5 @@
-"""Jobs tab: the user's jobs (admins: everyone's) with live status, and open / cancel / re-run
-by id."""
+"""Jobs tab: the user's jobs (admins: everyone's) with live status, open / cancel / re-run by id,
+and the live workers' devices (what a queued job is checked against and priced by)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any
 import gradio as gr
 
 from app import services
+from app.limits import size_text
 from app.ui.snippets import esc, jobs_table_html, note_html
 from compute.jobs.registry import NAMES
 from storage.models import JOB_STATUSES
@@ -25,6 +26,8 @@ class JobsTab:
     rerun: Any
     msg: Any
     table: Any
+    workers: Any
+    workers_refresh: Any
 
 
 def build() -> JobsTab:
@@ -41,7 +44,10 @@ def build() -> JobsTab:
             rerun = gr.Button("Re-run", size="sm")
     msg = gr.HTML()
     table = gr.HTML(elem_id="fl-jobs", elem_classes=["fl-quiet"])
-    return JobsTab(kind, status, owner, job_id, open_, cancel, rerun, msg, table)
+    with gr.Accordion("Workers: where queued jobs run", open=True):
+        workers = gr.HTML(elem_id="fl-workers")
+        workers_refresh = gr.Button("Refresh workers", size="sm", elem_id="fl-workers-refresh")
+    return JobsTab(kind, status, owner, job_id, open_, cancel, rerun, msg, table, workers, workers_refresh)
 
 
 # ---------------------------------------------------------------- handlers
@@ -86,3 +92,35 @@ def job_action(settings: Any, action: str, job_id: Any) -> tuple[str, Any, Any]:
         return note_html(f"Showing job #{job_id}."), found["share_token"], gr.Tabs(selected="result")
     except (LookupError, ValueError, RuntimeError) as exc:
         return note_html(esc(exc), "error"), gr.skip(), gr.skip()
+
+
+def workers_view(settings: Any) -> str:
+    """The live workers (services.workers: GET /api/workers) as a table, then what a queued job
+    is checked against and priced by."""
+    out = services.workers(settings)
+
+    def size(n: Any) -> str:
+        return "&ndash;" if n is None else esc(size_text(float(n)))
+
+    rows = []
+    for w in out["workers"]:
+        c = w["calibration"]
+        cal = "not measured yet" if c is None else \
+            f"{c['seconds_per_token_pass']:.3g} s + {c['seconds_per_param_token_pass']:.3g} s &times; params"
+        rows.append(f"<tr data-worker='{esc(w['name'])}'><td>{esc(w['name'])}</td><td>{esc(w['device'])}</td>"
+                    f"<td>{esc(w['device_name'] or '')}</td><td>{size(w['free_bytes'])}</td>"
+                    f"<td>{size(w['total_bytes'])}</td><td>{size(w['host_free_bytes'])}</td><td>{cal}</td>"
+                    f"<td>{w['seen_seconds_ago']:.0f} s ago</td></tr>")
+    table = ("<div class='fl-scroll'><table class='fl-jobs fl-workers'><thead><tr><th>worker</th><th>device</th>"
+             "<th>name</th><th>free for a job</th><th>total</th><th>host RAM free</th>"
+             "<th>seconds per token-pass</th><th>seen</th></tr></thead><tbody>" + "".join(rows)
+             + "</tbody></table></div>") if rows else ""
+    checked = out["checked_against"]
+    lines = [f"A queued job on device <code>{esc(spec)}</code> is checked against "
+             f"<b>{size(fig['free_bytes'])}</b> ({esc(fig['where'])})." for spec, fig in checked.items()]
+    p = out["priced_by"]
+    lines.append("Estimates are priced by " + ("THROUGHPUT (one constant)." if p is None else
+                 f"{p['seconds_per_token_pass']:.3g} s + {p['seconds_per_param_token_pass']:.3g} s &times; "
+                 f"params per token-pass ({esc(p['where'])})."))
+    return table + note_html(esc(out["note"]) + ".", "warn" if not rows else "ok") + \
+        "<p class='fl-meta'>" + "<br>".join(lines) + "</p>"

@@ -61,6 +61,10 @@ class Page:
         return self.others[0]
 
     @property
+    def tab_jobs(self) -> Any:
+        return self.others[1]
+
+    @property
     def tab_tokens(self) -> Any:
         return self.others[2]
 
@@ -185,6 +189,9 @@ def _wire_tabs(settings: Any, p: Page, rt: result.ResultTab, jt: jobs.JobsTab, k
                     outputs=[jt.table, p.jobs_last], **FAST)
     for btn, action in ((jt.open, "open"), (jt.cancel, "cancel"), (jt.rerun, "rerun")):
         btn.click(bind(jobs.job_action, settings, action), inputs=jt.job_id, outputs=[jt.msg, p.view_token, p.tabs])
+
+    p.tab_jobs.select(bind(jobs.workers_view, settings), outputs=jt.workers, **FAST)
+    jt.workers_refresh.click(bind(jobs.workers_view, settings), outputs=jt.workers, **FAST)
 
     ab = [ct.a, ct.b]
     p.tab_compare.select(bind(compare.compare_choices, settings), inputs=ab, outputs=ab, **FAST)

@@ -179,6 +179,12 @@ def test_fisher_job_form_progress_heatmap_and_share_link(browser, server):
     page.click("#tab-jobs-button")
     page.wait_for_selector(f"#fl-jobs tr[data-job='{job_id}'][data-status='succeeded']")
     assert page.url.endswith("/?tab=jobs")
+    # the embedded worker that ran the job wrote its device: the workers table names it, and says
+    # what a queued job is checked against (the figure submit uses)
+    page.wait_for_selector("#fl-workers tr[data-worker]")
+    workers_text = page.inner_text("#fl-workers")
+    assert "1 live worker: queued jobs run there" in workers_text and "is checked against" in workers_text
+    assert "of worker " in workers_text
     shot(page, "jobs", docs=True, full_page=False)
     ctx.close()
 

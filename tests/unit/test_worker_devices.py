@@ -158,3 +158,70 @@ def test_a_worker_describes_its_own_device(home: Path, monkeypatch: pytest.Monke
     (row,) = ceiling.worker_devices(Settings(fisherlens_home=home, database_url=None, redis_url=None))
     assert row["name"] == "me@here" and 0 < row["free_bytes"] <= 4096 * 2**20
     assert (row["seconds_per_token_pass"], row["device"]) == (1e-5, "cpu")
+
+
+def test_the_workers_listing_says_what_a_queued_job_meets_through_api_cli_and_ui(
+        home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """GET /api/workers, `fisherlens workers` and the Jobs tab's table list the live workers (a
+    stale one left out) and state the same figures submit uses: the smallest free memory (a queued
+    job may run on any; a cpu spec on a GPU worker: its host's RAM) and the slowest calibration;
+    with no worker they say jobs wait, and this machine's memory applies."""
+    from click.testing import CliRunner
+    from fastapi.testclient import TestClient
+
+    from app import services
+    from app.cli import main
+    from app.ui.jobs import workers_view
+    from app.web import create_app
+
+    settings = _settings(home)
+    empty = services.workers(settings)
+    assert empty["workers"] == [] and empty["note"].startswith("no live worker: queued jobs wait")
+    assert empty["checked_against"]["auto"]["where"] == "cpu"  # this machine, as submit says
+    assert "reference machine's calibration" in empty["priced_by"]["where"]
+
+    _write(settings, "gpu0@box", free_bytes=60 * GB, seconds_per_token_pass=0.002,
+           seconds_per_param_token_pass=3e-12, **GPU)
+    _write(settings, "gpu1@box", free_bytes=70 * GB, seconds_per_token_pass=0.004,
+           seconds_per_param_token_pass=2e-12, **{**GPU, "host_free_bytes": 150 * GB})
+    _write(settings, "old@box", ago_s=workers.LIVE_AFTER_S + 5, free_bytes=1 * GB,
+           seconds_per_token_pass=1.0, seconds_per_param_token_pass=1e-9, **GPU)
+    out = services.workers(settings)
+    assert [w["name"] for w in out["workers"]] == ["gpu0@box", "gpu1@box"]  # old@box is stale
+    w0 = out["workers"][0]
+    assert (w0["device"], w0["free_bytes"], w0["total_bytes"]) == ("cuda:0", 60 * GB, 80 * GB)
+    assert w0["calibration"] == {"seconds_per_token_pass": 0.002, "seconds_per_param_token_pass": 3e-12}
+    assert 0 <= w0["seen_seconds_ago"] < 60
+    assert out["checked_against"]["auto"] == {
+        "free_bytes": 60 * GB, "where": "cuda:0 of worker gpu0@box (the smallest of 2 workers' devices)"}
+    assert out["checked_against"]["cpu"]["free_bytes"] == 150 * GB
+    # the slowest per parameter (3e-12 > 2e-12): gpu0, as the estimate prices it
+    assert out["priced_by"] == {"seconds_per_token_pass": 0.002, "seconds_per_param_token_pass": 3e-12,
+                                "where": "calibrated (worker gpu0@box, cuda:0)"}
+    assert out["note"].startswith("2 live workers")
+    assert limits.free_memory(settings) == (out["checked_against"]["auto"]["free_bytes"],
+                                            out["checked_against"]["auto"]["where"])
+
+    r = TestClient(create_app(settings), base_url="http://127.0.0.1").get("/api/workers")
+    assert r.status_code == 200
+    body = r.json()
+    assert [w["name"] for w in body["workers"]] == ["gpu0@box", "gpu1@box"]
+    assert body["checked_against"] == out["checked_against"] and body["priced_by"] == out["priced_by"]
+
+    monkeypatch.setenv("FISHERLENS_HOME", str(home))
+    monkeypatch.delenv("FISHERLENS_URL", raising=False)
+    monkeypatch.delenv("DATABASE_URL", raising=False)
+    res = CliRunner().invoke(main, ["workers", "--json"])
+    assert res.exit_code == 0, res.output
+    assert [w["name"] for w in json.loads(res.output)["workers"]] == ["gpu0@box", "gpu1@box"]
+    res = CliRunner().invoke(main, ["workers"])
+    assert res.exit_code == 0, res.output
+    lines = res.output.splitlines()
+    assert lines[0].split()[:2] == ["worker", "device"]
+    assert lines[1].startswith("gpu0@box") and "60 GB" in lines[1] and "80 GB" in lines[1]
+    assert "checked against: 60 GB (cuda:0 of worker gpu0@box" in res.output
+    assert "calibrated (worker gpu0@box, cuda:0)" in res.output
+
+    html = workers_view(settings)
+    assert html.count("<tr data-worker=") == 2 and "old@box" not in html
+    assert "<b>60 GB</b> (cuda:0 of worker gpu0@box" in html
