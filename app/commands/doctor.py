@@ -5,6 +5,7 @@
     FAIL  broker          redis://redis:6379/0: cannot connect (ConnectionError ...); is Redis running? check REDIS_URL
     ok    artifact store  s3://fisherlens/artifacts: write, read back and delete ok; cache ...
     ok    model roots     zoo: arith-base, ...; ALLOWED_MODEL_ROOTS: /models
+    warn  workers         no live worker: queued jobs wait until one starts (`fisherlens worker`)
 
 Exit status 1 when any check FAILs (warnings do not), so a worker's start script can run it
 first (docker-compose.yml does). No torch is imported.
@@ -128,12 +129,28 @@ def check_topology(settings: Any) -> Check:
     return "warn", ("workers on other machines cannot reach " + "; ".join(shared))
 
 
+def check_workers(settings: Any) -> Check:
+    """The live workers' devices (`fisherlens workers`): none is a warning (queued jobs wait), not
+    a failure (a worker's own start script runs doctor before it writes its row)."""
+    from app.services.workers import workers
+
+    out = workers(settings)
+    rows = out["workers"]
+    if not rows:
+        return "warn", "no live worker: queued jobs wait until one starts (`fisherlens worker`)"
+    shown = "; ".join(f"{w['name']} ({w['device']}"
+                      + (f", {float(w['free_bytes']) / 1e9:.3g} GB free" if w["free_bytes"] is not None else "")
+                      + ")" for w in rows[:4]) + (f"; and {len(rows) - 4} more" if len(rows) > 4 else "")
+    return "ok", f"{len(rows)} live: {shown}; details: `fisherlens workers`"
+
+
 CHECKS: list[tuple[str, Callable[[Any], Check]]] = [
     ("database", check_database),
     ("broker", check_broker),
     ("artifact store", check_store),
     ("model roots", check_models),
     ("deployment", check_topology),
+    ("workers", check_workers),
 ]
 
 
@@ -151,7 +168,7 @@ def run_checks(settings: Any) -> list[tuple[str, str, str]]:
 @click.command("doctor")
 def doctor_cmd() -> None:
     """Check every service the settings name (database, broker, artifact store read/write, model
-    roots): one line each; exit 1 if any fails."""
+    roots) and list the live workers: one line each; exit 1 if any fails."""
     from pydantic import ValidationError
 
     from compute.contract.settings import get_settings

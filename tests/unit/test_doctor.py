@@ -56,6 +56,20 @@ def test_embedded_default_is_healthy(home: Path) -> None:
     assert lines["model roots"][0] == "warn" and "run `fisherlens zoo build`" in lines["model roots"][1]
     assert lines["deployment"][0] == "ok" and "embedded" in lines["deployment"][1]
     assert list((home / "artifacts").iterdir()) == []  # the probe is gone
+    # no worker is a warning, not a failure: a worker's start script runs doctor first
+    assert lines["workers"] == ("warn", "no live worker: queued jobs wait until one starts (`fisherlens worker`)")
+
+    from app import ceiling
+    from storage import workers
+    from storage.db import make_engine, make_session_factory
+
+    with make_session_factory(make_engine(f"sqlite:///{home / 'fisherlens.db'}"))() as s:
+        workers.publish(session=s, name="gpu0@box", host="box", device="cuda:0", device_name="H100",
+                        free_bytes=62 * 10**9, total_bytes=80 * 10**9, torch_version="2.13.0")
+    ceiling._workers_cache.clear()
+    code, lines = _doctor()
+    assert code == 0
+    assert lines["workers"] == ("ok", "1 live: gpu0@box (cuda:0, 62 GB free); details: `fisherlens workers`")
 
 
 def test_scale_out_settings_all_pass(home: Path, s3: MotoS3, monkeypatch) -> None:
