@@ -11,7 +11,9 @@ On the same sampled rows (sampled on-policy from each model, seed 0), per model:
   opacus, vmap(grad)   peers, only with --methods (slow on the larger models)
 
 Timing: one warm-up of every method, then --repeats rounds; each round runs every method once,
-in an order rotated every round (so drifting load on a shared machine hits all methods alike).
+in an order rotated every round (so drifting load on a shared machine hits all methods alike),
+each call after the free memory of the calls before it went back to the system (glibc's
+malloc_trim, untimed: a job starts after its predecessor's trim).
 Reported per method: median, quartiles and range of the times, and the median (with quartiles)
 of the per-round ratio to the floor measured in the same round (`x floor`; `token` is compared
 with `token-floor`).
@@ -49,6 +51,7 @@ sys.path.insert(0, str(ROOT))
 
 from compute.fisher import expand_tokens, fisher_from_samples, trainable_parameters  # noqa: E402
 from compute.lm.sampling import position_ids_from_mask, sample_completions  # noqa: E402
+from compute.runtime.memory import release_freed_memory  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peakmem import rss_peak_of  # noqa: E402
@@ -255,6 +258,11 @@ def time_methods(names, model, data, device, repeats):
     for r in range(repeats):
         order = ok[r % len(ok):] + ok[: r % len(ok)]
         for name in order:
+            # each call starts from a heap whose free memory was handed back, as a job starts
+            # after the one before it (its runner trims at its end): otherwise the next method's
+            # own trim gives back what the one before kept (1.2 GB after `token`, 75 ms of
+            # malloc_trim charged to `sequence`; 7 ms for its own 110 MB; session 22)
+            release_freed_memory()
             _sync(device)
             t0 = time.perf_counter()
             METHODS[name](model, data)
