@@ -50,7 +50,14 @@ def workers(settings: Any) -> dict[str, Any]:
     cal = calibration(settings)
     priced = None if cal is None else {"seconds_per_token_pass": cal[0], "seconds_per_param_token_pass": cal[1],
                                        "where": calibration_text(cal)}
-    if len(rows) == 1:
+    kinds = sorted({str(w["device"]).split(":")[0] for w in rows})
+    if len(kinds) > 1:  # a CPU worker beside GPU ones sizes every queued job for the CPU
+        small = min((w for w in rows if w["free_bytes"] is not None), key=lambda w: w["free_bytes"], default=None)
+        note = (f"{len(rows)} live workers on different kinds of device ({', '.join(kinds)}): a queued job may "
+                "run on any, so it is checked against the smallest free memory"
+                + (f" (worker {small['name']}, {small['device']})" if small else "")
+                + " and priced at the slowest calibration; stop the workers a job should not land on")
+    elif len(rows) == 1:
         note = ("1 live worker: queued jobs run there, so a job is checked against its free memory and priced "
                 "at its calibration")
     elif rows:

@@ -225,3 +225,12 @@ def test_the_workers_listing_says_what_a_queued_job_meets_through_api_cli_and_ui
     html = workers_view(settings)
     assert html.count("<tr data-worker=") == 2 and "old@box" not in html
     assert "<b>60 GB</b> (cuda:0 of worker gpu0@box" in html
+
+    # a CPU worker beside the GPU ones: every queued job is sized for it, and the listing says so
+    _write(settings, "cpu@web", free_bytes=20 * GB, seconds_per_token_pass=None, seconds_per_param_token_pass=None,
+           host="web", device="cpu", device_name="x86_64", total_bytes=32 * GB, host_free_bytes=None,
+           torch_version="2.13.0")
+    out = services.workers(settings)
+    assert out["checked_against"]["auto"]["where"].startswith("cpu of worker cpu@web")
+    assert out["note"].startswith("3 live workers on different kinds of device (cpu, cuda)")
+    assert "(worker cpu@web, cpu)" in out["note"] and "stop the workers a job should not land on" in out["note"]
