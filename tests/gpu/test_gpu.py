@@ -204,3 +204,38 @@ def test_bound_check_in_groups_on_device(device):
         print(f"device peak: one group {peaks[0] / 2**20:.1f} MiB, per parameter {peaks[1] / 2**20:.1f} MiB "
               f"({n:,} coordinates, largest {largest:,})")
         assert peaks[1] < peaks[0] - 8 * (n - 2 * largest)  # the sums of all but the largest group gone
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_gpu_workers_row_offers_its_cuda_device_and_the_hosts_ram(tmp_path, monkeypatch):
+    """compute/worker/device.py on a GPU machine (the CPU branch is tests/unit/test_worker_devices.py):
+    a worker on `auto` writes cuda:N with the device's name and total memory, free memory within
+    what CUDA reports free and within its MAX_JOB_MEMORY_MB, and the host's RAM beside it; the web
+    then checks a job on `auto` against the GPU figure and a `cpu` job against the host's."""
+    from app import ceiling, limits
+    from compute.contract.settings import Settings
+    from compute.worker import device
+    from storage.db import upgrade
+
+    upgrade(f"sqlite:///{tmp_path / 'fisherlens.db'}")
+    monkeypatch.setenv("MAX_JOB_MEMORY_MB", "4096")
+    capped = Settings(fisherlens_home=tmp_path, database_url=None, redis_url=None)
+    row = device.profile(capped)
+    index = torch.cuda.current_device()
+    free, total = torch.cuda.mem_get_info(index)
+    assert row["device"] == f"cuda:{index}"
+    assert row["device_name"] == torch.cuda.get_device_properties(index).name
+    assert row["total_bytes"] == total
+    assert 0 < row["free_bytes"] <= min(free, 4096 * 2**20)
+    assert row["host_free_bytes"] is not None and row["host_free_bytes"] > 0
+
+    monkeypatch.delenv("MAX_JOB_MEMORY_MB")
+    settings = Settings(fisherlens_home=tmp_path, database_url=None, redis_url=None)
+    device.publish(settings, "gpu@test")
+    ceiling._workers_cache.clear()
+    got, where = limits.free_memory(settings, "auto")
+    assert where == f"cuda:{index} of worker gpu@test" and 0 < got <= free
+    got_cpu, where_cpu = limits.free_memory(settings, "cpu")
+    assert where_cpu == "cpu of worker gpu@test" and got_cpu > 0
+    device.remove(settings, "gpu@test")
