@@ -95,6 +95,19 @@ def test_the_saved_token_goes_only_to_the_saved_server(servers, tmp_path: Path,
     monkeypatch.setenv("FISHERLENS_URL", app.url + "/")
     res = _cli("jobs")
     assert res.exit_code == 0 and "fisher" in res.output, res.output
+    # the server's workers, not this machine's (its home has no database): GET /api/workers
+    from app import ceiling, services
+    from storage import workers
+
+    with services.sessions(app.settings)() as s:
+        workers.publish(session=s, name="gpu0@remote", host="remote", device="cuda:0", device_name="H100",
+                        free_bytes=62 * 10**9, total_bytes=80 * 10**9, torch_version="2.13.0")
+    ceiling._workers_cache.clear()
+    res = _cli("workers", "--json")
+    assert res.exit_code == 0, res.output
+    assert [w["name"] for w in json.loads(res.output)["workers"]] == ["gpu0@remote"]
+    with services.sessions(app.settings)() as s:
+        workers.remove(session=s, name="gpu0@remote")
 
     # another server named by FISHERLENS_URL: it is sent no token at all
     monkeypatch.setenv("FISHERLENS_URL", other.url)
