@@ -607,7 +607,7 @@ def _linear(acc: Accumulator, call: Call) -> None:
             continue
         if not acc.store.needs(name):
             continue
-        pos = ps.single_positions(gf)
+        pos, spans = ps.positions(gf)
         touched = None
         if acc.shared(name) and acc.tied_head(name):
             touched = _tied_head_use(acc, name, xf, gf)
@@ -625,7 +625,8 @@ def _linear(acc: Accumulator, call: Call) -> None:
         values = min(BLOCK_VALUES, int(acc.budget * BLOCK_BUDGET_SHARE) // (4 * max(1, len(acc.selections))))
         per_block = max(1, values // max(1, width))
         if not acc.store.compact or per_block >= rows_out:
-            parts = [(k, ps.linear_square_sum(x=_pick(xf, sel), g=_pick(gf, sel), conv1d=conv, pos=_pick(pos, sel)))
+            parts = [(k, ps.linear_square_sum(x=_pick(xf, sel), g=_pick(gf, sel), conv1d=conv, pos=_pick(pos, sel),
+                                              spans=_pick(spans, sel)))
                      for k, sel in acc.selections]
             if touched is not None:  # those rows come whole with the lookup's part
                 for _, sq in parts:
@@ -640,7 +641,8 @@ def _linear(acc: Accumulator, call: Call) -> None:
             for k, sel in acc.selections:
                 xs, gs = _pick(xf, sel), _pick(gf, sel)
                 xs, gs = (xs[..., blk], gs) if conv else (xs, gs[..., blk])
-                parts.append((k, ps.linear_square_sum(x=xs, g=gs, conv1d=conv, pos=_pick(pos, sel))))
+                parts.append((k, ps.linear_square_sum(x=xs, g=gs, conv1d=conv, pos=_pick(pos, sel),
+                                                      spans=_pick(spans, sel))))
             if touched is not None:
                 inside = touched[(touched >= blk.start) & (touched < blk.stop)] - blk.start
                 for _, sq in parts:

@@ -73,6 +73,40 @@ def test_rank1_rows():
     assert ps.single_positions(G) is None  # row 0 has two non-zero positions
 
 
+@pytest.mark.parametrize("conv1d", [False, True])
+def test_square_sum_over_each_rows_span_of_non_zero_positions(conv1d, monkeypatch):
+    """A gradient zero at each row's first and last positions (the output head over a prompt,
+    padding after): `positions` gives each row's span of non-zero positions ([first, last + 1),
+    a row with none empty), and the square sum over the spans equals the brute-force sum over
+    all positions, in every block size; NaN counts as non-zero; nothing to skip: no spans."""
+    monkeypatch.setattr(ps, "SMALL_BATCHED", 0)
+    g = torch.Generator().manual_seed(7)
+    B, T = 6, 10
+    x, gr = torch.randn(B, T, 11, generator=g, dtype=F64), torch.randn(B, T, 17, generator=g, dtype=F64)
+    starts, ends = [2, 5, 3, 9, 0, 4], [10, 9, 6, 10, 10, 4]  # row 5: no non-zero position
+    for n in range(B):
+        gr[n, :starts[n]] = 0
+        gr[n, ends[n]:] = 0
+    gr[0, 3, :16] = 0  # a position zero but for one value is not zero
+    want = sum(torch.einsum("to,ti->oi", gr[n], x[n]) ** 2 for n in range(B))
+    single, spans = ps.positions(gr)
+    assert single is None and spans is not None
+    assert spans.tolist() == [[2, 10], [5, 9], [3, 6], [9, 10], [0, 10], [10, 10]]
+    if conv1d:  # a Conv1D's weight is (in, out): the same sum, transposed
+        want = want.T
+    for rows_per_block in (1, 5, 1000):
+        monkeypatch.setattr(ps, "CPU_BLOCK_BYTES", rows_per_block * 17 * 8)
+        assert_close(ps.linear_square_sum(x=x, g=gr, conv1d=conv1d, spans=spans), want)
+        assert_close(ps.linear_square_sum(x=x, g=gr, conv1d=conv1d), want)
+    none = torch.zeros(2, 3, 4, dtype=F64)
+    assert_close(ps.linear_square_sum(x=torch.ones(2, 3, 5, dtype=F64), g=none,
+                                      spans=torch.tensor([[3, 3], [3, 3]])), torch.zeros(4, 5, dtype=F64))
+    gr[1, 0, 0] = float("nan")  # row 1 now reaches position 0
+    assert ps.positions(gr)[1].tolist()[1] == [0, 9]
+    full = torch.randn(B, T, 17, generator=g, dtype=F64)
+    assert ps.positions(full) == (None, None)  # row 0 non-zero at both ends: one scan, no spans
+
+
 def test_embedding_row_grads_scaled_and_padding():
     ids = torch.tensor([[1, 2, 1]])
     g = t([[[1, 0], [0, 1], [2, 3]]])  # (1, 3, d=2)
