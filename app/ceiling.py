@@ -132,12 +132,10 @@ def _reference_text() -> str:
 
 @functools.lru_cache(maxsize=8)
 def _read_calibration(path: str, mtime: float) -> tuple[float, float] | None:
-    try:
-        data = json.loads(Path(path).read_text())
-        a, b = float(data["seconds_per_token_pass"]), float(data["seconds_per_param_token_pass"])
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None
-    return (a, b) if a >= 0 and b > 0 else None
+    from compute.contract.cost import read_calibration
+
+    got = read_calibration(path)
+    return None if got is None else (got[0], got[1])
 
 
 def seconds_of(settings: Any, token_passes: float, params: int) -> tuple[float, str] | None:

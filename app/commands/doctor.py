@@ -132,6 +132,7 @@ def check_topology(settings: Any) -> Check:
 def check_workers(settings: Any) -> Check:
     """The live workers' devices (`fisherlens workers`): none is a warning (queued jobs wait), not
     a failure (a worker's own start script runs doctor before it writes its row)."""
+    from app.limits import size_text
     from app.services.workers import workers
 
     out = workers(settings)
@@ -139,7 +140,7 @@ def check_workers(settings: Any) -> Check:
     if not rows:
         return "warn", "no live worker: queued jobs wait until one starts (`fisherlens worker`)"
     shown = "; ".join(f"{w['name']} ({w['device']}"
-                      + (f", {float(w['free_bytes']) / 1e9:.3g} GB free" if w["free_bytes"] is not None else "")
+                      + (f", {size_text(float(w['free_bytes']))} free" if w["free_bytes"] is not None else "")
                       + ")" for w in rows[:4]) + (f"; and {len(rows) - 4} more" if len(rows) > 4 else "")
     return "ok", f"{len(rows)} live: {shown}; details: `fisherlens workers`"
 

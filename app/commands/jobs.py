@@ -167,6 +167,7 @@ def workers_cmd(as_json: bool) -> None:
     """The live workers' devices, and what a queued job is checked against and priced by."""
     from app import client as services  # HTTP with a token, or in-process (app/client.py)
     from app.limits import size_text
+    from app.services.workers import rate_text
 
     out = services.workers(get_settings())
     if as_json:
@@ -179,11 +180,9 @@ def workers_cmd(as_json: bool) -> None:
     rows = out["workers"]
     if rows:
         click.echo(f"{'worker':<24} {'device':<7} {'name':<24} {'free for a job':>14} {'total':>9} "
-                   f"{'host free':>9}  {'calibration: s per token-pass':<32} seen")
+                   f"{'host free':>9}  {'calibration (per token-pass)':<32} seen")
     for w in rows:
-        c = w["calibration"]
-        cal = "not measured" if c is None else \
-            f"{c['seconds_per_token_pass']:.3g} + {c['seconds_per_param_token_pass']:.3g} x params"
+        cal = rate_text(w["calibration"]).removesuffix(" per token-pass")
         click.echo(f"{w['name'][:24]:<24} {w['device'][:7]:<7} {(w['device_name'] or '')[:24]:<24} "
                    f"{size(w['free_bytes']):>14} {size(w['total_bytes']):>9} {size(w['host_free_bytes']):>9}  "
                    f"{cal:<32} {w['seen_seconds_ago']:.0f} s ago")
@@ -193,8 +192,7 @@ def workers_cmd(as_json: bool) -> None:
                    f"{size(fig['free_bytes'])} ({fig['where']})")
     p = out["priced_by"]
     click.echo("estimates are priced by: " + ("THROUGHPUT (one constant)" if p is None else
-               f"{p['seconds_per_token_pass']:.3g} + {p['seconds_per_param_token_pass']:.3g} x params "
-               f"seconds per token-pass ({p['where']})"))
+               f"{rate_text(p)} ({p['where']})"))
 
 
 @click.command("cancel")

@@ -18,6 +18,14 @@ def _iso(t: datetime | None) -> str | None:
     return (t if t.tzinfo else t.replace(tzinfo=UTC)).isoformat()
 
 
+def rate_text(cal: dict[str, Any] | None) -> str:
+    """A calibration of the listing ("calibration" of a worker, "priced_by") as a person reads it:
+    "1.01e-05 s + 2.24e-11 s x params per token-pass"."""
+    if cal is None:
+        return "not measured yet"
+    return f"{cal['seconds_per_token_pass']:.3g} s + {cal['seconds_per_param_token_pass']:.3g} s x params per token-pass"
+
+
 def workers(settings: Any) -> dict[str, Any]:
     """{"workers": [one dict per live worker, by name], "checked_against": {"auto", "cpu"}: the
     free memory a queued job on that device spec is checked against and where the figure comes

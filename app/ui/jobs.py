@@ -10,6 +10,7 @@ import gradio as gr
 
 from app import services
 from app.limits import size_text
+from app.services.workers import rate_text
 from app.ui.snippets import esc, jobs_table_html, note_html
 from compute.jobs.registry import NAMES
 from storage.models import JOB_STATUSES
@@ -104,9 +105,7 @@ def workers_view(settings: Any) -> str:
 
     rows = []
     for w in out["workers"]:
-        c = w["calibration"]
-        cal = "not measured yet" if c is None else \
-            f"{c['seconds_per_token_pass']:.3g} s + {c['seconds_per_param_token_pass']:.3g} s &times; params"
+        cal = esc(rate_text(w["calibration"]).removesuffix(" per token-pass"))
         rows.append(f"<tr data-worker='{esc(w['name'])}'><td>{esc(w['name'])}</td><td>{esc(w['device'])}</td>"
                     f"<td>{esc(w['device_name'] or '')}</td><td>{size(w['free_bytes'])}</td>"
                     f"<td>{size(w['total_bytes'])}</td><td>{size(w['host_free_bytes'])}</td><td>{cal}</td>"
@@ -120,7 +119,6 @@ def workers_view(settings: Any) -> str:
              f"<b>{size(fig['free_bytes'])}</b> ({esc(fig['where'])})." for spec, fig in checked.items()]
     p = out["priced_by"]
     lines.append("Estimates are priced by " + ("THROUGHPUT (one constant)." if p is None else
-                 f"{p['seconds_per_token_pass']:.3g} s + {p['seconds_per_param_token_pass']:.3g} s &times; "
-                 f"params per token-pass ({esc(p['where'])})."))
+                 f"{esc(rate_text(p))} ({esc(p['where'])})."))
     return table + note_html(esc(out["note"]) + ".", "warn" if not rows else "ok") + \
         "<p class='fl-meta'>" + "<br>".join(lines) + "</p>"

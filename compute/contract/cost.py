@@ -15,11 +15,27 @@ Pure: no imports beyond the standard library (the web process estimates with it)
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 COST_PROMPT_TOKENS = 64
+
+
+def read_calibration(path: str | Path) -> tuple[float, float, str] | None:
+    """(a, b, device it was measured on) of a calibration file (`fisherlens calibrate` writes it,
+    compute/lm/calibrate.py: seconds = token-passes x (a + b x params)), or None when the file is
+    missing, unreadable, without both numbers or with a < 0 or b <= 0. The one reader: the web's
+    estimate (app/ceiling.py) and a worker deciding whether to calibrate (compute/worker/device.py)."""
+    try:
+        data = json.loads(Path(path).read_text())
+        a, b = float(data["seconds_per_token_pass"]), float(data["seconds_per_param_token_pass"])
+        device = str(data.get("device", ""))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+    return (a, b, device) if a >= 0 and b > 0 else None
 
 
 def fisher_passes(prompts: int, samples: int, max_new_tokens: int, estimator: str = "sequence",

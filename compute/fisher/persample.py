@@ -92,7 +92,7 @@ def nonzero_positions(g: torch.Tensor) -> torch.Tensor:
 def positions(g: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(single, spans) for a linear's output gradient g (B, T, out):
 
-    single: (B,) the one position where each row's g is non-zero (`single_positions`), or None
+    single: (B,) the one position where each row's g is non-zero, or None
     when some row has several (rows with none get position 0: their gradient is zero anyway);
     spans: (B, 2) [first, last + 1) of each row's non-zero positions (a row with none: an empty
     span), when skipping the zero positions at the rows' ends leaves at most SPAN_KEEP_MAX of the
@@ -105,7 +105,7 @@ def positions(g: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None
     one = int(nz0.sum()) <= 1
     if not one and bool(nz0[0]) and bool(nz0[-1]):  # the usual case: nothing to skip
         return None, None
-    nz = nonzero_positions(g)  # (B, T)
+    nz = torch.cat([nz0[None], nonzero_positions(g[1:])])  # (B, T): row 0's scan is done
     if one and not bool((nz.sum(1) > 1).any()):
         return nz.to(torch.uint8).argmax(1), None
     ar = torch.arange(T, device=g.device)
@@ -113,12 +113,6 @@ def positions(g: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor | None
     last = torch.maximum(torch.where(nz, ar, -1).amax(1) + 1, first)  # a row with none: (T, T)
     spans = torch.stack([first, last], 1)
     return None, (spans if int((last - first).sum()) <= SPAN_KEEP_MAX * B * T else None)
-
-
-def single_positions(g: torch.Tensor) -> torch.Tensor | None:
-    """(B,) the one position where each row's output gradient g (B, T, out) is non-zero, or None
-    when some row has several (rows with none get position 0: their gradient is zero anyway)."""
-    return positions(g)[0]
 
 
 def _at(x: torch.Tensor, g: torch.Tensor, pos: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
@@ -134,7 +128,7 @@ def linear_row_grads(*, x: torch.Tensor, g: torch.Tensor, conv1d: bool = False,
                      ) -> torch.Tensor:
     """Per-row weight gradients (B, out, in) (Conv1D: (B, in, out)); x (B, T, in), g (B, T, out).
 
-    pos: the rows' single non-zero positions (`single_positions`), or None. out: add into this
+    pos: the rows' single non-zero positions (`positions`), or None. out: add into this
     (B, ...) tensor in place (a shared parameter's per-row buffer) instead of a new one."""
     x, g = _at(x, g, pos)
     a, b = (g.transpose(1, 2), x) if not conv1d else (x.transpose(1, 2), g)

@@ -13,7 +13,6 @@ before they start, and `fisherlens up` in the background); none otherwise.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import platform
@@ -24,16 +23,12 @@ log = logging.getLogger("fisherlens.worker")
 
 def _calibration(settings: Any, device_type: str) -> tuple[float | None, float | None]:
     """(a, b) of the home's throughput.json when it was measured on a `device_type` device."""
-    path = settings.home / "throughput.json"
-    try:
-        data = json.loads(path.read_text())
-        a, b = float(data["seconds_per_token_pass"]), float(data["seconds_per_param_token_pass"])
-        measured_on = str(data.get("device", "")).split(":")[0]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    from compute.contract.cost import read_calibration
+
+    got = read_calibration(settings.home / "throughput.json")
+    if got is None or got[2].split(":")[0] != device_type:
         return None, None
-    if measured_on != device_type or a < 0 or b <= 0:
-        return None, None
-    return a, b
+    return got[0], got[1]
 
 
 def ensure_calibration(settings: Any) -> None:

@@ -62,7 +62,7 @@ def test_linear_square_sum_in_cpu_blocks_of_output_rows(rows_per_block, monkeypa
 
 def test_rank1_rows():
     g = t([[[0, 0], [2, -1]], [[1, 1], [0, 0]]])  # row 0 non-zero at t=1 only, row 1 at t=0
-    pos = ps.single_positions(g)
+    pos = ps.positions(g)[0]
     assert pos is not None and pos.tolist() == [1, 0]
     # G_0 = [2, -1]^T [0, 1, 0], G_1 = [1, 1]^T [2, 0, 0]
     want = t([[0, 4, 0], [0, 1, 0]]) + t([[4, 0, 0], [4, 0, 0]])
@@ -70,7 +70,7 @@ def test_rank1_rows():
     assert_close(ps.linear_square_sum(x=X, g=g, pos=pos), want)
     assert_close(ps.linear_square_sum(x=X, g=g), want)  # the general path agrees
     assert_close(ps.linear_row_grads(x=X, g=g, pos=pos), ps.linear_row_grads(x=X, g=g))
-    assert ps.single_positions(G) is None  # row 0 has two non-zero positions
+    assert ps.positions(G)[0] is None  # row 0 has two non-zero positions
 
 
 @pytest.mark.parametrize("conv1d", [False, True])
