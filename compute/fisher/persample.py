@@ -67,19 +67,20 @@ def square_sum(grads: torch.Tensor, *, in_place: bool = False) -> torch.Tensor:
 
 # values of |g| per slice when looking for a gradient's non-zero positions (nonzero_positions)
 SPAN_CHUNK = 1 << 20
-# a linear weight's per-row products skip each row's zero positions at either end (row_spans)
+# a linear weight's per-row products skip each row's zero positions at either end (positions)
 # when that leaves at most this share of the batch's positions: the output head and the
 # position-wise modules after the last attention have a zero gradient at every prompt position
 # (and every module at padding). Measured on the head's shape (16 rows x 20 positions, 8,192 x
-# 384, 35% of the positions zero): its square sum 32.6 -> 25.1 ms; at small K a per-row product's
-# time is mostly its output, so a few positions less saves little (session 22).
+# 384, 35% of the positions zero; a one-off timing, not committed): its square sum 32.6 -> 25.1 ms;
+# at small K a per-row product's time is mostly its output, so a few positions less saves little.
+# The whole pass: benchmarks/ab_session22.py (session 22).
 SPAN_KEEP_MAX = 0.85
 
 
 def nonzero_positions(g: torch.Tensor) -> torch.Tensor:
     """(..., T) whether each position of g (..., T, out) holds a non-zero value (NaN counts as
     non-zero): |g|'s maximum over the last dim, a slice of positions at a time (temporaries of at
-    most SPAN_CHUNK values; 10x faster than vector_norm(ord=inf) on a CPU, measured on the head's
+    most SPAN_CHUNK values; 10x faster than vector_norm(ord=inf) on a CPU, a one-off timing on the head's
     gradient: 0.73 against 6.9 ms)."""
     flat = g.reshape(-1, g.shape[-1])
     out = torch.empty(flat.shape[0], dtype=torch.bool, device=g.device)

@@ -565,9 +565,10 @@ JACCARD_Z = 7.0
 JACCARD_BAND_MAX = 1 << 22
 # The one pass keeps small pieces of every slice (the bands) while the slices' temporaries come
 # and go: glibc's heap grew around them by 434-1,094 MiB at 360M, above the passes' peak (session
-# 22). Freed memory goes back to the system every TRIM_EVERY slices: the phase then stays under the
-# passes' high-water (two runs at 360M), for 10% of its time (0.38 -> 0.42 s at 100M values,
-# alternating, 6 rounds).
+# 22). Freed memory goes back to the system every TRIM_EVERY slices: the phase then stayed under the
+# passes' high-water (two one-off runs at 360M, RSS read at each progress step; the job's peak:
+# benchmarks/results/bench_scale_360m_session22.json), for 10% of its time (0.38 -> 0.42 s at
+# 100M values: benchmarks/ab_session22.py).
 TRIM_EVERY = 32
 _INT32_MAX = 2**31 - 1
 
